@@ -1,0 +1,57 @@
+//! Making sure the pin directory is on a BPF filesystem.
+//!
+//! `ip netns exec` gives its command a private view of `/sys` in which no bpffs is
+//! mounted, so an agent started that way mounts one itself. Note that a bpffs
+//! mounted inside such a private mount namespace, and every pin in it, goes away
+//! with the namespace; the test bed therefore mounts each node's bpffs in the root
+//! mount namespace and passes its path as `--pin-dir`.
+
+use std::path::Path;
+
+use anyhow::{Context, Result};
+use nix::{
+    mount::{MsFlags, mount},
+    sys::statfs::statfs,
+};
+
+/// `BPF_FS_MAGIC` from `include/uapi/linux/magic.h`.
+const BPF_FS_MAGIC: i64 = 0xcafe_4a11;
+
+fn is_bpffs(path: &Path) -> bool {
+    statfs(path).is_ok_and(|s| s.filesystem_type().0 as i64 == BPF_FS_MAGIC)
+}
+
+/// Ensures `pin_dir` exists on a bpffs: if its nearest existing ancestor is not on
+/// one, a bpffs is mounted at `/sys/fs/bpf` (when `pin_dir` is below it) or at
+/// `pin_dir` itself.
+///
+/// # Errors
+/// When the directory cannot be created or the mount fails (needs
+/// `CAP_SYS_ADMIN`).
+pub fn ensure(pin_dir: &Path) -> Result<()> {
+    let existing = pin_dir
+        .ancestors()
+        .find(|p| p.exists())
+        .unwrap_or(Path::new("/"));
+    if !is_bpffs(existing) {
+        let sys_fs_bpf = Path::new("/sys/fs/bpf");
+        let target = if pin_dir.starts_with(sys_fs_bpf) && sys_fs_bpf.is_dir() {
+            sys_fs_bpf
+        } else {
+            std::fs::create_dir_all(pin_dir)
+                .with_context(|| format!("creating {}", pin_dir.display()))?;
+            pin_dir
+        };
+        mount(
+            Some("bpf"),
+            target,
+            Some("bpf"),
+            MsFlags::MS_NOSUID | MsFlags::MS_NODEV | MsFlags::MS_NOEXEC,
+            Some("mode=0700"),
+        )
+        .with_context(|| format!("mounting a bpffs at {}", target.display()))?;
+        tracing::info!(path = %target.display(), "mounted a bpffs");
+    }
+    std::fs::create_dir_all(pin_dir).with_context(|| format!("creating {}", pin_dir.display()))?;
+    Ok(())
+}

@@ -1,0 +1,453 @@
+//! The kernel side: loading the TC programs, pinning their maps and links, attaching
+//! them to the host veths of enrolled pods, and writing the maps.
+//!
+//! Pins (under the pin directory, default `/sys/fs/bpf/podlink`):
+//! * `<map>` for each map in [`podlink_common::MAP_NAMES`], readable with
+//!   `bpftool map dump pinned <pin-dir>/<map>` (field names from BTF);
+//! * `links/<ifindex>_<program>` for each TCX link, so that capture outlives the
+//!   agent: while no proxy listens, enrolled pods' new connections are dropped
+//!   (fail closed), never sent in plain text.
+//!
+//! A new agent on the same pins reuses the maps and moves each pinned link to its
+//! freshly loaded program with `BPF_LINK_UPDATE` (atomic: no packet sees no
+//! program).
+//!
+//! TCX links need kernel 6.6; below it, the programs are attached as netlink
+//! `cls_bpf` filters on a `clsact` qdisc (added if missing, never deleted), which
+//! are not pinned and detach when the agent exits.
+
+mod bpffs;
+pub mod net;
+
+use std::{
+    collections::HashMap,
+    fs,
+    net::Ipv4Addr,
+    path::{Path, PathBuf},
+};
+
+use anyhow::{Context, Result, anyhow, bail};
+use aya::{
+    Ebpf, EbpfLoader,
+    maps::{
+        Array, HashMap as BpfHashMap, LpmTrie, MapData, PerCpuHashMap, PerCpuValues, lpm_trie::Key,
+    },
+    programs::{
+        LinkOrder, SchedClassifier, TcAttachType,
+        links::{FdLink, PinnedLink},
+        tc::{self, SchedClassifierLink, TcAttachOptions},
+    },
+    util::KernelVersion,
+};
+use podlink_common::{
+    CidrKey, Config, MAP_CONFIG, MAP_COUNTERS, MAP_EXCLUDED_CIDRS, MAP_EXCLUDED_PORTS, MAP_NAMES,
+    MAP_PODS, MAX_NODE_ADDRS, POD_ENROLLED, POD_HAS_IPV4, PROG_FROM_POD, PROG_TO_POD, PodCounters,
+    PodInfo, ipv4_mapped,
+};
+
+/// The eBPF object built by `cargo xtask build-ebpf`, embedded at build time.
+static EBPF_OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/podlink-ebpf"));
+
+/// Directory under the pin directory that holds link pins.
+const LINKS_DIR: &str = "links";
+
+/// What the dataplane is configured with at start.
+#[derive(Clone, Debug)]
+pub struct DataplaneConfig {
+    pub pin_dir: PathBuf,
+    pub config: Config,
+    /// Destination prefixes that bypass capture.
+    pub excluded_cidrs: Vec<ipnet::Ipv4Net>,
+    /// Destination ports that bypass capture.
+    pub excluded_ports: Vec<u16>,
+}
+
+/// A pod the dataplane should capture.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct CapturedPod {
+    /// `namespace/name`, for logs.
+    pub workload: String,
+    pub workload_id: u32,
+    pub ipv4: Ipv4Addr,
+    /// The host veth.
+    pub ifname: String,
+    pub ifindex: u32,
+}
+
+impl CapturedPod {
+    fn info(&self) -> PodInfo {
+        PodInfo {
+            ipv4: ipv4_mapped(self.ipv4.octets()),
+            ipv6: [0; 16],
+            flags: POD_ENROLLED | POD_HAS_IPV4,
+            workload_id: self.workload_id,
+        }
+    }
+}
+
+enum Link {
+    /// A TCX link, pinned at the path.
+    Pinned { path: PathBuf, _fd: FdLink },
+    /// A netlink cls_bpf filter (kernels before 6.6).
+    Netlink(#[allow(dead_code)] SchedClassifierLink),
+}
+
+struct Attachment {
+    pod: CapturedPod,
+    links: Vec<Link>,
+}
+
+/// The loaded programs, their maps and the current attachments.
+pub struct Dataplane {
+    ebpf: Ebpf,
+    pin_dir: PathBuf,
+    config: Config,
+    pods: BpfHashMap<MapData, u32, PodInfo>,
+    counters: PerCpuHashMap<MapData, u32, PodCounters>,
+    config_map: Array<MapData, Config>,
+    attached: HashMap<u32, Attachment>,
+    /// Pinned links of a previous agent, moved to this agent's programs, not yet
+    /// claimed by a pod.
+    adopted: HashMap<(u32, &'static str), (PathBuf, FdLink)>,
+    tcx: bool,
+}
+
+fn link_pin_name(ifindex: u32, program: &str) -> String {
+    format!("{ifindex}_{program}")
+}
+
+fn parse_link_pin_name(name: &str) -> Option<(u32, &'static str)> {
+    let (ifindex, program) = name.split_once('_')?;
+    let program = [PROG_FROM_POD, PROG_TO_POD]
+        .into_iter()
+        .find(|p| *p == program)?;
+    Some((ifindex.parse().ok()?, program))
+}
+
+impl Dataplane {
+    /// Loads the programs (reusing pinned maps), writes the config map and adopts the
+    /// pinned links of a previous agent.
+    ///
+    /// # Errors
+    /// When the pin directory cannot be put on a bpffs, the object was not embedded,
+    /// or the kernel refuses the programs or maps.
+    pub fn load(cfg: &DataplaneConfig) -> Result<Self> {
+        if EBPF_OBJECT.is_empty() {
+            bail!(
+                "this podlink binary was built without its eBPF object; build it with `cargo xtask build`"
+            );
+        }
+        bpffs::ensure(&cfg.pin_dir)?;
+        fs::create_dir_all(cfg.pin_dir.join(LINKS_DIR))
+            .with_context(|| format!("creating {}", cfg.pin_dir.join(LINKS_DIR).display()))?;
+        let mut loader = EbpfLoader::new();
+        let pin_paths: Vec<(&str, PathBuf)> = MAP_NAMES
+            .iter()
+            .map(|name| (*name, cfg.pin_dir.join(name)))
+            .collect();
+        for (name, path) in &pin_paths {
+            loader.map_pin_path(name, path.as_path());
+        }
+        let mut ebpf = loader
+            .load(EBPF_OBJECT)
+            .context("loading the eBPF object (maps pinned under the pin directory)")?;
+        for name in [PROG_FROM_POD, PROG_TO_POD] {
+            let program: &mut SchedClassifier = ebpf
+                .program_mut(name)
+                .ok_or_else(|| anyhow!("program {name} missing from the object"))?
+                .try_into()?;
+            program
+                .load()
+                .with_context(|| format!("loading program {name}"))?;
+        }
+        let take = |ebpf: &mut Ebpf, name: &str| {
+            ebpf.take_map(name)
+                .ok_or_else(|| anyhow!("map {name} missing from the object"))
+        };
+        let pods = BpfHashMap::try_from(take(&mut ebpf, MAP_PODS)?)?;
+        let counters = PerCpuHashMap::try_from(take(&mut ebpf, MAP_COUNTERS)?)?;
+        let mut config_map: Array<MapData, Config> = Array::try_from(take(&mut ebpf, MAP_CONFIG)?)?;
+        config_map
+            .set(0, cfg.config, 0)
+            .context("writing the config map")?;
+        let mut excluded_cidrs: LpmTrie<MapData, [u8; 16], u8> =
+            LpmTrie::try_from(take(&mut ebpf, MAP_EXCLUDED_CIDRS)?)?;
+        for net in &cfg.excluded_cidrs {
+            let key = CidrKey {
+                prefix_len: 96 + u32::from(net.prefix_len()),
+                addr: ipv4_mapped(net.network().octets()),
+            };
+            let prefix_len = key.prefix_len;
+            excluded_cidrs
+                .insert(&Key::new(prefix_len, key.addr), 1, 0)
+                .with_context(|| format!("excluding {net}"))?;
+        }
+        let mut excluded_ports: BpfHashMap<MapData, u16, u8> =
+            BpfHashMap::try_from(take(&mut ebpf, MAP_EXCLUDED_PORTS)?)?;
+        for port in &cfg.excluded_ports {
+            excluded_ports
+                .insert(port, 1, 0)
+                .with_context(|| format!("excluding port {port}"))?;
+        }
+        let tcx = KernelVersion::current().is_ok_and(|v| v >= KernelVersion::new(6, 6, 0));
+        let mut dataplane = Dataplane {
+            ebpf,
+            pin_dir: cfg.pin_dir.clone(),
+            config: cfg.config,
+            pods,
+            counters,
+            config_map,
+            attached: HashMap::new(),
+            adopted: HashMap::new(),
+            tcx,
+        };
+        dataplane.adopt_pinned_links()?;
+        Ok(dataplane)
+    }
+
+    fn program(&mut self, name: &str) -> Result<&mut SchedClassifier> {
+        Ok(self
+            .ebpf
+            .program_mut(name)
+            .ok_or_else(|| anyhow!("program {name} missing"))?
+            .try_into()?)
+    }
+
+    /// Moves every pinned link of a previous agent to this agent's programs.
+    fn adopt_pinned_links(&mut self) -> Result<()> {
+        let dir = self.pin_dir.join(LINKS_DIR);
+        for entry in fs::read_dir(&dir).with_context(|| format!("reading {}", dir.display()))? {
+            let path = entry?.path();
+            let Some((ifindex, program)) = path
+                .file_name()
+                .and_then(|n| n.to_str())
+                .and_then(parse_link_pin_name)
+            else {
+                continue;
+            };
+            match self.adopt_link(&path, program) {
+                Ok(fd) => {
+                    tracing::info!(ifindex, program, "adopted pinned link");
+                    self.adopted.insert((ifindex, program), (path, fd));
+                }
+                Err(e) => {
+                    // The interface went away with its pod: the link is defunct.
+                    tracing::info!(path = %path.display(), "removing stale link pin: {e:#}");
+                    let _ = fs::remove_file(&path);
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn adopt_link(&mut self, path: &Path, program: &str) -> Result<FdLink> {
+        let pinned = PinnedLink::from_pin(path)?;
+        let link = SchedClassifierLink::try_from(FdLink::from(pinned))?;
+        let prog = self.program(program)?;
+        let id = prog.attach_to_link(link)?;
+        let link = prog.take_link(id)?;
+        Ok(FdLink::try_from(link)?)
+    }
+
+    fn attach(&mut self, ifname: &str, ifindex: u32, program: &'static str) -> Result<Link> {
+        if let Some((path, fd)) = self.adopted.remove(&(ifindex, program)) {
+            return Ok(Link::Pinned { path, _fd: fd });
+        }
+        let attach_type = if program == PROG_FROM_POD {
+            TcAttachType::Ingress
+        } else {
+            TcAttachType::Egress
+        };
+        let tcx = self.tcx;
+        if !tcx {
+            // Adding is idempotent enough: EEXIST means another user made it.
+            let _ = tc::qdisc_add_clsact(ifname);
+        }
+        let prog = self.program(program)?;
+        let options = if tcx {
+            // Before other programs, so that capture decides first; packets it
+            // passes go on to them (TCX_NEXT).
+            TcAttachOptions::TcxOrder(LinkOrder::first())
+        } else {
+            TcAttachOptions::Netlink(tc::NlOptions::default())
+        };
+        let id = prog
+            .attach_with_options(ifname, attach_type, options)
+            .with_context(|| format!("attaching {program} to {ifname}"))?;
+        let link = prog.take_link(id)?;
+        if !tcx {
+            return Ok(Link::Netlink(link));
+        }
+        let path = self
+            .pin_dir
+            .join(LINKS_DIR)
+            .join(link_pin_name(ifindex, program));
+        let _ = fs::remove_file(&path);
+        let pinned = FdLink::try_from(link)?
+            .pin(&path)
+            .with_context(|| format!("pinning {}", path.display()))?;
+        Ok(Link::Pinned {
+            path,
+            _fd: FdLink::from(pinned),
+        })
+    }
+
+    fn enroll(&mut self, pod: &CapturedPod) -> Result<()> {
+        let info = pod.info();
+        self.pods
+            .insert(pod.ifindex, info, 0)
+            .context("writing the pods map")?;
+        if self.counters.get(&pod.ifindex, 0).is_err() {
+            let cpus = aya::util::nr_cpus().map_err(|(what, e)| anyhow!("{what}: {e}"))?;
+            let zero = PerCpuValues::try_from(vec![PodCounters::default(); cpus])?;
+            self.counters
+                .insert(pod.ifindex, zero, 0)
+                .context("writing the counters map")?;
+        }
+        net::apply_host_veth_sysctls(&pod.ifname)?;
+        let mut links = Vec::new();
+        for program in [PROG_FROM_POD, PROG_TO_POD] {
+            match self.attach(&pod.ifname, pod.ifindex, program) {
+                Ok(link) => links.push(link),
+                Err(e) => {
+                    Self::detach_links(links);
+                    let _ = self.pods.remove(&pod.ifindex);
+                    return Err(e);
+                }
+            }
+        }
+        self.attached.insert(
+            pod.ifindex,
+            Attachment {
+                pod: pod.clone(),
+                links,
+            },
+        );
+        Ok(())
+    }
+
+    fn detach_links(links: Vec<Link>) {
+        for link in links {
+            if let Link::Pinned { path, .. } = &link {
+                let _ = fs::remove_file(path);
+            }
+            // Dropping the last reference detaches the link.
+            drop(link);
+        }
+    }
+
+    fn unenroll(&mut self, ifindex: u32) {
+        if let Some(attachment) = self.attached.remove(&ifindex) {
+            Self::detach_links(attachment.links);
+            tracing::info!(workload = %attachment.pod.workload, ifname = %attachment.pod.ifname, "detached");
+        }
+        let _ = self.pods.remove(&ifindex);
+        let _ = self.counters.remove(&ifindex);
+    }
+
+    /// Makes the attachments and map entries match `wanted`: new pods are written to
+    /// the maps and then attached, gone pods are detached and then removed from the
+    /// maps, changed pods are updated. Returns the pods that could not be attached,
+    /// with the reason; the others are in place.
+    pub fn reconcile(&mut self, wanted: &[CapturedPod]) -> Vec<(CapturedPod, anyhow::Error)> {
+        let wanted_by_ifindex: HashMap<u32, &CapturedPod> =
+            wanted.iter().map(|p| (p.ifindex, p)).collect();
+        let gone: Vec<u32> = self
+            .attached
+            .keys()
+            .filter(|i| !wanted_by_ifindex.contains_key(i))
+            .copied()
+            .collect();
+        for ifindex in gone {
+            self.unenroll(ifindex);
+        }
+        // Entries of a previous agent for pods that are gone.
+        let stale: Vec<u32> = self
+            .pods
+            .keys()
+            .filter_map(Result::ok)
+            .filter(|i| !wanted_by_ifindex.contains_key(i))
+            .collect();
+        for ifindex in stale {
+            self.unenroll(ifindex);
+        }
+        let unclaimed: Vec<(u32, &'static str)> = self
+            .adopted
+            .keys()
+            .filter(|(i, _)| !wanted_by_ifindex.contains_key(i))
+            .copied()
+            .collect();
+        for key in unclaimed {
+            if let Some((path, fd)) = self.adopted.remove(&key) {
+                Self::detach_links(vec![Link::Pinned { path, _fd: fd }]);
+            }
+        }
+        let mut failures = Vec::new();
+        for pod in wanted {
+            match self.attached.get(&pod.ifindex) {
+                Some(a) if a.pod == *pod => continue,
+                Some(_) => {
+                    // Same interface, new facts (address, id): rewrite the entry.
+                    if let Err(e) = self.pods.insert(pod.ifindex, pod.info(), 0) {
+                        failures.push((pod.clone(), anyhow!("updating the pods map: {e}")));
+                        continue;
+                    }
+                    if let Some(a) = self.attached.get_mut(&pod.ifindex) {
+                        a.pod = pod.clone();
+                    }
+                }
+                None => match self.enroll(pod) {
+                    Ok(()) => {
+                        tracing::info!(workload = %pod.workload, ifname = %pod.ifname, ip = %pod.ipv4, "attached");
+                    }
+                    Err(e) => failures.push((pod.clone(), e)),
+                },
+            }
+        }
+        failures
+    }
+
+    /// Writes the node's addresses into the config map if they changed.
+    ///
+    /// # Errors
+    /// A failed map update.
+    pub fn set_node_addrs(&mut self, addrs: &[Ipv4Addr]) -> Result<()> {
+        let mut config = self.config;
+        config.node_addrs = [[0; 16]; MAX_NODE_ADDRS];
+        let n = addrs.len().min(MAX_NODE_ADDRS);
+        if addrs.len() > MAX_NODE_ADDRS {
+            tracing::warn!(
+                count = addrs.len(),
+                "the node has more addresses than the config map holds; probes from the others are captured"
+            );
+        }
+        for (slot, addr) in config.node_addrs.iter_mut().zip(addrs) {
+            *slot = ipv4_mapped(addr.octets());
+        }
+        config.node_addr_count = n as u32;
+        if config != self.config {
+            self.config_map.set(0, config, 0)?;
+            self.config = config;
+        }
+        Ok(())
+    }
+
+    /// The pods currently attached.
+    pub fn attached(&self) -> impl Iterator<Item = &CapturedPod> {
+        self.attached.values().map(|a| &a.pod)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn link_pin_names_round_trip() {
+        assert_eq!(link_pin_name(7, PROG_FROM_POD), "7_from_pod");
+        assert_eq!(parse_link_pin_name("7_from_pod"), Some((7, PROG_FROM_POD)));
+        assert_eq!(parse_link_pin_name("12_to_pod"), Some((12, PROG_TO_POD)));
+        assert_eq!(parse_link_pin_name("x_to_pod"), None);
+        assert_eq!(parse_link_pin_name("7_other"), None);
+    }
+}

@@ -1,0 +1,186 @@
+//! The node's network configuration the data path needs, through the `ip` tool:
+//! policy routing for assigned packets, sysctls, the node's addresses, and the host
+//! veth behind a pod address.
+//!
+//! Kernel documentation: `Documentation/networking/ip-sysctl.rst` (tcp_early_demux,
+//! rp_filter); `ip-rule(8)`, `ip-route(8)`.
+
+use std::{
+    io::Write,
+    net::IpAddr,
+    process::{Command, Stdio},
+};
+
+use anyhow::{Context, Result, bail};
+use serde::Deserialize;
+
+/// Runs `ip` with `args`; returns its standard output.
+fn ip(args: &[&str]) -> Result<String> {
+    let out = Command::new("ip")
+        .args(args)
+        .output()
+        .context("running the ip tool (iproute2)")?;
+    if !out.status.success() {
+        bail!(
+            "ip {}: {}",
+            args.join(" "),
+            String::from_utf8_lossy(&out.stderr).trim()
+        );
+    }
+    Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+}
+
+/// Installs `fwmark <mark>/<mask> lookup <table>` at preference `priority` and the
+/// table's `local 0.0.0.0/0 dev lo` route, so that packets assigned to a proxy
+/// socket by `from_pod` are delivered locally. Idempotent.
+pub fn install_policy_routing(mark: u32, mask: u32, table: u32, priority: u32) -> Result<()> {
+    let pref = priority.to_string();
+    let table_s = table.to_string();
+    let fwmark = format!("{mark:#x}/{mask:#x}");
+    let existing = ip(&["-4", "rule", "show", "pref", &pref])?;
+    let wanted = format!("fwmark {fwmark} lookup {table}");
+    if !existing.contains(&wanted) {
+        if !existing.trim().is_empty() {
+            // Someone else's rule at our preference, or ours with other values.
+            ip(&["-4", "rule", "del", "pref", &pref])?;
+        }
+        ip(&[
+            "-4", "rule", "add", "pref", &pref, "fwmark", &fwmark, "lookup", &table_s,
+        ])?;
+    }
+    ip(&[
+        "-4",
+        "route",
+        "replace",
+        "local",
+        "0.0.0.0/0",
+        "dev",
+        "lo",
+        "table",
+        &table_s,
+    ])?;
+    Ok(())
+}
+
+/// Writes a sysctl under `/proc/sys/` (the current network namespace's view for
+/// `net.*`); returns the previous value.
+pub fn set_sysctl(name: &str, value: &str) -> Result<String> {
+    let path = format!("/proc/sys/{}", name.replace('.', "/"));
+    let previous = std::fs::read_to_string(&path)
+        .with_context(|| format!("reading {name}"))?
+        .trim()
+        .to_string();
+    if previous != value {
+        std::fs::write(&path, value).with_context(|| format!("setting {name}={value}"))?;
+    }
+    Ok(previous)
+}
+
+/// The sysctls the data path needs in the node namespace (see DESIGN.md): early
+/// demux would attach later packets of proxied flows arriving from the uplink or
+/// another pod to the proxy's socket and then drop them in the forwarding path.
+pub fn apply_node_sysctls() -> Result<()> {
+    set_sysctl("net.ipv4.tcp_early_demux", "0")?;
+    set_sysctl("net.ipv4.ip_forward", "1")?;
+    Ok(())
+}
+
+/// Per-interface sysctls of a captured host veth: bounced packets arrive on it with
+/// a source that is routed elsewhere, so strict reverse-path filtering must be off.
+pub fn apply_host_veth_sysctls(ifname: &str) -> Result<()> {
+    set_sysctl(&format!("net.ipv4.conf.{ifname}.rp_filter"), "0")?;
+    Ok(())
+}
+
+#[derive(Deserialize)]
+struct AddrInfo {
+    local: Option<String>,
+}
+
+#[derive(Deserialize)]
+struct LinkAddrs {
+    #[serde(default)]
+    addr_info: Vec<AddrInfo>,
+}
+
+/// The node's own IPv4 addresses except loopback, sorted and without duplicates.
+pub fn node_ipv4_addrs() -> Result<Vec<std::net::Ipv4Addr>> {
+    let out = ip(&["-j", "-4", "addr", "show"])?;
+    let links: Vec<LinkAddrs> = serde_json::from_str(&out).context("parsing ip -j addr")?;
+    let mut addrs: Vec<std::net::Ipv4Addr> = links
+        .iter()
+        .flat_map(|l| &l.addr_info)
+        .filter_map(|a| a.local.as_deref()?.parse().ok())
+        .filter(|a: &std::net::Ipv4Addr| !a.is_loopback())
+        .collect();
+    addrs.sort();
+    addrs.dedup();
+    Ok(addrs)
+}
+
+#[derive(Deserialize)]
+struct RouteGet {
+    #[serde(rename = "type")]
+    kind: Option<String>,
+    dev: Option<String>,
+    gateway: Option<String>,
+}
+
+/// For each address, the interface of the node's direct route to it: the host veth
+/// of a pod wired by a point-to-point CNI plugin. `None` where the route is missing,
+/// goes through a gateway, or is local. One `ip` process for all addresses.
+pub fn host_interfaces(addrs: &[IpAddr]) -> Result<Vec<Option<String>>> {
+    if addrs.is_empty() {
+        return Ok(Vec::new());
+    }
+    let mut child = Command::new("ip")
+        .args(["-j", "-force", "-batch", "-"])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .context("running the ip tool (iproute2)")?;
+    {
+        let mut stdin = child.stdin.take().expect("piped stdin");
+        for addr in addrs {
+            writeln!(stdin, "route get {addr}")?;
+        }
+    }
+    let out = child.wait_with_output()?;
+    let text = String::from_utf8_lossy(&out.stdout);
+    let mut lines = text.lines().filter(|l| l.starts_with('['));
+    let mut result = Vec::with_capacity(addrs.len());
+    for _ in addrs {
+        // `-force` keeps going after an error; an unroutable address prints nothing,
+        // so results are matched by the destination they name.
+        result.push(None);
+    }
+    for line in lines.by_ref() {
+        let Ok(routes) = serde_json::from_str::<Vec<serde_json::Value>>(line) else {
+            continue;
+        };
+        for route in routes {
+            let dst = route
+                .get("dst")
+                .and_then(|d| d.as_str())
+                .and_then(|d| d.parse::<IpAddr>().ok());
+            let Ok(route) = serde_json::from_value::<RouteGet>(route) else {
+                continue;
+            };
+            let Some(i) = dst.and_then(|d| addrs.iter().position(|a| *a == d)) else {
+                continue;
+            };
+            let direct =
+                route.gateway.is_none() && route.kind.as_deref().is_none_or(|k| k == "unicast");
+            if direct && route.dev.as_deref().is_some_and(|d| d != "lo") {
+                result[i] = route.dev;
+            }
+        }
+    }
+    Ok(result)
+}
+
+/// The interface index of `name` in the current network namespace.
+pub fn ifindex(name: &str) -> Option<u32> {
+    nix::net::if_::if_nametoindex(name).ok()
+}

@@ -1,0 +1,374 @@
+//! The certificate authority that signs workload certificates.
+//!
+//! Files (PEM, as `podlink ca init` writes them and as a Kubernetes Secret mounts
+//! them): `ca.crt` holds the signing CA certificate first, then any further trust
+//! anchors; `ca.key` holds the CA's PKCS #8 private key.
+//!
+//! Workload certificates follow Istio's profile: no subject, one URI SAN with the
+//! SPIFFE ID, key usages digitalSignature and keyEncipherment, extended key usages
+//! serverAuth and clientAuth, ECDSA P-256.
+
+use std::{
+    fs,
+    path::{Path, PathBuf},
+    time::{Duration, SystemTime},
+};
+
+use rcgen::{
+    BasicConstraints, CertificateParams, DistinguishedName, DnType, ExtendedKeyUsagePurpose, IsCa,
+    Issuer, KeyPair, KeyUsagePurpose, SanType,
+};
+use rustls_pki_types::{CertificateDer, PrivateKeyDer, PrivatePkcs8KeyDer, pem::PemObject};
+use thiserror::Error;
+use x509_parser::prelude::{FromDer, GeneralName, ParsedExtension, X509Certificate};
+
+use super::SpiffeId;
+
+/// File name of the CA certificate (and further trust anchors) in a CA directory.
+pub const CA_CERT_FILE: &str = "ca.crt";
+/// File name of the CA private key in a CA directory.
+pub const CA_KEY_FILE: &str = "ca.key";
+
+/// How long a development CA made by [`init`] is valid.
+const DEV_CA_LIFETIME: Duration = Duration::from_secs(10 * 365 * 24 * 3600);
+/// Workload certificates start this much in the past, for clocks that disagree.
+const CLOCK_SKEW: Duration = Duration::from_secs(5 * 60);
+
+/// Errors of CA files and certificate issuance; each names the file or the
+/// identity concerned.
+#[derive(Debug, Error)]
+pub enum CaError {
+    #[error("reading {path}: {source}")]
+    Read {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("writing {path}: {source}")]
+    Write {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("{path} already exists; remove it first to make a new CA")]
+    Exists { path: PathBuf },
+    #[error("{path} holds no PEM certificate")]
+    NoCertificate { path: PathBuf },
+    #[error("{path}: {what}")]
+    Invalid { path: PathBuf, what: String },
+    #[error("{key} does not belong to the first certificate in {cert}")]
+    KeyMismatch { key: PathBuf, cert: PathBuf },
+    #[error("issuing a certificate for {id}: {source}")]
+    Issue { id: String, source: rcgen::Error },
+    #[error("making the CA: {0}")]
+    Generate(rcgen::Error),
+}
+
+/// A workload's certificate chain and private key.
+#[derive(Debug)]
+pub struct WorkloadCertificate {
+    /// The identity in the certificate's URI SAN.
+    pub id: SpiffeId,
+    /// The leaf first, then the CA certificate that signed it.
+    pub chain: Vec<CertificateDer<'static>>,
+    /// The leaf's PKCS #8 private key.
+    pub key: PrivateKeyDer<'static>,
+    /// End of validity.
+    pub not_after: SystemTime,
+}
+
+/// A loaded CA: signs workload certificates and provides the trust anchors.
+pub struct CertificateAuthority {
+    issuer: Issuer<'static, KeyPair>,
+    cert: CertificateDer<'static>,
+    roots: Vec<CertificateDer<'static>>,
+}
+
+impl std::fmt::Debug for CertificateAuthority {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CertificateAuthority")
+            .field("roots", &self.roots.len())
+            .finish_non_exhaustive()
+    }
+}
+
+/// Writes a new development CA (`ca.crt`, `ca.key`) into `out`, creating it. Refuses
+/// to overwrite existing files. The key file is readable by its owner only.
+///
+/// # Errors
+/// [`CaError::Exists`] if a file is present; I/O errors name the path.
+pub fn init(out: &Path) -> Result<(PathBuf, PathBuf), CaError> {
+    let cert_path = out.join(CA_CERT_FILE);
+    let key_path = out.join(CA_KEY_FILE);
+    for path in [&cert_path, &key_path] {
+        if path.exists() {
+            return Err(CaError::Exists { path: path.clone() });
+        }
+    }
+    fs::create_dir_all(out).map_err(|source| CaError::Write {
+        path: out.to_path_buf(),
+        source,
+    })?;
+    let (cert_pem, key_pem) = generate_ca("podlink development CA")?;
+    write_private(&key_path, key_pem.as_bytes())?;
+    fs::write(&cert_path, cert_pem).map_err(|source| CaError::Write {
+        path: cert_path.clone(),
+        source,
+    })?;
+    Ok((cert_path, key_path))
+}
+
+/// Makes a self-signed CA certificate and key, both PEM.
+pub fn generate_ca(common_name: &str) -> Result<(String, String), CaError> {
+    let key = KeyPair::generate().map_err(CaError::Generate)?;
+    let mut params = CertificateParams::default();
+    let mut dn = DistinguishedName::new();
+    dn.push(DnType::OrganizationName, "podlink");
+    dn.push(DnType::CommonName, common_name);
+    params.distinguished_name = dn;
+    params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+    params.key_usages = vec![
+        KeyUsagePurpose::KeyCertSign,
+        KeyUsagePurpose::CrlSign,
+        KeyUsagePurpose::DigitalSignature,
+    ];
+    let now = SystemTime::now();
+    params.not_before = (now - CLOCK_SKEW).into();
+    params.not_after = (now + DEV_CA_LIFETIME).into();
+    let cert = params.self_signed(&key).map_err(CaError::Generate)?;
+    Ok((cert.pem(), key.serialize_pem()))
+}
+
+fn write_private(path: &Path, bytes: &[u8]) -> Result<(), CaError> {
+    use std::{io::Write, os::unix::fs::OpenOptionsExt};
+    let err = |source| CaError::Write {
+        path: path.to_path_buf(),
+        source,
+    };
+    let mut f = fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .mode(0o600)
+        .open(path)
+        .map_err(err)?;
+    f.write_all(bytes).map_err(err)
+}
+
+impl CertificateAuthority {
+    /// Loads `ca.crt` and `ca.key` from `dir`.
+    ///
+    /// # Errors
+    /// Missing or unreadable files, a `ca.crt` without a valid CA certificate, an
+    /// expired CA, or a key that does not match the certificate; each error names
+    /// the file and what is wrong.
+    pub fn load(dir: &Path) -> Result<Self, CaError> {
+        let cert_path = dir.join(CA_CERT_FILE);
+        let key_path = dir.join(CA_KEY_FILE);
+        let read = |path: &Path| {
+            fs::read_to_string(path).map_err(|source| CaError::Read {
+                path: path.to_path_buf(),
+                source,
+            })
+        };
+        let cert_pem = read(&cert_path)?;
+        let key_pem = read(&key_path)?;
+        let invalid = |path: &Path, what: String| CaError::Invalid {
+            path: path.to_path_buf(),
+            what,
+        };
+        let certs: Vec<CertificateDer<'static>> =
+            CertificateDer::pem_slice_iter(cert_pem.as_bytes())
+                .collect::<Result<_, _>>()
+                .map_err(|e| invalid(&cert_path, format!("malformed PEM: {e}")))?;
+        let Some(first) = certs.first().cloned() else {
+            return Err(CaError::NoCertificate { path: cert_path });
+        };
+        for (i, der) in certs.iter().enumerate() {
+            check_ca_certificate(der)
+                .map_err(|what| invalid(&cert_path, format!("certificate {}: {what}", i + 1)))?;
+        }
+        let key = KeyPair::from_pem(&key_pem)
+            .map_err(|e| invalid(&key_path, format!("not a PKCS #8 private key: {e}")))?;
+        let (_, parsed) = X509Certificate::from_der(&first)
+            .map_err(|e| invalid(&cert_path, format!("malformed certificate: {e}")))?;
+        if parsed.public_key().subject_public_key.data.as_ref() != key.public_key_raw() {
+            return Err(CaError::KeyMismatch {
+                key: key_path,
+                cert: cert_path,
+            });
+        }
+        let issuer = Issuer::from_ca_cert_der(&first, key).map_err(|e| {
+            invalid(
+                &cert_path,
+                format!("cannot sign with this certificate: {e}"),
+            )
+        })?;
+        Ok(Self {
+            issuer,
+            cert: first,
+            roots: certs,
+        })
+    }
+
+    /// The trust anchors peers' certificates must chain to.
+    pub fn roots(&self) -> &[CertificateDer<'static>] {
+        &self.roots
+    }
+
+    /// Issues a certificate for `id`, valid for `lifetime` from now.
+    ///
+    /// # Errors
+    /// [`CaError::Issue`] if the identity cannot be encoded or signing fails.
+    pub fn issue(&self, id: &SpiffeId, lifetime: Duration) -> Result<WorkloadCertificate, CaError> {
+        let issue_err = |source| CaError::Issue {
+            id: id.to_string(),
+            source,
+        };
+        let key = KeyPair::generate().map_err(issue_err)?;
+        let mut params = CertificateParams::default();
+        params.distinguished_name = DistinguishedName::new();
+        params.subject_alt_names =
+            vec![SanType::URI(id.to_string().try_into().map_err(issue_err)?)];
+        params.is_ca = IsCa::ExplicitNoCa;
+        params.key_usages = vec![
+            KeyUsagePurpose::DigitalSignature,
+            KeyUsagePurpose::KeyEncipherment,
+        ];
+        params.extended_key_usages = vec![
+            ExtendedKeyUsagePurpose::ServerAuth,
+            ExtendedKeyUsagePurpose::ClientAuth,
+        ];
+        let now = SystemTime::now();
+        let not_after = now + lifetime;
+        params.not_before = (now - CLOCK_SKEW).into();
+        params.not_after = not_after.into();
+        let cert = params.signed_by(&key, &self.issuer).map_err(issue_err)?;
+        Ok(WorkloadCertificate {
+            id: id.clone(),
+            chain: vec![cert.der().clone(), self.cert.clone()],
+            key: PrivateKeyDer::Pkcs8(PrivatePkcs8KeyDer::from(key.serialize_der())),
+            not_after,
+        })
+    }
+}
+
+/// Checks that `der` is a CA certificate valid now.
+fn check_ca_certificate(der: &CertificateDer<'_>) -> Result<(), String> {
+    let (_, cert) = X509Certificate::from_der(der).map_err(|e| format!("malformed: {e}"))?;
+    let is_ca = cert
+        .basic_constraints()
+        .ok()
+        .flatten()
+        .is_some_and(|bc| bc.value.ca);
+    if !is_ca {
+        return Err("not a CA certificate (basicConstraints cA is not set)".into());
+    }
+    if !cert.validity().is_valid() {
+        return Err(format!(
+            "not valid now (valid from {} to {})",
+            cert.validity().not_before,
+            cert.validity().not_after
+        ));
+    }
+    Ok(())
+}
+
+/// Why a peer certificate carries no usable SPIFFE ID.
+#[derive(Debug, Error, PartialEq, Eq)]
+pub enum PeerIdentityError {
+    #[error("malformed certificate: {0}")]
+    Malformed(String),
+    #[error("no URI SAN with a SPIFFE ID")]
+    Missing,
+    #[error("more than one SPIFFE ID in the URI SANs")]
+    Ambiguous,
+    #[error(transparent)]
+    Invalid(#[from] super::SpiffeIdError),
+}
+
+/// The SPIFFE ID in a certificate's URI SAN (exactly one `spiffe://` URI).
+///
+/// # Errors
+/// [`PeerIdentityError`] when the certificate does not parse or does not carry
+/// exactly one valid workload SPIFFE ID.
+pub fn spiffe_id_of(der: &CertificateDer<'_>) -> Result<SpiffeId, PeerIdentityError> {
+    let (_, cert) =
+        X509Certificate::from_der(der).map_err(|e| PeerIdentityError::Malformed(e.to_string()))?;
+    let mut found = None;
+    for ext in cert.extensions() {
+        if let ParsedExtension::SubjectAlternativeName(san) = ext.parsed_extension() {
+            for name in &san.general_names {
+                if let GeneralName::URI(uri) = name
+                    && uri.starts_with("spiffe://")
+                {
+                    if found.is_some() {
+                        return Err(PeerIdentityError::Ambiguous);
+                    }
+                    found = Some(SpiffeId::parse(uri)?);
+                }
+            }
+        }
+    }
+    found.ok_or(PeerIdentityError::Missing)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn temp_dir(name: &str) -> PathBuf {
+        let dir = std::env::temp_dir().join(format!("podlink-ca-{name}-{}", std::process::id()));
+        let _ = fs::remove_dir_all(&dir);
+        dir
+    }
+
+    #[test]
+    fn init_load_and_issue() {
+        let dir = temp_dir("issue");
+        init(&dir).unwrap();
+        let mode = fs::metadata(dir.join(CA_KEY_FILE)).unwrap().permissions();
+        assert_eq!(
+            std::os::unix::fs::PermissionsExt::mode(&mode) & 0o777,
+            0o600
+        );
+        let ca = CertificateAuthority::load(&dir).unwrap();
+        let id = SpiffeId::new("cluster.local", "default", "web");
+        let cert = ca.issue(&id, Duration::from_secs(3600)).unwrap();
+        assert_eq!(spiffe_id_of(&cert.chain[0]).unwrap(), id);
+        assert_eq!(cert.chain[1], ca.roots()[0]);
+        // A second init refuses to overwrite.
+        assert!(matches!(init(&dir), Err(CaError::Exists { .. })));
+        fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn load_names_what_is_wrong() {
+        let dir = temp_dir("bad");
+        fs::create_dir_all(&dir).unwrap();
+        let err = CertificateAuthority::load(&dir).unwrap_err().to_string();
+        assert!(err.contains("ca.crt"), "{err}");
+
+        fs::write(dir.join(CA_CERT_FILE), "not pem").unwrap();
+        fs::write(dir.join(CA_KEY_FILE), "not pem").unwrap();
+        let err = CertificateAuthority::load(&dir).unwrap_err().to_string();
+        assert!(err.contains("holds no PEM certificate"), "{err}");
+
+        // A key from another CA.
+        let (cert, _) = generate_ca("one").unwrap();
+        let (_, other_key) = generate_ca("two").unwrap();
+        fs::write(dir.join(CA_CERT_FILE), cert).unwrap();
+        fs::write(dir.join(CA_KEY_FILE), other_key).unwrap();
+        let err = CertificateAuthority::load(&dir).unwrap_err();
+        assert!(matches!(err, CaError::KeyMismatch { .. }), "{err}");
+
+        // A certificate that is not a CA's.
+        let leaf_key = KeyPair::generate().unwrap();
+        let leaf = CertificateParams::new(vec!["leaf.example".to_string()])
+            .unwrap()
+            .self_signed(&leaf_key)
+            .unwrap();
+        fs::write(dir.join(CA_CERT_FILE), leaf.pem()).unwrap();
+        fs::write(dir.join(CA_KEY_FILE), leaf_key.serialize_pem()).unwrap();
+        let err = CertificateAuthority::load(&dir).unwrap_err().to_string();
+        assert!(err.contains("not a CA certificate"), "{err}");
+        fs::remove_dir_all(&dir).unwrap();
+    }
+}

@@ -1,0 +1,117 @@
+//! `podlink`: the node agent and its operator commands.
+
+use std::{path::PathBuf, time::Duration};
+
+use anyhow::Result;
+use clap::{Args, Parser, Subcommand};
+use podlink_agent::{
+    agent::{self, AgentConfig},
+    identity::{DEFAULT_TRUST_DOMAIN, ca},
+};
+use tracing_subscriber::EnvFilter;
+
+#[derive(Parser)]
+#[command(
+    name = "podlink",
+    version,
+    about = "eBPF redirection dataplane and HBONE proxy for Kubernetes"
+)]
+struct Cli {
+    /// Log filter (tracing EnvFilter syntax); RUST_LOG overrides it.
+    #[arg(long, global = true, default_value = "info")]
+    log_level: String,
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Run the node agent in this node's network namespace.
+    Agent(AgentArgs),
+    /// Certificate authority tools.
+    Ca {
+        #[command(subcommand)]
+        command: CaCommand,
+    },
+}
+
+#[derive(Subcommand)]
+enum CaCommand {
+    /// Write a development CA: DIR/ca.crt and DIR/ca.key (PEM).
+    Init {
+        /// Directory to write into (created if missing; existing files are kept).
+        #[arg(long)]
+        out: PathBuf,
+    },
+}
+
+#[derive(Args)]
+struct AgentArgs {
+    /// This node's name, as in the pods' spec.nodeName.
+    #[arg(long)]
+    node: String,
+    /// Directory of Pod and Namespace manifests (YAML), watched for changes.
+    #[arg(long)]
+    manifests: PathBuf,
+    /// Directory holding ca.crt and ca.key.
+    #[arg(long)]
+    ca_dir: PathBuf,
+    /// Where maps and links are pinned (on a bpffs; one is mounted if needed).
+    #[arg(long, default_value = "/sys/fs/bpf/podlink")]
+    pin_dir: PathBuf,
+    /// SPIFFE trust domain of the mesh.
+    #[arg(long, default_value = DEFAULT_TRUST_DOMAIN)]
+    trust_domain: String,
+    /// Lifetime of workload certificates (renewed at half of it), e.g. 24h, 90m.
+    #[arg(long, default_value = "24h", value_parser = humantime::parse_duration)]
+    cert_lifetime: Duration,
+    /// Time allowed to connect upstream, e.g. 10s.
+    #[arg(long, default_value = "10s", value_parser = humantime::parse_duration)]
+    connect_timeout: Duration,
+    /// When no proxy listens, let enrolled pods' new outbound connections pass
+    /// uncaptured instead of dropping them (default: fail closed).
+    #[arg(long)]
+    fail_open: bool,
+    /// Destination IPv4 prefix that bypasses capture (repeatable).
+    #[arg(long = "exclude-cidr", value_name = "CIDR")]
+    excluded_cidrs: Vec<ipnet::Ipv4Net>,
+    /// Destination port that bypasses capture (repeatable).
+    #[arg(long = "exclude-port", value_name = "PORT")]
+    excluded_ports: Vec<u16>,
+}
+
+fn main() -> Result<()> {
+    let cli = Cli::parse();
+    let filter =
+        EnvFilter::try_from_default_env().or_else(|_| EnvFilter::try_new(&cli.log_level))?;
+    tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .init();
+    match cli.command {
+        Command::Ca {
+            command: CaCommand::Init { out },
+        } => {
+            let (cert, key) = ca::init(&out)?;
+            println!("wrote {} and {}", cert.display(), key.display());
+            Ok(())
+        }
+        Command::Agent(args) => {
+            let runtime = tokio::runtime::Builder::new_multi_thread()
+                .enable_all()
+                .build()?;
+            runtime.block_on(agent::run(AgentConfig {
+                node: args.node,
+                manifests: args.manifests,
+                ca_dir: args.ca_dir,
+                pin_dir: args.pin_dir,
+                trust_domain: args.trust_domain,
+                cert_lifetime: args.cert_lifetime,
+                fail_open: args.fail_open,
+                excluded_cidrs: args.excluded_cidrs,
+                excluded_ports: args.excluded_ports,
+                connect_timeout: args.connect_timeout,
+            }))
+        }
+    }
+}

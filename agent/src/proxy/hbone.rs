@@ -1,0 +1,312 @@
+//! HBONE: TCP tunnelled in HTTP/2 CONNECT streams over mutual TLS 1.3, as Istio
+//! ambient's ztunnel speaks it (Istio documentation, "HBONE"; RFC 9113 §8.5 for
+//! CONNECT).
+//!
+//! A request is `:method CONNECT`, `:authority <destination ip>:<port>` and a
+//! `forwarded: for=<client ip>` header (RFC 7239). The server answers 200 and then
+//! both DATA streams carry the connection's bytes; END_STREAM is a half-close.
+//! Errors, as ztunnel returns them: 400 (not CONNECT, malformed authority, or a
+//! destination this server does not serve), 401 (denied by policy), 503 (the
+//! destination could not be reached).
+
+use std::{
+    io,
+    net::{IpAddr, SocketAddr},
+    pin::Pin,
+    task::{Context, Poll, ready},
+};
+
+use bytes::{Buf, Bytes};
+use h2::{RecvStream, SendStream};
+use http::{HeaderValue, Method, Request, StatusCode};
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+
+/// Per-stream flow-control window (bytes).
+pub const STREAM_WINDOW: u32 = 4 * 1024 * 1024;
+/// Per-connection flow-control window (bytes).
+pub const CONNECTION_WINDOW: u32 = 16 * 1024 * 1024;
+/// Largest DATA frame sent (bytes).
+pub const MAX_FRAME_SIZE: u32 = 256 * 1024;
+/// Concurrent streams one HBONE connection accepts.
+pub const MAX_CONCURRENT_STREAMS: u32 = 1000;
+/// Largest request header block a server accepts (bytes).
+pub const MAX_HEADER_LIST_SIZE: u32 = 16 * 1024;
+
+/// The `forwarded` header.
+pub const FORWARDED: &str = "forwarded";
+
+/// A CONNECT stream as a byte stream.
+pub struct H2Stream {
+    send: SendStream<Bytes>,
+    recv: RecvStream,
+    pending: Bytes,
+    read_eof: bool,
+    write_closed: bool,
+}
+
+impl H2Stream {
+    pub fn new(send: SendStream<Bytes>, recv: RecvStream) -> Self {
+        Self {
+            send,
+            recv,
+            pending: Bytes::new(),
+            read_eof: false,
+            write_closed: false,
+        }
+    }
+}
+
+fn h2_to_io(e: h2::Error) -> io::Error {
+    if e.is_io() {
+        e.into_io()
+            .unwrap_or_else(|| io::Error::other("h2 I/O error"))
+    } else {
+        io::Error::new(io::ErrorKind::ConnectionReset, e)
+    }
+}
+
+impl AsyncRead for H2Stream {
+    fn poll_read(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        out: &mut ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
+        loop {
+            if !self.pending.is_empty() {
+                let n = self.pending.len().min(out.remaining());
+                out.put_slice(&self.pending[..n]);
+                self.pending.advance(n);
+                return Poll::Ready(Ok(()));
+            }
+            if self.read_eof {
+                return Poll::Ready(Ok(()));
+            }
+            match ready!(self.recv.poll_data(cx)) {
+                Some(Ok(chunk)) => {
+                    // The bytes are handed to the reader now; give the window back.
+                    let _ = self.recv.flow_control().release_capacity(chunk.len());
+                    self.pending = chunk;
+                }
+                Some(Err(e)) if e.reason() == Some(h2::Reason::NO_ERROR) => {
+                    self.read_eof = true;
+                }
+                Some(Err(e)) => return Poll::Ready(Err(h2_to_io(e))),
+                None => self.read_eof = true,
+            }
+        }
+    }
+}
+
+impl AsyncWrite for H2Stream {
+    fn poll_write(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<io::Result<usize>> {
+        if buf.is_empty() {
+            return Poll::Ready(Ok(0));
+        }
+        loop {
+            let available = self.send.capacity();
+            if available > 0 {
+                let n = available.min(buf.len());
+                self.send
+                    .send_data(Bytes::copy_from_slice(&buf[..n]), false)
+                    .map_err(h2_to_io)?;
+                return Poll::Ready(Ok(n));
+            }
+            self.send.reserve_capacity(buf.len());
+            match ready!(self.send.poll_capacity(cx)) {
+                Some(Ok(_)) => continue,
+                Some(Err(e)) => return Poll::Ready(Err(h2_to_io(e))),
+                None => {
+                    return Poll::Ready(Err(io::Error::new(
+                        io::ErrorKind::BrokenPipe,
+                        "HBONE stream closed",
+                    )));
+                }
+            }
+        }
+    }
+
+    fn poll_flush(self: Pin<&mut Self>, _: &mut Context<'_>) -> Poll<io::Result<()>> {
+        // The connection task writes frames as soon as they are queued.
+        Poll::Ready(Ok(()))
+    }
+
+    fn poll_shutdown(mut self: Pin<&mut Self>, _: &mut Context<'_>) -> Poll<io::Result<()>> {
+        if !self.write_closed {
+            self.write_closed = true;
+            self.send.send_data(Bytes::new(), true).map_err(h2_to_io)?;
+        }
+        Poll::Ready(Ok(()))
+    }
+}
+
+/// `forwarded` header value naming the client address (RFC 7239 §4, §6: IPv6 in
+/// quotes and brackets).
+pub fn forwarded_for(ip: IpAddr) -> HeaderValue {
+    let value = match ip {
+        IpAddr::V4(v4) => format!("for={v4}"),
+        IpAddr::V6(v6) => format!("for=\"[{v6}]\""),
+    };
+    HeaderValue::from_str(&value).expect("an address is a valid header value")
+}
+
+/// Builds a CONNECT request for `dst` from client `src`.
+pub fn connect_request(dst: SocketAddr, src: IpAddr) -> Request<()> {
+    let mut req = Request::new(());
+    *req.method_mut() = Method::CONNECT;
+    *req.uri_mut() = dst
+        .to_string()
+        .parse()
+        .expect("a socket address is a valid authority");
+    req.headers_mut().insert(FORWARDED, forwarded_for(src));
+    req
+}
+
+/// Why an HBONE request is refused, with the status ztunnel uses for it.
+#[derive(Debug, thiserror::Error)]
+pub enum RequestError {
+    #[error("method {0} is not CONNECT")]
+    NotConnect(Method),
+    #[error("authority {0:?} is not an ip:port")]
+    BadAuthority(String),
+}
+
+impl RequestError {
+    pub fn status(&self) -> StatusCode {
+        StatusCode::BAD_REQUEST
+    }
+}
+
+/// The destination of a CONNECT request.
+///
+/// # Errors
+/// [`RequestError`] for another method or an authority that is not `ip:port`.
+pub fn parse_connect<B>(req: &Request<B>) -> Result<SocketAddr, RequestError> {
+    if req.method() != Method::CONNECT {
+        return Err(RequestError::NotConnect(req.method().clone()));
+    }
+    let authority = req
+        .uri()
+        .authority()
+        .map(|a| a.as_str().to_string())
+        .unwrap_or_default();
+    authority
+        .parse()
+        .map_err(|_| RequestError::BadAuthority(authority))
+}
+
+/// The h2 client configuration of HBONE connections.
+pub fn client_builder() -> h2::client::Builder {
+    let mut b = h2::client::Builder::new();
+    b.initial_window_size(STREAM_WINDOW)
+        .initial_connection_window_size(CONNECTION_WINDOW)
+        .max_frame_size(MAX_FRAME_SIZE)
+        .enable_push(false);
+    b
+}
+
+/// The h2 server configuration of HBONE connections.
+pub fn server_builder() -> h2::server::Builder {
+    let mut b = h2::server::Builder::new();
+    b.initial_window_size(STREAM_WINDOW)
+        .initial_connection_window_size(CONNECTION_WINDOW)
+        .max_frame_size(MAX_FRAME_SIZE)
+        .max_concurrent_streams(MAX_CONCURRENT_STREAMS)
+        .max_header_list_size(MAX_HEADER_LIST_SIZE);
+    b
+}
+
+#[cfg(test)]
+mod tests {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+    use super::*;
+
+    #[test]
+    fn forwarded_header_forms() {
+        assert_eq!(forwarded_for("10.1.2.3".parse().unwrap()), "for=10.1.2.3");
+        assert_eq!(
+            forwarded_for("fd00::1".parse().unwrap()),
+            "for=\"[fd00::1]\""
+        );
+    }
+
+    #[test]
+    fn connect_requests_parse_back() {
+        let dst: SocketAddr = "10.1.2.3:8080".parse().unwrap();
+        let req = connect_request(dst, "10.0.0.1".parse().unwrap());
+        assert_eq!(parse_connect(&req).unwrap(), dst);
+
+        let mut get = Request::new(());
+        *get.uri_mut() = "http://10.1.2.3:80/".parse().unwrap();
+        assert!(matches!(
+            parse_connect(&get),
+            Err(RequestError::NotConnect(_))
+        ));
+
+        let mut named = Request::new(());
+        *named.method_mut() = Method::CONNECT;
+        *named.uri_mut() = "example.com:80".parse().unwrap();
+        let err = parse_connect(&named).unwrap_err();
+        assert!(err.to_string().contains("example.com:80"), "{err}");
+        assert_eq!(err.status(), StatusCode::BAD_REQUEST);
+    }
+
+    /// A CONNECT stream carries bytes both ways, larger than the windows, and
+    /// half-closes.
+    #[tokio::test]
+    async fn streams_carry_bytes_and_half_close() {
+        let (a, b) = tokio::io::duplex(1 << 16);
+        let server = tokio::spawn(async move {
+            let mut conn = server_builder().handshake::<_, Bytes>(b).await.unwrap();
+            let (req, mut respond) = conn.accept().await.unwrap().unwrap();
+            let dst = parse_connect(&req).unwrap();
+            let forwarded = req.headers()[FORWARDED].to_str().unwrap().to_string();
+            let send = respond
+                .send_response(http::Response::new(()), false)
+                .unwrap();
+            let mut stream = H2Stream::new(send, req.into_body());
+            tokio::spawn(async move { while conn.accept().await.is_some() {} });
+            // Echo until the client half-closes, then add a trailer.
+            let mut received = Vec::new();
+            stream.read_to_end(&mut received).await.unwrap();
+            stream.write_all(&received).await.unwrap();
+            stream.write_all(b"done").await.unwrap();
+            stream.shutdown().await.unwrap();
+            (dst, forwarded)
+        });
+        let (mut sender, conn) = client_builder().handshake(a).await.unwrap();
+        tokio::spawn(conn);
+        let dst: SocketAddr = "10.9.9.9:443".parse().unwrap();
+        sender = sender.ready().await.unwrap();
+        let (resp, send) = sender
+            .send_request(connect_request(dst, "10.0.0.7".parse().unwrap()), false)
+            .unwrap();
+        let resp = resp.await.unwrap();
+        assert_eq!(resp.status(), StatusCode::OK);
+        let stream = H2Stream::new(send, resp.into_body());
+        let payload: Vec<u8> = (0..(STREAM_WINDOW as usize * 2 + 12345))
+            .map(|i| (i % 251) as u8)
+            .collect();
+        let (mut rd, mut wr) = tokio::io::split(stream);
+        let writer = {
+            let payload = payload.clone();
+            tokio::spawn(async move {
+                wr.write_all(&payload).await.unwrap();
+                wr.shutdown().await.unwrap();
+            })
+        };
+        let mut back = Vec::new();
+        rd.read_to_end(&mut back).await.unwrap();
+        writer.await.unwrap();
+        assert_eq!(back.len(), payload.len() + 4);
+        assert_eq!(&back[..payload.len()], &payload[..]);
+        assert_eq!(&back[payload.len()..], b"done");
+        let (seen_dst, forwarded) = server.await.unwrap();
+        assert_eq!(seen_dst, dst);
+        assert_eq!(forwarded, "for=10.0.0.7");
+    }
+}

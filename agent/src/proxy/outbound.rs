@@ -1,0 +1,89 @@
+//! Connections leaving an enrolled pod (listener 15001).
+
+use std::{net::SocketAddr, sync::Arc, time::Instant};
+
+use tokio::net::TcpStream;
+
+use super::{ProxyState, copy, pool::PoolKey, socket};
+
+/// Where a captured outbound connection goes.
+#[derive(Debug, PartialEq, Eq)]
+enum Route {
+    /// An enrolled pod on another node: HBONE to its port 15008.
+    Hbone,
+    /// An enrolled pod on this node: connect directly (policy still applies).
+    Local,
+    /// Outside the mesh: plain TCP.
+    Passthrough,
+}
+
+/// Handles one connection from pod `src` to its original destination `dst`.
+pub async fn handle(state: Arc<ProxyState>, mut tcp: TcpStream, src: SocketAddr, dst: SocketAddr) {
+    let start = Instant::now();
+    let index = state.workloads();
+    let Some(source) = index.local_enrolled(src.ip()).cloned() else {
+        // Only enrolled pods' connections are steered here; anything else (a pod
+        // that was just un-enrolled) is refused rather than guessed at.
+        tracing::info!(%src, %dst, "outbound connection from an address that is not an enrolled pod of this node; reset");
+        socket::reset_on_close(&tcp);
+        return;
+    };
+    let destination = index
+        .by_ip(dst.ip())
+        .filter(|w| w.enrollment.is_enrolled())
+        .cloned();
+    let route = match &destination {
+        Some(w) if index.is_local(w) => Route::Local,
+        Some(_) => Route::Hbone,
+        None => Route::Passthrough,
+    };
+    drop(index);
+    let mark = state.config.proxy_mark;
+    let result = match route {
+        Route::Hbone => {
+            let dst_workload = destination.expect("HBONE route has a destination");
+            let key = PoolKey {
+                src_id: source.identity.clone(),
+                src_ip: src.ip(),
+                dst_id: dst_workload.identity.clone(),
+                dst: SocketAddr::new(dst.ip(), state.config.hbone_port),
+            };
+            let stream = tokio::time::timeout(
+                state.config.connect_timeout,
+                state.pool.connect(&key, dst, &state.certs, mark),
+            )
+            .await;
+            match stream {
+                Ok(Ok(mut stream)) => copy::bidirectional(&mut tcp, &mut stream).await,
+                Ok(Err(e)) => Err(std::io::Error::other(e.to_string())),
+                Err(_) => Err(std::io::Error::new(
+                    std::io::ErrorKind::TimedOut,
+                    format!("HBONE to {} timed out", key.dst),
+                )),
+            }
+        }
+        Route::Local | Route::Passthrough => {
+            let connect = tokio::time::timeout(
+                state.config.connect_timeout,
+                socket::connect(Some(src.ip()), dst, mark),
+            )
+            .await
+            .unwrap_or_else(|_| Err(std::io::ErrorKind::TimedOut.into()));
+            match connect {
+                Ok(mut upstream) => copy::bidirectional(&mut tcp, &mut upstream).await,
+                Err(e) => Err(e),
+            }
+        }
+    };
+    match result {
+        Ok((sent, received)) => tracing::debug!(
+            %src, %dst, source = %source.key(), route = ?route, sent, received,
+            duration_ms = start.elapsed().as_millis() as u64,
+            "outbound connection closed"
+        ),
+        Err(e) => {
+            socket::reset_on_close(&tcp);
+            tracing::info!(%src, %dst, source = %source.key(), route = ?route, "outbound connection failed: {e}");
+        }
+    }
+}

@@ -1,0 +1,224 @@
+//! Pooled HBONE connections, multiplexing CONNECT streams.
+//!
+//! One HTTP/2 connection per (source identity, source address, destination
+//! identity, destination address): the outer connection is bound to the source pod's
+//! address, and the server checks that address against the client certificate, so
+//! the source address belongs to the key as it does in ztunnel's pool. New
+//! connections for one key are made one at a time; concurrent requests wait for it
+//! and then share it. Connections unused for [`IDLE_TIMEOUT`] are released (open
+//! streams keep them alive until they end).
+
+use std::{
+    collections::HashMap,
+    net::{IpAddr, SocketAddr},
+    sync::{
+        Arc, Mutex,
+        atomic::{AtomicBool, Ordering},
+    },
+    time::{Duration, Instant},
+};
+
+use bytes::Bytes;
+use h2::client::SendRequest;
+use http::StatusCode;
+use rustls::pki_types::ServerName;
+use tokio_rustls::TlsConnector;
+
+use super::{
+    hbone::{self, H2Stream},
+    socket,
+};
+use crate::identity::{CertManager, SpiffeId, manager::IdentityError};
+
+/// How long an unused connection stays pooled.
+pub const IDLE_TIMEOUT: Duration = Duration::from_secs(90);
+
+/// The identity of a pooled connection.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct PoolKey {
+    pub src_id: SpiffeId,
+    pub src_ip: IpAddr,
+    pub dst_id: SpiffeId,
+    /// The destination's HBONE address (`pod ip:15008`).
+    pub dst: SocketAddr,
+}
+
+/// Why an HBONE stream could not be opened; each names the peer.
+#[derive(Debug, thiserror::Error)]
+pub enum HboneError {
+    #[error("connecting to {dst}: {source}")]
+    Connect {
+        dst: SocketAddr,
+        source: std::io::Error,
+    },
+    #[error("TLS handshake with {dst} (expecting {id}): {source}")]
+    Tls {
+        dst: SocketAddr,
+        id: SpiffeId,
+        source: std::io::Error,
+    },
+    #[error(transparent)]
+    Identity(#[from] IdentityError),
+    #[error("HTTP/2 with {dst}: {source}")]
+    H2 { dst: SocketAddr, source: h2::Error },
+    #[error("{dst} answered CONNECT {target} with {status}")]
+    Status {
+        dst: SocketAddr,
+        target: SocketAddr,
+        status: StatusCode,
+    },
+}
+
+struct Connection {
+    sender: SendRequest<Bytes>,
+    closed: Arc<AtomicBool>,
+    last_used: Instant,
+}
+
+type Slot = Arc<tokio::sync::Mutex<Option<Connection>>>;
+
+/// The pool.
+#[derive(Default)]
+pub struct Pool {
+    slots: Mutex<HashMap<PoolKey, Slot>>,
+}
+
+impl Pool {
+    fn slot(&self, key: &PoolKey) -> Slot {
+        self.slots
+            .lock()
+            .expect("pool lock")
+            .entry(key.clone())
+            .or_default()
+            .clone()
+    }
+
+    /// Opens a CONNECT stream to `target` over the pooled connection for `key`,
+    /// making the connection if there is none (or it closed).
+    ///
+    /// # Errors
+    /// [`HboneError`] for connection, TLS, HTTP/2 failures and non-200 answers.
+    pub async fn connect(
+        &self,
+        key: &PoolKey,
+        target: SocketAddr,
+        certs: &CertManager,
+        mark: u32,
+    ) -> Result<H2Stream, HboneError> {
+        let slot = self.slot(key);
+        let mut sender = None;
+        for _attempt in 0..2 {
+            let candidate = {
+                let mut guard = slot.lock().await;
+                match guard.as_mut() {
+                    Some(conn) if !conn.closed.load(Ordering::Acquire) => {
+                        conn.last_used = Instant::now();
+                        conn.sender.clone()
+                    }
+                    _ => {
+                        let conn = Self::dial(key, certs, mark).await?;
+                        let sender = conn.sender.clone();
+                        *guard = Some(conn);
+                        sender
+                    }
+                }
+            };
+            match candidate.ready().await {
+                Ok(ready) => {
+                    sender = Some(ready);
+                    break;
+                }
+                Err(e) => {
+                    // The pooled connection died under us: make a new one once.
+                    tracing::debug!(dst = %key.dst, "pooled HBONE connection is gone: {e}");
+                    if let Some(conn) = slot.lock().await.as_ref() {
+                        conn.closed.store(true, Ordering::Release);
+                    }
+                }
+            }
+        }
+        let mut sender = sender.ok_or_else(|| HboneError::Connect {
+            dst: key.dst,
+            source: std::io::Error::other("the HBONE connection closed twice in a row"),
+        })?;
+        let h2_err = |source| HboneError::H2 {
+            dst: key.dst,
+            source,
+        };
+        let (response, send) = sender
+            .send_request(hbone::connect_request(target, key.src_ip), false)
+            .map_err(h2_err)?;
+        let response = response.await.map_err(h2_err)?;
+        if response.status() != StatusCode::OK {
+            return Err(HboneError::Status {
+                dst: key.dst,
+                target,
+                status: response.status(),
+            });
+        }
+        Ok(H2Stream::new(send, response.into_body()))
+    }
+
+    async fn dial(key: &PoolKey, certs: &CertManager, mark: u32) -> Result<Connection, HboneError> {
+        let tcp = socket::connect(Some(key.src_ip), key.dst, mark)
+            .await
+            .map_err(|source| HboneError::Connect {
+                dst: key.dst,
+                source,
+            })?;
+        let config = certs.client_config(&key.src_id, &key.dst_id)?;
+        let tls = TlsConnector::from(config)
+            .connect(ServerName::IpAddress(key.dst.ip().into()), tcp)
+            .await
+            .map_err(|source| HboneError::Tls {
+                dst: key.dst,
+                id: key.dst_id.clone(),
+                source,
+            })?;
+        let (sender, connection) =
+            hbone::client_builder()
+                .handshake(tls)
+                .await
+                .map_err(|source| HboneError::H2 {
+                    dst: key.dst,
+                    source,
+                })?;
+        let closed = Arc::new(AtomicBool::new(false));
+        let flag = closed.clone();
+        let dst = key.dst;
+        tokio::spawn(async move {
+            if let Err(e) = connection.await {
+                tracing::debug!(%dst, "HBONE connection ended: {e}");
+            }
+            flag.store(true, Ordering::Release);
+        });
+        tracing::debug!(%dst, src = %key.src_ip, id = %key.dst_id, "new HBONE connection");
+        Ok(Connection {
+            sender,
+            closed,
+            last_used: Instant::now(),
+        })
+    }
+
+    /// Releases connections that are closed or idle for longer than `idle`.
+    pub fn sweep(&self, idle: Duration) {
+        let now = Instant::now();
+        self.slots.lock().expect("pool lock").retain(|_, slot| {
+            // A slot being dialled is busy: keep it.
+            let Ok(guard) = slot.try_lock() else {
+                return true;
+            };
+            match guard.as_ref() {
+                Some(c) => {
+                    !c.closed.load(Ordering::Acquire) && now.duration_since(c.last_used) < idle
+                }
+                None => false,
+            }
+        });
+    }
+
+    /// Number of pooled connections.
+    pub fn len(&self) -> usize {
+        self.slots.lock().expect("pool lock").len()
+    }
+}

@@ -1,0 +1,94 @@
+//! Sockets of the proxy: transparent listeners and source-preserving connections.
+//!
+//! Every socket carries `SO_MARK` = the proxy mark, so the TC programs let its
+//! packets through. Kernel documentation: `Documentation/networking/tproxy.rst`
+//! (`IP_TRANSPARENT`), `ip(7)` (`IP_BIND_ADDRESS_NO_PORT`).
+
+use std::{
+    io,
+    net::{IpAddr, SocketAddr},
+    os::fd::AsRawFd,
+    time::Duration,
+};
+
+use socket2::{Domain, Protocol, Socket, Type};
+use tokio::net::{TcpListener, TcpSocket, TcpStream};
+
+/// Listen backlog of the transparent listeners.
+const BACKLOG: i32 = 4096;
+
+/// Binds a transparent listener at `addr` (the loopback address: only packets
+/// assigned by the TC programs reach it; the accepted socket's local address is the
+/// connection's original destination).
+///
+/// # Errors
+/// Socket, option (needs `CAP_NET_ADMIN`) or bind failures.
+pub fn transparent_listener(addr: SocketAddr, mark: u32) -> io::Result<TcpListener> {
+    let socket = Socket::new(Domain::for_address(addr), Type::STREAM, Some(Protocol::TCP))?;
+    socket.set_reuse_address(true)?;
+    set_transparent(&socket, addr.ip())?;
+    socket.set_mark(mark)?;
+    socket.set_nonblocking(true)?;
+    socket.bind(&addr.into())?;
+    socket.listen(BACKLOG)?;
+    TcpListener::from_std(socket.into())
+}
+
+fn set_transparent(socket: &Socket, family_of: IpAddr) -> io::Result<()> {
+    match family_of {
+        IpAddr::V4(_) => socket.set_ip_transparent_v4(true),
+        IpAddr::V6(_) => socket.set_ip_transparent_v6(true),
+    }
+}
+
+/// `IP_BIND_ADDRESS_NO_PORT`: defer the source port choice to `connect()`, where
+/// only the full 4-tuple must be unique (from `include/uapi/linux/in.h`).
+const IP_BIND_ADDRESS_NO_PORT: libc::c_int = 24;
+
+fn set_bind_address_no_port(socket: &Socket) -> io::Result<()> {
+    let one: libc::c_int = 1;
+    // SAFETY: a valid socket fd and a pointer to a c_int of the given size.
+    let rc = unsafe {
+        libc::setsockopt(
+            socket.as_raw_fd(),
+            libc::IPPROTO_IP,
+            IP_BIND_ADDRESS_NO_PORT,
+            (&raw const one).cast(),
+            size_of::<libc::c_int>() as libc::socklen_t,
+        )
+    };
+    if rc == 0 {
+        Ok(())
+    } else {
+        Err(io::Error::last_os_error())
+    }
+}
+
+/// Connects to `dst` with the proxy mark, from `src` when given (transparent bind
+/// to an address that is not the node's, such as the client pod's), else from the
+/// node's own address.
+///
+/// # Errors
+/// Socket errors, and the connect's own failure (refused, unreachable, timed out).
+pub async fn connect(src: Option<IpAddr>, dst: SocketAddr, mark: u32) -> io::Result<TcpStream> {
+    let socket = Socket::new(Domain::for_address(dst), Type::STREAM, Some(Protocol::TCP))?;
+    socket.set_mark(mark)?;
+    socket.set_tcp_nodelay(true)?;
+    if let Some(src) = src {
+        set_transparent(&socket, src)?;
+        if src.is_ipv4() {
+            set_bind_address_no_port(&socket)?;
+        }
+        socket.bind(&SocketAddr::new(src, 0).into())?;
+    }
+    socket.set_nonblocking(true)?;
+    let std: std::net::TcpStream = socket.into();
+    let stream = TcpSocket::from_std_stream(std).connect(dst).await?;
+    Ok(stream)
+}
+
+/// Makes the next close of `stream` send a RST instead of a FIN, so that a peer
+/// sees a failed connection as failed.
+pub fn reset_on_close(stream: &TcpStream) {
+    let _ = socket2::SockRef::from(stream).set_linger(Some(Duration::ZERO));
+}

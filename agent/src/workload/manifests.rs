@@ -1,0 +1,458 @@
+//! A directory of Kubernetes manifests as the workload source (no cluster needed).
+//!
+//! Every `*.yaml`, `*.yml` and `*.json` file in the directory (not its
+//! subdirectories; hidden files are skipped) is read as a multi-document YAML
+//! stream. Documents of kind `Pod` and `Namespace` (API version `v1`) are used,
+//! `List` documents are unpacked, and other kinds are ignored. A file that fails to
+//! parse is reported with its path, the line and what is wrong; the objects it held
+//! before keep being used until it is fixed, so a half-written file never
+//! un-enrolls a pod.
+//!
+//! Files are re-read only when their size, modification time or inode changed, so a
+//! rescan of an unchanged directory costs one `stat` per file.
+
+use std::{
+    collections::{BTreeMap, HashMap},
+    fmt, fs,
+    net::IpAddr,
+    os::unix::fs::MetadataExt,
+    path::{Path, PathBuf},
+    time::Duration,
+};
+
+use k8s_openapi::api::core::v1::{Namespace, Pod};
+use notify::Watcher;
+use serde_yaml_ng::Value;
+use tokio::sync::mpsc;
+
+/// A manifest problem: file, 1-based line, and what is wrong.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ManifestError {
+    pub file: PathBuf,
+    pub line: usize,
+    pub message: String,
+}
+
+impl fmt::Display for ManifestError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}:{}: {}", self.file.display(), self.line, self.message)
+    }
+}
+
+impl std::error::Error for ManifestError {}
+
+/// The objects one file holds.
+#[derive(Clone, Debug, Default)]
+pub struct Objects {
+    pub pods: Vec<Pod>,
+    pub namespaces: Vec<Namespace>,
+}
+
+/// Splits a YAML stream into documents at `---` lines; returns each document's
+/// first line number (1-based) and text.
+fn documents(text: &str) -> Vec<(usize, String)> {
+    let mut docs = Vec::new();
+    let mut start = 1;
+    let mut current = String::new();
+    for (i, line) in text.lines().enumerate() {
+        let is_separator = line == "---" || line.starts_with("--- ") || line.starts_with("---\t");
+        if is_separator || line == "..." {
+            docs.push((start, std::mem::take(&mut current)));
+            start = i + 2;
+            continue;
+        }
+        current.push_str(line);
+        current.push('\n');
+    }
+    docs.push((start, current));
+    docs
+}
+
+/// Parses one file's text. `file` is only used in errors.
+///
+/// # Errors
+/// The first problem found; nothing of the file is used then.
+pub fn parse(file: &Path, text: &str) -> Result<Objects, ManifestError> {
+    let mut objects = Objects::default();
+    for (start, doc) in documents(text) {
+        let err = |line: usize, message: String| ManifestError {
+            file: file.to_path_buf(),
+            line,
+            message,
+        };
+        let yaml_err = |e: serde_yaml_ng::Error| {
+            let line = e.location().map_or(start, |l| start + l.line() - 1);
+            err(line, e.to_string())
+        };
+        let value: Value = serde_yaml_ng::from_str(&doc).map_err(yaml_err)?;
+        if value.is_null() {
+            continue;
+        }
+        let kind = value.get("kind").and_then(Value::as_str);
+        let api_version = value.get("apiVersion").and_then(Value::as_str);
+        match (api_version, kind) {
+            (Some("v1"), Some("Pod")) => {
+                let pod: Pod = serde_yaml_ng::from_str(&doc).map_err(yaml_err)?;
+                check_pod(&pod).map_err(|m| err(start, m))?;
+                objects.pods.push(pod);
+            }
+            (Some("v1"), Some("Namespace")) => {
+                let ns: Namespace = serde_yaml_ng::from_str(&doc).map_err(yaml_err)?;
+                if ns.metadata.name.as_deref().unwrap_or("").is_empty() {
+                    return Err(err(start, "Namespace has no metadata.name".into()));
+                }
+                objects.namespaces.push(ns);
+            }
+            (Some("v1"), Some("List")) => {
+                let items = value
+                    .get("items")
+                    .and_then(Value::as_sequence)
+                    .ok_or_else(|| err(start, "List has no items sequence".into()))?;
+                for (i, item) in items.iter().enumerate() {
+                    let item_err = |m: String| err(start, format!("List item {i}: {m}"));
+                    match item.get("kind").and_then(Value::as_str) {
+                        Some("Pod") => {
+                            let pod: Pod = serde_yaml_ng::from_value(item.clone())
+                                .map_err(|e| item_err(e.to_string()))?;
+                            check_pod(&pod).map_err(item_err)?;
+                            objects.pods.push(pod);
+                        }
+                        Some("Namespace") => {
+                            let ns: Namespace = serde_yaml_ng::from_value(item.clone())
+                                .map_err(|e| item_err(e.to_string()))?;
+                            objects.namespaces.push(ns);
+                        }
+                        _ => {}
+                    }
+                }
+            }
+            (_, None) => return Err(err(start, "document has no kind".into())),
+            (None, Some(_)) => return Err(err(start, "document has no apiVersion".into())),
+            // Other kinds (Services, policies, …) are not read yet.
+            _ => {}
+        }
+    }
+    Ok(objects)
+}
+
+/// Checks what the enrollment and the proxy rely on.
+fn check_pod(pod: &Pod) -> Result<(), String> {
+    let name = pod.metadata.name.as_deref().unwrap_or("");
+    if name.is_empty() {
+        return Err("Pod has no metadata.name".into());
+    }
+    let who = format!(
+        "Pod {}/{name}",
+        pod.metadata.namespace.as_deref().unwrap_or("default")
+    );
+    if let Some(status) = &pod.status {
+        if let Some(ip) = status.pod_ip.as_deref()
+            && ip.parse::<IpAddr>().is_err()
+        {
+            return Err(format!("{who}: status.podIP {ip:?} is not an IP address"));
+        }
+        for (i, entry) in status.pod_ips.iter().flatten().enumerate() {
+            if entry.ip.parse::<IpAddr>().is_err() {
+                return Err(format!(
+                    "{who}: status.podIPs[{i}].ip {:?} is not an IP address",
+                    entry.ip
+                ));
+            }
+        }
+    }
+    Ok(())
+}
+
+/// What identifies a version of a file without reading it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Stamp {
+    len: u64,
+    mtime_ns: i128,
+    ino: u64,
+}
+
+#[derive(Debug)]
+struct FileState {
+    stamp: Stamp,
+    objects: Objects,
+    error: Option<ManifestError>,
+}
+
+/// The manifests directory with the last good objects of each file.
+#[derive(Debug)]
+pub struct ManifestDir {
+    dir: PathBuf,
+    files: BTreeMap<PathBuf, FileState>,
+}
+
+/// The result of a rescan.
+#[derive(Debug, Default)]
+pub struct Rescan {
+    /// Whether any file's objects changed (added, removed, or re-read successfully).
+    pub changed: bool,
+    /// Problems found in files that changed since the last rescan.
+    pub errors: Vec<ManifestError>,
+}
+
+fn is_manifest(path: &Path) -> bool {
+    let name = path.file_name().and_then(|n| n.to_str()).unwrap_or("");
+    !name.starts_with('.')
+        && (name.ends_with(".yaml") || name.ends_with(".yml") || name.ends_with(".json"))
+}
+
+impl ManifestDir {
+    /// A source for `dir`, not read yet.
+    ///
+    /// # Errors
+    /// When `dir` is not a readable directory.
+    pub fn new(dir: &Path) -> std::io::Result<Self> {
+        fs::read_dir(dir)?;
+        Ok(Self {
+            dir: dir.to_path_buf(),
+            files: BTreeMap::new(),
+        })
+    }
+
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
+    /// Re-reads files that changed and forgets files that are gone.
+    pub fn rescan(&mut self) -> Rescan {
+        let mut rescan = Rescan::default();
+        let entries = match fs::read_dir(&self.dir) {
+            Ok(entries) => entries,
+            Err(e) => {
+                rescan.errors.push(ManifestError {
+                    file: self.dir.clone(),
+                    line: 0,
+                    message: format!("reading the directory: {e}"),
+                });
+                return rescan;
+            }
+        };
+        let mut seen = HashMap::new();
+        for entry in entries.flatten() {
+            let path = entry.path();
+            if !is_manifest(&path) {
+                continue;
+            }
+            // Follow symlinks (ConfigMap mounts are symlinks).
+            let Ok(meta) = fs::metadata(&path) else {
+                continue;
+            };
+            if !meta.is_file() {
+                continue;
+            }
+            let stamp = Stamp {
+                len: meta.len(),
+                mtime_ns: i128::from(meta.mtime()) * 1_000_000_000 + i128::from(meta.mtime_nsec()),
+                ino: meta.ino(),
+            };
+            seen.insert(path.clone(), stamp);
+        }
+        let before = self.files.len();
+        self.files.retain(|path, _| seen.contains_key(path));
+        rescan.changed |= self.files.len() != before;
+        for (path, stamp) in seen {
+            if self.files.get(&path).is_some_and(|f| f.stamp == stamp) {
+                continue;
+            }
+            let result = fs::read_to_string(&path)
+                .map_err(|e| ManifestError {
+                    file: path.clone(),
+                    line: 0,
+                    message: format!("reading: {e}"),
+                })
+                .and_then(|text| parse(&path, &text));
+            match result {
+                Ok(objects) => {
+                    self.files.insert(
+                        path,
+                        FileState {
+                            stamp,
+                            objects,
+                            error: None,
+                        },
+                    );
+                    rescan.changed = true;
+                }
+                Err(error) => {
+                    rescan.errors.push(error.clone());
+                    // Keep what the file held before; remember the stamp so the
+                    // same error is reported once.
+                    let objects = self
+                        .files
+                        .remove(&path)
+                        .map(|f| f.objects)
+                        .unwrap_or_default();
+                    self.files.insert(
+                        path,
+                        FileState {
+                            stamp,
+                            objects,
+                            error: Some(error),
+                        },
+                    );
+                }
+            }
+        }
+        rescan
+    }
+
+    /// All pods of all files (the last good version of each).
+    pub fn pods(&self) -> impl Iterator<Item = &Pod> {
+        self.files.values().flat_map(|f| &f.objects.pods)
+    }
+
+    /// All namespaces of all files.
+    pub fn namespaces(&self) -> impl Iterator<Item = &Namespace> {
+        self.files.values().flat_map(|f| &f.objects.namespaces)
+    }
+
+    /// Files whose current version has a problem.
+    pub fn errors(&self) -> impl Iterator<Item = &ManifestError> {
+        self.files.values().filter_map(|f| f.error.as_ref())
+    }
+}
+
+/// Watches `dir` and sends a unit on every change (creations, writes, renames,
+/// removals), coalesced: a full channel means a rescan is already pending.
+///
+/// The returned watcher must be kept alive.
+///
+/// # Errors
+/// When inotify cannot watch the directory.
+pub fn watch(dir: &Path) -> notify::Result<(notify::RecommendedWatcher, mpsc::Receiver<()>)> {
+    let (tx, rx) = mpsc::channel(1);
+    let mut watcher = notify::recommended_watcher(move |event: notify::Result<notify::Event>| {
+        if event.is_ok() {
+            let _ = tx.try_send(());
+        }
+    })?;
+    watcher.watch(dir, notify::RecursiveMode::NonRecursive)?;
+    Ok((watcher, rx))
+}
+
+/// How long to wait after a change for related changes (an editor's write and
+/// rename) before rescanning.
+pub const DEBOUNCE: Duration = Duration::from_millis(20);
+/// Rescan period without any event, in case an event was lost.
+pub const RESYNC: Duration = Duration::from_secs(2);
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const POD: &str = "apiVersion: v1
+kind: Pod
+metadata:
+  name: web
+  namespace: shop
+  labels: {istio.io/dataplane-mode: ambient}
+spec:
+  nodeName: node1
+  serviceAccountName: web
+  containers: []
+status:
+  podIP: 10.1.1.5
+";
+
+    #[test]
+    fn multi_document_files() {
+        let text = format!(
+            "# comment\n---\napiVersion: v1\nkind: Namespace\nmetadata:\n  name: shop\n---\n{POD}---\n---\napiVersion: apps/v1\nkind: Deployment\nmetadata:\n  name: x\n"
+        );
+        let objects = parse(Path::new("a.yaml"), &text).unwrap();
+        assert_eq!(objects.namespaces.len(), 1);
+        assert_eq!(objects.pods.len(), 1);
+        assert_eq!(objects.pods[0].metadata.name.as_deref(), Some("web"));
+    }
+
+    #[test]
+    fn errors_name_the_line() {
+        // The second document starts on line 14; its unclosed sequence is reported
+        // where the parser gives up, at the document's end (line 18).
+        let text = format!("{POD}---\napiVersion: v1\nkind: Pod\nmetadata:\n  name: [unclosed\n");
+        let err = parse(Path::new("bad.yaml"), &text).unwrap_err();
+        assert_eq!(err.file, Path::new("bad.yaml"));
+        assert_eq!(err.line, 18, "{err}");
+        assert!(err.to_string().starts_with("bad.yaml:18:"), "{err}");
+
+        let bad_ip = POD.replace("10.1.1.5", "10.1.1.500");
+        let err = parse(Path::new("ip.yaml"), &bad_ip).unwrap_err();
+        assert!(
+            err.message
+                .contains("status.podIP \"10.1.1.500\" is not an IP address"),
+            "{err}"
+        );
+
+        let err = parse(Path::new("k.yaml"), "apiVersion: v1\nmetadata: {}\n").unwrap_err();
+        assert!(err.message.contains("no kind"), "{err}");
+
+        let wrong_type = POD.replace("nodeName: node1", "nodeName: [1, 2]");
+        let err = parse(Path::new("t.yaml"), &wrong_type).unwrap_err();
+        assert_eq!(err.line, 8, "{err}");
+
+        let no_name = POD.replace("  name: web\n", "");
+        let err = parse(Path::new("n.yaml"), &no_name).unwrap_err();
+        assert!(err.message.contains("no metadata.name"), "{err}");
+    }
+
+    #[test]
+    fn lists_are_unpacked() {
+        let text = "apiVersion: v1\nkind: List\nitems:\n- apiVersion: v1\n  kind: Pod\n  metadata: {name: a}\n- apiVersion: v1\n  kind: Namespace\n  metadata: {name: b}\n";
+        let objects = parse(Path::new("l.yaml"), text).unwrap();
+        assert_eq!(objects.pods.len(), 1);
+        assert_eq!(objects.namespaces.len(), 1);
+    }
+
+    #[test]
+    fn a_broken_file_keeps_its_last_good_objects() {
+        let dir = std::env::temp_dir().join(format!("podlink-manifests-{}", std::process::id()));
+        let _ = fs::remove_dir_all(&dir);
+        fs::create_dir_all(&dir).unwrap();
+        fs::write(dir.join("pod.yaml"), POD).unwrap();
+        fs::write(dir.join(".hidden.yaml"), "{{{").unwrap();
+        fs::write(dir.join("notes.txt"), "{{{").unwrap();
+        let mut source = ManifestDir::new(&dir).unwrap();
+        let first = source.rescan();
+        assert!(first.changed && first.errors.is_empty(), "{first:?}");
+        assert_eq!(source.pods().count(), 1);
+
+        // Unchanged: nothing re-read.
+        let again = source.rescan();
+        assert!(!again.changed && again.errors.is_empty());
+
+        // Broken: reported once, objects kept.
+        fs::write(
+            dir.join("pod.yaml"),
+            "apiVersion: v1\nkind: Pod\nmetadata: [\n",
+        )
+        .unwrap();
+        let broken = source.rescan();
+        assert_eq!(broken.errors.len(), 1);
+        assert!(!broken.changed);
+        assert_eq!(source.pods().count(), 1);
+        assert_eq!(source.errors().count(), 1);
+        assert!(source.rescan().errors.is_empty());
+
+        // Replaced by rename with a fixed version.
+        let fixed = POD.replace("web", "web2");
+        fs::write(dir.join("tmp.partial"), &fixed).unwrap();
+        fs::rename(dir.join("tmp.partial"), dir.join("pod.yaml")).unwrap();
+        let renamed = source.rescan();
+        assert!(renamed.changed && renamed.errors.is_empty());
+        assert_eq!(
+            source.pods().next().unwrap().metadata.name.as_deref(),
+            Some("web2")
+        );
+        assert_eq!(source.errors().count(), 0);
+
+        // Removed.
+        fs::remove_file(dir.join("pod.yaml")).unwrap();
+        assert!(source.rescan().changed);
+        assert_eq!(source.pods().count(), 0);
+        fs::remove_dir_all(&dir).unwrap();
+    }
+}

@@ -1,0 +1,397 @@
+//! Workloads (pods) and the enrollment decision.
+//!
+//! Both workload sources (a manifests directory now, the Kubernetes API later)
+//! produce `k8s-openapi` Pods and Namespaces; [`WorkloadIndex::build`] turns them
+//! into the proxy's and the dataplane's view.
+//!
+//! Enrollment follows Istio ambient ("Ambient mode" → "Add workloads to the mesh"):
+//! the label `istio.io/dataplane-mode=ambient` on the pod's namespace or on the pod
+//! enrolls it; `istio.io/dataplane-mode=none` on the pod opts it out; pods with
+//! `hostNetwork: true` are never enrolled.
+
+pub mod manifests;
+
+use std::{
+    collections::{BTreeMap, HashMap},
+    net::IpAddr,
+    sync::Arc,
+};
+
+use k8s_openapi::api::core::v1::{Namespace, Pod};
+use serde::Serialize;
+
+use crate::identity::SpiffeId;
+
+/// The label that selects the dataplane mode of a namespace or pod.
+pub const DATAPLANE_MODE_LABEL: &str = "istio.io/dataplane-mode";
+/// [`DATAPLANE_MODE_LABEL`] value that enrolls.
+pub const DATAPLANE_MODE_AMBIENT: &str = "ambient";
+/// [`DATAPLANE_MODE_LABEL`] value that opts a pod out.
+pub const DATAPLANE_MODE_NONE: &str = "none";
+
+/// Whether a pod's traffic is captured, and why not.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case", tag = "state", content = "reason")]
+pub enum Enrollment {
+    Enrolled,
+    NotEnrolled(&'static str),
+}
+
+impl Enrollment {
+    pub fn is_enrolled(self) -> bool {
+        self == Enrollment::Enrolled
+    }
+}
+
+/// Decides a pod's enrollment from its labels, its namespace's labels and
+/// `spec.hostNetwork`.
+pub fn enrollment(pod: &Pod, namespace: Option<&Namespace>) -> Enrollment {
+    if pod
+        .spec
+        .as_ref()
+        .and_then(|s| s.host_network)
+        .unwrap_or(false)
+    {
+        return Enrollment::NotEnrolled("hostNetwork pod");
+    }
+    let mode = |labels: Option<&BTreeMap<String, String>>| {
+        labels.and_then(|l| l.get(DATAPLANE_MODE_LABEL)).cloned()
+    };
+    match mode(pod.metadata.labels.as_ref()).as_deref() {
+        Some(DATAPLANE_MODE_NONE) => return Enrollment::NotEnrolled("pod opted out"),
+        Some(DATAPLANE_MODE_AMBIENT) => return Enrollment::Enrolled,
+        _ => {}
+    }
+    let ns_mode = namespace.and_then(|ns| mode(ns.metadata.labels.as_ref()));
+    if ns_mode.as_deref() == Some(DATAPLANE_MODE_AMBIENT) {
+        Enrollment::Enrolled
+    } else {
+        Enrollment::NotEnrolled("no ambient label on pod or namespace")
+    }
+}
+
+/// One pod as the proxy and the dataplane see it.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct Workload {
+    pub namespace: String,
+    pub name: String,
+    /// `spec.nodeName`; `None` while unscheduled.
+    pub node: Option<String>,
+    pub service_account: String,
+    /// `status.podIPs` (or `status.podIP`), in order.
+    pub ips: Vec<IpAddr>,
+    pub enrollment: Enrollment,
+    /// The workload's SPIFFE ID.
+    #[serde(serialize_with = "serialize_display")]
+    pub identity: SpiffeId,
+}
+
+fn serialize_display<S: serde::Serializer>(
+    v: &impl std::fmt::Display,
+    s: S,
+) -> Result<S::Ok, S::Error> {
+    s.collect_str(v)
+}
+
+impl Workload {
+    /// `namespace/name`.
+    pub fn key(&self) -> String {
+        format!("{}/{}", self.namespace, self.name)
+    }
+
+    /// The pod's first IPv4 address.
+    pub fn ipv4(&self) -> Option<std::net::Ipv4Addr> {
+        self.ips.iter().find_map(|ip| match ip {
+            IpAddr::V4(v4) => Some(*v4),
+            IpAddr::V6(_) => None,
+        })
+    }
+}
+
+/// Pods that are not workloads: finished ones no longer own their address.
+fn is_finished(pod: &Pod) -> bool {
+    matches!(
+        pod.status.as_ref().and_then(|s| s.phase.as_deref()),
+        Some("Succeeded" | "Failed")
+    )
+}
+
+/// The IPs of a pod: `status.podIPs`, else `status.podIP`. Unparsable entries were
+/// refused when the manifest was read, so they are skipped here.
+fn pod_ips(pod: &Pod) -> Vec<IpAddr> {
+    let Some(status) = pod.status.as_ref() else {
+        return Vec::new();
+    };
+    let mut ips: Vec<IpAddr> = status
+        .pod_ips
+        .iter()
+        .flatten()
+        .filter_map(|p| p.ip.parse().ok())
+        .collect();
+    if ips.is_empty()
+        && let Some(ip) = status.pod_ip.as_deref().and_then(|ip| ip.parse().ok())
+    {
+        ips.push(ip);
+    }
+    ips
+}
+
+/// All workloads of the cluster, indexed by address, from this node's point of view.
+#[derive(Debug, Default)]
+pub struct WorkloadIndex {
+    node: String,
+    workloads: BTreeMap<String, Arc<Workload>>,
+    by_ip: HashMap<IpAddr, Arc<Workload>>,
+}
+
+impl WorkloadIndex {
+    /// Builds the index for node `node`. Returns warnings for conflicts (two pods
+    /// claiming one address: the first by `namespace/name` keeps it).
+    pub fn build<'a>(
+        node: &str,
+        trust_domain: &str,
+        pods: impl IntoIterator<Item = &'a Pod>,
+        namespaces: impl IntoIterator<Item = &'a Namespace>,
+    ) -> (Self, Vec<String>) {
+        let namespaces: HashMap<&str, &Namespace> = namespaces
+            .into_iter()
+            .filter_map(|ns| ns.metadata.name.as_deref().map(|n| (n, ns)))
+            .collect();
+        let mut index = WorkloadIndex {
+            node: node.to_string(),
+            ..Default::default()
+        };
+        let mut warnings = Vec::new();
+        for pod in pods {
+            let Some(name) = pod.metadata.name.clone() else {
+                continue;
+            };
+            if is_finished(pod) {
+                continue;
+            }
+            let namespace = pod
+                .metadata
+                .namespace
+                .clone()
+                .unwrap_or_else(|| "default".into());
+            let spec = pod.spec.as_ref();
+            let service_account = spec
+                .and_then(|s| s.service_account_name.clone())
+                .filter(|s| !s.is_empty())
+                .unwrap_or_else(|| "default".into());
+            let host_network = spec.and_then(|s| s.host_network).unwrap_or(false);
+            let workload = Arc::new(Workload {
+                identity: SpiffeId::new(trust_domain, &namespace, &service_account),
+                enrollment: enrollment(pod, namespaces.get(namespace.as_str()).copied()),
+                node: spec.and_then(|s| s.node_name.clone()),
+                ips: pod_ips(pod),
+                namespace,
+                name,
+                service_account,
+            });
+            // A hostNetwork pod's address is its node's: it names no workload.
+            if !host_network {
+                for ip in &workload.ips {
+                    match index.by_ip.get(ip) {
+                        Some(other) if other.key() < workload.key() => {
+                            warnings.push(format!(
+                                "pods {} and {} both claim address {ip}; {} keeps it",
+                                other.key(),
+                                workload.key(),
+                                other.key()
+                            ));
+                        }
+                        Some(other) => {
+                            warnings.push(format!(
+                                "pods {} and {} both claim address {ip}; {} keeps it",
+                                workload.key(),
+                                other.key(),
+                                workload.key()
+                            ));
+                            index.by_ip.insert(*ip, workload.clone());
+                        }
+                        None => {
+                            index.by_ip.insert(*ip, workload.clone());
+                        }
+                    }
+                }
+            }
+            index.workloads.insert(workload.key(), workload);
+        }
+        (index, warnings)
+    }
+
+    /// The node this index was built for.
+    pub fn node(&self) -> &str {
+        &self.node
+    }
+
+    /// The workload that owns `ip`.
+    pub fn by_ip(&self, ip: IpAddr) -> Option<&Arc<Workload>> {
+        self.by_ip.get(&ip)
+    }
+
+    /// Whether `w` runs on this node.
+    pub fn is_local(&self, w: &Workload) -> bool {
+        w.node.as_deref() == Some(self.node.as_str())
+    }
+
+    /// The enrolled workload on this node that owns `ip`.
+    pub fn local_enrolled(&self, ip: IpAddr) -> Option<&Arc<Workload>> {
+        self.by_ip(ip)
+            .filter(|w| w.enrollment.is_enrolled() && self.is_local(w))
+    }
+
+    /// All workloads, by `namespace/name`.
+    pub fn workloads(&self) -> impl Iterator<Item = &Arc<Workload>> {
+        self.workloads.values()
+    }
+
+    /// This node's enrolled workloads that have an address (what the dataplane
+    /// captures).
+    pub fn captured(&self) -> impl Iterator<Item = &Arc<Workload>> {
+        self.workloads.values().filter(|w| {
+            w.enrollment.is_enrolled()
+                && self.is_local(w)
+                && !w.ips.is_empty()
+                && w.ips.iter().all(|ip| {
+                    self.by_ip
+                        .get(ip)
+                        .is_some_and(|owner| Arc::ptr_eq(owner, w))
+                })
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn pod(yaml: &str) -> Pod {
+        serde_yaml_ng::from_str(yaml).unwrap()
+    }
+
+    fn ns(name: &str, ambient: bool) -> Namespace {
+        let labels = if ambient {
+            "  labels: {istio.io/dataplane-mode: ambient}\n"
+        } else {
+            ""
+        };
+        serde_yaml_ng::from_str(&format!(
+            "apiVersion: v1\nkind: Namespace\nmetadata:\n  name: {name}\n{labels}"
+        ))
+        .unwrap()
+    }
+
+    fn p(name: &str, ns: &str, labels: &str, host_network: bool, ip: &str, node: &str) -> Pod {
+        pod(&format!(
+            "apiVersion: v1\nkind: Pod\nmetadata:\n  name: {name}\n  namespace: {ns}\n  labels: {{{labels}}}\nspec:\n  nodeName: {node}\n  hostNetwork: {host_network}\n  serviceAccountName: sa-{name}\n  containers: []\nstatus:\n  podIP: {ip}\n"
+        ))
+    }
+
+    #[test]
+    fn enrollment_rules() {
+        let amb = ns("amb", true);
+        let plain = ns("plain", false);
+        let cases = [
+            (
+                p("a", "amb", "", false, "10.0.0.1", "n1"),
+                Some(&amb),
+                Enrollment::Enrolled,
+            ),
+            (
+                p(
+                    "b",
+                    "amb",
+                    "istio.io/dataplane-mode: none",
+                    false,
+                    "10.0.0.2",
+                    "n1",
+                ),
+                Some(&amb),
+                Enrollment::NotEnrolled("pod opted out"),
+            ),
+            (
+                p(
+                    "c",
+                    "plain",
+                    "istio.io/dataplane-mode: ambient",
+                    false,
+                    "10.0.0.3",
+                    "n1",
+                ),
+                Some(&plain),
+                Enrollment::Enrolled,
+            ),
+            (
+                p("d", "plain", "", false, "10.0.0.4", "n1"),
+                Some(&plain),
+                Enrollment::NotEnrolled("no ambient label on pod or namespace"),
+            ),
+            (
+                p(
+                    "e",
+                    "amb",
+                    "istio.io/dataplane-mode: ambient",
+                    true,
+                    "10.0.0.5",
+                    "n1",
+                ),
+                Some(&amb),
+                Enrollment::NotEnrolled("hostNetwork pod"),
+            ),
+            (
+                p("f", "missing", "", false, "10.0.0.6", "n1"),
+                None,
+                Enrollment::NotEnrolled("no ambient label on pod or namespace"),
+            ),
+        ];
+        for (pod, namespace, want) in cases {
+            assert_eq!(enrollment(&pod, namespace), want, "{:?}", pod.metadata.name);
+        }
+    }
+
+    #[test]
+    fn index_by_address_and_node() {
+        let amb = ns("amb", true);
+        let pods = [
+            p("local", "amb", "", false, "10.0.0.1", "n1"),
+            p("remote", "amb", "", false, "10.0.1.1", "n2"),
+            p("host", "amb", "", true, "192.168.0.1", "n1"),
+        ];
+        let (index, warnings) = WorkloadIndex::build("n1", "cluster.local", &pods, [&amb]);
+        assert!(warnings.is_empty());
+        let local = index.by_ip("10.0.0.1".parse().unwrap()).unwrap();
+        assert_eq!(
+            local.identity.to_string(),
+            "spiffe://cluster.local/ns/amb/sa/sa-local"
+        );
+        assert!(index.local_enrolled("10.0.0.1".parse().unwrap()).is_some());
+        assert!(index.local_enrolled("10.0.1.1".parse().unwrap()).is_none());
+        assert!(index.by_ip("192.168.0.1".parse().unwrap()).is_none());
+        let captured: Vec<_> = index.captured().map(|w| w.key()).collect();
+        assert_eq!(captured, ["amb/local"]);
+    }
+
+    #[test]
+    fn address_conflicts_are_reported_and_not_captured_twice() {
+        let amb = ns("amb", true);
+        let pods = [
+            p("b", "amb", "", false, "10.0.0.1", "n1"),
+            p("a", "amb", "", false, "10.0.0.1", "n1"),
+        ];
+        let (index, warnings) = WorkloadIndex::build("n1", "cluster.local", &pods, [&amb]);
+        assert_eq!(warnings.len(), 1, "{warnings:?}");
+        assert_eq!(index.by_ip("10.0.0.1".parse().unwrap()).unwrap().name, "a");
+        let captured: Vec<_> = index.captured().map(|w| w.key()).collect();
+        assert_eq!(captured, ["amb/a"]);
+    }
+
+    #[test]
+    fn finished_pods_are_not_workloads() {
+        let mut done = p("done", "amb", "", false, "10.0.0.1", "n1");
+        done.status.as_mut().unwrap().phase = Some("Succeeded".into());
+        let (index, _) = WorkloadIndex::build("n1", "cluster.local", [&done], [&ns("amb", true)]);
+        assert!(index.by_ip("10.0.0.1".parse().unwrap()).is_none());
+    }
+}

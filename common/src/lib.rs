@@ -1,0 +1,203 @@
+//! Types shared by podlink's eBPF programs (`ebpf/`) and its agent (`agent/`).
+//!
+//! Everything here is `#![no_std]` and `#[repr(C)]`: the same bytes are written by
+//! the agent with `bpf(BPF_MAP_UPDATE_ELEM)` and read by the TC programs. The map
+//! values carry BTF (the programs use BTF map definitions), so
+//! `bpftool map dump pinned <pin-dir>/<map>` prints these structs with their field
+//! names.
+//!
+//! Addresses are always 16 bytes wide: an IPv4 address is stored IPv4-mapped
+//! (`::ffff:a.b.c.d`, RFC 4291 §2.5.5.2) so that IPv6 needs no change of layout.
+#![no_std]
+
+/// Transparent listener for traffic leaving an enrolled pod (ztunnel's outbound port).
+pub const OUTBOUND_PORT: u16 = 15001;
+/// Transparent listener for plaintext traffic entering an enrolled pod.
+pub const INBOUND_PLAINTEXT_PORT: u16 = 15006;
+/// HBONE (HTTP/2 CONNECT over mutual TLS) listener for traffic entering an enrolled pod.
+pub const HBONE_PORT: u16 = 15008;
+
+/// `SO_MARK` of every socket the proxy opens; the programs let such packets pass.
+/// Same value and mask as ztunnel's own sockets.
+pub const PROXY_MARK: u32 = 0x539;
+/// Bits of `skb->mark` that hold [`PROXY_MARK`].
+pub const PROXY_MARK_MASK: u32 = 0xfff;
+/// Mark set on a packet after `bpf_sk_assign`; a policy routing rule sends packets
+/// carrying it to a table whose only route is `local default dev lo`. Its bits do not
+/// overlap [`PROXY_MARK_MASK`].
+pub const REDIRECT_MARK: u32 = 0x1000;
+/// Bits of `skb->mark` that hold [`REDIRECT_MARK`].
+pub const REDIRECT_MARK_MASK: u32 = 0x1000;
+/// Routing table that holds the `local default dev lo` routes.
+pub const ROUTE_TABLE: u32 = 1339;
+/// Preference of the `fwmark` policy routing rule (before `main` at 32766).
+pub const RULE_PRIORITY: u32 = 1339;
+
+/// Name of the TC ingress program of a host veth (packets leaving the pod).
+pub const PROG_FROM_POD: &str = "from_pod";
+/// Name of the TC egress program of a host veth (packets entering the pod).
+pub const PROG_TO_POD: &str = "to_pod";
+
+/// Map: host veth ifindex (`u32`) → [`PodInfo`].
+pub const MAP_PODS: &str = "pods";
+/// Map: a single [`Config`] at index 0.
+pub const MAP_CONFIG: &str = "config";
+/// Map: LPM trie of destination prefixes ([`CidrKey`]) that bypass capture.
+pub const MAP_EXCLUDED_CIDRS: &str = "excluded_cidrs";
+/// Map: destination TCP port (`u16`) → `u8`; ports that bypass capture.
+pub const MAP_EXCLUDED_PORTS: &str = "excluded_ports";
+/// Map: host veth ifindex (`u32`) → per-CPU [`PodCounters`].
+pub const MAP_COUNTERS: &str = "pod_counters";
+/// All maps the programs use, in pin order.
+pub const MAP_NAMES: [&str; 5] = [
+    MAP_PODS,
+    MAP_CONFIG,
+    MAP_EXCLUDED_CIDRS,
+    MAP_EXCLUDED_PORTS,
+    MAP_COUNTERS,
+];
+
+/// Capacity of the pods and counters maps (host veths on one node).
+pub const MAX_PODS: u32 = 16384;
+/// Capacity of the excluded-CIDR trie.
+pub const MAX_EXCLUDED_CIDRS: u32 = 1024;
+/// Capacity of the excluded-port set.
+pub const MAX_EXCLUDED_PORTS: u32 = 256;
+/// Number of node addresses [`Config`] can hold.
+pub const MAX_NODE_ADDRS: usize = 8;
+
+/// An IPv6 address, or an IPv4 address in IPv4-mapped form, in network byte order.
+pub type Addr = [u8; 16];
+
+/// [`PodInfo::flags`]: the pod's traffic is captured.
+pub const POD_ENROLLED: u32 = 1 << 0;
+/// [`PodInfo::flags`]: [`PodInfo::ipv4`] holds an address.
+pub const POD_HAS_IPV4: u32 = 1 << 1;
+/// [`PodInfo::flags`]: [`PodInfo::ipv6`] holds an address.
+pub const POD_HAS_IPV6: u32 = 1 << 2;
+
+/// Value of the pods map: one enrolled pod, keyed by its host veth's ifindex.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct PodInfo {
+    /// The pod's IPv4 address, IPv4-mapped; zero when the pod has none.
+    pub ipv4: Addr,
+    /// The pod's IPv6 address; zero when the pod has none.
+    pub ipv6: Addr,
+    /// `POD_*` flags.
+    pub flags: u32,
+    /// The agent's number for the workload, to correlate map entries with workloads.
+    pub workload_id: u32,
+}
+
+/// [`Config::flags`]: an enrolled pod whose listener is missing passes its traffic
+/// uncaptured instead of dropping it (fail open). Off by default: fail closed.
+pub const CONFIG_FAIL_OPEN: u32 = 1 << 0;
+
+/// Value of the config map (one entry, index 0). Written by the agent at start.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Config {
+    /// `SO_MARK` of the proxy's sockets.
+    pub proxy_mark: u32,
+    /// Bits of `skb->mark` compared with `proxy_mark`.
+    pub proxy_mark_mask: u32,
+    /// Mark set after a socket assignment (policy routing to local delivery).
+    pub redirect_mark: u32,
+    /// Bits of `skb->mark` replaced by `redirect_mark`.
+    pub redirect_mark_mask: u32,
+    /// Outbound listener port, host byte order.
+    pub outbound_port: u16,
+    /// Inbound plaintext listener port, host byte order.
+    pub inbound_plaintext_port: u16,
+    /// HBONE listener port, host byte order.
+    pub hbone_port: u16,
+    /// Padding, zero.
+    pub _pad: u16,
+    /// `CONFIG_*` flags.
+    pub flags: u32,
+    /// Number of valid entries in `node_addrs`.
+    pub node_addr_count: u32,
+    /// The node's own addresses; packets from them to a pod (kubelet probes) pass.
+    pub node_addrs: [Addr; MAX_NODE_ADDRS],
+}
+
+/// Key of the excluded-CIDR LPM trie (`struct bpf_lpm_trie_key` layout).
+#[repr(C, packed)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct CidrKey {
+    /// Prefix length in bits over the 16-byte address (IPv4 prefixes add 96).
+    pub prefix_len: u32,
+    /// The prefix, IPv4-mapped for IPv4.
+    pub addr: Addr,
+}
+
+/// Value of the per-CPU counters map: packets seen on one pod's host veth, by outcome.
+/// Sum over CPUs for totals.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct PodCounters {
+    /// SYNs from the pod assigned to the outbound listener.
+    pub captured_outbound: u64,
+    /// SYNs to the pod's HBONE port assigned to the HBONE listener.
+    pub captured_inbound_hbone: u64,
+    /// SYNs to the pod assigned to the inbound plaintext listener.
+    pub captured_inbound_plaintext: u64,
+    /// Packets assigned to an existing proxy socket.
+    pub assigned_established: u64,
+    /// Packets to the pod bounced to the host veth's ingress for assignment.
+    pub bounced: u64,
+    /// Packets passed untouched (flows from before enrollment, proxy and node traffic,
+    /// excluded destinations, non-TCP).
+    pub passed: u64,
+    /// Dropped: a new connection while no proxy listener exists (fail closed).
+    pub dropped_no_listener: u64,
+    /// Dropped: a bounced packet found no proxy socket (it would loop).
+    pub dropped_bounce_miss: u64,
+    /// Dropped: `bpf_sk_assign` failed.
+    pub dropped_assign_failed: u64,
+}
+
+#[cfg(feature = "user")]
+mod user {
+    // SAFETY: all four are `#[repr(C)]` plain data with no padding holes that the
+    // kernel would interpret, and every bit pattern is a valid value.
+    unsafe impl aya::Pod for super::PodInfo {}
+    unsafe impl aya::Pod for super::Config {}
+    unsafe impl aya::Pod for super::CidrKey {}
+    unsafe impl aya::Pod for super::PodCounters {}
+}
+
+/// Converts an IPv4 address (four octets, network order) to the 16-byte map form.
+pub const fn ipv4_mapped(octets: [u8; 4]) -> Addr {
+    [
+        0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0xff, 0xff, octets[0], octets[1], octets[2], octets[3],
+    ]
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn layouts_match_what_the_programs_read() {
+        assert_eq!(core::mem::size_of::<PodInfo>(), 40);
+        assert_eq!(core::mem::size_of::<CidrKey>(), 20);
+        assert_eq!(core::mem::size_of::<Config>(), 32 + 16 * MAX_NODE_ADDRS);
+        assert_eq!(core::mem::size_of::<PodCounters>(), 9 * 8);
+    }
+
+    #[test]
+    fn ipv4_mapped_form() {
+        let a = ipv4_mapped([10, 1, 2, 3]);
+        assert_eq!(&a[..12], &[0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0xff, 0xff]);
+        assert_eq!(&a[12..], &[10, 1, 2, 3]);
+    }
+
+    #[test]
+    fn marks_do_not_overlap() {
+        assert_eq!(PROXY_MARK_MASK & REDIRECT_MARK_MASK, 0);
+        assert_eq!(PROXY_MARK & !PROXY_MARK_MASK, 0);
+        assert_eq!(REDIRECT_MARK & !REDIRECT_MARK_MASK, 0);
+    }
+}

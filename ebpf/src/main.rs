@@ -1,0 +1,190 @@
+//! podlink's TC programs, attached to the host veth of every enrolled pod.
+//!
+//! * [`from_pod`] runs at TC ingress (packets leaving the pod, and packets that
+//!   [`to_pod`] bounced back in). It assigns a packet with `bpf_sk_assign` to the
+//!   proxy socket of its flow, or a new connection to a transparent listener.
+//! * [`to_pod`] runs at TC egress (packets entering the pod). It lets the proxy's and
+//!   the node's own packets through and bounces new connections and packets of proxy
+//!   flows into the same device's ingress, where `from_pod` can assign them
+//!   (`bpf_sk_assign` only works at ingress).
+//!
+//! The decisions are documented in `../shared/DESIGN.md` ("The data path"). Entry
+//! points are thin; the work is in [`parse`], [`socket`] and [`maps`].
+#![no_std]
+#![no_main]
+
+mod maps;
+mod parse;
+mod socket;
+
+use aya_ebpf::{
+    bindings::{BPF_F_INGRESS, TC_ACT_OK, TC_ACT_SHOT, TC_ACT_UNSPEC},
+    helpers::generated::bpf_redirect,
+    macros::classifier,
+    programs::TcContext,
+};
+use podlink_common::{CONFIG_FAIL_OPEN, Config, PodCounters, PodInfo};
+
+use crate::{
+    maps::{count, is_excluded, is_node_addr},
+    parse::Tcp4,
+    socket::Lookup,
+};
+
+/// Pass the packet on to the next program or to the stack, untouched.
+const PASS: i32 = TC_ACT_UNSPEC;
+const DROP: i32 = TC_ACT_SHOT as i32;
+
+/// TC ingress of an enrolled pod's host veth.
+#[classifier]
+pub fn from_pod(ctx: TcContext) -> i32 {
+    let ifindex = unsafe { (*ctx.skb.skb).ifindex };
+    let Some(pod) = maps::pod(ifindex) else {
+        return PASS;
+    };
+    let Some(cfg) = maps::config() else {
+        return PASS;
+    };
+    let counters = maps::counters(ifindex);
+    let Some(pkt) = parse::tcp4(&ctx) else {
+        count(counters, |c| &mut c.passed);
+        return PASS;
+    };
+    from_pod_tcp4(&ctx, pod, cfg, counters, &pkt)
+}
+
+#[inline(always)]
+fn from_pod_tcp4(
+    ctx: &TcContext,
+    pod: &PodInfo,
+    cfg: &Config,
+    counters: Option<*mut PodCounters>,
+    pkt: &Tcp4,
+) -> i32 {
+    // A packet addressed to the pod itself was bounced in by `to_pod`: it is
+    // inbound. Anything else comes from the pod: outbound.
+    let bounced = parse::is_pod_ipv4(pod, pkt.daddr);
+
+    // 1. A proxy socket (or any socket of this netns) already owns this 4-tuple:
+    //    replies to the proxy's upstream connections and later packets of captured
+    //    flows. A SYN that meets a TIME_WAIT socket opens a new connection instead.
+    match socket::lookup_established(ctx, pkt) {
+        Lookup::Found(sk) => {
+            return match socket::assign(ctx, sk, cfg) {
+                Ok(()) => {
+                    count(counters, |c| &mut c.assigned_established);
+                    TC_ACT_OK as i32
+                }
+                Err(()) => {
+                    count(counters, |c| &mut c.dropped_assign_failed);
+                    DROP
+                }
+            };
+        }
+        Lookup::None => {}
+    }
+
+    if !pkt.is_syn() {
+        if bounced {
+            // `to_pod` saw a proxy socket that is gone now; passing the packet
+            // would route it back out of this veth and bounce it again.
+            count(counters, |c| &mut c.dropped_bounce_miss);
+            return DROP;
+        }
+        // A flow from before enrollment: leave it alone.
+        count(counters, |c| &mut c.passed);
+        return PASS;
+    }
+
+    // 2. A new connection: to the transparent listener for its direction.
+    let listener_port = if bounced {
+        if pkt.dport == cfg.hbone_port {
+            cfg.hbone_port
+        } else {
+            cfg.inbound_plaintext_port
+        }
+    } else {
+        if is_excluded(pkt.daddr, pkt.dport) {
+            count(counters, |c| &mut c.passed);
+            return PASS;
+        }
+        cfg.outbound_port
+    };
+    let Some(sk) = socket::lookup_listener(ctx, pkt, listener_port) else {
+        if cfg.flags & CONFIG_FAIL_OPEN != 0 && !bounced {
+            count(counters, |c| &mut c.passed);
+            return PASS;
+        }
+        // Fail closed: no byte of an enrolled pod leaves in plain text while the
+        // proxy is away. The client's SYN retry succeeds once it is back.
+        count(counters, |c| &mut c.dropped_no_listener);
+        return DROP;
+    };
+    match socket::assign(ctx, sk, cfg) {
+        Ok(()) => {
+            if !bounced {
+                count(counters, |c| &mut c.captured_outbound);
+            } else if listener_port == cfg.hbone_port {
+                count(counters, |c| &mut c.captured_inbound_hbone);
+            } else {
+                count(counters, |c| &mut c.captured_inbound_plaintext);
+            }
+            TC_ACT_OK as i32
+        }
+        Err(()) => {
+            count(counters, |c| &mut c.dropped_assign_failed);
+            DROP
+        }
+    }
+}
+
+/// TC egress of an enrolled pod's host veth.
+#[classifier]
+pub fn to_pod(ctx: TcContext) -> i32 {
+    let ifindex = unsafe { (*ctx.skb.skb).ifindex };
+    let Some(pod) = maps::pod(ifindex) else {
+        return PASS;
+    };
+    let Some(cfg) = maps::config() else {
+        return PASS;
+    };
+    let counters = maps::counters(ifindex);
+    let mark = unsafe { (*ctx.skb.skb).mark };
+    if mark & cfg.proxy_mark_mask == cfg.proxy_mark {
+        // The proxy's own connection to the pod.
+        count(counters, |c| &mut c.passed);
+        return PASS;
+    }
+    let Some(pkt) = parse::tcp4(&ctx) else {
+        count(counters, |c| &mut c.passed);
+        return PASS;
+    };
+    if !parse::is_pod_ipv4(pod, pkt.daddr) || is_node_addr(cfg, pkt.saddr) {
+        // Not for the pod's own address, or from the node itself (kubelet probes).
+        count(counters, |c| &mut c.passed);
+        return PASS;
+    }
+    let bounce = if pkt.is_syn() {
+        !maps::is_excluded_port(pkt.dport)
+    } else {
+        socket::proxy_socket_exists(&ctx, &pkt)
+    };
+    if !bounce {
+        // A flow from before enrollment, or an excluded port.
+        count(counters, |c| &mut c.passed);
+        return PASS;
+    }
+    count(counters, |c| &mut c.bounced);
+    // SAFETY: a helper call with a scalar ifindex and flags.
+    unsafe { bpf_redirect(ifindex, BPF_F_INGRESS as u64) as i32 }
+}
+
+#[cfg(not(test))]
+#[panic_handler]
+fn panic(_info: &core::panic::PanicInfo) -> ! {
+    loop {}
+}
+
+#[unsafe(link_section = "license")]
+#[unsafe(no_mangle)]
+static LICENSE: [u8; 4] = *b"GPL\0";

@@ -1,0 +1,93 @@
+//! The maps (BTF definitions, pinned by the agent) and small accessors.
+
+use aya_ebpf::{
+    btf_maps::{Array, HashMap, LpmTrie, PerCpuHashMap, lpm_trie::Key},
+    macros::btf_map,
+};
+use podlink_common::{
+    Addr, Config, MAX_EXCLUDED_CIDRS, MAX_EXCLUDED_PORTS, MAX_NODE_ADDRS, MAX_PODS, PodCounters,
+    PodInfo,
+};
+
+use crate::parse::ipv4_of;
+
+/// Host veth ifindex → the enrolled pod behind it.
+#[btf_map(name = "pods")]
+static PODS: HashMap<u32, PodInfo, { MAX_PODS as usize }> = HashMap::new();
+
+/// The proxy's ports and marks and the node's addresses, at index 0.
+#[btf_map(name = "config")]
+static CONFIG: Array<Config, 1> = Array::new();
+
+/// Destination prefixes that bypass capture.
+#[btf_map(name = "excluded_cidrs")]
+static EXCLUDED_CIDRS: LpmTrie<Addr, u8, { MAX_EXCLUDED_CIDRS as usize }> = LpmTrie::new();
+
+/// Destination ports that bypass capture.
+#[btf_map(name = "excluded_ports")]
+static EXCLUDED_PORTS: HashMap<u16, u8, { MAX_EXCLUDED_PORTS as usize }> = HashMap::new();
+
+/// Host veth ifindex → per-CPU packet counters.
+#[btf_map(name = "pod_counters")]
+static COUNTERS: PerCpuHashMap<u32, PodCounters, { MAX_PODS as usize }> = PerCpuHashMap::new();
+
+#[inline(always)]
+pub fn pod(ifindex: u32) -> Option<&'static PodInfo> {
+    // SAFETY: the agent replaces entries whole; a concurrent update can at worst
+    // show this packet the old or the new pod, both valid values.
+    unsafe { PODS.get(ifindex) }
+}
+
+#[inline(always)]
+pub fn config() -> Option<&'static Config> {
+    CONFIG.get(0)
+}
+
+#[inline(always)]
+pub fn counters(ifindex: u32) -> Option<*mut PodCounters> {
+    COUNTERS.get_ptr_mut(ifindex)
+}
+
+/// Adds one to a counter of this CPU's slot, if the pod has counters.
+#[inline(always)]
+pub fn count(counters: Option<*mut PodCounters>, field: impl FnOnce(&mut PodCounters) -> &mut u64) {
+    if let Some(c) = counters {
+        // SAFETY: a per-CPU slot: only this program invocation writes it now.
+        unsafe { *field(&mut *c) += 1 };
+    }
+}
+
+/// Whether an outbound destination (IPv4, network order; port host order) bypasses
+/// capture.
+#[inline(always)]
+pub fn is_excluded(daddr: u32, dport: u16) -> bool {
+    if is_excluded_port(dport) {
+        return true;
+    }
+    let b = daddr.to_ne_bytes();
+    let key = Key::new(128, podlink_common::ipv4_mapped(b));
+    EXCLUDED_CIDRS.get(&key).is_some()
+}
+
+#[inline(always)]
+pub fn is_excluded_port(port: u16) -> bool {
+    // SAFETY: a plain value read.
+    unsafe { EXCLUDED_PORTS.get(port).is_some() }
+}
+
+/// Whether `addr` (IPv4, network order) is one of the node's own addresses.
+#[inline(always)]
+pub fn is_node_addr(cfg: &Config, addr: u32) -> bool {
+    let n = cfg.node_addr_count as usize;
+    let mut i = 0;
+    while i < MAX_NODE_ADDRS {
+        if i >= n {
+            return false;
+        }
+        if ipv4_of(&cfg.node_addrs[i]) == addr && cfg.node_addrs[i][10] == 0xff {
+            return true;
+        }
+        i += 1;
+    }
+    false
+}

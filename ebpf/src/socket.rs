@@ -1,0 +1,128 @@
+//! Socket lookups and assignment (`bpf_skc_lookup_tcp`, `bpf_sk_assign`).
+//!
+//! Every socket returned by a lookup is released on every path.
+
+use core::mem::size_of;
+
+use aya_ebpf::{
+    bindings::{
+        BPF_F_CURRENT_NETNS, BPF_TCP_LISTEN, BPF_TCP_TIME_WAIT, bpf_sock, bpf_sock_tuple,
+        bpf_sock_tuple__bindgen_ty_1, bpf_sock_tuple__bindgen_ty_1__bindgen_ty_1,
+    },
+    helpers::generated::{bpf_sk_assign, bpf_sk_release, bpf_skc_lookup_tcp},
+    programs::TcContext,
+};
+use podlink_common::Config;
+
+use crate::parse::Tcp4;
+
+/// 127.0.0.1 in network order: the proxy's listeners are bound to loopback, so only
+/// packets steered by these programs reach them.
+const LOOPBACK: u32 = u32::from_ne_bytes([127, 0, 0, 1]);
+/// Linux `PACKET_HOST`.
+const PACKET_HOST: u32 = 0;
+
+pub enum Lookup {
+    /// A non-listening socket owns the flow; it must be released (done by `assign`).
+    Found(*mut bpf_sock),
+    None,
+}
+
+#[inline(always)]
+fn tuple(saddr: u32, daddr: u32, sport: u16, dport: u16) -> bpf_sock_tuple {
+    bpf_sock_tuple {
+        __bindgen_anon_1: bpf_sock_tuple__bindgen_ty_1 {
+            ipv4: bpf_sock_tuple__bindgen_ty_1__bindgen_ty_1 {
+                saddr,
+                daddr,
+                sport: sport.to_be(),
+                dport: dport.to_be(),
+            },
+        },
+    }
+}
+
+#[inline(always)]
+fn skc_lookup(ctx: &TcContext, t: &mut bpf_sock_tuple) -> *mut bpf_sock {
+    // SAFETY: helper call with the context and a stack tuple of the IPv4 size.
+    unsafe {
+        bpf_skc_lookup_tcp(
+            ctx.skb.skb.cast(),
+            t,
+            size_of::<bpf_sock_tuple__bindgen_ty_1__bindgen_ty_1>() as u32,
+            BPF_F_CURRENT_NETNS as u64,
+            0,
+        )
+    }
+}
+
+#[inline(always)]
+fn release(sk: *mut bpf_sock) {
+    // SAFETY: `sk` came from a lookup and has not been released.
+    unsafe { bpf_sk_release(sk.cast()) };
+}
+
+/// Finds a non-listening socket for the packet's own 4-tuple. A SYN that finds a
+/// TIME_WAIT socket is treated as new (the listener then takes it).
+#[inline(always)]
+pub fn lookup_established(ctx: &TcContext, pkt: &Tcp4) -> Lookup {
+    let mut t = tuple(pkt.saddr, pkt.daddr, pkt.sport, pkt.dport);
+    let sk = skc_lookup(ctx, &mut t);
+    if sk.is_null() {
+        return Lookup::None;
+    }
+    // SAFETY: non-null socket from the helper; `state` is readable on sock_common.
+    let state = unsafe { (*sk).state };
+    if state == BPF_TCP_LISTEN || (state == BPF_TCP_TIME_WAIT && pkt.is_syn()) {
+        release(sk);
+        return Lookup::None;
+    }
+    Lookup::Found(sk)
+}
+
+/// Whether a non-listening socket (the proxy's, since pod addresses are not local)
+/// owns the packet's 4-tuple.
+#[inline(always)]
+pub fn proxy_socket_exists(ctx: &TcContext, pkt: &Tcp4) -> bool {
+    match lookup_established(ctx, pkt) {
+        Lookup::Found(sk) => {
+            release(sk);
+            true
+        }
+        Lookup::None => false,
+    }
+}
+
+/// Finds the proxy's transparent listener on `port` (bound to 127.0.0.1).
+#[inline(always)]
+pub fn lookup_listener(ctx: &TcContext, pkt: &Tcp4, port: u16) -> Option<*mut bpf_sock> {
+    let mut t = tuple(pkt.saddr, LOOPBACK, pkt.sport, port);
+    let sk = skc_lookup(ctx, &mut t);
+    if sk.is_null() {
+        return None;
+    }
+    // SAFETY: non-null socket from the helper.
+    if unsafe { (*sk).state } != BPF_TCP_LISTEN {
+        release(sk);
+        return None;
+    }
+    Some(sk)
+}
+
+/// Assigns the packet to `sk` (consuming the lookup reference), then marks it for
+/// local delivery and makes it addressed to this host (a bounced packet still
+/// carries the pod's MAC).
+#[inline(always)]
+pub fn assign(ctx: &TcContext, sk: *mut bpf_sock, cfg: &Config) -> Result<(), ()> {
+    // SAFETY: `sk` is a referenced socket from a lookup.
+    let ret = unsafe { bpf_sk_assign(ctx.skb.skb.cast(), sk.cast(), 0) };
+    release(sk);
+    if ret != 0 {
+        return Err(());
+    }
+    // SAFETY: reading the context's mark.
+    let mark = unsafe { (*ctx.skb.skb).mark };
+    ctx.set_mark((mark & !cfg.redirect_mark_mask) | cfg.redirect_mark);
+    let _ = ctx.change_type(PACKET_HOST);
+    Ok(())
+}

@@ -1,0 +1,3 @@
+pub fn run() -> anyhow::Result<()> {
+    anyhow::bail!("todo")
+}

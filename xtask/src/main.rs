@@ -1,0 +1,172 @@
+//! `cargo xtask <command>`: podlink's development tasks.
+//!
+//! Every command first runs `setup`, so a fresh machine needs nothing by hand.
+
+mod bench;
+mod demo;
+mod setup;
+
+use std::{
+    path::{Path, PathBuf},
+    process::Command,
+};
+
+use anyhow::{Context, Result, bail};
+use clap::{Parser, Subcommand};
+
+#[derive(Parser)]
+#[command(about = "podlink development tasks")]
+struct Cli {
+    #[command(subcommand)]
+    command: Cmd,
+}
+
+#[derive(Subcommand)]
+enum Cmd {
+    /// Install what building and testing need (Debian packages, nightly rust-src,
+    /// bpf-linker). Idempotent.
+    Setup,
+    /// Build the eBPF object (with BTF) with the nightly toolchain.
+    BuildEbpf,
+    /// Build everything: the eBPF object, then the agent that embeds it (release).
+    Build,
+    /// Build a two-node cluster of network namespaces and show podlink at work.
+    Demo,
+    /// Run unit tests, then the end-to-end tests (root) on the network-namespace
+    /// test bed.
+    Test {
+        /// Only run tests whose name contains this filter.
+        filter: Option<String>,
+    },
+    /// Measure podlink against the direct path on the two-node test bed.
+    Bench {
+        /// Repetitions of each measurement (interleaved, median shown).
+        #[arg(long, default_value_t = 5)]
+        repeat: usize,
+        /// Write the table as JSON to this file as well.
+        #[arg(long)]
+        json: Option<PathBuf>,
+    },
+}
+
+fn main() -> Result<()> {
+    let cli = Cli::parse();
+    setup::setup()?;
+    match cli.command {
+        Cmd::Setup => Ok(()),
+        Cmd::BuildEbpf => build_ebpf(),
+        Cmd::Build => build(),
+        Cmd::Demo => {
+            build()?;
+            demo::run()
+        }
+        Cmd::Test { filter } => {
+            build()?;
+            test(filter.as_deref())
+        }
+        Cmd::Bench { repeat, json } => {
+            build()?;
+            bench::run(repeat, json.as_deref())
+        }
+    }
+}
+
+/// The workspace root (the parent of `xtask/`).
+pub fn project_root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .expect("xtask lives in the workspace")
+        .to_path_buf()
+}
+
+/// Project-local tools (bpf-linker and its LLVM links); ignored by git.
+pub fn tools_dir() -> PathBuf {
+    project_root().join(".tools")
+}
+
+/// Path of the eBPF object `build-ebpf` produces and the agent embeds.
+pub fn ebpf_object() -> PathBuf {
+    project_root().join("ebpf/target/bpfel-unknown-none/release/podlink-ebpf")
+}
+
+/// Path of a release binary of the workspace.
+pub fn release_bin(name: &str) -> PathBuf {
+    project_root().join("target/release").join(name)
+}
+
+/// Runs a command, failing with its name and status.
+pub fn run(cmd: &mut Command) -> Result<()> {
+    let status = cmd
+        .status()
+        .with_context(|| format!("starting {:?}", cmd.get_program()))?;
+    if !status.success() {
+        bail!("{cmd:?} failed: {status}");
+    }
+    Ok(())
+}
+
+/// A `cargo` invocation for the host workspace with the stable toolchain, cleared
+/// of the variables the outer `cargo run` set.
+fn host_cargo() -> Command {
+    let mut cmd = Command::new("cargo");
+    cmd.current_dir(project_root())
+        .env_remove("RUSTUP_TOOLCHAIN")
+        .env_remove("RUSTC")
+        .env_remove("CARGO_TARGET_DIR");
+    cmd
+}
+
+fn build_ebpf() -> Result<()> {
+    let linker_dir = setup::bpf_linker_bin()
+        .parent()
+        .expect("bpf-linker has a directory")
+        .to_path_buf();
+    let path = std::env::var_os("PATH").unwrap_or_default();
+    let mut paths = vec![linker_dir];
+    paths.extend(std::env::split_paths(&path));
+    let mut cmd = Command::new("rustup");
+    cmd.args(["run", "nightly", "cargo", "build", "--release"])
+        .args(["-Z", "build-std=core", "--target", "bpfel-unknown-none"])
+        .current_dir(project_root().join("ebpf"))
+        .env("PATH", std::env::join_paths(paths)?)
+        // Debug info becomes BTF; the maps' key and value types need it.
+        .env(
+            "CARGO_ENCODED_RUSTFLAGS",
+            ["-C", "debuginfo=2", "-C", "link-arg=--btf"].join("\x1f"),
+        )
+        .env_remove("RUSTUP_TOOLCHAIN")
+        .env_remove("RUSTC")
+        .env_remove("CARGO_TARGET_DIR");
+    run(&mut cmd).context("building the eBPF object")?;
+    eprintln!("build-ebpf: {}", ebpf_object().display());
+    Ok(())
+}
+
+fn build() -> Result<()> {
+    build_ebpf()?;
+    let mut cmd = host_cargo();
+    cmd.args(["build", "--release", "--package", "podlink-agent", "--bins"])
+        .env("PODLINK_EBPF_OBJECT", ebpf_object());
+    run(&mut cmd).context("building the agent")
+}
+
+fn test(filter: Option<&str>) -> Result<()> {
+    if unsafe { libc::geteuid() } != 0 {
+        bail!("the end-to-end tests create network namespaces, veths and BPF links: run as root");
+    }
+    let mut unit = host_cargo();
+    unit.args(["test", "--workspace", "--exclude", "podlink-tests"])
+        .env("PODLINK_EBPF_OBJECT", ebpf_object());
+    if let Some(f) = filter {
+        unit.arg(f);
+    }
+    run(&mut unit).context("unit tests")?;
+    let mut e2e = host_cargo();
+    e2e.args(["test", "--release", "--package", "podlink-tests"])
+        .env("PODLINK_EBPF_OBJECT", ebpf_object())
+        .env("PODLINK_BIN", release_bin("podlink"));
+    if let Some(f) = filter {
+        e2e.arg(f);
+    }
+    run(&mut e2e).context("end-to-end tests")
+}

@@ -1,0 +1,150 @@
+//! `cargo xtask setup`: makes a fresh machine ready, idempotently.
+//!
+//! * Debian packages the data path, the test bed and the benchmark use.
+//! * The nightly toolchain's `rust-src` component (the eBPF crate builds `core`).
+//! * `bpf-linker` 0.13, built against the nightly's own LLVM into `.tools/`.
+
+use std::{
+    fs,
+    path::{Path, PathBuf},
+    process::Command,
+};
+
+use anyhow::{Context, Result, bail};
+
+use crate::{project_root, run, tools_dir};
+
+/// Debian packages and a file each one installs (to check without dpkg's locks).
+const PACKAGES: &[(&str, &str)] = &[
+    ("iproute2", "/usr/sbin/ip"),
+    ("bpftool", "/usr/sbin/bpftool"),
+    ("containernetworking-plugins", "/usr/lib/cni/ptp"),
+    ("iperf3", "/usr/bin/iperf3"),
+    ("tcpdump", "/usr/bin/tcpdump"),
+];
+
+/// The bpf-linker release line that builds with the installed toolchains.
+const BPF_LINKER_VERSION: &str = "~0.13";
+
+pub fn setup() -> Result<()> {
+    install_packages()?;
+    install_rust_src()?;
+    install_bpf_linker()?;
+    Ok(())
+}
+
+fn install_packages() -> Result<()> {
+    let missing: Vec<&str> = PACKAGES
+        .iter()
+        .filter(|(_, file)| !Path::new(file).exists())
+        .map(|(pkg, _)| *pkg)
+        .collect();
+    if missing.is_empty() {
+        return Ok(());
+    }
+    eprintln!("setup: installing Debian packages: {}", missing.join(" "));
+    let mut update = Command::new("apt-get");
+    update.args(["update", "-qq"]);
+    run(&mut update).context("apt-get update (setup needs root and the Debian mirror)")?;
+    let mut install = Command::new("apt-get");
+    install
+        .args(["install", "-y", "-qq", "--no-install-recommends"])
+        .args(&missing)
+        .env("DEBIAN_FRONTEND", "noninteractive");
+    run(&mut install).context("apt-get install")?;
+    Ok(())
+}
+
+fn install_rust_src() -> Result<()> {
+    let out = Command::new("rustup")
+        .args(["component", "list", "--installed", "--toolchain", "nightly"])
+        .output()
+        .context("running rustup")?;
+    if !out.status.success() {
+        bail!(
+            "the nightly toolchain is missing (rustup said: {})",
+            String::from_utf8_lossy(&out.stderr).trim()
+        );
+    }
+    if String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .any(|l| l.starts_with("rust-src"))
+    {
+        return Ok(());
+    }
+    eprintln!("setup: adding rust-src to the nightly toolchain");
+    run(Command::new("rustup").args(["component", "add", "rust-src", "--toolchain", "nightly"]))
+}
+
+/// Path of the project-local bpf-linker.
+pub fn bpf_linker_bin() -> PathBuf {
+    tools_dir().join("bpf-linker/bin/bpf-linker")
+}
+
+fn install_bpf_linker() -> Result<()> {
+    let bin = bpf_linker_bin();
+    if let Ok(out) = Command::new(&bin).arg("--version").output()
+        && out.status.success()
+        && String::from_utf8_lossy(&out.stdout).contains("bpf-linker 0.13")
+    {
+        return Ok(());
+    }
+    let (llvm_major, libllvm) = nightly_llvm()?;
+    // bpf-linker links `libLLVM.so`; give it the nightly's own library under both
+    // the plain name and its soname (also found at run time through the rpath).
+    let prefix = tools_dir().join("llvm");
+    let lib = prefix.join("lib");
+    fs::create_dir_all(&lib)?;
+    let soname = libllvm
+        .file_name()
+        .context("libLLVM path has no file name")?
+        .to_owned();
+    for name in [std::ffi::OsString::from("libLLVM.so"), soname] {
+        let link = lib.join(name);
+        let _ = fs::remove_file(&link);
+        std::os::unix::fs::symlink(&libllvm, &link)
+            .with_context(|| format!("symlinking {}", link.display()))?;
+    }
+    eprintln!(
+        "setup: building bpf-linker {BPF_LINKER_VERSION} against the nightly's LLVM {llvm_major} (about 2 minutes)"
+    );
+    let mut cmd = Command::new("cargo");
+    cmd.args(["install", "bpf-linker", "--version", BPF_LINKER_VERSION])
+        .args(["--no-default-features", "--features"])
+        .arg(format!("llvm-{llvm_major}"))
+        .arg("--root")
+        .arg(tools_dir().join("bpf-linker"))
+        .env("LLVM_PREFIX", &prefix)
+        .current_dir(project_root());
+    run(&mut cmd)
+}
+
+/// The nightly's LLVM major version and the path of its `libLLVM.so.*`.
+fn nightly_llvm() -> Result<(String, PathBuf)> {
+    let vv = Command::new("rustup")
+        .args(["run", "nightly", "rustc", "-vV"])
+        .output()
+        .context("running the nightly rustc")?;
+    let text = String::from_utf8_lossy(&vv.stdout);
+    let major = text
+        .lines()
+        .find_map(|l| l.strip_prefix("LLVM version: "))
+        .and_then(|v| v.split('.').next())
+        .context("the nightly rustc does not print its LLVM version")?
+        .to_string();
+    let sysroot = Command::new("rustup")
+        .args(["run", "nightly", "rustc", "--print", "sysroot"])
+        .output()
+        .context("asking the nightly rustc for its sysroot")?;
+    let sysroot = PathBuf::from(String::from_utf8_lossy(&sysroot.stdout).trim());
+    let lib = fs::read_dir(sysroot.join("lib"))?
+        .filter_map(|e| e.ok())
+        .map(|e| e.path())
+        .find(|p| {
+            p.file_name()
+                .and_then(|n| n.to_str())
+                .is_some_and(|n| n.starts_with("libLLVM.so."))
+        })
+        .with_context(|| format!("no libLLVM.so.* in {}/lib", sysroot.display()))?;
+    Ok((major, lib))
+}
