@@ -1,1 +1,730 @@
-//! test bed
+//! The test bed: a Kubernetes-like cluster made of network namespaces on one
+//! machine, used by the end-to-end tests, `cargo xtask demo` and `cargo xtask
+//! bench`.
+//!
+//! * An underlay: a bridge in its own namespace, `10.100.0.0/24`.
+//! * Nodes: one namespace each, `eth0` on the underlay (`10.100.0.<n>`), pod CIDR
+//!   `10.244.<n>.0/24`, routes to the other nodes' pod CIDRs, and a bpffs of its own
+//!   mounted in the root mount namespace (so pins outlive the agent).
+//! * Pods: one namespace each, wired by the real `ptp` + `host-local` CNI plugins
+//!   from Debian's containernetworking-plugins, run inside the node namespace
+//!   exactly as a container runtime runs them; a Pod manifest in the shared
+//!   manifests directory describes each.
+//! * One `podlink agent` per node, started with `ip netns exec`.
+//!
+//! Every name carries the process id and a counter, so test beds run side by side;
+//! everything is removed on drop, and by [`netns::cleanup`] on a signal.
+
+pub mod app;
+pub mod netns;
+
+use std::{
+    collections::{BTreeMap, HashMap},
+    fs,
+    net::{Ipv4Addr, SocketAddr},
+    path::{Path, PathBuf},
+    process::{Child, Command, Stdio},
+    sync::atomic::{AtomicU32, Ordering},
+    time::{Duration, Instant},
+};
+
+use anyhow::{Context, Result, anyhow, bail};
+use netns::{Resource, ip, register, run};
+use serde_json::Value;
+
+/// Where Debian's containernetworking-plugins are installed.
+pub const CNI_BIN_DIR: &str = "/usr/lib/cni";
+
+static NEXT_CLUSTER: AtomicU32 = AtomicU32::new(0);
+
+/// The `podlink` binary under test: `$PODLINK_BIN`, else the release build.
+pub fn podlink_bin() -> PathBuf {
+    std::env::var_os("PODLINK_BIN")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join("../target/release/podlink"))
+}
+
+/// Fails (never skips) when the test bed cannot run here.
+pub fn require_root() {
+    // SAFETY: geteuid has no preconditions.
+    if unsafe { libc::geteuid() } != 0 {
+        panic!(
+            "this end-to-end test creates network namespaces, veths, bpffs mounts and BPF links: it needs root (run `cargo xtask test` as root)"
+        );
+    }
+    for tool in [
+        "/usr/sbin/ip",
+        "/usr/sbin/bpftool",
+        "/usr/lib/cni/ptp",
+        "/usr/lib/cni/host-local",
+    ] {
+        if !Path::new(tool).exists() {
+            panic!(
+                "{tool} is missing: run `cargo xtask setup` (it installs iproute2, bpftool, containernetworking-plugins)"
+            );
+        }
+    }
+    if !podlink_bin().exists() {
+        panic!(
+            "{} is missing: run `cargo xtask build` (or `cargo xtask test`, which builds it)",
+            podlink_bin().display()
+        );
+    }
+}
+
+/// A node of the test bed.
+#[derive(Clone, Debug)]
+pub struct Node {
+    /// The Kubernetes node name (`node1`, …).
+    pub name: String,
+    /// Its network namespace.
+    pub netns: String,
+    /// Its underlay address.
+    pub ip: Ipv4Addr,
+    /// Its pod CIDR (a /24).
+    pub pod_cidr: Ipv4Addr,
+    /// The agent's pin directory (on this node's own bpffs).
+    pub pin_dir: PathBuf,
+    bpffs: PathBuf,
+}
+
+/// A pod of the test bed.
+#[derive(Clone, Debug)]
+pub struct Pod {
+    pub name: String,
+    pub namespace: String,
+    /// Index into [`Cluster::nodes`].
+    pub node: usize,
+    pub netns: String,
+    pub ip: Ipv4Addr,
+    /// The host side of its veth pair, in the node namespace.
+    pub host_veth: String,
+    pub labels: BTreeMap<String, String>,
+    pub service_account: String,
+    container_id: String,
+}
+
+impl Pod {
+    /// `ip:port` of this pod.
+    pub fn addr(&self, port: u16) -> SocketAddr {
+        SocketAddr::from((self.ip, port))
+    }
+}
+
+/// What a new pod looks like.
+#[derive(Clone, Debug, Default)]
+pub struct PodSpec {
+    pub name: String,
+    pub namespace: String,
+    pub node: usize,
+    pub labels: BTreeMap<String, String>,
+    pub service_account: Option<String>,
+}
+
+impl PodSpec {
+    pub fn new(name: &str, namespace: &str, node: usize) -> Self {
+        Self {
+            name: name.into(),
+            namespace: namespace.into(),
+            node,
+            ..Default::default()
+        }
+    }
+
+    pub fn label(mut self, key: &str, value: &str) -> Self {
+        self.labels.insert(key.into(), value.into());
+        self
+    }
+
+    pub fn service_account(mut self, sa: &str) -> Self {
+        self.service_account = Some(sa.into());
+        self
+    }
+}
+
+/// Packet counters of one pod's host veth, summed over CPUs, by field name (as
+/// `bpftool` prints them from BTF).
+pub type Counters = BTreeMap<String, u64>;
+
+/// The cluster.
+pub struct Cluster {
+    pub id: String,
+    /// Working directory: manifests, CA, CNI state, agent logs.
+    pub dir: PathBuf,
+    pub manifests: PathBuf,
+    pub ca_dir: PathBuf,
+    pub underlay: String,
+    pub nodes: Vec<Node>,
+    pods: HashMap<String, Pod>,
+    agents: HashMap<usize, Child>,
+    resources: Vec<Resource>,
+}
+
+fn write_atomically(path: &Path, text: &str) -> Result<()> {
+    let tmp = path.with_extension("partial");
+    fs::write(&tmp, text).with_context(|| format!("writing {}", tmp.display()))?;
+    fs::rename(&tmp, path).with_context(|| format!("renaming to {}", path.display()))?;
+    Ok(())
+}
+
+fn yaml_labels(labels: &BTreeMap<String, String>) -> String {
+    if labels.is_empty() {
+        return "{}".into();
+    }
+    let items: Vec<String> = labels.iter().map(|(k, v)| format!("{k}: {v}")).collect();
+    format!("{{{}}}", items.join(", "))
+}
+
+/// Removes namespaces left by test processes that no longer exist.
+fn sweep_stale() {
+    let Ok(entries) = fs::read_dir("/run/netns") else {
+        return;
+    };
+    for entry in entries.flatten() {
+        let name = entry.file_name().to_string_lossy().into_owned();
+        let Some(rest) = name.strip_prefix("plt") else {
+            continue;
+        };
+        let pid: String = rest.chars().take_while(char::is_ascii_digit).collect();
+        if let Ok(pid) = pid.parse::<u32>()
+            && !Path::new(&format!("/proc/{pid}")).exists()
+        {
+            netns::remove(&Resource::Netns(name));
+        }
+    }
+}
+
+impl Cluster {
+    /// Builds the underlay and `nodes` nodes (no agents yet), and a CA.
+    pub fn new(nodes: usize) -> Result<Self> {
+        require_root();
+        sweep_stale();
+        let n = NEXT_CLUSTER.fetch_add(1, Ordering::Relaxed);
+        let id = format!("plt{}c{n}", std::process::id());
+        let dir = std::env::temp_dir().join(format!("podlink-{id}"));
+        let _ = fs::remove_dir_all(&dir);
+        fs::create_dir_all(&dir)?;
+        let mut cluster = Cluster {
+            manifests: dir.join("manifests"),
+            ca_dir: dir.join("ca"),
+            underlay: format!("{id}-ul"),
+            dir: dir.clone(),
+            id: id.clone(),
+            nodes: Vec::new(),
+            pods: HashMap::new(),
+            agents: HashMap::new(),
+            resources: Vec::new(),
+        };
+        cluster.track(Resource::Dir(dir.clone()));
+        fs::create_dir_all(&cluster.manifests)?;
+        run(Command::new(podlink_bin())
+            .args(["ca", "init", "--out"])
+            .arg(&cluster.ca_dir))?;
+
+        // The underlay: a bridge in its own namespace.
+        cluster.add_netns(&cluster.underlay.clone())?;
+        let ul = cluster.underlay.clone();
+        ip(&["-n", &ul, "link", "add", "br0", "type", "bridge"])?;
+        ip(&["-n", &ul, "link", "set", "br0", "up"])?;
+
+        for i in 0..nodes {
+            let k = i + 1;
+            let netns = format!("{id}-n{k}");
+            cluster.add_netns(&netns)?;
+            let node_ip = Ipv4Addr::new(10, 100, 0, k as u8);
+            let (a, b) = (format!("{id}a{k}"), format!("{id}b{k}"));
+            // Interface names are at most 15 bytes: create with short unique names,
+            // then move and rename.
+            let a = truncate_ifname(&a);
+            let b = truncate_ifname(&b);
+            ip(&["link", "add", &a, "type", "veth", "peer", "name", &b])?;
+            ip(&["link", "set", &a, "netns", &netns, "name", "eth0"])?;
+            ip(&["link", "set", &b, "netns", &ul, "name", &format!("n{k}")])?;
+            ip(&[
+                "-n",
+                &ul,
+                "link",
+                "set",
+                &format!("n{k}"),
+                "master",
+                "br0",
+                "up",
+            ])?;
+            ip(&[
+                "-n",
+                &netns,
+                "addr",
+                "add",
+                &format!("{node_ip}/24"),
+                "dev",
+                "eth0",
+            ])?;
+            ip(&["-n", &netns, "link", "set", "eth0", "up"])?;
+            let bpffs = dir.join(format!("node{k}/bpf"));
+            fs::create_dir_all(&bpffs)?;
+            run(Command::new("mount").args(["-t", "bpf", "bpf"]).arg(&bpffs))?;
+            cluster.track(Resource::Mount(bpffs.clone()));
+            cluster.nodes.push(Node {
+                name: format!("node{k}"),
+                netns,
+                ip: node_ip,
+                pod_cidr: Ipv4Addr::new(10, 244, k as u8, 0),
+                pin_dir: bpffs.join("podlink"),
+                bpffs,
+            });
+        }
+        for node in &cluster.nodes {
+            for other in &cluster.nodes {
+                if other.name != node.name {
+                    ip(&[
+                        "-n",
+                        &node.netns,
+                        "route",
+                        "add",
+                        &format!("{}/24", other.pod_cidr),
+                        "via",
+                        &other.ip.to_string(),
+                    ])?;
+                }
+            }
+        }
+        Ok(cluster)
+    }
+
+    fn track(&mut self, resource: Resource) {
+        register(resource.clone());
+        self.resources.push(resource);
+    }
+
+    fn add_netns(&mut self, name: &str) -> Result<()> {
+        ip(&["netns", "add", name])?;
+        self.track(Resource::Netns(name.to_string()));
+        ip(&["-n", name, "link", "set", "lo", "up"])?;
+        Ok(())
+    }
+
+    /// Writes a Namespace manifest; `ambient` sets `istio.io/dataplane-mode=ambient`.
+    pub fn add_namespace(&self, name: &str, ambient: bool) -> Result<()> {
+        let labels = if ambient {
+            "\n  labels:\n    istio.io/dataplane-mode: ambient"
+        } else {
+            ""
+        };
+        write_atomically(
+            &self.manifests.join(format!("namespace-{name}.yaml")),
+            &format!("apiVersion: v1\nkind: Namespace\nmetadata:\n  name: {name}{labels}\n"),
+        )
+    }
+
+    fn cni(
+        &self,
+        command: &str,
+        node: &Node,
+        container_id: &str,
+        netns_name: &str,
+    ) -> Result<Value> {
+        let config = serde_json::json!({
+            "cniVersion": "1.0.0",
+            "name": "podlink-testbed",
+            "type": "ptp",
+            "ipMasq": false,
+            "mtu": 1500,
+            "ipam": {
+                "type": "host-local",
+                "ranges": [[{"subnet": format!("{}/24", node.pod_cidr)}]],
+                "routes": [{"dst": "0.0.0.0/0"}],
+                "dataDir": self.dir.join("cni-ipam").join(&node.name),
+            }
+        });
+        let mut child = netns::command_in(&node.netns, &format!("{CNI_BIN_DIR}/ptp"))
+            .env("CNI_COMMAND", command)
+            .env("CNI_CONTAINERID", container_id)
+            .env("CNI_NETNS", format!("/run/netns/{netns_name}"))
+            .env("CNI_IFNAME", "eth0")
+            .env("CNI_PATH", CNI_BIN_DIR)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .context("running the ptp CNI plugin")?;
+        {
+            use std::io::Write;
+            child
+                .stdin
+                .take()
+                .expect("piped")
+                .write_all(config.to_string().as_bytes())?;
+        }
+        let out = child.wait_with_output()?;
+        if !out.status.success() {
+            bail!(
+                "CNI {command} for {netns_name} failed: {} {}",
+                String::from_utf8_lossy(&out.stdout),
+                String::from_utf8_lossy(&out.stderr)
+            );
+        }
+        if out.stdout.is_empty() {
+            return Ok(Value::Null);
+        }
+        Ok(serde_json::from_slice(&out.stdout)?)
+    }
+
+    /// Creates a pod: its namespace, its veth by the CNI plugins, its manifest.
+    pub fn add_pod(&mut self, spec: PodSpec) -> Result<Pod> {
+        let node = self.nodes.get(spec.node).context("no such node")?.clone();
+        let netns_name = format!("{}-p-{}", self.id, spec.name);
+        self.add_netns(&netns_name)?;
+        let container_id = format!("{}-{}", self.id, spec.name);
+        let result = self.cni("ADD", &node, &container_id, &netns_name)?;
+        let host_veth = result["interfaces"]
+            .as_array()
+            .and_then(|ifs| ifs.iter().find(|i| i.get("sandbox").is_none()))
+            .and_then(|i| i["name"].as_str())
+            .ok_or_else(|| anyhow!("CNI result names no host interface: {result}"))?
+            .to_string();
+        let ip_addr: Ipv4Addr = result["ips"][0]["address"]
+            .as_str()
+            .and_then(|a| a.split('/').next())
+            .and_then(|a| a.parse().ok())
+            .ok_or_else(|| anyhow!("CNI result has no address: {result}"))?;
+        let pod = Pod {
+            name: spec.name.clone(),
+            namespace: spec.namespace.clone(),
+            node: spec.node,
+            netns: netns_name,
+            ip: ip_addr,
+            host_veth,
+            labels: spec.labels.clone(),
+            service_account: spec
+                .service_account
+                .clone()
+                .unwrap_or_else(|| "default".into()),
+            container_id,
+        };
+        self.write_pod_manifest(&pod)?;
+        self.pods.insert(pod.name.clone(), pod.clone());
+        Ok(pod)
+    }
+
+    fn pod_manifest_path(&self, pod: &Pod) -> PathBuf {
+        self.manifests
+            .join(format!("pod-{}-{}.yaml", pod.namespace, pod.name))
+    }
+
+    fn write_pod_manifest(&self, pod: &Pod) -> Result<()> {
+        let node = &self.nodes[pod.node];
+        let text = format!(
+            "apiVersion: v1
+kind: Pod
+metadata:
+  name: {name}
+  namespace: {ns}
+  labels: {labels}
+spec:
+  nodeName: {node}
+  serviceAccountName: {sa}
+  containers:
+  - name: app
+    image: registry.example/app:1
+status:
+  phase: Running
+  podIP: {ip}
+  podIPs:
+  - ip: {ip}
+",
+            name = pod.name,
+            ns = pod.namespace,
+            labels = yaml_labels(&pod.labels),
+            node = node.name,
+            sa = pod.service_account,
+            ip = pod.ip,
+        );
+        write_atomically(&self.pod_manifest_path(pod), &text)
+    }
+
+    /// Replaces a pod's labels (rewrites its manifest by rename).
+    pub fn set_pod_labels(&mut self, name: &str, labels: BTreeMap<String, String>) -> Result<Pod> {
+        let pod = self.pods.get_mut(name).context("no such pod")?;
+        pod.labels = labels;
+        let pod = pod.clone();
+        self.write_pod_manifest(&pod)?;
+        Ok(pod)
+    }
+
+    /// Deletes a pod: manifest, CNI DEL, namespace.
+    pub fn remove_pod(&mut self, name: &str) -> Result<()> {
+        let pod = self.pods.remove(name).context("no such pod")?;
+        fs::remove_file(self.pod_manifest_path(&pod))?;
+        let node = self.nodes[pod.node].clone();
+        self.cni("DEL", &node, &pod.container_id, &pod.netns)?;
+        let r = Resource::Netns(pod.netns.clone());
+        netns::remove(&r);
+        self.resources.retain(|x| *x != r);
+        Ok(())
+    }
+
+    pub fn pod(&self, name: &str) -> &Pod {
+        &self.pods[name]
+    }
+
+    /// Path of a node agent's log file.
+    pub fn agent_log_path(&self, node: usize) -> PathBuf {
+        self.dir
+            .join(format!("agent-{}.log", self.nodes[node].name))
+    }
+
+    /// A node agent's log so far.
+    pub fn agent_log(&self, node: usize) -> String {
+        fs::read_to_string(self.agent_log_path(node)).unwrap_or_default()
+    }
+
+    /// Starts `podlink agent` in node `node`'s namespace and waits until it runs.
+    pub fn start_agent(&mut self, node: usize) -> Result<()> {
+        self.start_agent_with(node, &[])
+    }
+
+    /// As [`Cluster::start_agent`], with extra agent arguments.
+    pub fn start_agent_with(&mut self, node: usize, extra: &[&str]) -> Result<()> {
+        let n = self.nodes[node].clone();
+        let log_path = self.agent_log_path(node);
+        let log = fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&log_path)?;
+        let start_len = log.metadata()?.len() as usize;
+        let child = netns::command_in(&n.netns, &podlink_bin().to_string_lossy())
+            .args([
+                "--log-level",
+                "info,podlink_agent=debug",
+                "agent",
+                "--node",
+                &n.name,
+            ])
+            .arg("--manifests")
+            .arg(&self.manifests)
+            .arg("--ca-dir")
+            .arg(&self.ca_dir)
+            .arg("--pin-dir")
+            .arg(&n.pin_dir)
+            .args(extra)
+            .stdout(log.try_clone()?)
+            .stderr(log)
+            .spawn()
+            .context("starting the agent")?;
+        register(Resource::Process(child.id()));
+        self.agents.insert(node, child);
+        let deadline = Instant::now() + Duration::from_secs(20);
+        loop {
+            let text = self.agent_log(node);
+            if text
+                .get(start_len..)
+                .is_some_and(|t| t.contains("agent running"))
+            {
+                return Ok(());
+            }
+            if let Some(status) = self
+                .agents
+                .get_mut(&node)
+                .and_then(|c| c.try_wait().ok().flatten())
+            {
+                bail!("the agent of {} exited ({status}):\n{text}", n.name);
+            }
+            if Instant::now() > deadline {
+                bail!("the agent of {} did not start in time:\n{text}", n.name);
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    /// Stops a node's agent with SIGTERM and waits for it to exit.
+    pub fn stop_agent(&mut self, node: usize) -> Result<()> {
+        if let Some(mut child) = self.agents.remove(&node) {
+            // SAFETY: signalling our own child.
+            unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
+            let deadline = Instant::now() + Duration::from_secs(10);
+            while child.try_wait()?.is_none() {
+                if Instant::now() > deadline {
+                    let _ = child.kill();
+                }
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            netns::unregister(&Resource::Process(child.id()));
+        }
+        Ok(())
+    }
+
+    /// The ifindex of a pod's host veth in its node namespace.
+    pub fn host_ifindex(&self, pod: &Pod) -> Result<u32> {
+        let out = ip(&[
+            "-n",
+            &self.nodes[pod.node].netns,
+            "-j",
+            "link",
+            "show",
+            &pod.host_veth,
+        ])?;
+        let v: Value = serde_json::from_slice(&out.stdout)?;
+        v[0]["ifindex"]
+            .as_u64()
+            .map(|i| i as u32)
+            .ok_or_else(|| anyhow!("no ifindex for {}", pod.host_veth))
+    }
+
+    /// Whether both TCX links of the pod's host veth are pinned.
+    pub fn is_captured(&self, pod: &Pod) -> Result<bool> {
+        let ifindex = self.host_ifindex(pod)?;
+        let links = self.nodes[pod.node].pin_dir.join("links");
+        Ok(["from_pod", "to_pod"]
+            .iter()
+            .all(|p| links.join(format!("{ifindex}_{p}")).exists()))
+    }
+
+    /// Waits until the pod is captured (`true`) or not (`false`).
+    pub fn wait_captured(&self, pod: &Pod, captured: bool) -> Result<()> {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while self.is_captured(pod)? != captured {
+            if Instant::now() > deadline {
+                bail!(
+                    "pod {} is {}captured after 10 s; agent log:\n{}",
+                    pod.name,
+                    if captured { "not " } else { "still " },
+                    self.agent_log(pod.node)
+                );
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        Ok(())
+    }
+
+    /// `bpftool -j map dump pinned` of one of a node's maps.
+    pub fn dump_map(&self, node: usize, map: &str) -> Result<Value> {
+        let path = self.nodes[node].pin_dir.join(map);
+        let out = run(Command::new("bpftool")
+            .args(["-j", "map", "dump", "pinned"])
+            .arg(&path))?;
+        Ok(serde_json::from_slice(&out.stdout)?)
+    }
+
+    /// The pod's packet counters (summed over CPUs); empty if it has no entry.
+    pub fn counters(&self, pod: &Pod) -> Result<Counters> {
+        let ifindex = self.host_ifindex(pod)?;
+        let dump = self.dump_map(pod.node, "pod_counters")?;
+        let mut sums = Counters::new();
+        for entry in dump.as_array().into_iter().flatten() {
+            let formatted = &entry["formatted"];
+            if formatted["key"].as_u64() != Some(u64::from(ifindex)) {
+                continue;
+            }
+            for cpu in formatted["values"].as_array().into_iter().flatten() {
+                for (field, value) in cpu["value"].as_object().into_iter().flatten() {
+                    *sums.entry(field.clone()).or_default() += value.as_u64().unwrap_or(0);
+                }
+            }
+        }
+        Ok(sums)
+    }
+}
+
+fn truncate_ifname(name: &str) -> String {
+    // Keep the unique tail: pid and counter are at the end.
+    let bytes = name.as_bytes();
+    if bytes.len() <= 15 {
+        name.to_string()
+    } else {
+        String::from_utf8_lossy(&bytes[bytes.len() - 15..]).into_owned()
+    }
+}
+
+impl Drop for Cluster {
+    fn drop(&mut self) {
+        for (_, mut child) in self.agents.drain() {
+            let _ = child.kill();
+            let _ = child.wait();
+            netns::unregister(&Resource::Process(child.id()));
+        }
+        let pods: Vec<Pod> = self.pods.values().cloned().collect();
+        for pod in pods {
+            let node = self.nodes[pod.node].clone();
+            let _ = self.cni("DEL", &node, &pod.container_id, &pod.netns);
+        }
+        let mut resources = std::mem::take(&mut self.resources);
+        resources.sort_by_key(|r| match r {
+            Resource::Process(_) => 0,
+            Resource::Netns(_) => 1,
+            Resource::Mount(_) => 2,
+            Resource::Dir(_) => 3,
+        });
+        for r in &resources {
+            netns::remove(r);
+        }
+    }
+}
+
+/// A packet capture (`tcpdump`) on an interface of a namespace.
+pub struct Capture {
+    child: Child,
+    file: PathBuf,
+}
+
+impl Capture {
+    /// Starts capturing TCP on `iface` in `netns` into a file under `dir`.
+    pub fn start(netns_name: &str, iface: &str, dir: &Path, name: &str) -> Result<Self> {
+        let file = dir.join(format!("{name}.pcap"));
+        let err = dir.join(format!("{name}.tcpdump.log"));
+        let mut child = netns::command_in(netns_name, "tcpdump")
+            .args([
+                "-i",
+                iface,
+                "-nn",
+                "-U",
+                "--immediate-mode",
+                "-s",
+                "0",
+                "-w",
+            ])
+            .arg(&file)
+            .arg("tcp")
+            .stdout(Stdio::null())
+            .stderr(fs::File::create(&err)?)
+            .spawn()
+            .context("starting tcpdump")?;
+        register(Resource::Process(child.id()));
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while !fs::read_to_string(&err)
+            .unwrap_or_default()
+            .contains("listening on")
+        {
+            if let Some(status) = child.try_wait()? {
+                bail!("tcpdump exited ({status}): {}", fs::read_to_string(&err)?);
+            }
+            if Instant::now() > deadline {
+                bail!("tcpdump did not start");
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        Ok(Self { child, file })
+    }
+
+    /// Stops the capture; returns the raw file contents and tcpdump's one-line
+    /// summaries (with payload in ASCII, `-A`).
+    pub fn stop(mut self) -> Result<(Vec<u8>, Vec<String>)> {
+        // A moment for the last packets to be written.
+        std::thread::sleep(Duration::from_millis(200));
+        // SAFETY: signalling our own child.
+        unsafe { libc::kill(self.child.id() as i32, libc::SIGINT) };
+        let _ = self.child.wait();
+        netns::unregister(&Resource::Process(self.child.id()));
+        let raw = fs::read(&self.file)?;
+        let out = run(Command::new("tcpdump").args(["-nn", "-r"]).arg(&self.file))?;
+        let lines = String::from_utf8_lossy(&out.stdout)
+            .lines()
+            .map(str::to_string)
+            .collect();
+        Ok((raw, lines))
+    }
+}
+
+/// Whether `needle` occurs in `haystack`.
+pub fn contains_bytes(haystack: &[u8], needle: &[u8]) -> bool {
+    !needle.is_empty() && haystack.windows(needle.len()).any(|w| w == needle)
+}
