@@ -570,19 +570,37 @@ status:
             .ok_or_else(|| anyhow!("no ifindex for {}", pod.host_veth))
     }
 
-    /// Whether both TCX links of the pod's host veth are pinned.
-    pub fn is_captured(&self, pod: &Pod) -> Result<bool> {
+    /// Whether the pod is captured: both TCX links of its host veth pinned and its
+    /// pods-map entry present. `None` while only part of that is in place.
+    pub fn capture_state(&self, pod: &Pod) -> Result<Option<bool>> {
         let ifindex = self.host_ifindex(pod)?;
         let links = self.nodes[pod.node].pin_dir.join("links");
-        Ok(["from_pod", "to_pod"]
+        let pins = ["from_pod", "to_pod"]
             .iter()
-            .all(|p| links.join(format!("{ifindex}_{p}")).exists()))
+            .filter(|p| links.join(format!("{ifindex}_{p}")).exists())
+            .count();
+        let entry = self
+            .dump_map(pod.node, "pods")?
+            .as_array()
+            .into_iter()
+            .flatten()
+            .any(|e| e["formatted"]["key"].as_u64() == Some(u64::from(ifindex)));
+        Ok(match (pins, entry) {
+            (2, true) => Some(true),
+            (0, false) => Some(false),
+            _ => None,
+        })
+    }
+
+    /// Whether the pod is fully captured (see [`Cluster::capture_state`]).
+    pub fn is_captured(&self, pod: &Pod) -> Result<bool> {
+        Ok(self.capture_state(pod)? == Some(true))
     }
 
     /// Waits until the pod is captured (`true`) or not (`false`).
     pub fn wait_captured(&self, pod: &Pod, captured: bool) -> Result<()> {
         let deadline = Instant::now() + Duration::from_secs(10);
-        while self.is_captured(pod)? != captured {
+        while self.capture_state(pod)? != Some(captured) {
             if Instant::now() > deadline {
                 bail!(
                     "pod {} is {}captured after 10 s; agent log:\n{}",

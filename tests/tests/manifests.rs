@@ -1,0 +1,61 @@
+//! Bad manifests are reported with file and line and change nothing else: the
+//! agent keeps serving, a broken file keeps its last good objects, other files keep
+//! being applied.
+
+use std::time::Duration;
+
+use podlink_tests::{Cluster, PodSpec, app};
+
+#[test]
+fn malformed_manifests_are_reported_and_tolerated() {
+    let mut c = Cluster::new(1).unwrap();
+    c.add_namespace("mesh", true).unwrap();
+    let a = c.add_pod(PodSpec::new("a", "mesh", 0)).unwrap();
+    c.start_agent(0).unwrap();
+    c.wait_captured(&a, true).unwrap();
+
+    // A file that is not YAML at all.
+    let broken = c.manifests.join("broken.yaml");
+    std::fs::write(
+        &broken,
+        "apiVersion: v1\nkind: Pod\nmetadata:\n  name: [oops\n",
+    )
+    .unwrap();
+    // A Pod with a bad address, in its own file.
+    std::fs::write(
+        c.manifests.join("bad-ip.yaml"),
+        "apiVersion: v1\nkind: Pod\nmetadata:\n  name: bad\n  namespace: mesh\nspec:\n  containers: []\nstatus:\n  podIP: 10.0.0.999\n",
+    )
+    .unwrap();
+    // A valid pod added after them is still enrolled.
+    let b = c.add_pod(PodSpec::new("b", "mesh", 0)).unwrap();
+    c.wait_captured(&b, true).unwrap();
+
+    // Break pod a's own manifest: it stays enrolled with its last good version.
+    let a_manifest = c.manifests.join("pod-mesh-a.yaml");
+    let good = std::fs::read_to_string(&a_manifest).unwrap();
+    std::fs::write(&a_manifest, good.replace("spec:", "spec: [")).unwrap();
+    std::thread::sleep(Duration::from_millis(500));
+    assert!(c.is_captured(&a).unwrap());
+
+    let log = c.agent_log(0);
+    let want = [
+        format!("{}:5:", broken.display()),
+        "status.podIP \"10.0.0.999\" is not an IP address".to_string(),
+        format!("{}:", a_manifest.display()),
+    ];
+    for w in &want {
+        assert!(log.contains(w.as_str()), "log lacks {w:?}:\n{log}");
+    }
+
+    // Traffic between the two still flows; the agent is alive.
+    let _echo = app::EchoServer::start(&b.netns, b.addr(8000)).unwrap();
+    let ex = app::exchange(&a.netns, b.addr(8000), b"still fine").unwrap();
+    assert_eq!(ex.echoed, b"still fine");
+
+    // Fixing the file is picked up.
+    std::fs::write(&a_manifest, good).unwrap();
+    std::fs::remove_file(&broken).unwrap();
+    let ex = app::exchange(&a.netns, b.addr(8000), b"fixed").unwrap();
+    assert_eq!(ex.echoed, b"fixed");
+}

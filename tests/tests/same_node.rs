@@ -1,0 +1,48 @@
+//! Two enrolled pods on one node: the proxy connects them directly (no TLS hop),
+//! with the client's address, and the destination's programs let the proxy's
+//! marked connection through.
+
+use std::net::IpAddr;
+
+use podlink_tests::{Cluster, PodSpec, app};
+
+#[test]
+fn same_node_traffic_goes_through_the_proxy_without_a_tunnel() {
+    let mut c = Cluster::new(1).unwrap();
+    c.add_namespace("mesh", true).unwrap();
+    let client = c.add_pod(PodSpec::new("a", "mesh", 0)).unwrap();
+    let server = c.add_pod(PodSpec::new("b", "mesh", 0)).unwrap();
+    c.start_agent(0).unwrap();
+    c.wait_captured(&client, true).unwrap();
+    c.wait_captured(&server, true).unwrap();
+    let echo = app::EchoServer::start(&server.netns, server.addr(7000)).unwrap();
+
+    for i in 0..3 {
+        let payload = format!("round {i}").repeat(500).into_bytes();
+        let ex = app::exchange(&client.netns, server.addr(7000), &payload).unwrap();
+        assert_eq!(ex.peer_seen.ip(), IpAddr::V4(client.ip));
+        assert_eq!(ex.echoed, payload);
+    }
+    assert_eq!(echo.accepted(), 3);
+
+    let client_counters = c.counters(&client).unwrap();
+    let server_counters = c.counters(&server).unwrap();
+    assert_eq!(
+        client_counters["captured_outbound"], 3,
+        "{client_counters:?}"
+    );
+    // The proxy's own connection to the server is marked and passes uncaptured.
+    assert_eq!(
+        server_counters["captured_inbound_hbone"], 0,
+        "{server_counters:?}"
+    );
+    assert_eq!(
+        server_counters["captured_inbound_plaintext"], 0,
+        "{server_counters:?}"
+    );
+    assert!(server_counters["passed"] > 0, "{server_counters:?}");
+    assert!(
+        c.agent_log(0).contains("route=Local"),
+        "the proxy did not take the same-node route"
+    );
+}
