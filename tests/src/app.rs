@@ -7,6 +7,7 @@
 use std::{
     io::{self, Read, Write},
     net::{Shutdown, SocketAddr, TcpListener, TcpStream},
+    os::fd::{AsRawFd, RawFd},
     sync::{
         Arc,
         atomic::{AtomicBool, AtomicUsize, Ordering},
@@ -20,6 +21,7 @@ use crate::netns;
 /// A running echo server; stops when dropped.
 pub struct EchoServer {
     pub addr: SocketAddr,
+    fd: RawFd,
     accepted: Arc<AtomicUsize>,
     stop: Arc<AtomicBool>,
     thread: Option<JoinHandle<()>>,
@@ -28,11 +30,8 @@ pub struct EchoServer {
 impl EchoServer {
     /// Starts a server on `addr` inside network namespace `netns`.
     pub fn start(netns_name: &str, addr: SocketAddr) -> io::Result<Self> {
-        let listener = netns::in_netns(netns_name, move || {
-            let l = TcpListener::bind(addr)?;
-            l.set_nonblocking(true)?;
-            Ok(l)
-        })?;
+        let listener = netns::in_netns(netns_name, move || TcpListener::bind(addr))?;
+        let fd = listener.as_raw_fd();
         let accepted = Arc::new(AtomicUsize::new(0));
         let stop = Arc::new(AtomicBool::new(false));
         let thread = {
@@ -47,16 +46,15 @@ impl EchoServer {
                                 let _ = serve(stream, peer);
                             });
                         }
-                        Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
-                            std::thread::sleep(Duration::from_millis(5));
-                        }
-                        Err(_) => std::thread::sleep(Duration::from_millis(5)),
+                        // Woken by the shutdown in `drop`, or out of descriptors.
+                        Err(_) => std::thread::sleep(Duration::from_millis(1)),
                     }
                 }
             })
         };
         Ok(Self {
             addr,
+            fd,
             accepted,
             stop,
             thread: Some(thread),
@@ -72,6 +70,9 @@ impl EchoServer {
 impl Drop for EchoServer {
     fn drop(&mut self) {
         self.stop.store(true, Ordering::Relaxed);
+        // Wakes the blocked accept (it fails with EINVAL from now on).
+        // SAFETY: the listener is still open: the thread owns it until joined.
+        unsafe { libc::shutdown(self.fd, libc::SHUT_RDWR) };
         if let Some(t) = self.thread.take() {
             let _ = t.join();
         }

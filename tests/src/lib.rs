@@ -85,7 +85,6 @@ pub struct Node {
     pub pod_cidr: Ipv4Addr,
     /// The agent's pin directory (on this node's own bpffs).
     pub pin_dir: PathBuf,
-    bpffs: PathBuf,
 }
 
 /// A pod of the test bed.
@@ -270,7 +269,6 @@ impl Cluster {
                 ip: node_ip,
                 pod_cidr: Ipv4Addr::new(10, 244, k as u8, 0),
                 pin_dir: bpffs.join("podlink"),
-                bpffs,
             });
         }
         for node in &cluster.nodes {
@@ -534,6 +532,11 @@ status:
             }
             std::thread::sleep(Duration::from_millis(50));
         }
+    }
+
+    /// The process id of a node's running agent.
+    pub fn agent_pid(&self, node: usize) -> Option<u32> {
+        self.agents.get(&node).map(Child::id)
     }
 
     /// Stops a node's agent with SIGTERM and waits for it to exit.
