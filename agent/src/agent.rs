@@ -29,14 +29,23 @@ use crate::{
 pub struct AgentConfig {
     /// This node's name (`spec.nodeName` of its pods).
     pub node: String,
+    /// Directory of Pod and Namespace manifests, watched for changes.
     pub manifests: PathBuf,
+    /// Directory holding `ca.crt` and `ca.key`.
     pub ca_dir: PathBuf,
+    /// Where maps and links are pinned (a bpffs is mounted there if needed).
     pub pin_dir: PathBuf,
+    /// SPIFFE trust domain of the mesh.
     pub trust_domain: String,
+    /// Lifetime of workload certificates; they are reissued at half of it.
     pub cert_lifetime: Duration,
+    /// Let enrolled pods' outbound connections pass uncaptured while no proxy listens.
     pub fail_open: bool,
+    /// Destination IPv4 prefixes that bypass capture.
     pub excluded_cidrs: Vec<ipnet::Ipv4Net>,
+    /// Destination ports that bypass capture.
     pub excluded_ports: Vec<u16>,
+    /// Time allowed to connect upstream.
     pub connect_timeout: Duration,
 }
 

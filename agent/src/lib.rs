@@ -1,6 +1,8 @@
 //! podlink's node agent: workload sources, the eBPF dataplane, workload identity
 //! and the HBONE proxy. The `podlink` binary (`src/main.rs`) is its command line.
 
+#![warn(missing_docs)]
+
 pub mod agent;
 pub mod dataplane;
 pub mod identity;

@@ -9,6 +9,7 @@
 //! Addresses are always 16 bytes wide: an IPv4 address is stored IPv4-mapped
 //! (`::ffff:a.b.c.d`, RFC 4291 §2.5.5.2) so that IPv6 needs no change of layout.
 #![no_std]
+#![warn(missing_docs)]
 
 /// Transparent listener for traffic leaving an enrolled pod (ztunnel's outbound port).
 pub const OUTBOUND_PORT: u16 = 15001;

@@ -11,14 +11,11 @@ use std::path::Path;
 use anyhow::{Context, Result};
 use nix::{
     mount::{MsFlags, mount},
-    sys::statfs::statfs,
+    sys::statfs::{BPF_FS_MAGIC, statfs},
 };
 
-/// `BPF_FS_MAGIC` from `include/uapi/linux/magic.h`.
-const BPF_FS_MAGIC: i64 = 0xcafe_4a11;
-
 fn is_bpffs(path: &Path) -> bool {
-    statfs(path).is_ok_and(|s| s.filesystem_type().0 as i64 == BPF_FS_MAGIC)
+    statfs(path).is_ok_and(|s| s.filesystem_type() == BPF_FS_MAGIC)
 }
 
 /// Ensures `pin_dir` exists on a bpffs: if its nearest existing ancestor is not on

@@ -54,7 +54,9 @@ const LINKS_DIR: &str = "links";
 /// What the dataplane is configured with at start.
 #[derive(Clone, Debug)]
 pub struct DataplaneConfig {
+    /// The bpffs directory for map and link pins.
     pub pin_dir: PathBuf,
+    /// Written to the config map at load (node addresses are filled in later).
     pub config: Config,
     /// Destination prefixes that bypass capture.
     pub excluded_cidrs: Vec<ipnet::Ipv4Net>,
@@ -67,10 +69,13 @@ pub struct DataplaneConfig {
 pub struct CapturedPod {
     /// `namespace/name`, for logs.
     pub workload: String,
+    /// The agent's number for the workload (`PodInfo::workload_id`).
     pub workload_id: u32,
+    /// The pod's IPv4 address.
     pub ipv4: Ipv4Addr,
     /// The host veth.
     pub ifname: String,
+    /// The host veth's interface index in the node namespace.
     pub ifindex: u32,
 }
 

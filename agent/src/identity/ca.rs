@@ -39,26 +39,59 @@ const CLOCK_SKEW: Duration = Duration::from_secs(5 * 60);
 #[derive(Debug, Error)]
 pub enum CaError {
     #[error("reading {path}: {source}")]
+    /// A CA file could not be read.
     Read {
+        /// The file.
         path: PathBuf,
+        /// The I/O error.
         source: std::io::Error,
     },
     #[error("writing {path}: {source}")]
+    /// A CA file could not be written.
     Write {
+        /// The file.
         path: PathBuf,
+        /// The I/O error.
         source: std::io::Error,
     },
     #[error("{path} already exists; remove it first to make a new CA")]
-    Exists { path: PathBuf },
+    /// `ca init` would overwrite this file.
+    Exists {
+        /// The existing file.
+        path: PathBuf,
+    },
     #[error("{path} holds no PEM certificate")]
-    NoCertificate { path: PathBuf },
+    /// The certificate file holds no certificate.
+    NoCertificate {
+        /// The certificate file.
+        path: PathBuf,
+    },
     #[error("{path}: {what}")]
-    Invalid { path: PathBuf, what: String },
+    /// A file's content is not usable; `what` says why.
+    Invalid {
+        /// The file.
+        path: PathBuf,
+        /// What is wrong with it.
+        what: String,
+    },
     #[error("{key} does not belong to the first certificate in {cert}")]
-    KeyMismatch { key: PathBuf, cert: PathBuf },
+    /// The key does not match the certificate.
+    KeyMismatch {
+        /// The key file.
+        key: PathBuf,
+        /// The certificate file.
+        cert: PathBuf,
+    },
     #[error("issuing a certificate for {id}: {source}")]
-    Issue { id: String, source: rcgen::Error },
+    /// Signing a workload certificate failed.
+    Issue {
+        /// The SPIFFE ID being issued.
+        id: String,
+        /// rcgen's error.
+        source: rcgen::Error,
+    },
     #[error("making the CA: {0}")]
+    /// Generating a CA failed.
     Generate(rcgen::Error),
 }
 
@@ -275,12 +308,16 @@ fn check_ca_certificate(der: &CertificateDer<'_>) -> Result<(), String> {
 #[derive(Debug, Error, PartialEq, Eq)]
 pub enum PeerIdentityError {
     #[error("malformed certificate: {0}")]
+    /// The certificate does not parse.
     Malformed(String),
     #[error("no URI SAN with a SPIFFE ID")]
+    /// No `spiffe://` URI SAN.
     Missing,
     #[error("more than one SPIFFE ID in the URI SANs")]
+    /// Several `spiffe://` URI SANs.
     Ambiguous,
     #[error(transparent)]
+    /// The URI SAN is not a workload SPIFFE ID.
     Invalid(#[from] super::SpiffeIdError),
 }
 

@@ -18,7 +18,9 @@ use super::{
 /// A workload's certificate with the TLS configuration built from it.
 #[derive(Debug)]
 pub struct WorkloadIdentity {
+    /// The identity in the certificate.
     pub id: SpiffeId,
+    /// Certificate chain and signing key, for rustls.
     pub key: Arc<CertifiedKey>,
     /// Server configuration presenting this identity (inbound HBONE).
     pub server: Arc<ServerConfig>,
@@ -32,9 +34,16 @@ pub struct WorkloadIdentity {
 #[derive(Debug, thiserror::Error)]
 pub enum IdentityError {
     #[error(transparent)]
+    /// Issuing the certificate failed.
     Ca(#[from] CaError),
     #[error("TLS configuration for {id}: {source}")]
-    Tls { id: String, source: rustls::Error },
+    /// Building a TLS configuration failed.
+    Tls {
+        /// The identity the configuration is for.
+        id: String,
+        /// rustls's error.
+        source: rustls::Error,
+    },
 }
 
 /// Issues and caches workload certificates from a [`CertificateAuthority`].
@@ -69,6 +78,7 @@ impl CertManager {
         })
     }
 
+    /// The trust domain peers must belong to.
     pub fn trust_domain(&self) -> &str {
         &self.trust_domain
     }

@@ -24,10 +24,13 @@ pub struct SpiffeId {
 #[derive(Debug, Error, PartialEq, Eq)]
 pub enum SpiffeIdError {
     #[error("{0:?} does not start with spiffe://")]
+    /// The URI is not a `spiffe://` URI.
     Scheme(String),
     #[error("{0:?} has an empty or invalid trust domain")]
+    /// The trust domain is empty or has characters other than `[a-z0-9._-]`.
     TrustDomain(String),
     #[error("{0:?} is not of the form spiffe://<trust-domain>/ns/<namespace>/sa/<service-account>")]
+    /// The path is not `/ns/<namespace>/sa/<service-account>`.
     Path(String),
 }
 
@@ -66,14 +69,17 @@ impl SpiffeId {
         }
     }
 
+    /// The trust domain, e.g. `cluster.local`.
     pub fn trust_domain(&self) -> &str {
         &self.trust_domain
     }
 
+    /// The Kubernetes namespace.
     pub fn namespace(&self) -> &str {
         &self.namespace
     }
 
+    /// The Kubernetes service account.
     pub fn service_account(&self) -> &str {
         &self.service_account
     }

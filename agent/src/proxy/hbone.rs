@@ -45,6 +45,7 @@ pub struct H2Stream {
 }
 
 impl H2Stream {
+    /// Wraps the two halves of an accepted or opened CONNECT stream.
     pub fn new(send: SendStream<Bytes>, recv: RecvStream) -> Self {
         Self {
             send,
@@ -169,12 +170,15 @@ pub fn connect_request(dst: SocketAddr, src: IpAddr) -> Request<()> {
 #[derive(Debug, thiserror::Error)]
 pub enum RequestError {
     #[error("method {0} is not CONNECT")]
+    /// The request's method is not CONNECT.
     NotConnect(Method),
     #[error("authority {0:?} is not an ip:port")]
+    /// The `:authority` is not an `ip:port` (hostnames are not served).
     BadAuthority(String),
 }
 
 impl RequestError {
+    /// The HTTP status ztunnel answers this error with (400).
     pub fn status(&self) -> StatusCode {
         StatusCode::BAD_REQUEST
     }

@@ -35,8 +35,11 @@ use crate::{identity::CertManager, workload::WorkloadIndex};
 pub struct ProxyConfig {
     /// Address the listeners bind (127.0.0.1).
     pub listen_ip: Ipv4Addr,
+    /// Outbound capture port (15001).
     pub outbound_port: u16,
+    /// Inbound plaintext capture port (15006).
     pub inbound_plaintext_port: u16,
+    /// HBONE port (15008).
     pub hbone_port: u16,
     /// `SO_MARK` of every proxy socket.
     pub proxy_mark: u32,
@@ -46,13 +49,17 @@ pub struct ProxyConfig {
 
 /// What every connection handler reads.
 pub struct ProxyState {
+    /// The proxy's settings.
     pub config: ProxyConfig,
+    /// Workload certificates.
     pub certs: CertManager,
+    /// Pooled HBONE connections.
     pub pool: pool::Pool,
     workloads: RwLock<Arc<WorkloadIndex>>,
 }
 
 impl ProxyState {
+    /// State with no workloads yet.
     pub fn new(config: ProxyConfig, certs: CertManager) -> Self {
         Self {
             config,

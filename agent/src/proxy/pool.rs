@@ -36,8 +36,11 @@ pub const IDLE_TIMEOUT: Duration = Duration::from_secs(90);
 /// The identity of a pooled connection.
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
 pub struct PoolKey {
+    /// The source workload's identity (the client certificate).
     pub src_id: SpiffeId,
+    /// The source pod's address (the outer connection's source).
     pub src_ip: IpAddr,
+    /// The destination workload's identity (required of the server).
     pub dst_id: SpiffeId,
     /// The destination's HBONE address (`pod ip:15008`).
     pub dst: SocketAddr,
@@ -47,24 +50,42 @@ pub struct PoolKey {
 #[derive(Debug, thiserror::Error)]
 pub enum HboneError {
     #[error("connecting to {dst}: {source}")]
+    /// The TCP connection to the peer's HBONE port failed.
     Connect {
+        /// The peer's HBONE address.
         dst: SocketAddr,
+        /// The socket error.
         source: std::io::Error,
     },
     #[error("TLS handshake with {dst} (expecting {id}): {source}")]
+    /// The TLS handshake failed (including identity checks).
     Tls {
+        /// The peer's HBONE address.
         dst: SocketAddr,
+        /// The identity required of the peer.
         id: SpiffeId,
+        /// The handshake error.
         source: std::io::Error,
     },
     #[error(transparent)]
+    /// No certificate for the source identity.
     Identity(#[from] IdentityError),
     #[error("HTTP/2 with {dst}: {source}")]
-    H2 { dst: SocketAddr, source: h2::Error },
-    #[error("{dst} answered CONNECT {target} with {status}")]
-    Status {
+    /// An HTTP/2 error.
+    H2 {
+        /// The peer's HBONE address.
         dst: SocketAddr,
+        /// h2's error.
+        source: h2::Error,
+    },
+    #[error("{dst} answered CONNECT {target} with {status}")]
+    /// The peer answered the CONNECT with an error status.
+    Status {
+        /// The peer's HBONE address.
+        dst: SocketAddr,
+        /// The CONNECT target.
         target: SocketAddr,
+        /// The status the peer answered.
         status: StatusCode,
     },
 }
@@ -215,10 +236,5 @@ impl Pool {
                 None => false,
             }
         });
-    }
-
-    /// Number of pooled connections.
-    pub fn len(&self) -> usize {
-        self.slots.lock().expect("pool lock").len()
     }
 }

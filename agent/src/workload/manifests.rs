@@ -28,8 +28,11 @@ use tokio::sync::mpsc;
 /// A manifest problem: file, 1-based line, and what is wrong.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct ManifestError {
+    /// The manifest file.
     pub file: PathBuf,
+    /// 1-based line of the problem (the document's first line when the problem is in its content).
     pub line: usize,
+    /// What is wrong.
     pub message: String,
 }
 
@@ -44,7 +47,9 @@ impl std::error::Error for ManifestError {}
 /// The objects one file holds.
 #[derive(Clone, Debug, Default)]
 pub struct Objects {
+    /// Pods, in file order.
     pub pods: Vec<Pod>,
+    /// Namespaces, in file order.
     pub namespaces: Vec<Namespace>,
 }
 
@@ -213,6 +218,7 @@ impl ManifestDir {
         })
     }
 
+    /// The watched directory.
     pub fn dir(&self) -> &Path {
         &self.dir
     }

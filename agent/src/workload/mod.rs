@@ -33,11 +33,14 @@ pub const DATAPLANE_MODE_NONE: &str = "none";
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "snake_case", tag = "state", content = "reason")]
 pub enum Enrollment {
+    /// Captured by podlink.
     Enrolled,
+    /// Not captured, for the reason given.
     NotEnrolled(&'static str),
 }
 
 impl Enrollment {
+    /// Whether this is [`Enrollment::Enrolled`].
     pub fn is_enrolled(self) -> bool {
         self == Enrollment::Enrolled
     }
@@ -73,13 +76,17 @@ pub fn enrollment(pod: &Pod, namespace: Option<&Namespace>) -> Enrollment {
 /// One pod as the proxy and the dataplane see it.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize)]
 pub struct Workload {
+    /// `metadata.namespace` (`default` when absent).
     pub namespace: String,
+    /// `metadata.name`.
     pub name: String,
     /// `spec.nodeName`; `None` while unscheduled.
     pub node: Option<String>,
+    /// `spec.serviceAccountName` (`default` when absent).
     pub service_account: String,
     /// `status.podIPs` (or `status.podIP`), in order.
     pub ips: Vec<IpAddr>,
+    /// Whether the pod is captured.
     pub enrollment: Enrollment,
     /// The workload's SPIFFE ID.
     #[serde(serialize_with = "serialize_display")]
