@@ -18,7 +18,7 @@ mod parse;
 mod socket;
 
 use aya_ebpf::{
-    bindings::{BPF_F_INGRESS, TC_ACT_OK, TC_ACT_SHOT, TC_ACT_UNSPEC},
+    bindings::BPF_F_INGRESS,
     helpers::generated::bpf_redirect,
     macros::classifier,
     programs::TcContext,
@@ -31,9 +31,15 @@ use crate::{
     socket::Lookup,
 };
 
-/// Pass the packet on to the next program or to the stack, untouched.
-const PASS: i32 = TC_ACT_UNSPEC;
-const DROP: i32 = TC_ACT_SHOT as i32;
+// Verdicts, from include/uapi/linux/pkt_cls.h (TCX reads them as TCX_NEXT,
+// TCX_PASS and TCX_DROP).
+/// `TC_ACT_UNSPEC`: pass the packet on to the next program or to the stack,
+/// untouched.
+const PASS: i32 = -1;
+/// `TC_ACT_OK`: deliver the (assigned) packet; later programs do not run.
+const OK: i32 = 0;
+/// `TC_ACT_SHOT`: drop.
+const DROP: i32 = 2;
 
 /// TC ingress of an enrolled pod's host veth.
 #[classifier]
@@ -73,7 +79,7 @@ fn from_pod_tcp4(
             return match socket::assign(ctx, sk, cfg) {
                 Ok(()) => {
                     count(counters, |c| &mut c.assigned_established);
-                    TC_ACT_OK as i32
+                    OK
                 }
                 Err(()) => {
                     count(counters, |c| &mut c.dropped_assign_failed);
@@ -129,7 +135,7 @@ fn from_pod_tcp4(
             } else {
                 count(counters, |c| &mut c.captured_inbound_plaintext);
             }
-            TC_ACT_OK as i32
+            OK
         }
         Err(()) => {
             count(counters, |c| &mut c.dropped_assign_failed);

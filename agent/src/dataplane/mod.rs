@@ -48,6 +48,11 @@ use podlink_common::{
 /// The eBPF object built by `cargo xtask build-ebpf`, embedded at build time.
 static EBPF_OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/podlink-ebpf"));
 
+/// The embedded eBPF object (empty when the agent was built without it).
+pub fn ebpf_object() -> &'static [u8] {
+    EBPF_OBJECT
+}
+
 /// Directory under the pin directory that holds link pins.
 const LINKS_DIR: &str = "links";
 

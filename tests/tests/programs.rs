@@ -1,0 +1,256 @@
+//! The TC programs' decisions on crafted packets, through `BPF_PROG_TEST_RUN`.
+//!
+//! `bpf_sk_assign` is not supported under test runs (`-EOPNOTSUPP`), so a packet
+//! that reaches a socket shows up as `dropped_assign_failed`; the real redirect is
+//! tested with real traffic by the other end-to-end tests. Runs in a network
+//! namespace of its own, where loopback (ifindex 1) plays the host veth.
+
+use std::net::{Ipv4Addr, TcpListener};
+
+use aya::{
+    Ebpf,
+    maps::{Array, HashMap, MapData, PerCpuHashMap, PerCpuValues},
+    programs::{SchedClassifier, TestRun, TestRunOptions},
+};
+use podlink_common::{
+    CONFIG_FAIL_OPEN, Config, HBONE_PORT, INBOUND_PLAINTEXT_PORT, MAP_CONFIG, MAP_COUNTERS,
+    MAP_EXCLUDED_PORTS, MAP_PODS, OUTBOUND_PORT, POD_ENROLLED, POD_HAS_IPV4, PROXY_MARK,
+    PROXY_MARK_MASK, PodCounters, PodInfo, REDIRECT_MARK, REDIRECT_MARK_MASK, ipv4_mapped,
+};
+use podlink_tests::netns;
+
+const PASS: u32 = u32::MAX; // TC_ACT_UNSPEC (-1)
+const DROP: u32 = 2; // TC_ACT_SHOT
+const REDIRECT: u32 = 7; // TC_ACT_REDIRECT
+
+const POD: Ipv4Addr = Ipv4Addr::new(10, 244, 1, 5);
+const PEER: Ipv4Addr = Ipv4Addr::new(10, 244, 2, 7);
+const NODE: Ipv4Addr = Ipv4Addr::new(10, 244, 1, 1);
+const IFINDEX: u32 = 1;
+
+const SYN: u8 = 0x02;
+const ACK: u8 = 0x10;
+
+/// Ethernet + IPv4 + TCP with the given addresses, ports and flags.
+fn tcp(src: Ipv4Addr, dst: Ipv4Addr, sport: u16, dport: u16, flags: u8) -> Vec<u8> {
+    let mut p = vec![0u8; 14 + 20 + 20];
+    p[12..14].copy_from_slice(&0x0800u16.to_be_bytes());
+    let ip = &mut p[14..34];
+    ip[0] = 0x45;
+    ip[2..4].copy_from_slice(&40u16.to_be_bytes());
+    ip[8] = 64;
+    ip[9] = 6;
+    ip[12..16].copy_from_slice(&src.octets());
+    ip[16..20].copy_from_slice(&dst.octets());
+    let t = &mut p[34..54];
+    t[0..2].copy_from_slice(&sport.to_be_bytes());
+    t[2..4].copy_from_slice(&dport.to_be_bytes());
+    t[12] = 5 << 4;
+    t[13] = flags;
+    p
+}
+
+/// `struct __sk_buff` input: ifindex (offset 40) and mark (offset 8).
+fn ctx(mark: u32) -> Vec<u8> {
+    let mut c = vec![0u8; 192];
+    c[8..12].copy_from_slice(&mark.to_ne_bytes());
+    c[40..44].copy_from_slice(&IFINDEX.to_ne_bytes());
+    c
+}
+
+struct Programs {
+    ebpf: Ebpf,
+}
+
+impl Programs {
+    fn load() -> Self {
+        let mut ebpf =
+            Ebpf::load(podlink_agent::dataplane::ebpf_object()).expect("loading the object");
+        for name in ["from_pod", "to_pod"] {
+            let p: &mut SchedClassifier = ebpf.program_mut(name).unwrap().try_into().unwrap();
+            p.load().unwrap();
+        }
+        let mut config: Array<&mut MapData, Config> =
+            Array::try_from(ebpf.map_mut(MAP_CONFIG).unwrap()).unwrap();
+        let mut node_addrs = [[0; 16]; 8];
+        node_addrs[0] = ipv4_mapped(NODE.octets());
+        config
+            .set(
+                0,
+                Config {
+                    proxy_mark: PROXY_MARK,
+                    proxy_mark_mask: PROXY_MARK_MASK,
+                    redirect_mark: REDIRECT_MARK,
+                    redirect_mark_mask: REDIRECT_MARK_MASK,
+                    outbound_port: OUTBOUND_PORT,
+                    inbound_plaintext_port: INBOUND_PLAINTEXT_PORT,
+                    hbone_port: HBONE_PORT,
+                    node_addr_count: 1,
+                    node_addrs,
+                    ..Config::default()
+                },
+                0,
+            )
+            .unwrap();
+        let mut pods: HashMap<&mut MapData, u32, PodInfo> =
+            HashMap::try_from(ebpf.map_mut(MAP_PODS).unwrap()).unwrap();
+        pods.insert(
+            IFINDEX,
+            PodInfo {
+                ipv4: ipv4_mapped(POD.octets()),
+                flags: POD_ENROLLED | POD_HAS_IPV4,
+                workload_id: 1,
+                ..PodInfo::default()
+            },
+            0,
+        )
+        .unwrap();
+        let mut counters: PerCpuHashMap<&mut MapData, u32, PodCounters> =
+            PerCpuHashMap::try_from(ebpf.map_mut(MAP_COUNTERS).unwrap()).unwrap();
+        let cpus = aya::util::nr_cpus().unwrap();
+        counters
+            .insert(
+                IFINDEX,
+                PerCpuValues::try_from(vec![PodCounters::default(); cpus]).unwrap(),
+                0,
+            )
+            .unwrap();
+        let mut excluded: HashMap<&mut MapData, u16, u8> =
+            HashMap::try_from(ebpf.map_mut(MAP_EXCLUDED_PORTS).unwrap()).unwrap();
+        excluded.insert(22, 1, 0).unwrap();
+        Self { ebpf }
+    }
+
+    fn set_fail_open(&mut self) {
+        let mut config: Array<&mut MapData, Config> =
+            Array::try_from(self.ebpf.map_mut(MAP_CONFIG).unwrap()).unwrap();
+        let mut c = config.get(&0, 0).unwrap();
+        c.flags |= CONFIG_FAIL_OPEN;
+        config.set(0, c, 0).unwrap();
+    }
+
+    fn run(&mut self, program: &str, packet: &[u8], mark: u32) -> u32 {
+        let ctx_in = ctx(mark);
+        let p: &mut SchedClassifier = self.ebpf.program_mut(program).unwrap().try_into().unwrap();
+        let mut opts = TestRunOptions::new();
+        opts.data_in = Some(packet);
+        opts.ctx_in = Some(&ctx_in);
+        p.test_run(opts).expect("BPF_PROG_TEST_RUN").return_value
+    }
+
+    fn counters(&self) -> PodCounters {
+        let counters: PerCpuHashMap<&MapData, u32, PodCounters> =
+            PerCpuHashMap::try_from(self.ebpf.map(MAP_COUNTERS).unwrap()).unwrap();
+        let values = counters.get(&IFINDEX, 0).unwrap();
+        values.iter().fold(PodCounters::default(), |mut sum, c| {
+            sum.captured_outbound += c.captured_outbound;
+            sum.passed += c.passed;
+            sum.bounced += c.bounced;
+            sum.dropped_no_listener += c.dropped_no_listener;
+            sum.dropped_bounce_miss += c.dropped_bounce_miss;
+            sum.dropped_assign_failed += c.dropped_assign_failed;
+            sum
+        })
+    }
+}
+
+/// Runs `f` in a fresh network namespace (so no listener of the machine is seen).
+fn in_fresh_netns(f: impl FnOnce() + Send + 'static) {
+    podlink_tests::require_root();
+    let name = format!("plt{}-progs", std::process::id());
+    netns::ip(&["netns", "add", &name]).unwrap();
+    netns::register(netns::Resource::Netns(name.clone()));
+    netns::ip(&["-n", &name, "link", "set", "lo", "up"]).unwrap();
+    let result = netns::in_netns(&name, move || {
+        f();
+        Ok(())
+    });
+    netns::remove(&netns::Resource::Netns(name));
+    result.unwrap();
+}
+
+#[test]
+fn decisions_on_crafted_packets() {
+    in_fresh_netns(|| {
+        let mut p = Programs::load();
+
+        // Not TCP (an ARP frame) and IPv6: passed.
+        let mut arp = vec![0u8; 60];
+        arp[12..14].copy_from_slice(&0x0806u16.to_be_bytes());
+        assert_eq!(p.run("from_pod", &arp, 0), PASS);
+        let mut v6 = tcp(POD, PEER, 1000, 80, SYN);
+        v6[12..14].copy_from_slice(&0x86ddu16.to_be_bytes());
+        assert_eq!(p.run("from_pod", &v6, 0), PASS);
+        // A truncated TCP header: passed, not read past the end.
+        let short = tcp(POD, PEER, 1000, 80, SYN);
+        assert_eq!(p.run("from_pod", &short[..40], 0), PASS);
+        // A non-first fragment: passed.
+        let mut frag = tcp(POD, PEER, 1000, 80, SYN);
+        frag[20..22].copy_from_slice(&0x0010u16.to_be_bytes());
+        assert_eq!(p.run("from_pod", &frag, 0), PASS);
+
+        // from_pod, outbound: data of a flow from before enrollment passes.
+        assert_eq!(p.run("from_pod", &tcp(POD, PEER, 1000, 80, ACK), 0), PASS);
+        // A SYN to an excluded port passes.
+        assert_eq!(p.run("from_pod", &tcp(POD, PEER, 1000, 22, SYN), 0), PASS);
+        let before = p.counters();
+        // A SYN with no proxy listener: dropped (fail closed).
+        assert_eq!(p.run("from_pod", &tcp(POD, PEER, 1000, 80, SYN), 0), DROP);
+        assert_eq!(
+            p.counters().dropped_no_listener,
+            before.dropped_no_listener + 1
+        );
+        // A bounced (inbound) non-SYN that found no socket: dropped, never looped.
+        assert_eq!(p.run("from_pod", &tcp(PEER, POD, 1000, 80, ACK), 0), DROP);
+        assert_eq!(
+            p.counters().dropped_bounce_miss,
+            before.dropped_bounce_miss + 1
+        );
+
+        // With the outbound listener present the SYN reaches it (assignment itself
+        // is refused under test runs).
+        let _outbound = TcpListener::bind((Ipv4Addr::LOCALHOST, OUTBOUND_PORT)).unwrap();
+        assert_eq!(p.run("from_pod", &tcp(POD, PEER, 1001, 80, SYN), 0), DROP);
+        assert_eq!(
+            p.counters().dropped_assign_failed,
+            before.dropped_assign_failed + 1
+        );
+        assert_eq!(
+            p.counters().dropped_no_listener,
+            before.dropped_no_listener + 1
+        );
+
+        // to_pod: the proxy's marked packets, the node's own and pre-enrollment
+        // flows pass; new connections are bounced to ingress.
+        assert_eq!(
+            p.run("to_pod", &tcp(PEER, POD, 1000, 80, SYN), PROXY_MARK),
+            PASS
+        );
+        assert_eq!(p.run("to_pod", &tcp(NODE, POD, 1000, 80, SYN), 0), PASS);
+        assert_eq!(p.run("to_pod", &tcp(PEER, POD, 1000, 80, ACK), 0), PASS);
+        assert_eq!(p.run("to_pod", &tcp(PEER, POD, 1000, 22, SYN), 0), PASS);
+        assert_eq!(
+            p.run(
+                "to_pod",
+                &tcp(PEER, Ipv4Addr::new(10, 244, 1, 99), 1000, 80, SYN),
+                0
+            ),
+            PASS
+        );
+        let bounced = p.counters().bounced;
+        assert_eq!(p.run("to_pod", &tcp(PEER, POD, 1000, 80, SYN), 0), REDIRECT);
+        assert_eq!(p.counters().bounced, bounced + 1);
+        // A SYN-ACK is not a new connection.
+        assert_eq!(
+            p.run("to_pod", &tcp(PEER, POD, 1000, 80, SYN | ACK), 0),
+            PASS
+        );
+
+        // Fail open (a flag, off by default): with no listener, an outbound SYN
+        // passes; an inbound one is still dropped.
+        drop(_outbound);
+        p.set_fail_open();
+        assert_eq!(p.run("from_pod", &tcp(POD, PEER, 1002, 80, SYN), 0), PASS);
+        assert_eq!(p.run("from_pod", &tcp(PEER, POD, 1002, 80, SYN), 0), DROP);
+    });
+}
