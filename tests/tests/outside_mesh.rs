@@ -28,5 +28,5 @@ fn outside_the_mesh_destinations_get_plain_tcp_from_the_pod_address() {
 
     let counters = c.counters(&client).unwrap();
     assert!(counters["captured_outbound"] >= 1, "{counters:?}");
-    assert!(c.agent_log(0).contains("route=Passthrough"));
+    assert!(c.agent_log(0).contains("route=passthrough"));
 }

@@ -42,7 +42,7 @@ fn same_node_traffic_goes_through_the_proxy_without_a_tunnel() {
     );
     assert!(server_counters["passed"] > 0, "{server_counters:?}");
     assert!(
-        c.agent_log(0).contains("route=Local"),
+        c.agent_log(0).contains("route=local"),
         "the proxy did not take the same-node route"
     );
 }

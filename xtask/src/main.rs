@@ -150,23 +150,22 @@ fn build() -> Result<()> {
     run(&mut cmd).context("building the agent")
 }
 
+/// Unit tests of every crate and the end-to-end tests, in one release build (the
+/// end-to-end tests run the release agent that `build` made). All tests run even
+/// when one fails.
 fn test(filter: Option<&str>) -> Result<()> {
+    // SAFETY: geteuid has no preconditions.
     if unsafe { libc::geteuid() } != 0 {
-        bail!("the end-to-end tests create network namespaces, veths and BPF links: run as root");
+        bail!(
+            "the end-to-end tests create network namespaces, veths, bpffs mounts and BPF links: run as root"
+        );
     }
-    let mut unit = host_cargo();
-    unit.args(["test", "--workspace", "--exclude", "podlink-tests"])
-        .env("PODLINK_EBPF_OBJECT", ebpf_object());
-    if let Some(f) = filter {
-        unit.arg(f);
-    }
-    run(&mut unit).context("unit tests")?;
-    let mut e2e = host_cargo();
-    e2e.args(["test", "--release", "--package", "podlink-tests"])
+    let mut cmd = host_cargo();
+    cmd.args(["test", "--release", "--workspace", "--no-fail-fast"])
         .env("PODLINK_EBPF_OBJECT", ebpf_object())
         .env("PODLINK_BIN", release_bin("podlink"));
     if let Some(f) = filter {
-        e2e.arg(f);
+        cmd.arg(f);
     }
-    run(&mut e2e).context("end-to-end tests")
+    run(&mut cmd).context("tests")
 }

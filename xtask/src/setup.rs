@@ -106,7 +106,7 @@ fn install_bpf_linker() -> Result<()> {
             .with_context(|| format!("symlinking {}", link.display()))?;
     }
     eprintln!(
-        "setup: building bpf-linker {BPF_LINKER_VERSION} against the nightly's LLVM {llvm_major} (about 2 minutes)"
+        "setup: building bpf-linker {BPF_LINKER_VERSION} against the nightly's LLVM {llvm_major} (a minute or two)"
     );
     let mut cmd = Command::new("cargo");
     cmd.args(["install", "bpf-linker", "--version", BPF_LINKER_VERSION])

@@ -40,10 +40,7 @@ pub fn install_policy_routing(mark: u32, mask: u32, table: u32, priority: u32) -
     let existing = ip(&["-4", "rule", "show", "pref", &pref])?;
     let wanted = format!("fwmark {fwmark} lookup {table}");
     if !existing.contains(&wanted) {
-        if !existing.trim().is_empty() {
-            // Someone else's rule at our preference, or ours with other values.
-            ip(&["-4", "rule", "del", "pref", &pref])?;
-        }
+        // Rules of others at the same preference are left alone.
         ip(&[
             "-4", "rule", "add", "pref", &pref, "fwmark", &fwmark, "lookup", &table_s,
         ])?;

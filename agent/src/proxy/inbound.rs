@@ -62,7 +62,17 @@ pub async fn handle(state: Arc<ProxyState>, tcp: TcpStream, peer: SocketAddr, lo
         }
     };
     tracing::debug!(%peer, %client, destination = %destination.key(), "HBONE connection accepted");
-    while let Some(next) = conn.accept().await {
+    loop {
+        let next = tokio::select! {
+            next = conn.accept() => next,
+            () = state.unenrolled(local.ip()) => {
+                tracing::info!(%peer, destination = %destination.key(), "the pod left the mesh; closing its HBONE connection");
+                break;
+            }
+        };
+        let Some(next) = next else {
+            break;
+        };
         match next {
             Ok((req, respond)) => {
                 tokio::spawn(serve_stream(
@@ -143,7 +153,11 @@ async fn serve_stream(
         }
     };
     let mut stream = H2Stream::new(send, req.into_body());
-    match copy::bidirectional(&mut upstream, &mut stream).await {
+    let result = tokio::select! {
+        result = copy::bidirectional(&mut upstream, &mut stream) => result,
+        () = state.unenrolled(pod_ip) => Err(std::io::Error::other("the pod left the mesh")),
+    };
+    match result {
         Ok((to_client, from_client)) => tracing::debug!(
             %peer, %client, %target, sent = from_client, received = to_client,
             duration_ms = start.elapsed().as_millis() as u64,

@@ -16,15 +16,18 @@ pub async fn handle(state: Arc<ProxyState>, mut tcp: TcpStream, src: SocketAddr,
         return;
     };
     // The client's address is what the network delivered: keep it.
-    let connect = tokio::time::timeout(
-        state.config.connect_timeout,
-        socket::connect(Some(src.ip()), dst, state.config.proxy_mark),
-    )
-    .await
-    .unwrap_or_else(|_| Err(std::io::ErrorKind::TimedOut.into()));
-    let result = match connect {
-        Ok(mut upstream) => copy::bidirectional(&mut tcp, &mut upstream).await,
-        Err(e) => Err(e),
+    let proxy = async {
+        let mut upstream = tokio::time::timeout(
+            state.config.connect_timeout,
+            socket::connect(Some(src.ip()), dst, state.config.proxy_mark),
+        )
+        .await
+        .unwrap_or_else(|_| Err(std::io::ErrorKind::TimedOut.into()))?;
+        copy::bidirectional(&mut tcp, &mut upstream).await
+    };
+    let result = tokio::select! {
+        result = proxy => result,
+        () = state.unenrolled(dst.ip()) => Err(std::io::Error::other("the pod left the mesh")),
     };
     match result {
         Ok((sent, received)) => tracing::debug!(

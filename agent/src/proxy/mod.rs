@@ -20,13 +20,13 @@ pub mod pool;
 pub mod socket;
 
 use std::{
-    net::{Ipv4Addr, SocketAddr},
-    sync::{Arc, RwLock},
+    net::{IpAddr, Ipv4Addr, SocketAddr},
+    sync::Arc,
     time::Duration,
 };
 
 use anyhow::{Context, Result};
-use tokio::net::TcpListener;
+use tokio::{net::TcpListener, sync::watch};
 
 use crate::{identity::CertManager, workload::WorkloadIndex};
 
@@ -55,7 +55,7 @@ pub struct ProxyState {
     pub certs: CertManager,
     /// Pooled HBONE connections.
     pub pool: pool::Pool,
-    workloads: RwLock<Arc<WorkloadIndex>>,
+    workloads: watch::Sender<Arc<WorkloadIndex>>,
 }
 
 impl ProxyState {
@@ -65,19 +65,38 @@ impl ProxyState {
             config,
             certs,
             pool: pool::Pool::default(),
-            workloads: RwLock::new(Arc::new(WorkloadIndex::default())),
+            workloads: watch::Sender::new(Arc::new(WorkloadIndex::default())),
         }
     }
 
     /// The current workloads.
     pub fn workloads(&self) -> Arc<WorkloadIndex> {
-        self.workloads.read().expect("workloads lock").clone()
+        self.workloads.borrow().clone()
     }
 
-    /// Replaces the workloads; connections already open keep the view they started
-    /// with.
+    /// Replaces the workloads. Pooled HBONE connections of pods that left the mesh
+    /// are released, and the connections of such pods are closed (see
+    /// [`ProxyState::unenrolled`]): without capture their packets no longer reach
+    /// the proxy, so those connections could only linger half-broken.
     pub fn set_workloads(&self, index: Arc<WorkloadIndex>) {
-        *self.workloads.write().expect("workloads lock") = index;
+        self.pool
+            .retain(|key| index.local_enrolled(key.src_ip).is_some());
+        self.workloads.send_replace(index);
+    }
+
+    /// Resolves once `ip` is no longer an enrolled pod of this node (at once if it
+    /// is not one now).
+    pub async fn unenrolled(&self, ip: IpAddr) {
+        let mut rx = self.workloads.subscribe();
+        loop {
+            if rx.borrow_and_update().local_enrolled(ip).is_none() {
+                return;
+            }
+            if rx.changed().await.is_err() {
+                // The state is gone with the agent: nothing changes any more.
+                std::future::pending::<()>().await;
+            }
+        }
     }
 }
 

@@ -5,16 +5,26 @@ use std::{net::SocketAddr, sync::Arc, time::Instant};
 use tokio::net::TcpStream;
 
 use super::{ProxyState, copy, pool::PoolKey, socket};
+use crate::workload::Workload;
 
 /// Where a captured outbound connection goes.
-#[derive(Debug, PartialEq, Eq)]
 enum Route {
     /// An enrolled pod on another node: HBONE to its port 15008.
-    Hbone,
+    Hbone(Arc<Workload>),
     /// An enrolled pod on this node: connect directly (policy still applies).
     Local,
     /// Outside the mesh: plain TCP.
     Passthrough,
+}
+
+impl Route {
+    fn name(&self) -> &'static str {
+        match self {
+            Route::Hbone(_) => "hbone",
+            Route::Local => "local",
+            Route::Passthrough => "passthrough",
+        }
+    }
 }
 
 /// Handles one connection from pod `src` to its original destination `dst`.
@@ -28,20 +38,42 @@ pub async fn handle(state: Arc<ProxyState>, mut tcp: TcpStream, src: SocketAddr,
         socket::reset_on_close(&tcp);
         return;
     };
-    let destination = index
-        .by_ip(dst.ip())
-        .filter(|w| w.enrollment.is_enrolled())
-        .cloned();
-    let route = match &destination {
+    let route = match index.by_ip(dst.ip()).filter(|w| w.enrollment.is_enrolled()) {
         Some(w) if index.is_local(w) => Route::Local,
-        Some(_) => Route::Hbone,
+        Some(w) => Route::Hbone(w.clone()),
         None => Route::Passthrough,
     };
     drop(index);
+    let route_name = route.name();
+    let result = tokio::select! {
+        result = proxy(&state, &mut tcp, route, &source, src, dst) => result,
+        () = state.unenrolled(src.ip()) => Err(std::io::Error::other("the pod left the mesh")),
+    };
+    match result {
+        Ok((sent, received)) => tracing::debug!(
+            %src, %dst, source = %source.key(), route = route_name, sent, received,
+            duration_ms = start.elapsed().as_millis() as u64,
+            "outbound connection closed"
+        ),
+        Err(e) => {
+            socket::reset_on_close(&tcp);
+            tracing::info!(%src, %dst, source = %source.key(), route = route_name, "outbound connection failed: {e}");
+        }
+    }
+}
+
+/// Connects upstream along `route` and copies until both sides are done.
+async fn proxy(
+    state: &ProxyState,
+    tcp: &mut TcpStream,
+    route: Route,
+    source: &Workload,
+    src: SocketAddr,
+    dst: SocketAddr,
+) -> std::io::Result<(u64, u64)> {
     let mark = state.config.proxy_mark;
-    let result = match route {
-        Route::Hbone => {
-            let dst_workload = destination.expect("HBONE route has a destination");
+    match route {
+        Route::Hbone(dst_workload) => {
             let key = PoolKey {
                 src_id: source.identity.clone(),
                 src_ip: src.ip(),
@@ -54,7 +86,7 @@ pub async fn handle(state: Arc<ProxyState>, mut tcp: TcpStream, src: SocketAddr,
             )
             .await;
             match stream {
-                Ok(Ok(mut stream)) => copy::bidirectional(&mut tcp, &mut stream).await,
+                Ok(Ok(mut stream)) => copy::bidirectional(tcp, &mut stream).await,
                 Ok(Err(e)) => Err(std::io::Error::other(e.to_string())),
                 Err(_) => Err(std::io::Error::new(
                     std::io::ErrorKind::TimedOut,
@@ -70,20 +102,9 @@ pub async fn handle(state: Arc<ProxyState>, mut tcp: TcpStream, src: SocketAddr,
             .await
             .unwrap_or_else(|_| Err(std::io::ErrorKind::TimedOut.into()));
             match connect {
-                Ok(mut upstream) => copy::bidirectional(&mut tcp, &mut upstream).await,
+                Ok(mut upstream) => copy::bidirectional(tcp, &mut upstream).await,
                 Err(e) => Err(e),
             }
-        }
-    };
-    match result {
-        Ok((sent, received)) => tracing::debug!(
-            %src, %dst, source = %source.key(), route = ?route, sent, received,
-            duration_ms = start.elapsed().as_millis() as u64,
-            "outbound connection closed"
-        ),
-        Err(e) => {
-            socket::reset_on_close(&tcp);
-            tracing::info!(%src, %dst, source = %source.key(), route = ?route, "outbound connection failed: {e}");
         }
     }
 }

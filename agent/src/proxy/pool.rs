@@ -221,6 +221,14 @@ impl Pool {
         })
     }
 
+    /// Releases the connections whose key fails `keep` (open streams finish).
+    pub fn retain(&self, keep: impl Fn(&PoolKey) -> bool) {
+        self.slots
+            .lock()
+            .expect("pool lock")
+            .retain(|key, _| keep(key));
+    }
+
     /// Releases connections that are closed or idle for longer than `idle`.
     pub fn sweep(&self, idle: Duration) {
         let now = Instant::now();
