@@ -49,13 +49,17 @@ pub const MAP_EXCLUDED_CIDRS: &str = "excluded_cidrs";
 pub const MAP_EXCLUDED_PORTS: &str = "excluded_ports";
 /// Map: host veth ifindex (`u32`) → per-CPU [`PodCounters`].
 pub const MAP_COUNTERS: &str = "pod_counters";
+/// Map (LRU): [`FlowKey`] → `u8`; flows the proxy took over, so that their stray
+/// packets are dropped rather than passed once the proxy's socket is gone.
+pub const MAP_CAPTURED_FLOWS: &str = "captured_flows";
 /// All maps the programs use, in pin order.
-pub const MAP_NAMES: [&str; 5] = [
+pub const MAP_NAMES: [&str; 6] = [
     MAP_PODS,
     MAP_CONFIG,
     MAP_EXCLUDED_CIDRS,
     MAP_EXCLUDED_PORTS,
     MAP_COUNTERS,
+    MAP_CAPTURED_FLOWS,
 ];
 
 /// Capacity of the pods and counters maps (host veths on one node).
@@ -64,6 +68,8 @@ pub const MAX_PODS: u32 = 16384;
 pub const MAX_EXCLUDED_CIDRS: u32 = 1024;
 /// Capacity of the excluded-port set.
 pub const MAX_EXCLUDED_PORTS: u32 = 256;
+/// Capacity of the captured-flows LRU map (flows per node).
+pub const MAX_CAPTURED_FLOWS: u32 = 65536;
 /// Number of node addresses [`Config`] can hold.
 pub const MAX_NODE_ADDRS: usize = 8;
 
@@ -133,6 +139,21 @@ pub struct CidrKey {
     pub addr: Addr,
 }
 
+/// Key of the captured-flows map: a TCP 4-tuple as `from_pod` sees the flow's
+/// packets (source first). Ports in host byte order.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct FlowKey {
+    /// Source address.
+    pub saddr: Addr,
+    /// Destination address.
+    pub daddr: Addr,
+    /// Source port.
+    pub sport: u16,
+    /// Destination port.
+    pub dport: u16,
+}
+
 /// Value of the per-CPU counters map: packets seen on one pod's host veth, by outcome.
 /// Sum over CPUs for totals.
 #[repr(C)]
@@ -157,16 +178,26 @@ pub struct PodCounters {
     pub dropped_bounce_miss: u64,
     /// Dropped: `bpf_sk_assign` failed.
     pub dropped_assign_failed: u64,
+    /// Dropped: a TCP fragment (its ports cannot be seen, so it cannot be steered).
+    pub dropped_fragment: u64,
+    /// Dropped: TCP whose headers cannot be read (truncated or malformed).
+    pub dropped_unparsable: u64,
+    /// Dropped: IPv6 TCP (or an IPv6 extension header chain), not captured yet.
+    pub dropped_ipv6: u64,
+    /// Dropped: a packet of a flow the proxy had taken over whose socket is gone
+    /// (for example after the agent stopped); passing it would leak it in plain text.
+    pub dropped_flow_gone: u64,
 }
 
 #[cfg(feature = "user")]
 mod user {
-    // SAFETY: all four are `#[repr(C)]` plain data with no padding holes that the
+    // SAFETY: all five are `#[repr(C)]` plain data with no padding holes that the
     // kernel would interpret, and every bit pattern is a valid value.
     unsafe impl aya::Pod for super::PodInfo {}
     unsafe impl aya::Pod for super::Config {}
     unsafe impl aya::Pod for super::CidrKey {}
     unsafe impl aya::Pod for super::PodCounters {}
+    unsafe impl aya::Pod for super::FlowKey {}
 }
 
 /// Converts an IPv4 address (four octets, network order) to the 16-byte map form.
@@ -185,7 +216,8 @@ mod tests {
         assert_eq!(core::mem::size_of::<PodInfo>(), 40);
         assert_eq!(core::mem::size_of::<CidrKey>(), 20);
         assert_eq!(core::mem::size_of::<Config>(), 32 + 16 * MAX_NODE_ADDRS);
-        assert_eq!(core::mem::size_of::<PodCounters>(), 9 * 8);
+        assert_eq!(core::mem::size_of::<PodCounters>(), 13 * 8);
+        assert_eq!(core::mem::size_of::<FlowKey>(), 36);
     }
 
     #[test]

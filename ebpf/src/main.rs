@@ -27,7 +27,7 @@ use podlink_common::{CONFIG_FAIL_OPEN, Config, PodCounters, PodInfo};
 
 use crate::{
     maps::{count, is_excluded, is_node_addr},
-    parse::Tcp4,
+    parse::{Packet, Tcp4},
     socket::Lookup,
 };
 
@@ -41,6 +41,32 @@ const OK: i32 = 0;
 /// `TC_ACT_SHOT`: drop.
 const DROP: i32 = 2;
 
+/// Counts and returns the verdict for a packet that is not readable IPv4 TCP.
+#[inline(always)]
+fn not_tcp4(packet: Packet, counters: Option<*mut PodCounters>) -> i32 {
+    match packet {
+        Packet::Other => {
+            count(counters, |c| &mut c.passed);
+            PASS
+        }
+        // Capture cannot steer what it cannot read: drop rather than let it pass
+        // around the proxy.
+        Packet::Fragment => {
+            count(counters, |c| &mut c.dropped_fragment);
+            DROP
+        }
+        Packet::Unparsable => {
+            count(counters, |c| &mut c.dropped_unparsable);
+            DROP
+        }
+        Packet::Ipv6 => {
+            count(counters, |c| &mut c.dropped_ipv6);
+            DROP
+        }
+        Packet::Tcp4(_) => PASS,
+    }
+}
+
 /// TC ingress of an enrolled pod's host veth.
 #[classifier]
 pub fn from_pod(ctx: TcContext) -> i32 {
@@ -52,11 +78,10 @@ pub fn from_pod(ctx: TcContext) -> i32 {
         return PASS;
     };
     let counters = maps::counters(ifindex);
-    let Some(pkt) = parse::tcp4(&ctx) else {
-        count(counters, |c| &mut c.passed);
-        return PASS;
-    };
-    from_pod_tcp4(&ctx, pod, cfg, counters, &pkt)
+    match parse::parse(&ctx) {
+        Packet::Tcp4(pkt) => from_pod_tcp4(&ctx, pod, cfg, counters, &pkt),
+        other => not_tcp4(other, counters),
+    }
 }
 
 #[inline(always)]
@@ -74,20 +99,17 @@ fn from_pod_tcp4(
     // 1. A proxy socket (or any socket of this netns) already owns this 4-tuple:
     //    replies to the proxy's upstream connections and later packets of captured
     //    flows. A SYN that meets a TIME_WAIT socket opens a new connection instead.
-    match socket::lookup_established(ctx, pkt) {
-        Lookup::Found(sk) => {
-            return match socket::assign(ctx, sk, cfg) {
-                Ok(()) => {
-                    count(counters, |c| &mut c.assigned_established);
-                    OK
-                }
-                Err(()) => {
-                    count(counters, |c| &mut c.dropped_assign_failed);
-                    DROP
-                }
-            };
-        }
-        Lookup::None => {}
+    if let Lookup::Found(sk) = socket::lookup_established(ctx, pkt) {
+        return match socket::assign(ctx, sk, cfg) {
+            Ok(()) => {
+                count(counters, |c| &mut c.assigned_established);
+                OK
+            }
+            Err(()) => {
+                count(counters, |c| &mut c.dropped_assign_failed);
+                DROP
+            }
+        };
     }
 
     if !pkt.is_syn() {
@@ -95,6 +117,12 @@ fn from_pod_tcp4(
             // `to_pod` saw a proxy socket that is gone now; passing the packet
             // would route it back out of this veth and bounce it again.
             count(counters, |c| &mut c.dropped_bounce_miss);
+            return DROP;
+        }
+        if maps::is_captured_flow(pkt) {
+            // The proxy had this flow and its socket is gone (the agent stopped,
+            // or the connection was reset): never let its bytes out in plain text.
+            count(counters, |c| &mut c.dropped_flow_gone);
             return DROP;
         }
         // A flow from before enrollment: leave it alone.
@@ -128,6 +156,7 @@ fn from_pod_tcp4(
     };
     match socket::assign(ctx, sk, cfg) {
         Ok(()) => {
+            maps::remember_flow(pkt);
             if !bounced {
                 count(counters, |c| &mut c.captured_outbound);
             } else if listener_port == cfg.hbone_port {
@@ -155,28 +184,37 @@ pub fn to_pod(ctx: TcContext) -> i32 {
         return PASS;
     };
     let counters = maps::counters(ifindex);
+    let packet = parse::parse(&ctx);
     let mark = unsafe { (*ctx.skb.skb).mark };
     if mark & cfg.proxy_mark_mask == cfg.proxy_mark {
-        // The proxy's own connection to the pod.
+        // The proxy's own connection to the pod. Remember it, so that the pod's
+        // replies are never passed in plain text once the proxy's socket is gone.
+        if let Packet::Tcp4(pkt) = &packet
+            && pkt.is_syn()
+        {
+            maps::remember_reply_flow(pkt);
+        }
         count(counters, |c| &mut c.passed);
         return PASS;
     }
-    let Some(pkt) = parse::tcp4(&ctx) else {
-        count(counters, |c| &mut c.passed);
-        return PASS;
+    let pkt = match packet {
+        Packet::Tcp4(pkt) => pkt,
+        other => return not_tcp4(other, counters),
     };
-    if !parse::is_pod_ipv4(pod, pkt.daddr) || is_node_addr(cfg, pkt.saddr) {
-        // Not for the pod's own address, or from the node itself (kubelet probes).
+    if !parse::is_pod_ipv4(pod, pkt.daddr) {
         count(counters, |c| &mut c.passed);
         return PASS;
     }
     let bounce = if pkt.is_syn() {
-        !maps::is_excluded_port(pkt.dport)
+        // New connections from the node itself (kubelet probes) and to excluded
+        // ports are not captured.
+        !is_node_addr(cfg, pkt.saddr) && !maps::is_excluded_port(pkt.dport)
     } else {
+        // Packets of the proxy's flows, from anywhere (the node's own replies to a
+        // proxied connection included); anything else predates enrollment.
         socket::proxy_socket_exists(&ctx, &pkt)
     };
     if !bounce {
-        // A flow from before enrollment, or an excluded port.
         count(counters, |c| &mut c.passed);
         return PASS;
     }

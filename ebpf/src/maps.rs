@@ -1,15 +1,15 @@
 //! The maps (BTF definitions, pinned by the agent) and small accessors.
 
 use aya_ebpf::{
-    btf_maps::{Array, HashMap, LpmTrie, PerCpuHashMap, lpm_trie::Key},
+    btf_maps::{Array, HashMap, LpmTrie, LruHashMap, PerCpuHashMap, lpm_trie::Key},
     macros::btf_map,
 };
 use podlink_common::{
-    Addr, Config, MAX_EXCLUDED_CIDRS, MAX_EXCLUDED_PORTS, MAX_NODE_ADDRS, MAX_PODS, PodCounters,
-    PodInfo,
+    Addr, Config, FlowKey, MAX_CAPTURED_FLOWS, MAX_EXCLUDED_CIDRS, MAX_EXCLUDED_PORTS,
+    MAX_NODE_ADDRS, MAX_PODS, PodCounters, PodInfo, ipv4_mapped,
 };
 
-use crate::parse::ipv4_of;
+use crate::parse::{Tcp4, ipv4_of};
 
 /// Host veth ifindex → the enrolled pod behind it.
 #[btf_map(name = "pods")]
@@ -30,6 +30,44 @@ static EXCLUDED_PORTS: HashMap<u16, u8, { MAX_EXCLUDED_PORTS as usize }> = HashM
 /// Host veth ifindex → per-CPU packet counters.
 #[btf_map(name = "pod_counters")]
 static COUNTERS: PerCpuHashMap<u32, PodCounters, { MAX_PODS as usize }> = PerCpuHashMap::new();
+
+/// Flows the proxy took over (see [`remember_flow`]).
+#[btf_map(name = "captured_flows")]
+static CAPTURED_FLOWS: LruHashMap<FlowKey, u8, { MAX_CAPTURED_FLOWS as usize }> =
+    LruHashMap::new();
+
+#[inline(always)]
+fn flow_key(saddr: u32, daddr: u32, sport: u16, dport: u16) -> FlowKey {
+    FlowKey {
+        saddr: ipv4_mapped(saddr.to_ne_bytes()),
+        daddr: ipv4_mapped(daddr.to_ne_bytes()),
+        sport,
+        dport,
+    }
+}
+
+/// Records that the flow of `pkt` (a SYN seen by `from_pod`) is the proxy's.
+#[inline(always)]
+pub fn remember_flow(pkt: &Tcp4) {
+    let key = flow_key(pkt.saddr, pkt.daddr, pkt.sport, pkt.dport);
+    let _ = CAPTURED_FLOWS.insert(key, 1, 0);
+}
+
+/// Records the flow of the proxy's own connection into the pod (a SYN seen by
+/// `to_pod`), keyed as `from_pod` will see the pod's replies.
+#[inline(always)]
+pub fn remember_reply_flow(pkt: &Tcp4) {
+    let key = flow_key(pkt.daddr, pkt.saddr, pkt.dport, pkt.sport);
+    let _ = CAPTURED_FLOWS.insert(key, 1, 0);
+}
+
+/// Whether the flow of `pkt` (as `from_pod` sees it) was taken over by the proxy.
+#[inline(always)]
+pub fn is_captured_flow(pkt: &Tcp4) -> bool {
+    let key = flow_key(pkt.saddr, pkt.daddr, pkt.sport, pkt.dport);
+    // SAFETY: only the presence is read.
+    unsafe { CAPTURED_FLOWS.get(key).is_some() }
+}
 
 #[inline(always)]
 pub fn pod(ifindex: u32) -> Option<&'static PodInfo> {

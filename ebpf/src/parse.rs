@@ -1,15 +1,28 @@
 //! Packet parsing with direct packet access: Ethernet → IPv4 → TCP.
+//!
+//! Headers outside the linear part of the skb are pulled in with
+//! `bpf_skb_pull_data` once; TCP that still cannot be read is reported, never
+//! mistaken for "not TCP", so that it can be dropped instead of escaping capture.
 
 use aya_ebpf::programs::TcContext;
 use podlink_common::PodInfo;
 
 const ETH_HLEN: usize = 14;
 const ETH_P_IP: u16 = 0x0800;
+const ETH_P_IPV6: u16 = 0x86dd;
 const IPPROTO_TCP: u8 = 6;
+const IPPROTO_UDP: u8 = 17;
+const IPPROTO_ICMPV6: u8 = 58;
+const IPV4_MIN_HLEN: usize = 20;
+const IPV6_HLEN: usize = 40;
+/// IPv4 flags and fragment offset: MF (0x2000) and the 13-bit offset.
+const IP_MF_OFFSET: u16 = 0x3fff;
 const TCP_FLAG_SYN: u8 = 0x02;
 const TCP_FLAG_ACK: u8 = 0x10;
 /// Minimal TCP header: ports, sequence numbers, offset and flags.
 const TCP_MIN_HLEN: usize = 20;
+/// Longest Ethernet + IPv4 (with options) + minimal TCP header.
+const MAX_HEADERS: u32 = (ETH_HLEN + 60 + TCP_MIN_HLEN) as u32;
 
 /// The fields of an IPv4 TCP segment the programs decide on. Addresses stay in
 /// network byte order (as `bpf_sock_tuple` wants them); ports are host order.
@@ -29,21 +42,51 @@ impl Tcp4 {
     }
 }
 
-/// Parses an IPv4 TCP segment. `None` for anything else (other ethertypes, IPv6,
-/// other protocols, non-first fragments, truncated headers): such packets pass.
+/// What a packet is, as far as capture is concerned.
+pub enum Packet {
+    /// IPv4 TCP with readable headers.
+    Tcp4(Tcp4),
+    /// Not TCP (ARP, UDP, ICMP, ICMPv6, …): never captured.
+    Other,
+    /// An IPv4 TCP fragment.
+    Fragment,
+    /// TCP, or an IP header, that cannot be read.
+    Unparsable,
+    /// IPv6 carrying TCP or extension headers.
+    Ipv6,
+}
+
+/// Headers not (yet) in the linear data.
+struct Short;
+
 #[inline(always)]
-pub fn tcp4(ctx: &TcContext) -> Option<Tcp4> {
+fn parse_linear(ctx: &TcContext) -> Result<Packet, Short> {
     let data = ctx.data();
     let end = ctx.data_end();
-    if data + ETH_HLEN + 20 > end {
-        return None;
+    if data + ETH_HLEN > end {
+        return Err(Short);
     }
-    // SAFETY: bounds checked against data_end just above.
+    // SAFETY: the Ethernet header is within bounds (checked above).
     let ethertype = u16::from_be(unsafe { *((data + 12) as *const u16) });
-    if ethertype != ETH_P_IP {
-        return None;
-    }
     let ip = data + ETH_HLEN;
+    match ethertype {
+        ETH_P_IP => {}
+        ETH_P_IPV6 => {
+            if ip + IPV6_HLEN > end {
+                return Err(Short);
+            }
+            // SAFETY: the fixed IPv6 header is within bounds.
+            let next = unsafe { *((ip + 6) as *const u8) };
+            return Ok(match next {
+                IPPROTO_UDP | IPPROTO_ICMPV6 => Packet::Other,
+                _ => Packet::Ipv6,
+            });
+        }
+        _ => return Ok(Packet::Other),
+    }
+    if ip + IPV4_MIN_HLEN > end {
+        return Err(Short);
+    }
     // SAFETY: the whole 20-byte IPv4 header is within bounds (checked above).
     let (vihl, proto, frag, saddr, daddr) = unsafe {
         (
@@ -54,16 +97,22 @@ pub fn tcp4(ctx: &TcContext) -> Option<Tcp4> {
             *((ip + 16) as *const u32),
         )
     };
-    if vihl >> 4 != 4 || proto != IPPROTO_TCP || frag & 0x1fff != 0 {
-        return None;
+    if vihl >> 4 != 4 {
+        return Ok(Packet::Unparsable);
+    }
+    if proto != IPPROTO_TCP {
+        return Ok(Packet::Other);
+    }
+    if frag & IP_MF_OFFSET != 0 {
+        return Ok(Packet::Fragment);
     }
     let ihl = ((vihl & 0x0f) as usize) * 4;
-    if ihl < 20 {
-        return None;
+    if ihl < IPV4_MIN_HLEN {
+        return Ok(Packet::Unparsable);
     }
     let tcp = ip + ihl;
     if tcp + TCP_MIN_HLEN > end {
-        return None;
+        return Err(Short);
     }
     // SAFETY: the minimal TCP header is within bounds (checked above).
     let (sport, dport, flags) = unsafe {
@@ -73,13 +122,32 @@ pub fn tcp4(ctx: &TcContext) -> Option<Tcp4> {
             *((tcp + 13) as *const u8),
         )
     };
-    Some(Tcp4 {
+    Ok(Packet::Tcp4(Tcp4 {
         saddr,
         daddr,
         sport,
         dport,
         flags,
-    })
+    }))
+}
+
+/// Classifies the packet, pulling non-linear headers in once if needed.
+#[inline(always)]
+pub fn parse(ctx: &TcContext) -> Packet {
+    match parse_linear(ctx) {
+        Ok(packet) => packet,
+        Err(Short) => {
+            let want = if ctx.len() < MAX_HEADERS {
+                ctx.len()
+            } else {
+                MAX_HEADERS
+            };
+            if ctx.pull_data(want).is_err() {
+                return Packet::Unparsable;
+            }
+            parse_linear(ctx).unwrap_or(Packet::Unparsable)
+        }
+    }
 }
 
 /// Whether `addr` (network order) is the pod's IPv4 address.

@@ -13,9 +13,10 @@ use aya::{
     programs::{SchedClassifier, TestRun, TestRunOptions},
 };
 use podlink_common::{
-    CONFIG_FAIL_OPEN, Config, HBONE_PORT, INBOUND_PLAINTEXT_PORT, MAP_CONFIG, MAP_COUNTERS,
-    MAP_EXCLUDED_PORTS, MAP_PODS, OUTBOUND_PORT, POD_ENROLLED, POD_HAS_IPV4, PROXY_MARK,
-    PROXY_MARK_MASK, PodCounters, PodInfo, REDIRECT_MARK, REDIRECT_MARK_MASK, ipv4_mapped,
+    CONFIG_FAIL_OPEN, Config, FlowKey, HBONE_PORT, INBOUND_PLAINTEXT_PORT, MAP_CAPTURED_FLOWS,
+    MAP_CONFIG, MAP_COUNTERS, MAP_EXCLUDED_PORTS, MAP_PODS, OUTBOUND_PORT, POD_ENROLLED,
+    POD_HAS_IPV4, PROXY_MARK, PROXY_MARK_MASK, PodCounters, PodInfo, REDIRECT_MARK,
+    REDIRECT_MARK_MASK, ipv4_mapped,
 };
 use podlink_tests::netns;
 
@@ -138,6 +139,10 @@ impl Programs {
         p.test_run(opts).expect("BPF_PROG_TEST_RUN").return_value
     }
 
+    fn flows(&mut self) -> HashMap<&mut MapData, FlowKey, u8> {
+        HashMap::try_from(self.ebpf.map_mut(MAP_CAPTURED_FLOWS).unwrap()).unwrap()
+    }
+
     fn counters(&self) -> PodCounters {
         let counters: PerCpuHashMap<&MapData, u32, PodCounters> =
             PerCpuHashMap::try_from(self.ebpf.map(MAP_COUNTERS).unwrap()).unwrap();
@@ -149,6 +154,10 @@ impl Programs {
             sum.dropped_no_listener += c.dropped_no_listener;
             sum.dropped_bounce_miss += c.dropped_bounce_miss;
             sum.dropped_assign_failed += c.dropped_assign_failed;
+            sum.dropped_fragment += c.dropped_fragment;
+            sum.dropped_unparsable += c.dropped_unparsable;
+            sum.dropped_ipv6 += c.dropped_ipv6;
+            sum.dropped_flow_gone += c.dropped_flow_gone;
             sum
         })
     }
@@ -174,20 +183,49 @@ fn decisions_on_crafted_packets() {
     in_fresh_netns(|| {
         let mut p = Programs::load();
 
-        // Not TCP (an ARP frame) and IPv6: passed.
+        // Not TCP: an ARP frame, UDP, ICMPv6: passed.
         let mut arp = vec![0u8; 60];
         arp[12..14].copy_from_slice(&0x0806u16.to_be_bytes());
         assert_eq!(p.run("from_pod", &arp, 0), PASS);
-        let mut v6 = tcp(POD, PEER, 1000, 80, SYN);
-        v6[12..14].copy_from_slice(&0x86ddu16.to_be_bytes());
-        assert_eq!(p.run("from_pod", &v6, 0), PASS);
-        // A truncated TCP header: passed, not read past the end.
+        let mut udp = tcp(POD, PEER, 1000, 53, 0);
+        udp[23] = 17;
+        assert_eq!(p.run("from_pod", &udp, 0), PASS);
+        assert_eq!(p.run("to_pod", &udp, 0), PASS);
+        let mut icmp6 = vec![0u8; 14 + 40 + 8];
+        icmp6[12..14].copy_from_slice(&0x86ddu16.to_be_bytes());
+        icmp6[14] = 0x60;
+        icmp6[20] = 58;
+        assert_eq!(p.run("from_pod", &icmp6, 0), PASS);
+
+        // TCP that capture cannot steer is dropped in both directions, never
+        // passed around the proxy: IPv6 TCP (not captured yet), fragments (a first
+        // fragment with MF, a later one with an offset), truncated headers.
+        let before = p.counters();
+        let mut v6 = icmp6.clone();
+        v6[20] = 6;
+        assert_eq!(p.run("from_pod", &v6, 0), DROP);
+        assert_eq!(p.run("to_pod", &v6, 0), DROP);
+        let mut hop_by_hop = icmp6.clone();
+        hop_by_hop[20] = 0;
+        assert_eq!(p.run("from_pod", &hop_by_hop, 0), DROP);
+        for frag_field in [0x2000u16, 0x0010] {
+            let mut frag = tcp(POD, PEER, 1000, 80, SYN);
+            frag[20..22].copy_from_slice(&frag_field.to_be_bytes());
+            assert_eq!(p.run("from_pod", &frag, 0), DROP);
+            let mut frag_in = tcp(PEER, POD, 1000, 80, SYN);
+            frag_in[20..22].copy_from_slice(&frag_field.to_be_bytes());
+            assert_eq!(p.run("to_pod", &frag_in, 0), DROP);
+        }
         let short = tcp(POD, PEER, 1000, 80, SYN);
-        assert_eq!(p.run("from_pod", &short[..40], 0), PASS);
-        // A non-first fragment: passed.
-        let mut frag = tcp(POD, PEER, 1000, 80, SYN);
-        frag[20..22].copy_from_slice(&0x0010u16.to_be_bytes());
-        assert_eq!(p.run("from_pod", &frag, 0), PASS);
+        assert_eq!(p.run("from_pod", &short[..40], 0), DROP);
+        assert_eq!(
+            p.run("to_pod", &tcp(PEER, POD, 1000, 80, SYN)[..40], 0),
+            DROP
+        );
+        let after = p.counters();
+        assert_eq!(after.dropped_ipv6, before.dropped_ipv6 + 3);
+        assert_eq!(after.dropped_fragment, before.dropped_fragment + 4);
+        assert_eq!(after.dropped_unparsable, before.dropped_unparsable + 2);
 
         // from_pod, outbound: data of a flow from before enrollment passes.
         assert_eq!(p.run("from_pod", &tcp(POD, PEER, 1000, 80, ACK), 0), PASS);
@@ -206,6 +244,18 @@ fn decisions_on_crafted_packets() {
             p.counters().dropped_bounce_miss,
             before.dropped_bounce_miss + 1
         );
+
+        // Data of a flow the proxy had taken over, whose socket is gone: dropped,
+        // not passed in plain text.
+        let flow = FlowKey {
+            saddr: ipv4_mapped(POD.octets()),
+            daddr: ipv4_mapped(PEER.octets()),
+            sport: 1234,
+            dport: 80,
+        };
+        p.flows().insert(flow, 1, 0).unwrap();
+        assert_eq!(p.run("from_pod", &tcp(POD, PEER, 1234, 80, ACK), 0), DROP);
+        assert_eq!(p.counters().dropped_flow_gone, before.dropped_flow_gone + 1);
 
         // With the outbound listener present the SYN reaches it (assignment itself
         // is refused under test runs).
@@ -226,6 +276,19 @@ fn decisions_on_crafted_packets() {
             p.run("to_pod", &tcp(PEER, POD, 1000, 80, SYN), PROXY_MARK),
             PASS
         );
+        // ... and the proxy's connection is remembered as the pod's replies will
+        // look to from_pod.
+        let reply = FlowKey {
+            saddr: ipv4_mapped(POD.octets()),
+            daddr: ipv4_mapped(PEER.octets()),
+            sport: 80,
+            dport: 1000,
+        };
+        assert!(
+            p.flows().get(&reply, 0).is_ok(),
+            "proxy flow not remembered"
+        );
+        assert_eq!(p.run("from_pod", &tcp(POD, PEER, 80, 1000, ACK), 0), DROP);
         assert_eq!(p.run("to_pod", &tcp(NODE, POD, 1000, 80, SYN), 0), PASS);
         assert_eq!(p.run("to_pod", &tcp(PEER, POD, 1000, 80, ACK), 0), PASS);
         assert_eq!(p.run("to_pod", &tcp(PEER, POD, 1000, 22, SYN), 0), PASS);

@@ -51,13 +51,13 @@ pub async fn handle(state: Arc<ProxyState>, mut tcp: TcpStream, src: SocketAddr,
     };
     match result {
         Ok((sent, received)) => tracing::debug!(
-            %src, %dst, source = %source.key(), route = route_name, sent, received,
+            %src, %dst, source = %source.key(), route = %route_name, sent, received,
             duration_ms = start.elapsed().as_millis() as u64,
             "outbound connection closed"
         ),
         Err(e) => {
             socket::reset_on_close(&tcp);
-            tracing::info!(%src, %dst, source = %source.key(), route = route_name, "outbound connection failed: {e}");
+            tracing::info!(%src, %dst, source = %source.key(), route = %route_name, "outbound connection failed: {e}");
         }
     }
 }
