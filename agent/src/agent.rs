@@ -1,11 +1,26 @@
 //! `podlink agent`: runs in a node's network namespace, keeps the dataplane in
 //! step with the workloads, and serves the proxy.
 //!
-//! Start-up order matters for traffic: the proxy's listeners are bound before any
-//! program is attached (a captured pod never meets a missing listener because of
-//! us), and each workload is known to the proxy before its host veth is attached.
+//! Start-up order matters for traffic:
+//! 1. the proxy's listeners are bound (connections assigned to them wait in the
+//!    backlog);
+//! 2. the programs are loaded and the pinned links of a previous agent adopted, so
+//!    capture never stops across a restart;
+//! 3. the workloads are read and published to the proxy;
+//! 4. only then does the proxy accept, so no connection meets an empty workload
+//!    view; the dataplane is then reconciled (new pods attached).
+//!
+//! At run time a workload is known to the proxy before its host veth is attached,
+//! and a pod is detached only once the workload source is complete (no manifest
+//! waiting to settle, none broken without a good version).
 
-use std::{collections::HashMap, net::IpAddr, path::PathBuf, sync::Arc, time::Duration};
+use std::{
+    collections::{HashMap, HashSet},
+    net::IpAddr,
+    path::PathBuf,
+    sync::Arc,
+    time::Duration,
+};
 
 use anyhow::{Context, Result};
 use podlink_common::{
@@ -15,11 +30,11 @@ use podlink_common::{
 use tokio::signal::unix::{SignalKind, signal};
 
 use crate::{
-    dataplane::{CapturedPod, Dataplane, DataplaneConfig, net},
+    dataplane::{CapturedPod, Dataplane, DataplaneConfig, Removal, net},
     identity::{CertManager, ca::CertificateAuthority},
     proxy::{self, Listeners, ProxyConfig, ProxyState},
     workload::{
-        WorkloadIndex,
+        Workload, WorkloadIndex,
         manifests::{self, ManifestDir},
     },
 };
@@ -43,14 +58,16 @@ pub struct AgentConfig {
     pub fail_open: bool,
     /// Destination IPv4 prefixes that bypass capture.
     pub excluded_cidrs: Vec<ipnet::Ipv4Net>,
-    /// Destination ports that bypass capture.
+    /// Destination ports that bypass capture (both directions).
     pub excluded_ports: Vec<u16>,
     /// Time allowed to connect upstream.
     pub connect_timeout: Duration,
 }
 
-/// How soon pods waiting for their host veth are looked at again.
-const PENDING_RETRY: Duration = Duration::from_millis(200);
+/// Retry delays for pods that wait for their host veth (or failed to attach):
+/// quick at first, then slower, so a pod that never gets one costs little.
+const PENDING_RETRY_MIN: Duration = Duration::from_millis(200);
+const PENDING_RETRY_MAX: Duration = Duration::from_secs(5);
 
 /// Runs the agent until SIGTERM or SIGINT. Pinned links and maps stay in place on
 /// exit: enrolled pods stay captured (fail closed) until an agent is back.
@@ -91,11 +108,11 @@ pub async fn run(cfg: AgentConfig) -> Result<()> {
             flags: if cfg.fail_open { CONFIG_FAIL_OPEN } else { 0 },
             ..Config::default()
         },
+        node_addrs: net::node_ipv4_addrs().context("reading the node's addresses")?,
         excluded_cidrs: cfg.excluded_cidrs.clone(),
         excluded_ports: cfg.excluded_ports.clone(),
     })?;
     let state = Arc::new(ProxyState::new(proxy_config, certs));
-    let proxy = tokio::spawn(proxy::serve(state.clone(), listeners));
 
     let mut source = ManifestDir::new(&cfg.manifests).with_context(|| {
         format!(
@@ -111,35 +128,57 @@ pub async fn run(cfg: AgentConfig) -> Result<()> {
         dataplane,
         workload_ids: HashMap::new(),
         next_id: 1,
-        pending: false,
+        pending_retry: None,
+        index: Arc::new(WorkloadIndex::default()),
     };
-    reconciler.apply(&mut source, &state, true);
+    reconciler.publish(&mut source, &state);
+    let proxy = tokio::spawn(proxy::serve(state.clone(), listeners));
+    tokio::task::block_in_place(|| reconciler.sync_dataplane(removal(&source)));
     tracing::info!(node = %cfg.node, pin_dir = %cfg.pin_dir.display(), "agent running");
 
     let mut sigterm = signal(SignalKind::terminate())?;
     let mut sigint = signal(SignalKind::interrupt())?;
+    let mut unsettled = false;
     loop {
-        let wait = if reconciler.pending {
-            PENDING_RETRY
+        let wait = if unsettled {
+            manifests::SETTLE
         } else {
-            manifests::RESYNC
+            reconciler.pending_retry.unwrap_or(manifests::RESYNC)
         };
+        let mut resync = false;
         tokio::select! {
             Some(()) = events.recv() => {
                 tokio::time::sleep(manifests::DEBOUNCE).await;
                 while events.try_recv().is_ok() {}
             }
-            () = tokio::time::sleep(wait) => {}
+            () = tokio::time::sleep(wait) => resync = true,
             _ = sigterm.recv() => break,
             _ = sigint.recv() => break,
         }
-        reconciler.apply(&mut source, &state, false);
+        let rescan = reconciler.publish(&mut source, &state);
+        unsettled = rescan.unsettled;
+        // Reconcile on a change, on retries, and on resyncs (the node's addresses
+        // may have changed).
+        if rescan.changed || reconciler.pending_retry.is_some() || resync {
+            tokio::task::block_in_place(|| reconciler.sync_dataplane(removal(&source)));
+        }
     }
     tracing::info!(
         "stopping; links and maps stay pinned, enrolled pods fail closed until an agent is back"
     );
     proxy.abort();
     Ok(())
+}
+
+/// What may be detached, given how complete the workload source is.
+fn removal(source: &ManifestDir) -> Removal {
+    if source.settling() {
+        Removal::Nothing
+    } else if source.incomplete() {
+        Removal::OwnOnly
+    } else {
+        Removal::All
+    }
 }
 
 struct Reconciler {
@@ -149,74 +188,61 @@ struct Reconciler {
     /// Stable numbers of workloads (`namespace/name`) for the pods map.
     workload_ids: HashMap<String, u32>,
     next_id: u32,
-    /// Some enrolled pod is not attached yet (no host veth, or an error).
-    pending: bool,
+    /// Some enrolled pod is not attached yet (no host veth, or an error): retry
+    /// after this long.
+    pending_retry: Option<Duration>,
+    /// The workloads last published.
+    index: Arc<WorkloadIndex>,
 }
 
 impl Reconciler {
-    fn apply(&mut self, source: &mut ManifestDir, state: &ProxyState, force: bool) {
+    /// Rescans the manifests and, if they changed, publishes the new workloads to
+    /// the proxy.
+    fn publish(&mut self, source: &mut ManifestDir, state: &ProxyState) -> manifests::Rescan {
         let rescan = source.rescan();
         for error in &rescan.errors {
             tracing::warn!("manifest refused: {error}");
         }
-        if !(rescan.changed || self.pending || force) {
-            return;
+        if rescan.changed || self.index.node().is_empty() {
+            let (index, warnings) = WorkloadIndex::build(
+                &self.node,
+                &self.trust_domain,
+                source.pods(),
+                source.namespaces(),
+            );
+            for warning in warnings {
+                tracing::warn!("{warning}");
+            }
+            let index = Arc::new(index);
+            state.set_workloads(index.clone());
+            // Certificates are only needed for this node's enrolled workloads.
+            let local: HashSet<_> = index
+                .workloads()
+                .filter(|w| w.enrollment.is_enrolled() && index.is_local(w))
+                .map(|w| w.identity.clone())
+                .collect();
+            state.certs.retain(|id| local.contains(id));
+            self.index = index;
         }
-        let (index, warnings) = WorkloadIndex::build(
-            &self.node,
-            &self.trust_domain,
-            source.pods(),
-            source.namespaces(),
-        );
-        for warning in warnings {
-            tracing::warn!("{warning}");
-        }
-        let index = Arc::new(index);
-        state.set_workloads(index.clone());
-        tokio::task::block_in_place(|| self.sync_dataplane(&index));
+        rescan
     }
 
-    fn sync_dataplane(&mut self, index: &WorkloadIndex) {
-        let captured: Vec<_> = index.captured().collect();
-        let addrs: Vec<IpAddr> = captured
-            .iter()
-            .filter_map(|w| w.ipv4().map(IpAddr::V4))
-            .collect();
-        let interfaces = match net::host_interfaces(&addrs) {
-            Ok(interfaces) => interfaces,
+    /// Attaches the published workloads' pods and detaches the others as far as
+    /// `removal` allows.
+    fn sync_dataplane(&mut self, removal: Removal) {
+        let index = self.index.clone();
+        let mut retry = false;
+        let wanted = match self.wanted(&index) {
+            Ok((wanted, waiting)) => {
+                retry |= waiting;
+                wanted
+            }
             Err(e) => {
                 tracing::warn!("looking up host veths: {e:#}");
-                self.pending = true;
+                self.backoff(true);
                 return;
             }
         };
-        let mut pending = false;
-        let mut wanted = Vec::new();
-        let mut with_v4 = captured.iter().filter(|w| w.ipv4().is_some());
-        for ifname in interfaces {
-            let workload = with_v4.next().expect("one interface per address");
-            let ipv4 = workload.ipv4().expect("filtered on IPv4");
-            let Some(ifindex) = ifname.as_deref().and_then(net::ifindex) else {
-                tracing::debug!(workload = %workload.key(), ip = %ipv4, "no host veth routes to this pod yet");
-                pending = true;
-                continue;
-            };
-            let key = workload.key();
-            let workload_id = *self.workload_ids.entry(key.clone()).or_insert_with(|| {
-                self.next_id += 1;
-                self.next_id - 1
-            });
-            wanted.push(CapturedPod {
-                workload: key,
-                workload_id,
-                ipv4,
-                ifname: ifname.expect("ifindex came from it"),
-                ifindex,
-            });
-        }
-        for w in captured.iter().filter(|w| w.ipv4().is_none()) {
-            tracing::warn!(workload = %w.key(), "enrolled pod has no IPv4 address; IPv6 capture is not supported yet");
-        }
         match net::node_ipv4_addrs() {
             Ok(addrs) => {
                 if let Err(e) = self.dataplane.set_node_addrs(&addrs) {
@@ -225,12 +251,79 @@ impl Reconciler {
             }
             Err(e) => tracing::warn!("reading node addresses: {e:#}"),
         }
-        for (pod, error) in self.dataplane.reconcile(&wanted) {
-            tracing::warn!(workload = %pod.workload, ifname = %pod.ifname, "capture failed: {error:#}");
-            pending = true;
+        if removal != Removal::All {
+            tracing::debug!(?removal, "manifests incomplete for now: detaching less");
         }
-        let live: std::collections::HashSet<String> = index.workloads().map(|w| w.key()).collect();
+        for (pod, error) in self.dataplane.reconcile(&wanted, removal) {
+            tracing::warn!(workload = %pod.workload, ifname = %pod.ifname, "capture failed: {error:#}");
+            retry = true;
+        }
+        let live: HashSet<String> = index.workloads().map(|w| w.key()).collect();
         self.workload_ids.retain(|k, _| live.contains(k));
-        self.pending = pending;
+        self.backoff(retry || removal == Removal::Nothing);
+    }
+
+    fn backoff(&mut self, retry: bool) {
+        self.pending_retry = retry.then(|| {
+            self.pending_retry
+                .map_or(PENDING_RETRY_MIN, |d| (d * 2).min(PENDING_RETRY_MAX))
+        });
+    }
+
+    /// The pods to capture: this node's enrolled workloads with an IPv4 address
+    /// whose route leads to a veth of their own. Also whether some wait for one.
+    fn wanted(&mut self, index: &WorkloadIndex) -> Result<(Vec<CapturedPod>, bool)> {
+        let captured: Vec<&Arc<Workload>> = index.captured().collect();
+        for w in captured.iter().filter(|w| w.ipv4().is_none()) {
+            tracing::warn!(workload = %w.key(), "enrolled pod has no IPv4 address; IPv6 capture is not supported yet");
+        }
+        let with_v4: Vec<&Arc<Workload>> = captured
+            .into_iter()
+            .filter(|w| w.ipv4().is_some())
+            .collect();
+        let addrs: Vec<IpAddr> = with_v4
+            .iter()
+            .filter_map(|w| w.ipv4().map(IpAddr::V4))
+            .collect();
+        let interfaces = net::host_interfaces(&addrs)?;
+        let veths = net::veth_names()?;
+        let mut waiting = false;
+        let mut wanted: Vec<CapturedPod> = Vec::new();
+        let mut owners: HashMap<u32, String> = HashMap::new();
+        for (workload, ifname) in with_v4.into_iter().zip(interfaces) {
+            let ipv4 = workload.ipv4().expect("filtered on IPv4");
+            let key = workload.key();
+            let Some(ifname) = ifname else {
+                tracing::debug!(workload = %key, ip = %ipv4, "no host veth routes to this pod yet");
+                waiting = true;
+                continue;
+            };
+            if !veths.contains(&ifname) {
+                tracing::warn!(workload = %key, ip = %ipv4, %ifname, "the node's route to this pod leads to an interface that is not a veth; not capturing it");
+                waiting = true;
+                continue;
+            }
+            let Some(ifindex) = net::ifindex(&ifname) else {
+                waiting = true;
+                continue;
+            };
+            if let Some(other) = owners.get(&ifindex) {
+                tracing::warn!(workload = %key, %ifname, "{other} already owns this host veth; not capturing a second pod on it");
+                continue;
+            }
+            owners.insert(ifindex, key.clone());
+            let workload_id = *self.workload_ids.entry(key.clone()).or_insert_with(|| {
+                self.next_id += 1;
+                self.next_id - 1
+            });
+            wanted.push(CapturedPod {
+                workload: key,
+                workload_id,
+                ipv4,
+                ifname,
+                ifindex,
+            });
+        }
+        Ok((wanted, waiting))
     }
 }

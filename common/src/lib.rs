@@ -187,6 +187,8 @@ pub struct PodCounters {
     /// Dropped: a packet of a flow the proxy had taken over whose socket is gone
     /// (for example after the agent stopped); passing it would leak it in plain text.
     pub dropped_flow_gone: u64,
+    /// Dropped: an IPv4 packet from the pod whose source is not the pod's address.
+    pub dropped_spoofed: u64,
 }
 
 #[cfg(feature = "user")]
@@ -216,7 +218,7 @@ mod tests {
         assert_eq!(core::mem::size_of::<PodInfo>(), 40);
         assert_eq!(core::mem::size_of::<CidrKey>(), 20);
         assert_eq!(core::mem::size_of::<Config>(), 32 + 16 * MAX_NODE_ADDRS);
-        assert_eq!(core::mem::size_of::<PodCounters>(), 13 * 8);
+        assert_eq!(core::mem::size_of::<PodCounters>(), 14 * 8);
         assert_eq!(core::mem::size_of::<FlowKey>(), 36);
     }
 

@@ -45,7 +45,7 @@ const DROP: i32 = 2;
 #[inline(always)]
 fn not_tcp4(packet: Packet, counters: Option<*mut PodCounters>) -> i32 {
     match packet {
-        Packet::Other => {
+        Packet::Other | Packet::Ipv4Other { .. } => {
             count(counters, |c| &mut c.passed);
             PASS
         }
@@ -78,7 +78,22 @@ pub fn from_pod(ctx: TcContext) -> i32 {
         return PASS;
     };
     let counters = maps::counters(ifindex);
-    match parse::parse(&ctx) {
+    let packet = parse::parse(&ctx);
+    // What leaves an enrolled pod carries its own address (the node accepts local
+    // source addresses on host veths, for the node's replies bounced back in, so it
+    // must not accept them from the pod). Bounced packets are addressed to the pod.
+    let spoofed = match &packet {
+        Packet::Tcp4(pkt) => {
+            !parse::is_pod_ipv4(pod, pkt.saddr) && !parse::is_pod_ipv4(pod, pkt.daddr)
+        }
+        Packet::Ipv4Other { saddr } => !parse::is_pod_ipv4(pod, *saddr),
+        _ => false,
+    };
+    if spoofed {
+        count(counters, |c| &mut c.dropped_spoofed);
+        return DROP;
+    }
+    match packet {
         Packet::Tcp4(pkt) => from_pod_tcp4(&ctx, pod, cfg, counters, &pkt),
         other => not_tcp4(other, counters),
     }

@@ -13,6 +13,7 @@ const ETH_P_IPV6: u16 = 0x86dd;
 const IPPROTO_TCP: u8 = 6;
 const IPPROTO_UDP: u8 = 17;
 const IPPROTO_ICMPV6: u8 = 58;
+const IPPROTO_HOPOPTS: u8 = 0;
 const IPV4_MIN_HLEN: usize = 20;
 const IPV6_HLEN: usize = 40;
 /// IPv4 flags and fragment offset: MF (0x2000) and the 13-bit offset.
@@ -46,8 +47,12 @@ impl Tcp4 {
 pub enum Packet {
     /// IPv4 TCP with readable headers.
     Tcp4(Tcp4),
-    /// Not TCP (ARP, UDP, ICMP, ICMPv6, …): never captured.
+    /// Not IPv4 TCP and never captured: ARP, IPv6 UDP and ICMPv6, anything else
+    /// that is not IP.
     Other,
+    /// IPv4 but not TCP (UDP, ICMP, …): never captured; the source address (network
+    /// order) is kept for the anti-spoofing check.
+    Ipv4Other { saddr: u32 },
     /// An IPv4 TCP fragment.
     Fragment,
     /// TCP, or an IP header, that cannot be read.
@@ -76,7 +81,16 @@ fn parse_linear(ctx: &TcContext) -> Result<Packet, Short> {
                 return Err(Short);
             }
             // SAFETY: the fixed IPv6 header is within bounds.
-            let next = unsafe { *((ip + 6) as *const u8) };
+            let mut next = unsafe { *((ip + 6) as *const u8) };
+            if next == IPPROTO_HOPOPTS {
+                // MLD reports are ICMPv6 behind a hop-by-hop header: look one
+                // header further.
+                if ip + IPV6_HLEN + 2 > end {
+                    return Err(Short);
+                }
+                // SAFETY: the first two bytes of the extension header are in bounds.
+                next = unsafe { *((ip + IPV6_HLEN) as *const u8) };
+            }
             return Ok(match next {
                 IPPROTO_UDP | IPPROTO_ICMPV6 => Packet::Other,
                 _ => Packet::Ipv6,
@@ -101,7 +115,7 @@ fn parse_linear(ctx: &TcContext) -> Result<Packet, Short> {
         return Ok(Packet::Unparsable);
     }
     if proto != IPPROTO_TCP {
-        return Ok(Packet::Other);
+        return Ok(Packet::Ipv4Other { saddr });
     }
     if frag & IP_MF_OFFSET != 0 {
         return Ok(Packet::Fragment);

@@ -476,6 +476,25 @@ status:
         fs::read_to_string(self.agent_log_path(node)).unwrap_or_default()
     }
 
+    /// Waits (up to 10 s) until a node agent's log has a line containing one of
+    /// `needles`; returns the log, or fails with it.
+    pub fn wait_log(&self, node: usize, needles: &[&str]) -> Result<String> {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            let log = self.agent_log(node);
+            if needles.iter().any(|n| log.contains(n)) {
+                return Ok(log);
+            }
+            if Instant::now() > deadline {
+                bail!(
+                    "the agent log of node {} never showed {needles:?}:\n{log}",
+                    node + 1
+                );
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
     /// Starts `podlink agent` in node `node`'s namespace and waits until it runs.
     pub fn start_agent(&mut self, node: usize) -> Result<()> {
         self.start_agent_with(node, &[])

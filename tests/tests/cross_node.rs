@@ -1,7 +1,13 @@
 //! An enrolled pod on node 1 talks to an enrolled pod on node 2: captured in the
 //! kernel on both ends, carried over HBONE, delivered with the client's address.
+//! Concurrent connections share one pooled HBONE connection.
 
-use podlink_tests::{Capture, Cluster, PodSpec, app, contains_bytes};
+use std::net::IpAddr;
+
+use podlink_tests::{Capture, Cluster, PodSpec, app, contains_bytes, netns};
+
+/// Concurrent connections from the client.
+const CONNECTIONS: usize = 8;
 
 #[test]
 fn cross_node_traffic_is_tunnelled_with_the_client_address() {
@@ -13,28 +19,54 @@ fn cross_node_traffic_is_tunnelled_with_the_client_address() {
     let server = c
         .add_pod(PodSpec::new("server", "mesh", 1).service_account("server"))
         .unwrap();
+    // Strict reverse-path filtering, as some distributions set it: the agent must
+    // cope (bounced packets carry remote sources).
+    netns::run(netns::command_in(&c.nodes[1].netns, "sysctl").args([
+        "-q",
+        "-w",
+        "net.ipv4.conf.all.rp_filter=1",
+    ]))
+    .unwrap();
     c.start_agent(0).unwrap();
     c.start_agent(1).unwrap();
     c.wait_captured(&client, true).unwrap();
     c.wait_captured(&server, true).unwrap();
-    let _echo = app::EchoServer::start(&server.netns, server.addr(8080)).unwrap();
+    let echo = app::EchoServer::start(&server.netns, server.addr(8080)).unwrap();
 
     let capture = Capture::start(&c.nodes[0].netns, "eth0", &c.dir, "underlay").unwrap();
-    let payload = b"secret-payload-0123456789".repeat(1000);
-    let ex = app::exchange(&client.netns, server.addr(8080), &payload).unwrap_or_else(|e| {
-        panic!(
-            "exchange failed: {e}\nnode1:\n{}\nnode2:\n{}",
-            c.agent_log(0),
-            c.agent_log(1)
-        )
-    });
+    let exchanges: Vec<_> = (0..CONNECTIONS)
+        .map(|i| {
+            let netns = client.netns.clone();
+            let dst = server.addr(8080);
+            std::thread::spawn(move || {
+                let payload = format!("secret-payload-{i}-").repeat(1000).into_bytes();
+                let ex = app::exchange(&netns, dst, &payload);
+                (payload, ex)
+            })
+        })
+        .collect();
+    for handle in exchanges {
+        let (payload, ex) = handle.join().unwrap();
+        let ex = ex.unwrap_or_else(|e| {
+            panic!(
+                "exchange failed: {e}\nnode1:\n{}\nnode2:\n{}",
+                c.agent_log(0),
+                c.agent_log(1)
+            )
+        });
+        assert_eq!(ex.peer_seen.ip(), IpAddr::V4(client.ip));
+        assert_eq!(ex.echoed, payload);
+    }
     let (raw, lines) = capture.stop().unwrap();
-    assert_eq!(ex.peer_seen.ip(), std::net::IpAddr::V4(client.ip));
-    assert_eq!(ex.echoed, payload);
+    assert_eq!(echo.accepted(), CONNECTIONS);
 
-    // On the underlay: TLS to port 15008 only; the payload never appears.
-    let to_hbone = format!("> {}.15008:", server.ip);
-    assert!(lines.iter().any(|l| l.contains(&to_hbone)), "{lines:#?}");
+    // On the underlay: TLS to port 15008 only, over one pooled connection that
+    // multiplexes all the streams; the payload never appears.
+    let hbone_syns = lines
+        .iter()
+        .filter(|l| l.contains(&format!("> {}.15008: Flags [S]", server.ip)))
+        .count();
+    assert_eq!(hbone_syns, 1, "{lines:#?}");
     assert!(!lines.iter().any(|l| l.contains(".8080")), "{lines:#?}");
     assert!(
         !contains_bytes(&raw, b"secret-payload"),
@@ -43,16 +75,17 @@ fn cross_node_traffic_is_tunnelled_with_the_client_address() {
 
     let client_counters = c.counters(&client).unwrap();
     let server_counters = c.counters(&server).unwrap();
-    assert!(
-        client_counters["captured_outbound"] >= 1,
+    assert_eq!(
+        client_counters["captured_outbound"], CONNECTIONS as u64,
         "{client_counters:?}"
     );
-    assert!(
-        server_counters["captured_inbound_hbone"] >= 1,
+    assert_eq!(
+        server_counters["captured_inbound_hbone"], 1,
         "{server_counters:?}"
     );
     assert_eq!(
         server_counters["captured_inbound_plaintext"], 0,
         "{server_counters:?}"
     );
+    assert!(c.agent_log(1).contains("rp_filter was 1 (strict)"));
 }

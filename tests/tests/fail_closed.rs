@@ -60,3 +60,50 @@ fn no_proxy_means_no_new_connections_and_no_plaintext() {
     let ex = app::exchange(&outsider.netns, server.addr(8000), b"plain back").unwrap();
     assert_eq!(ex.echoed, b"plain back");
 }
+
+/// A connection the proxy carried when the agent stopped: once the proxy's socket
+/// is gone, the pod's further bytes are dropped at its host veth, never passed to
+/// the network in plain text.
+#[test]
+fn proxied_flows_do_not_leak_after_the_proxy_is_gone() {
+    use std::io::Write;
+
+    let mut c = Cluster::new(2).unwrap();
+    c.add_namespace("mesh", true).unwrap();
+    let client = c.add_pod(PodSpec::new("client", "mesh", 0)).unwrap();
+    let server = c.add_pod(PodSpec::new("server", "mesh", 1)).unwrap();
+    // Orphaned proxy sockets (FIN_WAIT2) go away after a second instead of a minute.
+    podlink_tests::netns::run(
+        podlink_tests::netns::command_in(&c.nodes[0].netns, "sysctl").args([
+            "-q",
+            "-w",
+            "net.ipv4.tcp_fin_timeout=1",
+        ]),
+    )
+    .unwrap();
+    c.start_agent(0).unwrap();
+    c.start_agent(1).unwrap();
+    c.wait_captured(&client, true).unwrap();
+    c.wait_captured(&server, true).unwrap();
+    let _echo = app::EchoServer::start(&server.netns, server.addr(8000)).unwrap();
+    let mut conn = app::connect(&client.netns, server.addr(8000), Duration::from_secs(5)).unwrap();
+    app::read_greeting(&conn).unwrap();
+    assert_eq!(
+        app::echo_round(&mut conn, b"while proxied").unwrap(),
+        b"while proxied"
+    );
+
+    c.stop_agent(0).unwrap();
+    // Let the proxy's orphaned socket for this flow expire.
+    std::thread::sleep(Duration::from_secs(3));
+    let before = c.counters(&client).unwrap()["dropped_flow_gone"];
+    let capture = Capture::start(&c.nodes[0].netns, "eth0", &c.dir, "underlay").unwrap();
+    let _ = conn.write_all(b"must-not-leak");
+    std::thread::sleep(Duration::from_millis(500));
+    let (raw, _) = capture.stop().unwrap();
+    assert!(
+        !podlink_tests::contains_bytes(&raw, b"must-not-leak"),
+        "a proxied flow's bytes left in plain text after the proxy stopped"
+    );
+    assert!(c.counters(&client).unwrap()["dropped_flow_gone"] > before);
+}

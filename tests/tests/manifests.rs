@@ -31,9 +31,12 @@ fn malformed_manifests_are_reported_and_tolerated() {
     let b = c.add_pod(PodSpec::new("b", "mesh", 0)).unwrap();
     c.wait_captured(&b, true).unwrap();
 
-    // Break pod a's own manifest: it stays enrolled with its last good version.
+    // Rewrite pod a's own manifest in place, broken: while it is written and once
+    // it is found broken, pod a stays enrolled with its last good version.
     let a_manifest = c.manifests.join("pod-mesh-a.yaml");
     let good = std::fs::read_to_string(&a_manifest).unwrap();
+    std::fs::write(&a_manifest, "").unwrap();
+    std::thread::sleep(Duration::from_millis(50));
     std::fs::write(&a_manifest, good.replace("spec:", "spec: [")).unwrap();
     std::thread::sleep(Duration::from_millis(500));
     assert!(c.is_captured(&a).unwrap());
@@ -53,9 +56,14 @@ fn malformed_manifests_are_reported_and_tolerated() {
     let ex = app::exchange(&a.netns, b.addr(8000), b"still fine").unwrap();
     assert_eq!(ex.echoed, b"still fine");
 
-    // Fixing the file is picked up.
-    std::fs::write(&a_manifest, good).unwrap();
+    // A fixed version is applied: it opts pod a out, which shows.
+    std::fs::write(
+        &a_manifest,
+        good.replace("labels: {}", "labels: {istio.io/dataplane-mode: none}"),
+    )
+    .unwrap();
     std::fs::remove_file(&broken).unwrap();
+    c.wait_captured(&a, false).unwrap();
     let ex = app::exchange(&a.netns, b.addr(8000), b"fixed").unwrap();
     assert_eq!(ex.echoed, b"fixed");
 }

@@ -28,5 +28,20 @@ fn outside_the_mesh_destinations_get_plain_tcp_from_the_pod_address() {
 
     let counters = c.counters(&client).unwrap();
     assert!(counters["captured_outbound"] >= 1, "{counters:?}");
-    assert!(c.agent_log(0).contains("route=passthrough"));
+
+    // The pod's own node is outside the mesh too (kubelet, node-local services):
+    // the node's replies to the proxy's connection come back through the pod's
+    // host veth and must reach the proxy, not the pod.
+    let node_server =
+        app::EchoServer::start(&c.nodes[0].netns, (c.nodes[0].ip, 7777).into()).unwrap();
+    let ex = app::exchange(&client.netns, node_server.addr, b"hello node").unwrap_or_else(|e| {
+        panic!(
+            "pod -> node failed: {e}\n{:?}\n{}",
+            c.counters(&client).unwrap(),
+            c.agent_log(0)
+        )
+    });
+    assert_eq!(ex.echoed, b"hello node");
+    assert_eq!(ex.peer_seen.ip(), IpAddr::V4(client.ip));
+    c.wait_log(0, &["route=passthrough"]).unwrap();
 }

@@ -158,6 +158,7 @@ impl Programs {
             sum.dropped_unparsable += c.dropped_unparsable;
             sum.dropped_ipv6 += c.dropped_ipv6;
             sum.dropped_flow_gone += c.dropped_flow_gone;
+            sum.dropped_spoofed += c.dropped_spoofed;
             sum
         })
     }
@@ -196,6 +197,21 @@ fn decisions_on_crafted_packets() {
         icmp6[14] = 0x60;
         icmp6[20] = 58;
         assert_eq!(p.run("from_pod", &icmp6, 0), PASS);
+        // An MLD report: ICMPv6 behind a hop-by-hop header.
+        let mut mld = vec![0u8; 14 + 40 + 8 + 8];
+        mld[12..14].copy_from_slice(&0x86ddu16.to_be_bytes());
+        mld[14] = 0x60;
+        mld[20] = 0;
+        mld[54] = 58;
+        assert_eq!(p.run("from_pod", &mld, 0), PASS);
+
+        // IPv4 from the pod with another source address: dropped, TCP or not.
+        let spoofed_before = p.counters().dropped_spoofed;
+        assert_eq!(p.run("from_pod", &tcp(NODE, PEER, 1000, 80, SYN), 0), DROP);
+        let mut spoofed_udp = udp.clone();
+        spoofed_udp[26..30].copy_from_slice(&NODE.octets());
+        assert_eq!(p.run("from_pod", &spoofed_udp, 0), DROP);
+        assert_eq!(p.counters().dropped_spoofed, spoofed_before + 2);
 
         // TCP that capture cannot steer is dropped in both directions, never
         // passed around the proxy: IPv6 TCP (not captured yet), fragments (a first

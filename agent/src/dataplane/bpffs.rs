@@ -18,6 +18,17 @@ fn is_bpffs(path: &Path) -> bool {
     statfs(path).is_ok_and(|s| s.filesystem_type() == BPF_FS_MAGIC)
 }
 
+/// Whether this process's mount namespace differs from init's.
+fn in_private_mount_namespace() -> bool {
+    match (
+        std::fs::read_link("/proc/self/ns/mnt"),
+        std::fs::read_link("/proc/1/ns/mnt"),
+    ) {
+        (Ok(own), Ok(init)) => own != init,
+        _ => false,
+    }
+}
+
 /// Ensures `pin_dir` exists on a bpffs: if its nearest existing ancestor is not on
 /// one, a bpffs is mounted at `/sys/fs/bpf` (when `pin_dir` is below it) or at
 /// `pin_dir` itself.
@@ -48,6 +59,12 @@ pub fn ensure(pin_dir: &Path) -> Result<()> {
         )
         .with_context(|| format!("mounting a bpffs at {}", target.display()))?;
         tracing::info!(path = %target.display(), "mounted a bpffs");
+        if in_private_mount_namespace() {
+            tracing::warn!(
+                path = %target.display(),
+                "the bpffs was mounted in this agent's own mount namespace (as `ip netns exec` makes one): its pins, and with them capture, end when the agent exits; mount a bpffs shared with the host at the pin directory to keep pods captured (fail closed) across restarts"
+            );
+        }
     }
     std::fs::create_dir_all(pin_dir).with_context(|| format!("creating {}", pin_dir.display()))?;
     Ok(())

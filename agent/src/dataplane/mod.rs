@@ -30,7 +30,8 @@ use anyhow::{Context, Result, anyhow, bail};
 use aya::{
     Ebpf, EbpfLoader,
     maps::{
-        Array, HashMap as BpfHashMap, LpmTrie, MapData, PerCpuHashMap, PerCpuValues, lpm_trie::Key,
+        Array, HashMap as BpfHashMap, LpmTrie, MapData, MapInfo, MapType, PerCpuHashMap,
+        PerCpuValues, lpm_trie::Key,
     },
     programs::{
         LinkOrder, SchedClassifier, TcAttachType,
@@ -40,9 +41,10 @@ use aya::{
     util::KernelVersion,
 };
 use podlink_common::{
-    CidrKey, Config, MAP_CONFIG, MAP_COUNTERS, MAP_EXCLUDED_CIDRS, MAP_EXCLUDED_PORTS, MAP_NAMES,
-    MAP_PODS, MAX_NODE_ADDRS, POD_ENROLLED, POD_HAS_IPV4, PROG_FROM_POD, PROG_TO_POD, PodCounters,
-    PodInfo, ipv4_mapped,
+    CidrKey, Config, FlowKey, MAP_CAPTURED_FLOWS, MAP_CONFIG, MAP_COUNTERS, MAP_EXCLUDED_CIDRS,
+    MAP_EXCLUDED_PORTS, MAP_NAMES, MAP_PODS, MAX_CAPTURED_FLOWS, MAX_EXCLUDED_CIDRS,
+    MAX_EXCLUDED_PORTS, MAX_NODE_ADDRS, MAX_PODS, POD_ENROLLED, POD_HAS_IPV4, PROG_FROM_POD,
+    PROG_TO_POD, PodCounters, PodInfo, ipv4_mapped,
 };
 
 /// The eBPF object built by `cargo xtask build-ebpf`, embedded at build time.
@@ -56,17 +58,100 @@ pub fn ebpf_object() -> &'static [u8] {
 /// Directory under the pin directory that holds link pins.
 const LINKS_DIR: &str = "links";
 
+/// The layout this agent's programs expect of each map: type, key size, value size,
+/// capacity.
+fn expected_layout(name: &str) -> Option<(MapType, usize, usize, u32)> {
+    Some(match name {
+        MAP_PODS => (MapType::Hash, 4, size_of::<PodInfo>(), MAX_PODS),
+        MAP_CONFIG => (MapType::Array, 4, size_of::<Config>(), 1),
+        MAP_EXCLUDED_CIDRS => (
+            MapType::LpmTrie,
+            size_of::<CidrKey>(),
+            1,
+            MAX_EXCLUDED_CIDRS,
+        ),
+        MAP_EXCLUDED_PORTS => (MapType::Hash, 2, 1, MAX_EXCLUDED_PORTS),
+        MAP_COUNTERS => (MapType::PerCpuHash, 4, size_of::<PodCounters>(), MAX_PODS),
+        MAP_CAPTURED_FLOWS => (
+            MapType::LruHash,
+            size_of::<FlowKey>(),
+            1,
+            MAX_CAPTURED_FLOWS,
+        ),
+        _ => return None,
+    })
+}
+
+/// Refuses pinned maps whose layout differs from what the programs expect: reusing
+/// them would make the programs read garbage.
+fn check_pinned_layouts(pin_dir: &Path) -> Result<()> {
+    for name in MAP_NAMES {
+        let path = pin_dir.join(name);
+        if !path.exists() {
+            continue;
+        }
+        let info = MapInfo::from_pin(&path)
+            .with_context(|| format!("reading the pinned map {}", path.display()))?;
+        let found = (
+            info.map_type().ok(),
+            info.key_size() as usize,
+            info.value_size() as usize,
+            info.max_entries(),
+        );
+        let (kind, key, value, entries) =
+            expected_layout(name).expect("every map name has a layout");
+        if found != (Some(kind), key, value, entries) {
+            bail!(
+                "the pinned map {} ({:?}, key {} B, value {} B, {} entries) was made by an incompatible podlink; this agent expects {kind:?}, key {key} B, value {value} B, {entries} entries. Remove the pin directory {} (this detaches capture) and start again",
+                path.display(),
+                found.0,
+                found.1,
+                found.2,
+                found.3,
+                pin_dir.display()
+            );
+        }
+    }
+    Ok(())
+}
+
+/// `config` with the node's addresses filled in (at most [`MAX_NODE_ADDRS`]).
+fn with_node_addrs(mut config: Config, addrs: &[Ipv4Addr]) -> Config {
+    config.node_addrs = [[0; 16]; MAX_NODE_ADDRS];
+    for (slot, addr) in config.node_addrs.iter_mut().zip(addrs) {
+        *slot = ipv4_mapped(addr.octets());
+    }
+    config.node_addr_count = addrs.len().min(MAX_NODE_ADDRS) as u32;
+    config
+}
+
 /// What the dataplane is configured with at start.
 #[derive(Clone, Debug)]
 pub struct DataplaneConfig {
     /// The bpffs directory for map and link pins.
     pub pin_dir: PathBuf,
-    /// Written to the config map at load (node addresses are filled in later).
+    /// Written to the config map at load, with `node_addrs`.
     pub config: Config,
+    /// The node's own addresses (connections from them to a pod are not captured).
+    pub node_addrs: Vec<Ipv4Addr>,
     /// Destination prefixes that bypass capture.
     pub excluded_cidrs: Vec<ipnet::Ipv4Net>,
     /// Destination ports that bypass capture.
     pub excluded_ports: Vec<u16>,
+}
+
+/// What [`Dataplane::reconcile`] may detach and remove besides attaching.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Removal {
+    /// Everything not wanted.
+    All,
+    /// This agent's own attachments only: map entries and links of a previous agent
+    /// stay, as the workload source cannot tell yet whether their pods are gone
+    /// (a manifest broken since start-up).
+    OwnOnly,
+    /// Nothing: a change to the workload source is settling, and a pod missing from
+    /// it may be missing only for the moment.
+    Nothing,
 }
 
 /// A pod the dataplane should capture.
@@ -150,6 +235,7 @@ impl Dataplane {
         bpffs::ensure(&cfg.pin_dir)?;
         fs::create_dir_all(cfg.pin_dir.join(LINKS_DIR))
             .with_context(|| format!("creating {}", cfg.pin_dir.join(LINKS_DIR).display()))?;
+        check_pinned_layouts(&cfg.pin_dir)?;
         let mut loader = EbpfLoader::new();
         let pin_paths: Vec<(&str, PathBuf)> = MAP_NAMES
             .iter()
@@ -176,12 +262,18 @@ impl Dataplane {
         };
         let pods = BpfHashMap::try_from(take(&mut ebpf, MAP_PODS)?)?;
         let counters = PerCpuHashMap::try_from(take(&mut ebpf, MAP_COUNTERS)?)?;
+        let config = with_node_addrs(cfg.config, &cfg.node_addrs);
         let mut config_map: Array<MapData, Config> = Array::try_from(take(&mut ebpf, MAP_CONFIG)?)?;
         config_map
-            .set(0, cfg.config, 0)
+            .set(0, config, 0)
             .context("writing the config map")?;
+        // The exclusions are this agent's flags: forget those of a previous agent.
         let mut excluded_cidrs: LpmTrie<MapData, [u8; 16], u8> =
             LpmTrie::try_from(take(&mut ebpf, MAP_EXCLUDED_CIDRS)?)?;
+        let old: Vec<Key<[u8; 16]>> = excluded_cidrs.keys().filter_map(Result::ok).collect();
+        for key in old {
+            let _ = excluded_cidrs.remove(&key);
+        }
         for net in &cfg.excluded_cidrs {
             let key = CidrKey {
                 prefix_len: 96 + u32::from(net.prefix_len()),
@@ -194,16 +286,25 @@ impl Dataplane {
         }
         let mut excluded_ports: BpfHashMap<MapData, u16, u8> =
             BpfHashMap::try_from(take(&mut ebpf, MAP_EXCLUDED_PORTS)?)?;
+        let old: Vec<u16> = excluded_ports.keys().filter_map(Result::ok).collect();
+        for port in old {
+            let _ = excluded_ports.remove(&port);
+        }
         for port in &cfg.excluded_ports {
             excluded_ports
                 .insert(port, 1, 0)
                 .with_context(|| format!("excluding port {port}"))?;
         }
         let tcx = KernelVersion::current().is_ok_and(|v| v >= KernelVersion::new(6, 6, 0));
+        if !tcx {
+            tracing::warn!(
+                "kernel older than 6.6: programs are attached as netlink cls_bpf filters, which cannot be pinned; when this agent exits, capture stops until an agent is back"
+            );
+        }
         let mut dataplane = Dataplane {
             ebpf,
             pin_dir: cfg.pin_dir.clone(),
-            config: cfg.config,
+            config,
             pods,
             counters,
             config_map,
@@ -322,6 +423,7 @@ impl Dataplane {
                 Err(e) => {
                     Self::detach_links(links);
                     let _ = self.pods.remove(&pod.ifindex);
+                    let _ = self.counters.remove(&pod.ifindex);
                     return Err(e);
                 }
             }
@@ -355,13 +457,14 @@ impl Dataplane {
         let _ = self.counters.remove(&ifindex);
     }
 
-    /// Makes the attachments and map entries match `wanted`: new pods are written to
-    /// the maps and then attached, gone pods are detached and then removed from the
-    /// maps, changed pods are updated. Returns the pods that could not be attached,
-    /// with the reason; the others are in place.
-    pub fn reconcile(&mut self, wanted: &[CapturedPod]) -> Vec<(CapturedPod, anyhow::Error)> {
-        let wanted_by_ifindex: HashMap<u32, &CapturedPod> =
-            wanted.iter().map(|p| (p.ifindex, p)).collect();
+    /// Detaches and removes this agent's pods not in `wanted`, and unless
+    /// `keep_previous`, the map entries and links of a previous agent that no wanted
+    /// pod claims.
+    fn remove_unwanted(
+        &mut self,
+        wanted_by_ifindex: &HashMap<u32, &CapturedPod>,
+        keep_previous: bool,
+    ) {
         let gone: Vec<u32> = self
             .attached
             .keys()
@@ -370,6 +473,9 @@ impl Dataplane {
             .collect();
         for ifindex in gone {
             self.unenroll(ifindex);
+        }
+        if keep_previous {
+            return;
         }
         // Entries of a previous agent for pods that are gone.
         let stale: Vec<u32> = self
@@ -391,6 +497,25 @@ impl Dataplane {
             if let Some((path, fd)) = self.adopted.remove(&key) {
                 Self::detach_links(vec![Link::Pinned { path, _fd: fd }]);
             }
+        }
+    }
+
+    /// Makes the attachments and map entries match `wanted`: new pods are written to
+    /// the maps and then attached, gone pods are detached and then removed from the
+    /// maps, changed pods are updated. Returns the pods that could not be attached,
+    /// with the reason; the others are in place.
+    /// `removal` limits what may be detached and removed.
+    pub fn reconcile(
+        &mut self,
+        wanted: &[CapturedPod],
+        removal: Removal,
+    ) -> Vec<(CapturedPod, anyhow::Error)> {
+        let wanted_by_ifindex: HashMap<u32, &CapturedPod> =
+            wanted.iter().map(|p| (p.ifindex, p)).collect();
+        match removal {
+            Removal::All => self.remove_unwanted(&wanted_by_ifindex, false),
+            Removal::OwnOnly => self.remove_unwanted(&wanted_by_ifindex, true),
+            Removal::Nothing => {}
         }
         let mut failures = Vec::new();
         for pod in wanted {
@@ -422,20 +547,14 @@ impl Dataplane {
     /// # Errors
     /// A failed map update.
     pub fn set_node_addrs(&mut self, addrs: &[Ipv4Addr]) -> Result<()> {
-        let mut config = self.config;
-        config.node_addrs = [[0; 16]; MAX_NODE_ADDRS];
-        let n = addrs.len().min(MAX_NODE_ADDRS);
-        if addrs.len() > MAX_NODE_ADDRS {
-            tracing::warn!(
-                count = addrs.len(),
-                "the node has more addresses than the config map holds; probes from the others are captured"
-            );
-        }
-        for (slot, addr) in config.node_addrs.iter_mut().zip(addrs) {
-            *slot = ipv4_mapped(addr.octets());
-        }
-        config.node_addr_count = n as u32;
+        let config = with_node_addrs(self.config, addrs);
         if config != self.config {
+            if addrs.len() > MAX_NODE_ADDRS {
+                tracing::warn!(
+                    count = addrs.len(),
+                    "the node has more addresses than the config map holds; connections from the others are captured"
+                );
+            }
             self.config_map.set(0, config, 0)?;
             self.config = config;
         }

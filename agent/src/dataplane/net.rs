@@ -63,29 +63,50 @@ pub fn install_policy_routing(mark: u32, mask: u32, table: u32, priority: u32) -
 /// `net.*`); returns the previous value.
 pub fn set_sysctl(name: &str, value: &str) -> Result<String> {
     let path = format!("/proc/sys/{}", name.replace('.', "/"));
-    let previous = std::fs::read_to_string(&path)
-        .with_context(|| format!("reading {name}"))?
-        .trim()
-        .to_string();
+    let previous = read_sysctl(name)?;
     if previous != value {
         std::fs::write(&path, value).with_context(|| format!("setting {name}={value}"))?;
     }
     Ok(previous)
 }
 
+/// Reads a sysctl under `/proc/sys/`.
+pub fn read_sysctl(name: &str) -> Result<String> {
+    let path = format!("/proc/sys/{}", name.replace('.', "/"));
+    Ok(std::fs::read_to_string(&path)
+        .with_context(|| format!("reading {name}"))?
+        .trim()
+        .to_string())
+}
+
 /// The sysctls the data path needs in the node namespace (see DESIGN.md): early
 /// demux would attach later packets of proxied flows arriving from the uplink or
 /// another pod to the proxy's socket and then drop them in the forwarding path.
+///
+/// Bounced packets arrive on a host veth with the remote client's source address;
+/// strict reverse-path filtering (`rp_filter=1`) drops them, and the effective
+/// value is the maximum of `all` and the interface's. A node with `all` strict is
+/// moved to loose mode (2), which still refuses sources the node cannot route.
 pub fn apply_node_sysctls() -> Result<()> {
     set_sysctl("net.ipv4.tcp_early_demux", "0")?;
     set_sysctl("net.ipv4.ip_forward", "1")?;
+    if read_sysctl("net.ipv4.conf.all.rp_filter")? == "1" {
+        set_sysctl("net.ipv4.conf.all.rp_filter", "2")?;
+        tracing::warn!(
+            "net.ipv4.conf.all.rp_filter was 1 (strict), which drops captured inbound packets; set it to 2 (loose)"
+        );
+    }
     Ok(())
 }
 
 /// Per-interface sysctls of a captured host veth: bounced packets arrive on it with
-/// a source that is routed elsewhere, so strict reverse-path filtering must be off.
+/// a source that is routed elsewhere (reverse-path filtering off), or with one of
+/// the node's own addresses when the node answers a connection the proxy made for
+/// the pod (`accept_local`; `from_pod` drops anything the pod itself sends with a
+/// source other than its own address).
 pub fn apply_host_veth_sysctls(ifname: &str) -> Result<()> {
     set_sysctl(&format!("net.ipv4.conf.{ifname}.rp_filter"), "0")?;
+    set_sysctl(&format!("net.ipv4.conf.{ifname}.accept_local"), "1")?;
     Ok(())
 }
 
@@ -175,6 +196,28 @@ pub fn host_interfaces(addrs: &[IpAddr]) -> Result<Vec<Option<String>>> {
         }
     }
     Ok(result)
+}
+
+#[derive(Deserialize)]
+struct LinkInfo {
+    ifname: String,
+    linkinfo: Option<LinkKind>,
+}
+
+#[derive(Deserialize)]
+struct LinkKind {
+    info_kind: Option<String>,
+}
+
+/// Names of the node's veth interfaces (candidates for host veths).
+pub fn veth_names() -> Result<std::collections::HashSet<String>> {
+    let out = ip(&["-j", "-d", "link", "show"])?;
+    let links: Vec<LinkInfo> = serde_json::from_str(&out).context("parsing ip -j -d link")?;
+    Ok(links
+        .into_iter()
+        .filter(|l| l.linkinfo.as_ref().and_then(|k| k.info_kind.as_deref()) == Some("veth"))
+        .map(|l| l.ifname)
+        .collect())
 }
 
 /// The interface index of `name` in the current network namespace.

@@ -40,6 +40,7 @@ pub async fn handle(state: Arc<ProxyState>, tcp: TcpStream, peer: SocketAddr, lo
             return;
         }
     };
+    socket::set_liveness(&tcp);
     let accepted = tokio::time::timeout(HANDSHAKE_TIMEOUT, async {
         let tls = TlsAcceptor::from(identity.server.clone())
             .accept(tcp)
@@ -81,6 +82,7 @@ pub async fn handle(state: Arc<ProxyState>, tcp: TcpStream, peer: SocketAddr, lo
                     respond,
                     peer,
                     local.ip(),
+                    destination.identity.clone(),
                     client.clone(),
                 ));
             }
@@ -101,13 +103,15 @@ fn refuse(mut respond: SendResponse<Bytes>, status: StatusCode, peer: SocketAddr
     let _ = respond.send_response(response, true);
 }
 
-/// Serves one CONNECT stream of a connection made to pod `pod_ip` by `client`.
+/// Serves one CONNECT stream of a connection made to pod `pod_ip`, which presented
+/// `pod_id`, by `client`.
 async fn serve_stream(
     state: Arc<ProxyState>,
     req: Request<h2::RecvStream>,
     mut respond: SendResponse<Bytes>,
     peer: SocketAddr,
     pod_ip: IpAddr,
+    pod_id: SpiffeId,
     client: SpiffeId,
 ) {
     let start = Instant::now();
@@ -116,7 +120,12 @@ async fn serve_stream(
         Err(e) => return refuse(respond, e.status(), peer, &e.to_string()),
     };
     let index = state.workloads();
-    if target.ip() != pod_ip || index.local_enrolled(target.ip()).is_none() {
+    // The connection's own pod, still enrolled here and still the identity the
+    // connection presented (an address can be reused by another pod).
+    let same_pod = index
+        .local_enrolled(target.ip())
+        .is_some_and(|w| w.identity == pod_id);
+    if target.ip() != pod_ip || !same_pod {
         let why = format!(
             "destination {target} is not the enrolled pod {pod_ip} this connection was made to"
         );

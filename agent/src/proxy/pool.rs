@@ -127,57 +127,68 @@ impl Pool {
         mark: u32,
     ) -> Result<H2Stream, HboneError> {
         let slot = self.slot(key);
-        let mut sender = None;
-        for _attempt in 0..2 {
-            let candidate = {
-                let mut guard = slot.lock().await;
-                match guard.as_mut() {
-                    Some(conn) if !conn.closed.load(Ordering::Acquire) => {
-                        conn.last_used = Instant::now();
-                        conn.sender.clone()
-                    }
-                    _ => {
-                        let conn = Self::dial(key, certs, mark).await?;
-                        let sender = conn.sender.clone();
-                        *guard = Some(conn);
-                        sender
-                    }
-                }
-            };
-            match candidate.ready().await {
-                Ok(ready) => {
-                    sender = Some(ready);
-                    break;
-                }
-                Err(e) => {
-                    // The pooled connection died under us: make a new one once.
-                    tracing::debug!(dst = %key.dst, "pooled HBONE connection is gone: {e}");
-                    if let Some(conn) = slot.lock().await.as_ref() {
-                        conn.closed.store(true, Ordering::Release);
-                    }
-                }
-            }
-        }
-        let mut sender = sender.ok_or_else(|| HboneError::Connect {
-            dst: key.dst,
-            source: std::io::Error::other("the HBONE connection closed twice in a row"),
-        })?;
         let h2_err = |source| HboneError::H2 {
             dst: key.dst,
             source,
         };
-        let (response, send) = sender
-            .send_request(hbone::connect_request(target, key.src_ip), false)
-            .map_err(h2_err)?;
-        let response = response.await.map_err(h2_err)?;
-        if response.status() != StatusCode::OK {
-            return Err(HboneError::Status {
-                dst: key.dst,
-                target,
-                status: response.status(),
-            });
+        // A pooled connection may be dying (closed, or going away after a GOAWAY):
+        // the request was then not processed, so it is retried once on a new one.
+        let mut attempts = 2;
+        loop {
+            attempts -= 1;
+            let (sender, closed) = {
+                let mut guard = slot.lock().await;
+                match guard.as_mut() {
+                    Some(conn) if !conn.closed.load(Ordering::Acquire) => {
+                        conn.last_used = Instant::now();
+                        (conn.sender.clone(), conn.closed.clone())
+                    }
+                    _ => {
+                        let conn = Self::dial(key, certs, mark).await?;
+                        let pair = (conn.sender.clone(), conn.closed.clone());
+                        *guard = Some(conn);
+                        pair
+                    }
+                }
+            };
+            let retryable = |e: &h2::Error| {
+                e.is_go_away() || e.reason() == Some(h2::Reason::REFUSED_STREAM) || e.is_io()
+            };
+            let mut sender = match sender.ready().await {
+                Ok(sender) => sender,
+                Err(e) if attempts > 0 => {
+                    tracing::debug!(dst = %key.dst, "pooled HBONE connection is gone: {e}");
+                    closed.store(true, Ordering::Release);
+                    continue;
+                }
+                Err(e) => return Err(h2_err(e)),
+            };
+            let sent = sender.send_request(hbone::connect_request(target, key.src_ip), false);
+            let (response, send) = match sent {
+                Ok(sent) => sent,
+                Err(e) if attempts > 0 && retryable(&e) => {
+                    closed.store(true, Ordering::Release);
+                    continue;
+                }
+                Err(e) => return Err(h2_err(e)),
+            };
+            let response = match response.await {
+                Ok(response) => response,
+                Err(e) if attempts > 0 && retryable(&e) => {
+                    closed.store(true, Ordering::Release);
+                    continue;
+                }
+                Err(e) => return Err(h2_err(e)),
+            };
+            if response.status() != StatusCode::OK {
+                return Err(HboneError::Status {
+                    dst: key.dst,
+                    target,
+                    status: response.status(),
+                });
+            }
+            return Ok(H2Stream::new(send, response.into_body()));
         }
-        Ok(H2Stream::new(send, response.into_body()))
     }
 
     async fn dial(key: &PoolKey, certs: &CertManager, mark: u32) -> Result<Connection, HboneError> {
@@ -187,6 +198,7 @@ impl Pool {
                 dst: key.dst,
                 source,
             })?;
+        socket::set_liveness(&tcp);
         let config = certs.client_config(&key.src_id, &key.dst_id)?;
         let tls = TlsConnector::from(config)
             .connect(ServerName::IpAddress(key.dst.ip().into()), tcp)

@@ -87,6 +87,26 @@ pub async fn connect(src: Option<IpAddr>, dst: SocketAddr, mark: u32) -> io::Res
     Ok(stream)
 }
 
+/// Idle time before TCP keepalive probes start, the interval between probes, and
+/// the time unacknowledged data may wait: a dead HBONE peer (a node that crashed or
+/// vanished) is noticed within about a minute instead of after minutes of
+/// retransmissions, and its pooled connection is replaced.
+const KEEPALIVE_IDLE: Duration = Duration::from_secs(30);
+const KEEPALIVE_INTERVAL: Duration = Duration::from_secs(10);
+const KEEPALIVE_RETRIES: u32 = 3;
+const USER_TIMEOUT: Duration = Duration::from_secs(60);
+
+/// Turns on TCP keepalive and `TCP_USER_TIMEOUT` for a long-lived HBONE connection.
+pub fn set_liveness(stream: &TcpStream) {
+    let sock = socket2::SockRef::from(stream);
+    let keepalive = socket2::TcpKeepalive::new()
+        .with_time(KEEPALIVE_IDLE)
+        .with_interval(KEEPALIVE_INTERVAL)
+        .with_retries(KEEPALIVE_RETRIES);
+    let _ = sock.set_tcp_keepalive(&keepalive);
+    let _ = sock.set_tcp_user_timeout(Some(USER_TIMEOUT));
+}
+
 /// Makes the next close of `stream` send a RST instead of a FIN, so that a peer
 /// sees a failed connection as failed.
 pub fn reset_on_close(stream: &TcpStream) {

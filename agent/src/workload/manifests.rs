@@ -17,7 +17,7 @@ use std::{
     net::IpAddr,
     os::unix::fs::MetadataExt,
     path::{Path, PathBuf},
-    time::Duration,
+    time::{Duration, Instant},
 };
 
 use k8s_openapi::api::core::v1::{Namespace, Pod};
@@ -181,13 +181,32 @@ struct FileState {
     stamp: Stamp,
     objects: Objects,
     error: Option<ManifestError>,
+    /// Whether `objects` came from a successful parse (not just the empty default
+    /// of a file that was broken when first seen).
+    good: bool,
 }
+
+/// A change seen but not applied yet: the file's new version (`None`: gone) and
+/// when it was first seen.
+#[derive(Debug)]
+struct Pending {
+    stamp: Option<Stamp>,
+    since: Instant,
+}
+
+/// How long a file must keep the same version (size, mtime, inode), or stay gone,
+/// before the change is applied. A file rewritten in place is briefly empty or
+/// half-written; applying that would un-enroll its pods.
+pub const SETTLE: Duration = Duration::from_millis(100);
 
 /// The manifests directory with the last good objects of each file.
 #[derive(Debug)]
 pub struct ManifestDir {
     dir: PathBuf,
     files: BTreeMap<PathBuf, FileState>,
+    pending: BTreeMap<PathBuf, Pending>,
+    settle: Duration,
+    scanned: bool,
 }
 
 /// The result of a rescan.
@@ -197,6 +216,8 @@ pub struct Rescan {
     pub changed: bool,
     /// Problems found in files that changed since the last rescan.
     pub errors: Vec<ManifestError>,
+    /// Changes wait for their files to settle: rescan again after [`SETTLE`].
+    pub unsettled: bool,
 }
 
 fn is_manifest(path: &Path) -> bool {
@@ -206,15 +227,27 @@ fn is_manifest(path: &Path) -> bool {
 }
 
 impl ManifestDir {
-    /// A source for `dir`, not read yet.
+    /// A source for `dir`, not read yet. Changes apply once settled for [`SETTLE`];
+    /// the first scan applies what it finds at once.
     ///
     /// # Errors
     /// When `dir` is not a readable directory.
     pub fn new(dir: &Path) -> std::io::Result<Self> {
+        Self::with_settle(dir, SETTLE)
+    }
+
+    /// As [`ManifestDir::new`] with another settling time.
+    ///
+    /// # Errors
+    /// When `dir` is not a readable directory.
+    pub fn with_settle(dir: &Path, settle: Duration) -> std::io::Result<Self> {
         fs::read_dir(dir)?;
         Ok(Self {
             dir: dir.to_path_buf(),
             files: BTreeMap::new(),
+            pending: BTreeMap::new(),
+            settle,
+            scanned: false,
         })
     }
 
@@ -223,22 +256,9 @@ impl ManifestDir {
         &self.dir
     }
 
-    /// Re-reads files that changed and forgets files that are gone.
-    pub fn rescan(&mut self) -> Rescan {
-        let mut rescan = Rescan::default();
-        let entries = match fs::read_dir(&self.dir) {
-            Ok(entries) => entries,
-            Err(e) => {
-                rescan.errors.push(ManifestError {
-                    file: self.dir.clone(),
-                    line: 0,
-                    message: format!("reading the directory: {e}"),
-                });
-                return rescan;
-            }
-        };
+    fn stamps(&self) -> std::io::Result<HashMap<PathBuf, Stamp>> {
         let mut seen = HashMap::new();
-        for entry in entries.flatten() {
+        for entry in fs::read_dir(&self.dir)?.flatten() {
             let path = entry.path();
             if !is_manifest(&path) {
                 continue;
@@ -255,13 +275,74 @@ impl ManifestDir {
                 mtime_ns: i128::from(meta.mtime()) * 1_000_000_000 + i128::from(meta.mtime_nsec()),
                 ino: meta.ino(),
             };
-            seen.insert(path.clone(), stamp);
+            seen.insert(path, stamp);
         }
-        let before = self.files.len();
-        self.files.retain(|path, _| seen.contains_key(path));
-        rescan.changed |= self.files.len() != before;
+        Ok(seen)
+    }
+
+    /// Whether a change to `path` (new version `stamp`) may be applied now; records
+    /// it as pending otherwise.
+    fn settled_change(&mut self, path: &Path, stamp: Option<Stamp>, now: Instant) -> bool {
+        if !self.scanned {
+            return true;
+        }
+        match self.pending.get(path) {
+            Some(p) if p.stamp == stamp => {
+                if now.duration_since(p.since) >= self.settle {
+                    self.pending.remove(path);
+                    true
+                } else {
+                    false
+                }
+            }
+            _ => {
+                self.pending
+                    .insert(path.to_path_buf(), Pending { stamp, since: now });
+                false
+            }
+        }
+    }
+
+    /// Re-reads files that changed (once settled) and forgets files that are gone.
+    pub fn rescan(&mut self) -> Rescan {
+        let mut rescan = Rescan::default();
+        let seen = match self.stamps() {
+            Ok(seen) => seen,
+            Err(e) => {
+                rescan.errors.push(ManifestError {
+                    file: self.dir.clone(),
+                    line: 0,
+                    message: format!("reading the directory: {e}"),
+                });
+                return rescan;
+            }
+        };
+        let now = Instant::now();
+        // Changes that undid themselves (a file that came and went) are no longer
+        // pending.
+        self.pending
+            .retain(|path, _| seen.contains_key(path) || self.files.contains_key(path));
+        let gone: Vec<PathBuf> = self
+            .files
+            .keys()
+            .filter(|p| !seen.contains_key(*p))
+            .cloned()
+            .collect();
+        for path in gone {
+            if self.settled_change(&path, None, now) {
+                self.files.remove(&path);
+                rescan.changed = true;
+            } else {
+                rescan.unsettled = true;
+            }
+        }
         for (path, stamp) in seen {
             if self.files.get(&path).is_some_and(|f| f.stamp == stamp) {
+                self.pending.remove(&path);
+                continue;
+            }
+            if !self.settled_change(&path, Some(stamp), now) {
+                rescan.unsettled = true;
                 continue;
             }
             let result = fs::read_to_string(&path)
@@ -279,6 +360,7 @@ impl ManifestDir {
                             stamp,
                             objects,
                             error: None,
+                            good: true,
                         },
                     );
                     rescan.changed = true;
@@ -287,10 +369,10 @@ impl ManifestDir {
                     rescan.errors.push(error.clone());
                     // Keep what the file held before; remember the stamp so the
                     // same error is reported once.
-                    let objects = self
+                    let (objects, good) = self
                         .files
                         .remove(&path)
-                        .map(|f| f.objects)
+                        .map(|f| (f.objects, f.good))
                         .unwrap_or_default();
                     self.files.insert(
                         path,
@@ -298,12 +380,26 @@ impl ManifestDir {
                             stamp,
                             objects,
                             error: Some(error),
+                            good,
                         },
                     );
                 }
             }
         }
+        self.scanned = true;
         rescan
+    }
+
+    /// Whether a change is waiting to settle: a pod missing from the objects may
+    /// be missing only for the moment.
+    pub fn settling(&self) -> bool {
+        !self.pending.is_empty()
+    }
+
+    /// Whether a file is broken without a good version to stand in for it (as when
+    /// the agent starts with a broken file): pods it would name are unknown.
+    pub fn incomplete(&self) -> bool {
+        self.files.values().any(|f| !f.good && f.error.is_some())
     }
 
     /// All pods of all files (the last good version of each).
@@ -332,7 +428,13 @@ impl ManifestDir {
 pub fn watch(dir: &Path) -> notify::Result<(notify::RecommendedWatcher, mpsc::Receiver<()>)> {
     let (tx, rx) = mpsc::channel(1);
     let mut watcher = notify::recommended_watcher(move |event: notify::Result<notify::Event>| {
-        if event.is_ok() {
+        // Opening and reading (our own rescans among them) change nothing; waking
+        // on them would make every rescan trigger the next.
+        let changes = match event {
+            Ok(e) => !matches!(e.kind, notify::EventKind::Access(_)),
+            Err(_) => true,
+        };
+        if changes {
             let _ = tx.try_send(());
         }
     })?;
@@ -421,32 +523,52 @@ status:
         fs::write(dir.join("pod.yaml"), POD).unwrap();
         fs::write(dir.join(".hidden.yaml"), "{{{").unwrap();
         fs::write(dir.join("notes.txt"), "{{{").unwrap();
-        let mut source = ManifestDir::new(&dir).unwrap();
+        let settle = Duration::from_millis(30);
+        let mut source = ManifestDir::with_settle(&dir, settle).unwrap();
+        // The first scan applies at once.
         let first = source.rescan();
         assert!(first.changed && first.errors.is_empty(), "{first:?}");
         assert_eq!(source.pods().count(), 1);
+        assert!(!source.settling() && !source.incomplete());
 
         // Unchanged: nothing re-read.
         let again = source.rescan();
-        assert!(!again.changed && again.errors.is_empty());
+        assert!(!again.changed && again.errors.is_empty() && !again.unsettled);
 
-        // Broken: reported once, objects kept.
+        // Rewritten in place, empty for a moment: not applied while it may still be
+        // written; the pod stays.
+        fs::write(dir.join("pod.yaml"), "").unwrap();
+        let truncated = source.rescan();
+        assert!(truncated.unsettled && !truncated.changed);
+        assert_eq!(source.pods().count(), 1);
+        assert!(source.settling());
+
+        // Broken (and settled): reported once, objects kept.
         fs::write(
             dir.join("pod.yaml"),
             "apiVersion: v1\nkind: Pod\nmetadata: [\n",
         )
         .unwrap();
+        assert!(source.rescan().unsettled);
+        std::thread::sleep(settle);
         let broken = source.rescan();
-        assert_eq!(broken.errors.len(), 1);
+        assert_eq!(broken.errors.len(), 1, "{broken:?}");
         assert!(!broken.changed);
         assert_eq!(source.pods().count(), 1);
         assert_eq!(source.errors().count(), 1);
         assert!(source.rescan().errors.is_empty());
+        assert!(!source.settling());
+        assert!(
+            !source.incomplete(),
+            "a broken file with a good version stands in"
+        );
 
         // Replaced by rename with a fixed version.
         let fixed = POD.replace("web", "web2");
         fs::write(dir.join("tmp.partial"), &fixed).unwrap();
         fs::rename(dir.join("tmp.partial"), dir.join("pod.yaml")).unwrap();
+        assert!(source.rescan().unsettled);
+        std::thread::sleep(settle);
         let renamed = source.rescan();
         assert!(renamed.changed && renamed.errors.is_empty());
         assert_eq!(
@@ -455,10 +577,26 @@ status:
         );
         assert_eq!(source.errors().count(), 0);
 
-        // Removed.
+        // Removed: applied once it stays gone.
         fs::remove_file(dir.join("pod.yaml")).unwrap();
+        assert!(source.rescan().unsettled);
+        assert_eq!(source.pods().count(), 1);
+        std::thread::sleep(settle);
         assert!(source.rescan().changed);
         assert_eq!(source.pods().count(), 0);
+        assert!(!source.settling());
+        fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn a_file_broken_from_the_start_leaves_the_source_incomplete() {
+        let dir = std::env::temp_dir().join(format!("podlink-manifests-b-{}", std::process::id()));
+        let _ = fs::remove_dir_all(&dir);
+        fs::create_dir_all(&dir).unwrap();
+        fs::write(dir.join("bad.yaml"), "kind: [").unwrap();
+        let mut source = ManifestDir::new(&dir).unwrap();
+        assert_eq!(source.rescan().errors.len(), 1);
+        assert!(source.incomplete());
         fs::remove_dir_all(&dir).unwrap();
     }
 }

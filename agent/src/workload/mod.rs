@@ -88,6 +88,8 @@ pub struct Workload {
     pub ips: Vec<IpAddr>,
     /// Whether the pod is captured.
     pub enrollment: Enrollment,
+    /// `metadata.deletionTimestamp` is set: the pod is shutting down.
+    pub terminating: bool,
     /// The workload's SPIFFE ID.
     #[serde(serialize_with = "serialize_display")]
     pub identity: SpiffeId,
@@ -191,6 +193,7 @@ impl WorkloadIndex {
                 identity: SpiffeId::new(trust_domain, &namespace, &service_account),
                 enrollment: enrollment(pod, namespaces.get(namespace.as_str()).copied()),
                 node: spec.and_then(|s| s.node_name.clone()),
+                terminating: pod.metadata.deletion_timestamp.is_some(),
                 ips: pod_ips(pod),
                 namespace,
                 name,
@@ -199,33 +202,39 @@ impl WorkloadIndex {
             // A hostNetwork pod's address is its node's: it names no workload.
             if !host_network {
                 for ip in &workload.ips {
-                    match index.by_ip.get(ip) {
-                        Some(other) if other.key() < workload.key() => {
-                            warnings.push(format!(
-                                "pods {} and {} both claim address {ip}; {} keeps it",
-                                other.key(),
-                                workload.key(),
-                                other.key()
-                            ));
-                        }
+                    let keeps_new = match index.by_ip.get(ip) {
+                        None => true,
                         Some(other) => {
+                            let new_wins = index.claim_rank(&workload) < index.claim_rank(other);
+                            let (winner, loser) = if new_wins {
+                                (&workload, other)
+                            } else {
+                                (other, &workload)
+                            };
                             warnings.push(format!(
                                 "pods {} and {} both claim address {ip}; {} keeps it",
-                                workload.key(),
-                                other.key(),
-                                workload.key()
+                                winner.key(),
+                                loser.key(),
+                                winner.key()
                             ));
-                            index.by_ip.insert(*ip, workload.clone());
+                            new_wins
                         }
-                        None => {
-                            index.by_ip.insert(*ip, workload.clone());
-                        }
+                    };
+                    if keeps_new {
+                        index.by_ip.insert(*ip, workload.clone());
                     }
                 }
             }
             index.workloads.insert(workload.key(), workload);
         }
         (index, warnings)
+    }
+
+    /// Which of two pods claiming one address keeps it (lower wins): a pod that is
+    /// not terminating, then one on this node (its own veth is here), then the
+    /// lower `namespace/name`.
+    fn claim_rank(&self, w: &Workload) -> (bool, bool, String) {
+        (w.terminating, !self.is_local(w), w.key())
     }
 
     /// The node this index was built for.
