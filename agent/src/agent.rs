@@ -25,7 +25,7 @@ use std::{
 use anyhow::{Context, Result};
 use podlink_common::{
     CONFIG_FAIL_OPEN, Config, HBONE_PORT, INBOUND_PLAINTEXT_PORT, OUTBOUND_PORT, PROXY_MARK,
-    PROXY_MARK_MASK, REDIRECT_MARK, REDIRECT_MARK_MASK, ROUTE_TABLE, RULE_PRIORITY,
+    REDIRECT_MARK, REDIRECT_MARK_MASK, ROUTE_TABLE, RULE_PRIORITY,
 };
 use tokio::signal::unix::{SignalKind, signal};
 
@@ -97,17 +97,7 @@ pub async fn run(cfg: AgentConfig) -> Result<()> {
     net::apply_node_sysctls()?;
     let dataplane = Dataplane::load(&DataplaneConfig {
         pin_dir: cfg.pin_dir.clone(),
-        config: Config {
-            proxy_mark: PROXY_MARK,
-            proxy_mark_mask: PROXY_MARK_MASK,
-            redirect_mark: REDIRECT_MARK,
-            redirect_mark_mask: REDIRECT_MARK_MASK,
-            outbound_port: OUTBOUND_PORT,
-            inbound_plaintext_port: INBOUND_PLAINTEXT_PORT,
-            hbone_port: HBONE_PORT,
-            flags: if cfg.fail_open { CONFIG_FAIL_OPEN } else { 0 },
-            ..Config::default()
-        },
+        config: Config::with_defaults(if cfg.fail_open { CONFIG_FAIL_OPEN } else { 0 }),
         node_addrs: net::node_ipv4_addrs().context("reading the node's addresses")?,
         excluded_cidrs: cfg.excluded_cidrs.clone(),
         excluded_ports: cfg.excluded_ports.clone(),

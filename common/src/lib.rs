@@ -129,6 +129,26 @@ pub struct Config {
     pub node_addrs: [Addr; MAX_NODE_ADDRS],
 }
 
+impl Config {
+    /// podlink's ports and marks ([`OUTBOUND_PORT`], [`PROXY_MARK`], …), with
+    /// `flags` and no node addresses.
+    pub const fn with_defaults(flags: u32) -> Self {
+        Self {
+            proxy_mark: PROXY_MARK,
+            proxy_mark_mask: PROXY_MARK_MASK,
+            redirect_mark: REDIRECT_MARK,
+            redirect_mark_mask: REDIRECT_MARK_MASK,
+            outbound_port: OUTBOUND_PORT,
+            inbound_plaintext_port: INBOUND_PLAINTEXT_PORT,
+            hbone_port: HBONE_PORT,
+            _pad: 0,
+            flags,
+            node_addr_count: 0,
+            node_addrs: [[0; 16]; MAX_NODE_ADDRS],
+        }
+    }
+}
+
 /// Key of the excluded-CIDR LPM trie (`struct bpf_lpm_trie_key` layout).
 #[repr(C, packed)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]

@@ -13,10 +13,9 @@ use aya::{
     programs::{SchedClassifier, TestRun, TestRunOptions},
 };
 use podlink_common::{
-    CONFIG_FAIL_OPEN, Config, FlowKey, HBONE_PORT, INBOUND_PLAINTEXT_PORT, MAP_CAPTURED_FLOWS,
-    MAP_CONFIG, MAP_COUNTERS, MAP_EXCLUDED_PORTS, MAP_PODS, OUTBOUND_PORT, POD_ENROLLED,
-    POD_HAS_IPV4, PROXY_MARK, PROXY_MARK_MASK, PodCounters, PodInfo, REDIRECT_MARK,
-    REDIRECT_MARK_MASK, ipv4_mapped,
+    CONFIG_FAIL_OPEN, Config, FlowKey, MAP_CAPTURED_FLOWS, MAP_CONFIG, MAP_COUNTERS,
+    MAP_EXCLUDED_PORTS, MAP_PODS, OUTBOUND_PORT, POD_ENROLLED, POD_HAS_IPV4, PROXY_MARK,
+    PodCounters, PodInfo, ipv4_mapped,
 };
 use podlink_tests::netns;
 
@@ -79,16 +78,9 @@ impl Programs {
             .set(
                 0,
                 Config {
-                    proxy_mark: PROXY_MARK,
-                    proxy_mark_mask: PROXY_MARK_MASK,
-                    redirect_mark: REDIRECT_MARK,
-                    redirect_mark_mask: REDIRECT_MARK_MASK,
-                    outbound_port: OUTBOUND_PORT,
-                    inbound_plaintext_port: INBOUND_PLAINTEXT_PORT,
-                    hbone_port: HBONE_PORT,
                     node_addr_count: 1,
                     node_addrs,
-                    ..Config::default()
+                    ..Config::with_defaults(0)
                 },
                 0,
             )
