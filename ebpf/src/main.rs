@@ -189,6 +189,10 @@ fn from_pod_tcp4(
 }
 
 /// TC egress of an enrolled pod's host veth.
+///
+/// Its prologue repeats `from_pod`'s on purpose: returning the parsed packet from a
+/// shared helper made LLVM emit a read of an uninitialised register on one path,
+/// which the verifier refuses.
 #[classifier]
 pub fn to_pod(ctx: TcContext) -> i32 {
     let ifindex = unsafe { (*ctx.skb.skb).ifindex };
