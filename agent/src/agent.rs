@@ -34,7 +34,7 @@ use crate::{
     identity::{CertManager, ca::CertificateAuthority},
     proxy::{self, Listeners, ProxyConfig, ProxyState},
     workload::{
-        Workload, WorkloadIndex,
+        WorkloadIndex,
         manifests::{self, ManifestDir},
     },
 };
@@ -120,10 +120,14 @@ pub async fn run(cfg: AgentConfig) -> Result<()> {
         next_id: 1,
         pending_retry: None,
         index: Arc::new(WorkloadIndex::default()),
+        wanted: Vec::new(),
+        waiting: false,
+        warned: HashSet::new(),
     };
-    reconciler.publish(&mut source, &state);
+    reconciler.publish(&mut source);
+    reconciler.plan(&state);
     let proxy = tokio::spawn(proxy::serve(state.clone(), listeners));
-    tokio::task::block_in_place(|| reconciler.sync_dataplane(removal(&source)));
+    tokio::task::block_in_place(|| reconciler.apply(removal(&source)));
     tracing::info!(node = %cfg.node, pin_dir = %cfg.pin_dir.display(), "agent running");
 
     let mut sigterm = signal(SignalKind::terminate())?;
@@ -145,12 +149,15 @@ pub async fn run(cfg: AgentConfig) -> Result<()> {
             _ = sigterm.recv() => break,
             _ = sigint.recv() => break,
         }
-        let rescan = reconciler.publish(&mut source, &state);
+        let rescan = reconciler.publish(&mut source);
         unsettled = rescan.unsettled;
-        // Reconcile on a change, on retries, and on resyncs (the node's addresses
-        // may have changed).
+        // Reconcile on a change, on retries, and on resyncs (routes and the node's
+        // addresses may have changed).
         if rescan.changed || reconciler.pending_retry.is_some() || resync {
-            tokio::task::block_in_place(|| reconciler.sync_dataplane(removal(&source)));
+            tokio::task::block_in_place(|| {
+                reconciler.plan(&state);
+                reconciler.apply(removal(&source));
+            });
         }
     }
     tracing::info!(
@@ -181,14 +188,19 @@ struct Reconciler {
     /// Some enrolled pod is not attached yet (no host veth, or an error): retry
     /// after this long.
     pending_retry: Option<Duration>,
-    /// The workloads last published.
+    /// The workloads of the manifests as last read.
     index: Arc<WorkloadIndex>,
+    /// The pods to capture, as last planned.
+    wanted: Vec<CapturedPod>,
+    /// Some pod waits for its host route (or the lookup failed).
+    waiting: bool,
+    /// Workloads already warned about (warnings are given once).
+    warned: HashSet<String>,
 }
 
 impl Reconciler {
-    /// Rescans the manifests and, if they changed, publishes the new workloads to
-    /// the proxy.
-    fn publish(&mut self, source: &mut ManifestDir, state: &ProxyState) -> manifests::Rescan {
+    /// Rescans the manifests and, if they changed, rebuilds the workload index.
+    fn publish(&mut self, source: &mut ManifestDir) -> manifests::Rescan {
         let rescan = source.rescan();
         for error in &rescan.errors {
             tracing::warn!("manifest refused: {error}");
@@ -203,36 +215,41 @@ impl Reconciler {
             for warning in warnings {
                 tracing::warn!("{warning}");
             }
-            let index = Arc::new(index);
-            state.set_workloads(index.clone());
-            // Certificates are only needed for this node's enrolled workloads.
-            let local: HashSet<_> = index
-                .workloads()
-                .filter(|w| w.enrollment.is_enrolled() && index.is_local(w))
-                .map(|w| w.identity.clone())
-                .collect();
-            state.certs.retain(|id| local.contains(id));
-            self.index = index;
+            self.index = Arc::new(index);
         }
         rescan
     }
 
-    /// Attaches the published workloads' pods and detaches the others as far as
-    /// `removal` allows.
-    fn sync_dataplane(&mut self, removal: Removal) {
-        let index = self.index.clone();
-        let mut retry = false;
-        let wanted = match self.wanted(&index) {
-            Ok((wanted, waiting)) => {
-                retry |= waiting;
-                wanted
-            }
+    /// Decides which pods to capture (their host veths) and hands the proxy the
+    /// workloads and those pods' addresses, before anything is attached: a pod's
+    /// first connection finds the proxy knowing it.
+    fn plan(&mut self, state: &ProxyState) {
+        match self.wanted() {
+            Ok(wanted) => self.wanted = wanted,
             Err(e) => {
                 tracing::warn!("looking up host veths: {e:#}");
-                self.backoff(true);
-                return;
+                self.waiting = true;
             }
-        };
+        }
+        let captured: HashSet<IpAddr> = self.wanted.iter().map(|p| IpAddr::V4(p.ipv4)).collect();
+        let view = state.view();
+        if !Arc::ptr_eq(&view.workloads, &self.index) || *view.captured != captured {
+            state.update(self.index.clone(), Arc::new(captured));
+            // Certificates are only needed for this node's enrolled workloads.
+            let local: HashSet<_> = self
+                .index
+                .workloads()
+                .filter(|w| w.enrollment.is_enrolled() && self.index.is_local(w))
+                .map(|w| w.identity.clone())
+                .collect();
+            state.certs.retain(|id| local.contains(id));
+        }
+    }
+
+    /// Attaches the planned pods and detaches the others as far as `removal`
+    /// allows; schedules a retry while some pod waits.
+    fn apply(&mut self, removal: Removal) {
+        let mut retry = std::mem::take(&mut self.waiting);
         match net::node_ipv4_addrs() {
             Ok(addrs) => {
                 if let Err(e) = self.dataplane.set_node_addrs(&addrs) {
@@ -244,61 +261,60 @@ impl Reconciler {
         if removal != Removal::All {
             tracing::debug!(?removal, "manifests incomplete for now: detaching less");
         }
-        for (pod, error) in self.dataplane.reconcile(&wanted, removal) {
+        for (pod, error) in self.dataplane.reconcile(&self.wanted, removal) {
             tracing::warn!(workload = %pod.workload, ifname = %pod.ifname, "capture failed: {error:#}");
             retry = true;
         }
-        let live: HashSet<String> = index.workloads().map(|w| w.key()).collect();
+        let live: HashSet<String> = self.index.workloads().map(|w| w.key()).collect();
         self.workload_ids.retain(|k, _| live.contains(k));
-        self.backoff(retry || removal == Removal::Nothing);
-    }
-
-    fn backoff(&mut self, retry: bool) {
-        self.pending_retry = retry.then(|| {
+        self.warned.retain(|k| live.contains(k));
+        self.pending_retry = (retry || removal == Removal::Nothing).then(|| {
             self.pending_retry
                 .map_or(PENDING_RETRY_MIN, |d| (d * 2).min(PENDING_RETRY_MAX))
         });
     }
 
-    /// The pods to capture: this node's enrolled workloads with an IPv4 address
-    /// whose route leads to a veth of their own. Also whether some wait for one.
-    fn wanted(&mut self, index: &WorkloadIndex) -> Result<(Vec<CapturedPod>, bool)> {
-        let captured: Vec<&Arc<Workload>> = index.captured().collect();
-        for w in captured.iter().filter(|w| w.ipv4().is_none()) {
-            tracing::warn!(workload = %w.key(), "enrolled pod has no IPv4 address; IPv6 capture is not supported yet");
+    /// Warns once per workload.
+    fn warn_once(&mut self, key: &str, message: &str) {
+        if self.warned.insert(key.to_string()) {
+            tracing::warn!(workload = %key, "{message}");
         }
-        let with_v4: Vec<&Arc<Workload>> = captured
-            .into_iter()
-            .filter(|w| w.ipv4().is_some())
-            .collect();
-        let addrs: Vec<IpAddr> = with_v4
-            .iter()
-            .filter_map(|w| w.ipv4().map(IpAddr::V4))
-            .collect();
-        let interfaces = net::host_interfaces(&addrs)?;
+    }
+
+    /// The pods to capture: this node's enrolled workloads with an IPv4 address and
+    /// a host route to a veth of their own. Sets `waiting` when some have none yet.
+    fn wanted(&mut self) -> Result<Vec<CapturedPod>> {
+        let index = self.index.clone();
+        let routes = net::host_routes()?;
         let veths = net::veth_names()?;
-        let mut waiting = false;
         let mut wanted: Vec<CapturedPod> = Vec::new();
         let mut owners: HashMap<u32, String> = HashMap::new();
-        for (workload, ifname) in with_v4.into_iter().zip(interfaces) {
-            let ipv4 = workload.ipv4().expect("filtered on IPv4");
+        for workload in index.captured() {
             let key = workload.key();
-            let Some(ifname) = ifname else {
-                tracing::debug!(workload = %key, ip = %ipv4, "no host veth routes to this pod yet");
-                waiting = true;
+            let Some(ipv4) = workload.ipv4() else {
+                self.warn_once(&key, "enrolled pod has no IPv4 address; IPv6 capture is not supported yet (its IPv6 TCP is dropped)");
                 continue;
             };
-            if !veths.contains(&ifname) {
-                tracing::warn!(workload = %key, ip = %ipv4, %ifname, "the node's route to this pod leads to an interface that is not a veth; not capturing it");
-                waiting = true;
+            let Some(ifname) = routes.get(&ipv4) else {
+                tracing::debug!(workload = %key, ip = %ipv4, "no host route to this pod yet");
+                self.waiting = true;
+                continue;
+            };
+            if !veths.contains(ifname) {
+                self.warn_once(&key, &format!("the node's host route to {ipv4} leads to {ifname}, which is not a veth; not capturing it"));
                 continue;
             }
-            let Some(ifindex) = net::ifindex(&ifname) else {
-                waiting = true;
+            let Some(ifindex) = net::ifindex(ifname) else {
+                self.waiting = true;
                 continue;
             };
             if let Some(other) = owners.get(&ifindex) {
-                tracing::warn!(workload = %key, %ifname, "{other} already owns this host veth; not capturing a second pod on it");
+                self.warn_once(
+                    &key,
+                    &format!(
+                        "{other} already owns host veth {ifname}; not capturing a second pod on it"
+                    ),
+                );
                 continue;
             }
             owners.insert(ifindex, key.clone());
@@ -310,10 +326,10 @@ impl Reconciler {
                 workload: key,
                 workload_id,
                 ipv4,
-                ifname,
+                ifname: ifname.clone(),
                 ifindex,
             });
         }
-        Ok((wanted, waiting))
+        Ok(wanted)
     }
 }

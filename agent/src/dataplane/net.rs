@@ -5,11 +5,7 @@
 //! Kernel documentation: `Documentation/networking/ip-sysctl.rst` (tcp_early_demux,
 //! rp_filter); `ip-rule(8)`, `ip-route(8)`.
 
-use std::{
-    io::Write,
-    net::IpAddr,
-    process::{Command, Stdio},
-};
+use std::{collections::HashMap, net::Ipv4Addr, process::Command};
 
 use anyhow::{Context, Result, bail};
 use serde::Deserialize;
@@ -137,65 +133,29 @@ pub fn node_ipv4_addrs() -> Result<Vec<std::net::Ipv4Addr>> {
 }
 
 #[derive(Deserialize)]
-struct RouteGet {
+struct Route {
+    dst: String,
     #[serde(rename = "type")]
     kind: Option<String>,
     dev: Option<String>,
     gateway: Option<String>,
 }
 
-/// For each address, the interface of the node's direct route to it: the host veth
-/// of a pod wired by a point-to-point CNI plugin. `None` where the route is missing,
-/// goes through a gateway, or is local. One `ip` process for all addresses.
-pub fn host_interfaces(addrs: &[IpAddr]) -> Result<Vec<Option<String>>> {
-    if addrs.is_empty() {
-        return Ok(Vec::new());
-    }
-    let mut child = Command::new("ip")
-        .args(["-j", "-force", "-batch", "-"])
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::null())
-        .spawn()
-        .context("running the ip tool (iproute2)")?;
-    {
-        let mut stdin = child.stdin.take().expect("piped stdin");
-        for addr in addrs {
-            writeln!(stdin, "route get {addr}")?;
-        }
-    }
-    let out = child.wait_with_output()?;
-    let text = String::from_utf8_lossy(&out.stdout);
-    let mut lines = text.lines().filter(|l| l.starts_with('['));
-    let mut result = Vec::with_capacity(addrs.len());
-    for _ in addrs {
-        // `-force` keeps going after an error; an unroutable address prints nothing,
-        // so results are matched by the destination they name.
-        result.push(None);
-    }
-    for line in lines.by_ref() {
-        let Ok(routes) = serde_json::from_str::<Vec<serde_json::Value>>(line) else {
-            continue;
-        };
-        for route in routes {
-            let dst = route
-                .get("dst")
-                .and_then(|d| d.as_str())
-                .and_then(|d| d.parse::<IpAddr>().ok());
-            let Ok(route) = serde_json::from_value::<RouteGet>(route) else {
-                continue;
-            };
-            let Some(i) = dst.and_then(|d| addrs.iter().position(|a| *a == d)) else {
-                continue;
-            };
-            let direct =
-                route.gateway.is_none() && route.kind.as_deref().is_none_or(|k| k == "unicast");
-            if direct && route.dev.as_deref().is_some_and(|d| d != "lo") {
-                result[i] = route.dev;
-            }
-        }
-    }
-    Ok(result)
+/// The node's host routes (`/32`, direct, unicast) in the main table, by address:
+/// the host veth of each pod a point-to-point CNI plugin (such as `ptp`) wired.
+/// A pod address reached through a subnet route (the uplink's, a bridge's) has
+/// none: its traffic cannot be told apart on a device of its own.
+pub fn host_routes() -> Result<HashMap<Ipv4Addr, String>> {
+    let out = ip(&["-j", "-4", "route", "show", "table", "main"])?;
+    let routes: Vec<Route> = serde_json::from_str(&out).context("parsing ip -j route")?;
+    Ok(routes
+        .into_iter()
+        .filter(|r| r.gateway.is_none() && r.kind.as_deref().is_none_or(|k| k == "unicast"))
+        .filter_map(|r| {
+            let dst = r.dst.strip_suffix("/32").unwrap_or(&r.dst);
+            Some((dst.parse().ok()?, r.dev?))
+        })
+        .collect())
 }
 
 #[derive(Deserialize)]

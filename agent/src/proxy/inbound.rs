@@ -29,7 +29,7 @@ const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// Handles one HBONE connection from `peer` to `local` (`pod ip:15008`).
 pub async fn handle(state: Arc<ProxyState>, tcp: TcpStream, peer: SocketAddr, local: SocketAddr) {
-    let Some(destination) = state.workloads().local_enrolled(local.ip()).cloned() else {
+    let Some(destination) = state.view().local_pod(local.ip()).cloned() else {
         tracing::info!(%peer, %local, "HBONE connection to an address that is not an enrolled pod of this node; closed");
         return;
     };
@@ -119,11 +119,12 @@ async fn serve_stream(
         Ok(target) => target,
         Err(e) => return refuse(respond, e.status(), peer, &e.to_string()),
     };
-    let index = state.workloads();
+    let view = state.view();
+    let index = &view.workloads;
     // The connection's own pod, still enrolled here and still the identity the
     // connection presented (an address can be reused by another pod).
-    let same_pod = index
-        .local_enrolled(target.ip())
+    let same_pod = view
+        .local_pod(target.ip())
         .is_some_and(|w| w.identity == pod_id);
     if target.ip() != pod_ip || !same_pod {
         let why = format!(
@@ -140,7 +141,7 @@ async fn serve_stream(
     if source.is_none() {
         tracing::info!(%peer, %client, "client address does not belong to the client's identity; not preserving it");
     }
-    drop(index);
+    drop(view);
     let connect = tokio::time::timeout(
         state.config.connect_timeout,
         socket::connect(source, target, state.config.proxy_mark),

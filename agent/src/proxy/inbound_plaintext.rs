@@ -10,7 +10,7 @@ use super::{ProxyState, copy, socket};
 /// Handles one connection from `src` to the pod address `dst`.
 pub async fn handle(state: Arc<ProxyState>, mut tcp: TcpStream, src: SocketAddr, dst: SocketAddr) {
     let start = Instant::now();
-    let Some(destination) = state.workloads().local_enrolled(dst.ip()).cloned() else {
+    let Some(destination) = state.view().local_pod(dst.ip()).cloned() else {
         tracing::info!(%src, %dst, "plaintext connection to an address that is not an enrolled pod of this node; reset");
         socket::reset_on_close(&tcp);
         return;

@@ -20,6 +20,7 @@ pub mod pool;
 pub mod socket;
 
 use std::{
+    collections::HashSet,
     net::{IpAddr, Ipv4Addr, SocketAddr},
     sync::Arc,
     time::Duration,
@@ -28,7 +29,10 @@ use std::{
 use anyhow::{Context, Result};
 use tokio::{net::TcpListener, sync::watch};
 
-use crate::{identity::CertManager, workload::WorkloadIndex};
+use crate::{
+    identity::CertManager,
+    workload::{Workload, WorkloadIndex},
+};
 
 /// The proxy's settings.
 #[derive(Clone, Debug)]
@@ -47,6 +51,27 @@ pub struct ProxyConfig {
     pub connect_timeout: Duration,
 }
 
+/// The proxy's view of the node: the workloads, and the addresses of the pods this
+/// node captures (their host veth found and attached, or being attached).
+#[derive(Clone, Default)]
+pub struct View {
+    /// All workloads of the cluster.
+    pub workloads: Arc<WorkloadIndex>,
+    /// Addresses of the pods captured on this node.
+    pub captured: Arc<HashSet<IpAddr>>,
+}
+
+impl View {
+    /// The enrolled pod of this node at `ip`, when this node captures it. A workload
+    /// that only claims to be here (its address has no host veth on this node) is
+    /// not one: the proxy never connects to it as a local pod.
+    pub fn local_pod(&self, ip: IpAddr) -> Option<&Arc<Workload>> {
+        self.workloads
+            .local_enrolled(ip)
+            .filter(|_| self.captured.contains(&ip))
+    }
+}
+
 /// What every connection handler reads.
 pub struct ProxyState {
     /// The proxy's settings.
@@ -55,7 +80,7 @@ pub struct ProxyState {
     pub certs: CertManager,
     /// Pooled HBONE connections.
     pub pool: pool::Pool,
-    workloads: watch::Sender<Arc<WorkloadIndex>>,
+    view: watch::Sender<View>,
 }
 
 impl ProxyState {
@@ -65,31 +90,35 @@ impl ProxyState {
             config,
             certs,
             pool: pool::Pool::default(),
-            workloads: watch::Sender::new(Arc::new(WorkloadIndex::default())),
+            view: watch::Sender::new(View::default()),
         }
     }
 
-    /// The current workloads.
-    pub fn workloads(&self) -> Arc<WorkloadIndex> {
-        self.workloads.borrow().clone()
+    /// The current view.
+    pub fn view(&self) -> View {
+        self.view.borrow().clone()
     }
 
-    /// Replaces the workloads. Pooled HBONE connections of pods that left the mesh
-    /// are released, and the connections of such pods are closed (see
-    /// [`ProxyState::unenrolled`]): without capture their packets no longer reach
-    /// the proxy, so those connections could only linger half-broken.
-    pub fn set_workloads(&self, index: Arc<WorkloadIndex>) {
-        self.pool
-            .retain(|key| index.local_enrolled(key.src_ip).is_some());
-        self.workloads.send_replace(index);
+    /// Replaces the workloads and the captured addresses. Pooled HBONE connections
+    /// of pods that are no longer captured here are released, and such pods'
+    /// connections are closed (see [`ProxyState::unenrolled`]): without capture
+    /// their packets no longer reach the proxy, so those connections could only
+    /// linger half-broken.
+    pub fn update(&self, workloads: Arc<WorkloadIndex>, captured: Arc<HashSet<IpAddr>>) {
+        let view = View {
+            workloads,
+            captured,
+        };
+        self.pool.retain(|key| view.local_pod(key.src_ip).is_some());
+        self.view.send_replace(view);
     }
 
-    /// Resolves once `ip` is no longer an enrolled pod of this node (at once if it
-    /// is not one now).
+    /// Resolves once `ip` is no longer a captured pod of this node (at once if it is
+    /// not one now).
     pub async fn unenrolled(&self, ip: IpAddr) {
-        let mut rx = self.workloads.subscribe();
+        let mut rx = self.view.subscribe();
         loop {
-            if rx.borrow_and_update().local_enrolled(ip).is_none() {
+            if rx.borrow_and_update().local_pod(ip).is_none() {
                 return;
             }
             if rx.changed().await.is_err() {

@@ -30,8 +30,9 @@ impl Route {
 /// Handles one connection from pod `src` to its original destination `dst`.
 pub async fn handle(state: Arc<ProxyState>, mut tcp: TcpStream, src: SocketAddr, dst: SocketAddr) {
     let start = Instant::now();
-    let index = state.workloads();
-    let Some(source) = index.local_enrolled(src.ip()).cloned() else {
+    let view = state.view();
+    let index = &view.workloads;
+    let Some(source) = view.local_pod(src.ip()).cloned() else {
         // Only enrolled pods' connections are steered here; anything else (a pod
         // that was just un-enrolled) is refused rather than guessed at.
         tracing::info!(%src, %dst, "outbound connection from an address that is not an enrolled pod of this node; reset");
@@ -39,11 +40,23 @@ pub async fn handle(state: Arc<ProxyState>, mut tcp: TcpStream, src: SocketAddr,
         return;
     };
     let route = match index.by_ip(dst.ip()).filter(|w| w.enrollment.is_enrolled()) {
-        Some(w) if index.is_local(w) => Route::Local,
+        Some(_) if view.local_pod(dst.ip()).is_some() => Route::Local,
+        Some(w) if index.is_local(w) => {
+            // A workload that says it is here but has no host veth here: not
+            // something to connect to in plain text.
+            tracing::warn!(%src, %dst, destination = %w.key(), "destination claims to be an enrolled pod of this node but has no host veth here; reset");
+            socket::reset_on_close(&tcp);
+            return;
+        }
         Some(w) => Route::Hbone(w.clone()),
+        None if index.conflict(dst.ip()).is_some() => {
+            tracing::warn!(%src, %dst, "destination address is claimed by several pods; reset");
+            socket::reset_on_close(&tcp);
+            return;
+        }
         None => Route::Passthrough,
     };
-    drop(index);
+    drop(view);
     let route_name = route.name();
     let result = tokio::select! {
         result = proxy(&state, &mut tcp, route, &source, src, dst) => result,

@@ -151,6 +151,8 @@ pub struct WorkloadIndex {
     node: String,
     workloads: BTreeMap<String, Arc<Workload>>,
     by_ip: HashMap<IpAddr, Arc<Workload>>,
+    /// Addresses claimed by more than one live pod, with their `namespace/name`s.
+    conflicts: HashMap<IpAddr, Vec<String>>,
 }
 
 impl WorkloadIndex {
@@ -171,6 +173,7 @@ impl WorkloadIndex {
             ..Default::default()
         };
         let mut warnings = Vec::new();
+        let mut claims: BTreeMap<IpAddr, Vec<Arc<Workload>>> = BTreeMap::new();
         for pod in pods {
             let Some(name) = pod.metadata.name.clone() else {
                 continue;
@@ -183,6 +186,13 @@ impl WorkloadIndex {
                 .namespace
                 .clone()
                 .unwrap_or_else(|| "default".into());
+            let key = format!("{namespace}/{name}");
+            if index.workloads.contains_key(&key) {
+                warnings.push(format!(
+                    "pod {key} is defined more than once in the manifests; the first definition (in file name order) is used"
+                ));
+                continue;
+            }
             let spec = pod.spec.as_ref();
             let service_account = spec
                 .and_then(|s| s.service_account_name.clone())
@@ -202,39 +212,34 @@ impl WorkloadIndex {
             // A hostNetwork pod's address is its node's: it names no workload.
             if !host_network {
                 for ip in &workload.ips {
-                    let keeps_new = match index.by_ip.get(ip) {
-                        None => true,
-                        Some(other) => {
-                            let new_wins = index.claim_rank(&workload) < index.claim_rank(other);
-                            let (winner, loser) = if new_wins {
-                                (&workload, other)
-                            } else {
-                                (other, &workload)
-                            };
-                            warnings.push(format!(
-                                "pods {} and {} both claim address {ip}; {} keeps it",
-                                winner.key(),
-                                loser.key(),
-                                winner.key()
-                            ));
-                            new_wins
-                        }
-                    };
-                    if keeps_new {
-                        index.by_ip.insert(*ip, workload.clone());
-                    }
+                    claims.entry(*ip).or_default().push(workload.clone());
                 }
             }
-            index.workloads.insert(workload.key(), workload);
+            index.workloads.insert(key, workload);
+        }
+        for (ip, claimants) in claims {
+            // A terminating pod gives way to one that is not.
+            let live: Vec<&Arc<Workload>> = claimants.iter().filter(|w| !w.terminating).collect();
+            let owner = match live.as_slice() {
+                [] => claimants.first(),
+                [one] => Some(*one),
+                _ => None,
+            };
+            match owner {
+                Some(owner) => {
+                    index.by_ip.insert(ip, owner.clone());
+                }
+                None => {
+                    let names: Vec<String> = live.iter().map(|w| w.key()).collect();
+                    warnings.push(format!(
+                        "pods {} all claim address {ip}: it is served for none of them (its connections are refused) until only one does",
+                        names.join(", ")
+                    ));
+                    index.conflicts.insert(ip, names);
+                }
+            }
         }
         (index, warnings)
-    }
-
-    /// Which of two pods claiming one address keeps it (lower wins): a pod that is
-    /// not terminating, then one on this node (its own veth is here), then the
-    /// lower `namespace/name`.
-    fn claim_rank(&self, w: &Workload) -> (bool, bool, String) {
-        (w.terminating, !self.is_local(w), w.key())
     }
 
     /// The node this index was built for.
@@ -265,17 +270,28 @@ impl WorkloadIndex {
 
     /// This node's enrolled workloads that have an address (what the dataplane
     /// captures).
+    ///
+    /// A pod whose address is in conflict ([`WorkloadIndex::conflict`]) stays
+    /// captured, so that its traffic meets the proxy, which refuses it, rather than
+    /// leaving uncaptured.
     pub fn captured(&self) -> impl Iterator<Item = &Arc<Workload>> {
         self.workloads.values().filter(|w| {
             w.enrollment.is_enrolled()
                 && self.is_local(w)
                 && !w.ips.is_empty()
                 && w.ips.iter().all(|ip| {
-                    self.by_ip
-                        .get(ip)
-                        .is_some_and(|owner| Arc::ptr_eq(owner, w))
+                    self.conflicts.contains_key(ip)
+                        || self
+                            .by_ip
+                            .get(ip)
+                            .is_some_and(|owner| Arc::ptr_eq(owner, w))
                 })
         })
+    }
+
+    /// The pods that claim `ip` when more than one does.
+    pub fn conflict(&self, ip: IpAddr) -> Option<&[String]> {
+        self.conflicts.get(&ip).map(Vec::as_slice)
     }
 }
 
@@ -390,17 +406,52 @@ mod tests {
     }
 
     #[test]
-    fn address_conflicts_are_reported_and_not_captured_twice() {
+    fn address_conflicts_fail_closed() {
         let amb = ns("amb", true);
         let pods = [
             p("b", "amb", "", false, "10.0.0.1", "n1"),
-            p("a", "amb", "", false, "10.0.0.1", "n1"),
+            p("a", "amb", "", false, "10.0.0.1", "n2"),
+            p("c", "amb", "", false, "10.0.0.2", "n1"),
         ];
         let (index, warnings) = WorkloadIndex::build("n1", "cluster.local", &pods, [&amb]);
         assert_eq!(warnings.len(), 1, "{warnings:?}");
-        assert_eq!(index.by_ip("10.0.0.1".parse().unwrap()).unwrap().name, "a");
+        assert!(warnings[0].contains("amb/b, amb/a"), "{warnings:?}");
+        // Served for neither, but still captured where it is local.
+        let ip = "10.0.0.1".parse().unwrap();
+        assert!(index.by_ip(ip).is_none());
+        assert_eq!(index.conflict(ip).unwrap().len(), 2);
         let captured: Vec<_> = index.captured().map(|w| w.key()).collect();
-        assert_eq!(captured, ["amb/a"]);
+        assert_eq!(captured, ["amb/b", "amb/c"]);
+    }
+
+    #[test]
+    fn a_terminating_pod_gives_its_address_way() {
+        let amb = ns("amb", true);
+        let mut old = p("old", "amb", "", false, "10.0.0.1", "n1");
+        old.metadata.deletion_timestamp =
+            Some(k8s_openapi::apimachinery::pkg::apis::meta::v1::Time(
+                "2026-01-01T00:00:00Z".parse().unwrap(),
+            ));
+        let new = p("new", "amb", "", false, "10.0.0.1", "n1");
+        let (index, warnings) = WorkloadIndex::build("n1", "cluster.local", [&old, &new], [&amb]);
+        assert!(warnings.is_empty(), "{warnings:?}");
+        assert_eq!(
+            index.by_ip("10.0.0.1".parse().unwrap()).unwrap().name,
+            "new"
+        );
+    }
+
+    #[test]
+    fn a_pod_defined_twice_keeps_its_first_definition() {
+        let amb = ns("amb", true);
+        let first = p("x", "amb", "", false, "10.0.0.1", "n1");
+        let second = p("x", "amb", "", false, "10.0.0.9", "n1");
+        let (index, warnings) =
+            WorkloadIndex::build("n1", "cluster.local", [&first, &second], [&amb]);
+        assert_eq!(warnings.len(), 1);
+        assert!(warnings[0].contains("defined more than once"));
+        assert!(index.by_ip("10.0.0.1".parse().unwrap()).is_some());
+        assert!(index.by_ip("10.0.0.9".parse().unwrap()).is_none());
     }
 
     #[test]
