@@ -73,18 +73,70 @@ fn documents(text: &str) -> Vec<(usize, String)> {
     docs
 }
 
+/// Deepest nesting of flow collections (`[`, `{`) a document may have. The YAML
+/// parser takes time quadratic in it before its own recursion limit applies.
+const MAX_FLOW_DEPTH: usize = 64;
+
+/// Largest manifest file read (bytes).
+pub const MAX_FILE_SIZE: u64 = 16 * 1024 * 1024;
+
+/// Checks the nesting of flow collections outside quoted strings and comments;
+/// returns the 1-based line where it first exceeds [`MAX_FLOW_DEPTH`].
+fn check_flow_depth(text: &str) -> Result<(), usize> {
+    let mut depth = 0usize;
+    for (i, line) in text.lines().enumerate() {
+        let (mut single, mut double, mut escaped) = (false, false, false);
+        for c in line.chars() {
+            if double {
+                match (escaped, c) {
+                    (true, _) => escaped = false,
+                    (false, '\\') => escaped = true,
+                    (false, '"') => double = false,
+                    _ => {}
+                }
+                continue;
+            }
+            if single {
+                single = c != '\'';
+                continue;
+            }
+            match c {
+                '#' => break,
+                '"' => double = true,
+                '\'' => single = true,
+                '[' | '{' => {
+                    depth += 1;
+                    if depth > MAX_FLOW_DEPTH {
+                        return Err(i + 1);
+                    }
+                }
+                ']' | '}' => depth = depth.saturating_sub(1),
+                _ => {}
+            }
+        }
+    }
+    Ok(())
+}
+
 /// Parses one file's text. `file` is only used in errors.
 ///
 /// # Errors
 /// The first problem found; nothing of the file is used then.
 pub fn parse(file: &Path, text: &str) -> Result<Objects, ManifestError> {
     let mut objects = Objects::default();
+    let text = text.strip_prefix('\u{feff}').unwrap_or(text);
     for (start, doc) in documents(text) {
         let err = |line: usize, message: String| ManifestError {
             file: file.to_path_buf(),
             line,
             message,
         };
+        check_flow_depth(&doc).map_err(|line| {
+            err(
+                start + line - 1,
+                format!("collections nested deeper than {MAX_FLOW_DEPTH} levels"),
+            )
+        })?;
         let yaml_err = |e: serde_yaml_ng::Error| {
             let line = e.location().map_or(start, |l| start + l.line() - 1);
             err(line, e.to_string())
@@ -93,9 +145,16 @@ pub fn parse(file: &Path, text: &str) -> Result<Objects, ManifestError> {
         if value.is_null() {
             continue;
         }
-        let kind = value.get("kind").and_then(Value::as_str);
-        let api_version = value.get("apiVersion").and_then(Value::as_str);
+        let field = |name: &str| match value.get(name) {
+            None => Ok(None),
+            Some(Value::String(s)) => Ok(Some(s.as_str())),
+            Some(_) => Err(err(start, format!("{name} must be a string"))),
+        };
+        let kind = field("kind")?;
+        let api_version = field("apiVersion")?;
         match (api_version, kind) {
+            (_, None) => return Err(err(start, "document has no kind".into())),
+            (None, Some(_)) => return Err(err(start, "document has no apiVersion".into())),
             (Some("v1"), Some("Pod")) => {
                 let pod: Pod = serde_yaml_ng::from_str(&doc).map_err(yaml_err)?;
                 check_pod(&pod).map_err(|m| err(start, m))?;
@@ -103,9 +162,7 @@ pub fn parse(file: &Path, text: &str) -> Result<Objects, ManifestError> {
             }
             (Some("v1"), Some("Namespace")) => {
                 let ns: Namespace = serde_yaml_ng::from_str(&doc).map_err(yaml_err)?;
-                if ns.metadata.name.as_deref().unwrap_or("").is_empty() {
-                    return Err(err(start, "Namespace has no metadata.name".into()));
-                }
+                check_namespace(&ns).map_err(|m| err(start, m))?;
                 objects.namespaces.push(ns);
             }
             (Some("v1"), Some("List")) => {
@@ -125,19 +182,53 @@ pub fn parse(file: &Path, text: &str) -> Result<Objects, ManifestError> {
                         Some("Namespace") => {
                             let ns: Namespace = serde_yaml_ng::from_value(item.clone())
                                 .map_err(|e| item_err(e.to_string()))?;
+                            check_namespace(&ns).map_err(item_err)?;
                             objects.namespaces.push(ns);
                         }
                         _ => {}
                     }
                 }
             }
-            (_, None) => return Err(err(start, "document has no kind".into())),
-            (None, Some(_)) => return Err(err(start, "document has no apiVersion".into())),
+            (Some(version), Some(kind @ ("Pod" | "Namespace" | "List"))) => {
+                return Err(err(
+                    start,
+                    format!("{kind} has apiVersion {version:?}; podlink reads apiVersion v1"),
+                ));
+            }
             // Other kinds (Services, policies, …) are not read yet.
             _ => {}
         }
     }
     Ok(objects)
+}
+
+/// A DNS-1123 label (RFC 1123 as Kubernetes applies it): 1 to 63 lowercase
+/// letters, digits and `-`, starting and ending with a letter or digit. Namespaces
+/// are labels.
+fn is_dns1123_label(s: &str) -> bool {
+    !s.is_empty()
+        && s.len() <= 63
+        && s.bytes()
+            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
+        && !s.starts_with('-')
+        && !s.ends_with('-')
+}
+
+/// A DNS-1123 subdomain: up to 253 characters of dot-separated labels. Pod,
+/// service account and node names are subdomains.
+fn is_dns1123_subdomain(s: &str) -> bool {
+    !s.is_empty() && s.len() <= 253 && s.split('.').all(is_dns1123_label)
+}
+
+fn check_namespace(ns: &Namespace) -> Result<(), String> {
+    let name = ns.metadata.name.as_deref().unwrap_or("");
+    if name.is_empty() {
+        return Err("Namespace has no metadata.name".into());
+    }
+    if !is_dns1123_label(name) {
+        return Err(format!("Namespace name {name:?} is not a DNS-1123 label"));
+    }
+    Ok(())
 }
 
 /// Checks what the enrollment and the proxy rely on.
@@ -146,10 +237,31 @@ fn check_pod(pod: &Pod) -> Result<(), String> {
     if name.is_empty() {
         return Err("Pod has no metadata.name".into());
     }
-    let who = format!(
-        "Pod {}/{name}",
-        pod.metadata.namespace.as_deref().unwrap_or("default")
-    );
+    let namespace = pod.metadata.namespace.as_deref().unwrap_or("default");
+    let who = format!("Pod {namespace}/{name}");
+    if !is_dns1123_subdomain(name) {
+        return Err(format!("{who}: metadata.name is not a DNS-1123 subdomain"));
+    }
+    if !is_dns1123_label(namespace) {
+        return Err(format!(
+            "{who}: metadata.namespace {namespace:?} is not a DNS-1123 label"
+        ));
+    }
+    if let Some(spec) = &pod.spec {
+        for (field, value) in [
+            ("spec.serviceAccountName", &spec.service_account_name),
+            ("spec.nodeName", &spec.node_name),
+        ] {
+            if let Some(value) = value.as_deref()
+                && !value.is_empty()
+                && !is_dns1123_subdomain(value)
+            {
+                return Err(format!(
+                    "{who}: {field} {value:?} is not a DNS-1123 subdomain"
+                ));
+            }
+        }
+    }
     if let Some(status) = &pod.status {
         if let Some(ip) = status.pod_ip.as_deref()
             && ip.parse::<IpAddr>().is_err()
@@ -168,8 +280,38 @@ fn check_pod(pod: &Pod) -> Result<(), String> {
     Ok(())
 }
 
+/// Reads a manifest without blocking on files that are not regular files on disk
+/// (a symlink to `/proc/kmsg`, a FIFO) and without reading more than
+/// [`MAX_FILE_SIZE`].
+fn read_manifest(path: &Path) -> Result<String, String> {
+    use std::{io::Read, os::unix::fs::OpenOptionsExt};
+    let file = fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NONBLOCK)
+        .open(path)
+        .map_err(|e| format!("reading: {e}"))?;
+    let meta = file.metadata().map_err(|e| format!("reading: {e}"))?;
+    if !meta.is_file() {
+        return Err("not a regular file".into());
+    }
+    if meta.len() > MAX_FILE_SIZE {
+        return Err(format!(
+            "{} bytes; manifests over {MAX_FILE_SIZE} bytes are refused",
+            meta.len()
+        ));
+    }
+    let mut bytes = Vec::new();
+    file.take(MAX_FILE_SIZE + 1)
+        .read_to_end(&mut bytes)
+        .map_err(|e| format!("reading: {e}"))?;
+    if bytes.len() as u64 > MAX_FILE_SIZE {
+        return Err(format!("more than {MAX_FILE_SIZE} bytes; refused"));
+    }
+    String::from_utf8(bytes).map_err(|e| format!("not UTF-8: {e}"))
+}
+
 /// What identifies a version of a file without reading it.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 struct Stamp {
     len: u64,
     mtime_ns: i128,
@@ -198,6 +340,9 @@ struct Pending {
 /// before the change is applied. A file rewritten in place is briefly empty or
 /// half-written; applying that would un-enroll its pods.
 pub const SETTLE: Duration = Duration::from_millis(100);
+
+/// How long a change that has not settled may hold up detaching pods.
+pub const MAX_SETTLE_HOLD: Duration = Duration::from_secs(2);
 
 /// The manifests directory with the last good objects of each file.
 #[derive(Debug)]
@@ -256,7 +401,9 @@ impl ManifestDir {
         &self.dir
     }
 
-    fn stamps(&self) -> std::io::Result<HashMap<PathBuf, Stamp>> {
+    /// The manifests of the directory: each file's version, or why it cannot be
+    /// read (a dangling symlink, a directory or FIFO with a manifest's name).
+    fn stamps(&self) -> std::io::Result<HashMap<PathBuf, Result<Stamp, String>>> {
         let mut seen = HashMap::new();
         for entry in fs::read_dir(&self.dir)?.flatten() {
             let path = entry.path();
@@ -264,16 +411,15 @@ impl ManifestDir {
                 continue;
             }
             // Follow symlinks (ConfigMap mounts are symlinks).
-            let Ok(meta) = fs::metadata(&path) else {
-                continue;
-            };
-            if !meta.is_file() {
-                continue;
-            }
-            let stamp = Stamp {
-                len: meta.len(),
-                mtime_ns: i128::from(meta.mtime()) * 1_000_000_000 + i128::from(meta.mtime_nsec()),
-                ino: meta.ino(),
+            let stamp = match fs::metadata(&path) {
+                Ok(meta) if meta.is_file() => Ok(Stamp {
+                    len: meta.len(),
+                    mtime_ns: i128::from(meta.mtime()) * 1_000_000_000
+                        + i128::from(meta.mtime_nsec()),
+                    ino: meta.ino(),
+                }),
+                Ok(_) => Err("not a regular file".to_string()),
+                Err(e) => Err(format!("cannot be read: {e}")),
             };
             seen.insert(path, stamp);
         }
@@ -337,6 +483,31 @@ impl ManifestDir {
             }
         }
         for (path, stamp) in seen {
+            let stamp = match stamp {
+                Ok(stamp) => stamp,
+                Err(message) => {
+                    // Not a file that can be read: a problem with it, not a deletion.
+                    // What it held before stays.
+                    self.pending.remove(&path);
+                    let error = ManifestError {
+                        file: path.clone(),
+                        line: 0,
+                        message,
+                    };
+                    let state = self.files.entry(path).or_insert_with(|| FileState {
+                        stamp: Stamp::default(),
+                        objects: Objects::default(),
+                        error: None,
+                        good: false,
+                    });
+                    state.stamp = Stamp::default();
+                    if state.error.as_ref() != Some(&error) {
+                        rescan.errors.push(error.clone());
+                        state.error = Some(error);
+                    }
+                    continue;
+                }
+            };
             if self.files.get(&path).is_some_and(|f| f.stamp == stamp) {
                 self.pending.remove(&path);
                 continue;
@@ -345,11 +516,11 @@ impl ManifestDir {
                 rescan.unsettled = true;
                 continue;
             }
-            let result = fs::read_to_string(&path)
-                .map_err(|e| ManifestError {
+            let result = read_manifest(&path)
+                .map_err(|message| ManifestError {
                     file: path.clone(),
                     line: 0,
-                    message: format!("reading: {e}"),
+                    message,
                 })
                 .and_then(|text| parse(&path, &text));
             match result {
@@ -390,10 +561,14 @@ impl ManifestDir {
         rescan
     }
 
-    /// Whether a change is waiting to settle: a pod missing from the objects may
-    /// be missing only for the moment.
+    /// Whether a change is waiting to settle (for at most [`MAX_SETTLE_HOLD`]): a
+    /// pod missing from the objects may be missing only for the moment. A file
+    /// that keeps changing for longer does not hold up the others.
     pub fn settling(&self) -> bool {
-        !self.pending.is_empty()
+        let now = Instant::now();
+        self.pending
+            .values()
+            .any(|p| now.duration_since(p.since) < MAX_SETTLE_HOLD)
     }
 
     /// Whether a file is broken without a good version to stand in for it (as when
@@ -597,6 +772,118 @@ status:
         let mut source = ManifestDir::new(&dir).unwrap();
         assert_eq!(source.rescan().errors.len(), 1);
         assert!(source.incomplete());
+        fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn hostile_documents_are_refused_quickly_with_a_reason() {
+        let deep = format!(
+            "apiVersion: v1\nkind: Pod\nmetadata:\n  name: x\n  labels: {}{}\n",
+            "[".repeat(200_000),
+            "]".repeat(200_000)
+        );
+        let start = std::time::Instant::now();
+        let err = parse(Path::new("deep.yaml"), &deep).unwrap_err();
+        assert!(err.message.contains("nested deeper than 64"), "{err}");
+        assert_eq!(err.line, 5);
+        assert!(
+            start.elapsed() < Duration::from_secs(1),
+            "{:?}",
+            start.elapsed()
+        );
+        // Brackets inside strings and comments do not count.
+        let quoted = format!(
+            "apiVersion: v1\nkind: Pod\nmetadata:\n  name: x\n  labels: {{a: \"{}\"}} # {}\n",
+            "[".repeat(100),
+            "{".repeat(100)
+        );
+        assert!(parse(Path::new("q.yaml"), &quoted).is_ok());
+
+        let cases = [
+            ("kind: 5\napiVersion: v1\n", "kind must be a string"),
+            (
+                "apiVersion: v2\nkind: Pod\nmetadata: {name: x}\n",
+                "apiVersion \"v2\"",
+            ),
+            (
+                "apiVersion: v1\nkind: Pod\nmetadata: {name: x}\nspec: {serviceAccountName: wéb, containers: []}\n",
+                "spec.serviceAccountName \"wéb\" is not a DNS-1123 subdomain",
+            ),
+            (
+                "apiVersion: v1\nkind: Pod\nmetadata: {name: ../../etc}\n",
+                "metadata.name is not a DNS-1123 subdomain",
+            ),
+            (
+                "apiVersion: v1\nkind: Pod\nmetadata: {name: x, namespace: mesh/sa/evil}\n",
+                "metadata.namespace \"mesh/sa/evil\" is not a DNS-1123 label",
+            ),
+            (
+                "apiVersion: v1\nkind: Namespace\nmetadata: {name: Bad_Name}\n",
+                "not a DNS-1123 label",
+            ),
+        ];
+        for (text, want) in cases {
+            let err = parse(Path::new("c.yaml"), text).unwrap_err();
+            assert!(err.message.contains(want), "{text:?}: {err}");
+        }
+        // A byte-order mark is not an error.
+        let bom = format!("\u{feff}{POD}");
+        assert_eq!(parse(Path::new("bom.yaml"), &bom).unwrap().pods.len(), 1);
+    }
+
+    #[test]
+    fn files_that_cannot_be_read_are_reported_and_keep_their_objects() {
+        let dir =
+            std::env::temp_dir().join(format!("podlink-manifests-odd-{}", std::process::id()));
+        let _ = fs::remove_dir_all(&dir);
+        fs::create_dir_all(&dir).unwrap();
+        let pod = dir.join("pod.yaml");
+        fs::write(&pod, POD).unwrap();
+        let settle = Duration::from_millis(10);
+        let mut source = ManifestDir::with_settle(&dir, settle).unwrap();
+        assert!(source.rescan().changed);
+
+        // Replaced by a dangling symlink: reported, the pod stays.
+        fs::remove_file(&pod).unwrap();
+        std::os::unix::fs::symlink(dir.join("missing/pod.yaml"), &pod).unwrap();
+        let rescan = source.rescan();
+        assert_eq!(rescan.errors.len(), 1, "{rescan:?}");
+        assert!(
+            rescan.errors[0].message.contains("cannot be read"),
+            "{rescan:?}"
+        );
+        assert_eq!(source.pods().count(), 1);
+        assert!(source.rescan().errors.is_empty(), "reported once");
+
+        // A directory and a FIFO with manifest names, and a file over the limit.
+        fs::create_dir(dir.join("dir.yaml")).unwrap();
+        nix::unistd::mkfifo(&dir.join("fifo.yaml"), nix::sys::stat::Mode::S_IRWXU).unwrap();
+        let big = fs::File::create(dir.join("big.yaml")).unwrap();
+        big.set_len(MAX_FILE_SIZE + 1).unwrap();
+        let mut messages: Vec<String> = Vec::new();
+        for _ in 0..2 {
+            messages.extend(source.rescan().errors.iter().map(ToString::to_string));
+            std::thread::sleep(settle);
+        }
+        assert!(
+            messages
+                .iter()
+                .any(|m| m.contains("dir.yaml:0: not a regular file")),
+            "{messages:?}"
+        );
+        assert!(
+            messages
+                .iter()
+                .any(|m| m.contains("fifo.yaml:0: not a regular file")),
+            "{messages:?}"
+        );
+        assert!(
+            messages
+                .iter()
+                .any(|m| m.contains("big.yaml:0:") && m.contains("refused")),
+            "{messages:?}"
+        );
+        assert_eq!(source.pods().count(), 1);
         fs::remove_dir_all(&dir).unwrap();
     }
 }
