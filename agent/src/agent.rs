@@ -62,6 +62,23 @@ pub struct AgentConfig {
     pub excluded_ports: Vec<u16>,
     /// Time allowed to connect upstream.
     pub connect_timeout: Duration,
+    /// Connections handled at once; `None`: a third of the open-file limit.
+    pub max_connections: Option<usize>,
+}
+
+/// Raises the soft open-file limit to the hard one; returns the limit in force.
+fn raise_nofile_limit() -> u64 {
+    use nix::sys::resource::{Resource, getrlimit, setrlimit};
+    match getrlimit(Resource::RLIMIT_NOFILE) {
+        Ok((soft, hard)) => {
+            if soft < hard && setrlimit(Resource::RLIMIT_NOFILE, hard, hard).is_ok() {
+                hard
+            } else {
+                soft
+            }
+        }
+        Err(_) => 1024,
+    }
 }
 
 /// Retry delays for pods that wait for their host veth (or failed to attach):
@@ -78,7 +95,14 @@ const PENDING_RETRY_MAX: Duration = Duration::from_secs(5);
 pub async fn run(cfg: AgentConfig) -> Result<()> {
     let ca = CertificateAuthority::load(&cfg.ca_dir).context("loading the CA")?;
     let certs = CertManager::new(ca, &cfg.trust_domain, cfg.cert_lifetime)?;
+    let nofile = raise_nofile_limit();
+    // Each proxied connection holds two descriptors; leave room for the agent's own.
+    let max_connections = cfg
+        .max_connections
+        .unwrap_or_else(|| (nofile / 3).clamp(256, 1 << 20) as usize);
+    tracing::info!(nofile, max_connections, "connection limit");
     let proxy_config = ProxyConfig {
+        max_connections,
         listen_ip: std::net::Ipv4Addr::LOCALHOST,
         outbound_port: OUTBOUND_PORT,
         inbound_plaintext_port: INBOUND_PLAINTEXT_PORT,

@@ -75,9 +75,13 @@ struct AgentArgs {
     /// Destination IPv4 prefix that bypasses capture (repeatable).
     #[arg(long = "exclude-cidr", value_name = "CIDR")]
     excluded_cidrs: Vec<ipnet::Ipv4Net>,
-    /// Destination port that bypasses capture (repeatable).
+    /// Destination port that bypasses capture, both directions (repeatable).
     #[arg(long = "exclude-port", value_name = "PORT")]
     excluded_ports: Vec<u16>,
+    /// Connections (and inbound HBONE streams) handled at once; more are refused.
+    /// Default: a third of the open-file limit.
+    #[arg(long)]
+    max_connections: Option<usize>,
 }
 
 fn main() -> Result<()> {
@@ -112,6 +116,7 @@ fn main() -> Result<()> {
                 excluded_cidrs: args.excluded_cidrs,
                 excluded_ports: args.excluded_ports,
                 connect_timeout: args.connect_timeout,
+                max_connections: args.max_connections,
             }))
         }
     }

@@ -7,28 +7,43 @@
 
 use std::{
     net::{IpAddr, SocketAddr},
-    sync::Arc,
+    sync::{
+        Arc, LazyLock,
+        atomic::{AtomicUsize, Ordering},
+    },
     time::{Duration, Instant},
 };
 
 use bytes::Bytes;
 use h2::server::SendResponse;
 use http::{Request, Response, StatusCode};
-use tokio::net::TcpStream;
+use tokio::{net::TcpStream, sync::watch};
 use tokio_rustls::TlsAcceptor;
 
 use super::{
-    ProxyState, copy,
+    ProxyState, RateLimited, copy,
     hbone::{self, H2Stream},
     socket,
 };
-use crate::identity::{SpiffeId, tls::peer_identity};
+use crate::identity::{
+    SpiffeId,
+    tls::{ALPN_H2, peer_identity},
+};
 
 /// Time allowed for the TLS and HTTP/2 handshakes.
 const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
+/// An HBONE connection with no stream for this long is closed.
+const IDLE_TIMEOUT: Duration = Duration::from_secs(300);
+
+/// Handshake refusals, logged at a bounded rate (a flood of bad clients must not
+/// flood the log).
+static REFUSALS: LazyLock<RateLimited> = LazyLock::new(RateLimited::default);
 
 /// Handles one HBONE connection from `peer` to `local` (`pod ip:15008`).
 pub async fn handle(state: Arc<ProxyState>, tcp: TcpStream, peer: SocketAddr, local: SocketAddr) {
+    // Until the handshakes succeed, a close is a RST: a refused or silent client
+    // leaves no TIME_WAIT socket behind to collide with its next connection.
+    socket::reset_on_close(&tcp);
     let Some(destination) = state.view().local_pod(local.ip()).cloned() else {
         tracing::info!(%peer, %local, "HBONE connection to an address that is not an enrolled pod of this node; closed");
         return;
@@ -46,7 +61,11 @@ pub async fn handle(state: Arc<ProxyState>, tcp: TcpStream, peer: SocketAddr, lo
             .accept(tcp)
             .await
             .map_err(|e| format!("TLS handshake refused: {e}"))?;
+        if tls.get_ref().1.alpn_protocol() != Some(ALPN_H2) {
+            return Err("TLS handshake refused: the client did not negotiate ALPN h2".into());
+        }
         let client = peer_identity(tls.get_ref().1.peer_certificates())?;
+        socket::close_gracefully(tls.get_ref().0);
         let conn = hbone::server_builder()
             .handshake::<_, Bytes>(tls)
             .await
@@ -58,24 +77,39 @@ pub async fn handle(state: Arc<ProxyState>, tcp: TcpStream, peer: SocketAddr, lo
     let (client, mut conn) = match accepted {
         Ok(accepted) => accepted,
         Err(e) => {
-            tracing::info!(%peer, destination = %destination.key(), "{e}");
+            let destination = destination.key();
+            REFUSALS.warn(|n| format!("from {peer} to {destination}: {e} ({n} such)"));
             return;
         }
     };
     tracing::debug!(%peer, %client, destination = %destination.key(), "HBONE connection accepted");
+    // Streams end when their connection does (the client went away, or the pod
+    // left the mesh): they watch this channel, whose sender goes with this task.
+    let (_connection_alive, alive) = watch::channel(());
+    let active = Arc::new(AtomicUsize::new(0));
+    let mut idle_check = tokio::time::interval(IDLE_TIMEOUT / 4);
+    let mut last_active = Instant::now();
     loop {
         let next = tokio::select! {
             next = conn.accept() => next,
             () = state.unenrolled(local.ip()) => {
                 tracing::info!(%peer, destination = %destination.key(), "the pod left the mesh; closing its HBONE connection");
-                break;
+                return;
+            }
+            _ = idle_check.tick() => {
+                if active.load(Ordering::Relaxed) > 0 {
+                    last_active = Instant::now();
+                } else if last_active.elapsed() >= IDLE_TIMEOUT {
+                    tracing::debug!(%peer, "HBONE connection idle; closing it");
+                    conn.graceful_shutdown();
+                }
+                continue;
             }
         };
-        let Some(next) = next else {
-            break;
-        };
         match next {
-            Ok((req, respond)) => {
+            Some(Ok((req, respond))) => {
+                last_active = Instant::now();
+                let guard = ActiveStream::new(active.clone());
                 tokio::spawn(serve_stream(
                     state.clone(),
                     req,
@@ -84,15 +118,40 @@ pub async fn handle(state: Arc<ProxyState>, tcp: TcpStream, peer: SocketAddr, lo
                     local.ip(),
                     destination.identity.clone(),
                     client.clone(),
+                    (alive.clone(), guard),
                 ));
             }
-            Err(e) => {
+            Some(Err(e)) => {
                 tracing::debug!(%peer, "HBONE connection ended: {e}");
-                break;
+                return;
             }
+            None => break,
         }
     }
+    // No more streams (the client sent GOAWAY, or idled out): drive the connection
+    // until the open ones finish.
+    let _ = std::future::poll_fn(|cx| conn.poll_closed(cx)).await;
 }
+
+/// Counts a stream as active while it lives.
+struct ActiveStream(Arc<AtomicUsize>);
+
+impl ActiveStream {
+    fn new(count: Arc<AtomicUsize>) -> Self {
+        count.fetch_add(1, Ordering::Relaxed);
+        Self(count)
+    }
+}
+
+impl Drop for ActiveStream {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
+/// What a stream keeps of its connection: a receiver that fails once the
+/// connection is gone, and its place in the active-stream count.
+type StreamContext = (watch::Receiver<()>, ActiveStream);
 
 fn refuse(mut respond: SendResponse<Bytes>, status: StatusCode, peer: SocketAddr, why: &str) {
     tracing::info!(%peer, status = status.as_u16(), "HBONE request refused: {why}");
@@ -105,6 +164,10 @@ fn refuse(mut respond: SendResponse<Bytes>, status: StatusCode, peer: SocketAddr
 
 /// Serves one CONNECT stream of a connection made to pod `pod_ip`, which presented
 /// `pod_id`, by `client`.
+#[expect(
+    clippy::too_many_arguments,
+    reason = "a stream's whole context, each part used once"
+)]
 async fn serve_stream(
     state: Arc<ProxyState>,
     req: Request<h2::RecvStream>,
@@ -113,6 +176,7 @@ async fn serve_stream(
     pod_ip: IpAddr,
     pod_id: SpiffeId,
     client: SpiffeId,
+    (mut alive, _active): StreamContext,
 ) {
     let start = Instant::now();
     let target = match hbone::parse_connect(&req) {
@@ -142,6 +206,14 @@ async fn serve_stream(
         tracing::info!(%peer, %client, "client address does not belong to the client's identity; not preserving it");
     }
     drop(view);
+    let Some(_slot) = state.connection_slot() else {
+        return refuse(
+            respond,
+            StatusCode::SERVICE_UNAVAILABLE,
+            peer,
+            "the proxy is at its connection limit",
+        );
+    };
     let connect = tokio::time::timeout(
         state.config.connect_timeout,
         socket::connect(source, target, state.config.proxy_mark),
@@ -166,7 +238,12 @@ async fn serve_stream(
     let result = tokio::select! {
         result = copy::bidirectional(&mut upstream, &mut stream) => result,
         () = state.unenrolled(pod_ip) => Err(std::io::Error::other("the pod left the mesh")),
+        // The HBONE connection is gone: nothing can reach the client any more.
+        _ = alive.changed() => Err(std::io::Error::other("the HBONE connection closed")),
     };
+    if result.is_err() {
+        socket::reset_on_close(&upstream);
+    }
     match result {
         Ok((to_client, from_client)) => tracing::debug!(
             %peer, %client, %target, sent = from_client, received = to_client,

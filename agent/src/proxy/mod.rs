@@ -27,7 +27,10 @@ use std::{
 };
 
 use anyhow::{Context, Result};
-use tokio::{net::TcpListener, sync::watch};
+use tokio::{
+    net::TcpListener,
+    sync::{OwnedSemaphorePermit, Semaphore, watch},
+};
 
 use crate::{
     identity::CertManager,
@@ -49,6 +52,9 @@ pub struct ProxyConfig {
     pub proxy_mark: u32,
     /// Time allowed for connecting upstream.
     pub connect_timeout: Duration,
+    /// Connections (accepted, plus inbound HBONE streams) handled at once; more
+    /// are refused.
+    pub max_connections: usize,
 }
 
 /// The proxy's view of the node: the workloads, and the addresses of the pods this
@@ -81,17 +87,61 @@ pub struct ProxyState {
     /// Pooled HBONE connections.
     pub pool: pool::Pool,
     view: watch::Sender<View>,
+    /// One permit per accepted connection and per inbound HBONE stream (each
+    /// holds a socket or two): bounds the file descriptors clients can make the
+    /// proxy hold.
+    connections: Arc<Semaphore>,
+}
+
+/// Warnings given at most [`RateLimited::BURST`] times a second; the next one
+/// given counts those left out.
+#[derive(Default)]
+pub struct RateLimited {
+    /// Start of the current second, warnings given in it, occurrences left out.
+    state: std::sync::Mutex<(Option<std::time::Instant>, u32, u64)>,
+}
+
+impl RateLimited {
+    /// Warnings given per second.
+    pub const BURST: u32 = 10;
+
+    /// Counts one occurrence; logs `message(n)`, `n` being this occurrence and those
+    /// left out before it, unless this second's warnings are used up.
+    pub fn warn(&self, message: impl FnOnce(u64) -> String) {
+        let mut state = self.state.lock().expect("rate limiter lock");
+        let now = std::time::Instant::now();
+        if state
+            .0
+            .is_none_or(|start| now.duration_since(start) >= Duration::from_secs(1))
+        {
+            state.0 = Some(now);
+            state.1 = 0;
+        }
+        state.2 += 1;
+        if state.1 < Self::BURST {
+            state.1 += 1;
+            tracing::warn!("{}", message(state.2));
+            state.2 = 0;
+        }
+    }
 }
 
 impl ProxyState {
     /// State with no workloads yet.
     pub fn new(config: ProxyConfig, certs: CertManager) -> Self {
         Self {
-            config,
             certs,
             pool: pool::Pool::default(),
             view: watch::Sender::new(View::default()),
+            connections: Arc::new(Semaphore::new(config.max_connections)),
+            config,
         }
+    }
+
+    /// Takes one of the proxy's connection slots for an upstream connection, if
+    /// one is free.
+    pub fn connection_slot(&self) -> Option<OwnedSemaphorePermit> {
+        self.connections.clone().try_acquire_owned().ok()
     }
 
     /// The current view.
@@ -199,20 +249,33 @@ async fn accept_loop<F, Fut>(
     F: Fn(Arc<ProxyState>, tokio::net::TcpStream, SocketAddr, SocketAddr) -> Fut,
     Fut: std::future::Future<Output = ()> + Send + 'static,
 {
+    let accept_failed = RateLimited::default();
+    let over_limit = RateLimited::default();
     loop {
         let (stream, peer) = match listener.accept().await {
             Ok(accepted) => accepted,
             Err(e) => {
                 // EMFILE and friends: back off instead of spinning.
-                tracing::warn!(listener = name, "accept failed: {e}");
+                accept_failed.warn(|n| format!("{name} listener: accept failed: {e} ({n} times)"));
                 tokio::time::sleep(Duration::from_millis(50)).await;
                 continue;
             }
+        };
+        let Ok(permit) = state.connections.clone().try_acquire_owned() else {
+            over_limit.warn(|n| {
+                format!("{name} listener: at the limit of {} connections; refused {n} (from {peer} and others)", state.config.max_connections)
+            });
+            socket::reset_on_close(&stream);
+            continue;
         };
         let Ok(local) = stream.local_addr() else {
             continue;
         };
         let _ = stream.set_nodelay(true);
-        tokio::spawn(handle(state.clone(), stream, peer, local));
+        let connection = handle(state.clone(), stream, peer, local);
+        tokio::spawn(async move {
+            connection.await;
+            drop(permit);
+        });
     }
 }

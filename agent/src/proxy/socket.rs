@@ -107,6 +107,11 @@ pub fn set_liveness(stream: &TcpStream) {
     let _ = sock.set_tcp_user_timeout(Some(USER_TIMEOUT));
 }
 
+/// Undoes [`reset_on_close`]: the next close sends a FIN.
+pub fn close_gracefully(stream: &TcpStream) {
+    let _ = socket2::SockRef::from(stream).set_linger(None);
+}
+
 /// Makes the next close of `stream` send a RST instead of a FIN, so that a peer
 /// sees a failed connection as failed.
 pub fn reset_on_close(stream: &TcpStream) {
