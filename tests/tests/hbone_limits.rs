@@ -1,0 +1,175 @@
+//! The proxy's resources against clients that hold on to them: the number of
+//! connections is bounded (and recovers), and a tunnel's upstream connection goes
+//! when its HBONE connection does, even while the pod is not reading.
+
+use std::{
+    io::Read,
+    net::{SocketAddr, TcpListener, TcpStream},
+    process::Command,
+    time::{Duration, Instant},
+};
+
+use http::StatusCode;
+use podlink_agent::{identity::SpiffeId, proxy::hbone};
+use podlink_tests::{Cluster, PodSpec, app, netns};
+use tokio::io::AsyncWriteExt;
+
+mod common;
+use common::{credentials, hbone_connect, request};
+
+#[test]
+fn connections_are_bounded_and_the_proxy_recovers() {
+    let mut c = Cluster::new(2).unwrap();
+    c.add_namespace("mesh", true).unwrap();
+    c.add_namespace("legacy", false).unwrap();
+    let client = c.add_pod(PodSpec::new("client", "legacy", 0)).unwrap();
+    let server = c
+        .add_pod(PodSpec::new("server", "mesh", 1).service_account("server"))
+        .unwrap();
+    c.start_agent(0).unwrap();
+    c.start_agent_with(1, &["--max-connections", "8"]).unwrap();
+    c.wait_captured(&server, true).unwrap();
+    let _echo = app::EchoServer::start(&server.netns, server.addr(9000)).unwrap();
+
+    // Silent connections to the HBONE port: beyond the limit they are reset.
+    let hbone_addr = server.addr(15008);
+    let mut silent: Vec<std::io::Result<TcpStream>> = (0..20)
+        .map(|_| {
+            netns::in_netns(&client.netns, move || {
+                TcpStream::connect_timeout(&hbone_addr, Duration::from_secs(5))
+            })
+        })
+        .collect();
+    std::thread::sleep(Duration::from_millis(300));
+    let mut reset = 0;
+    for s in &mut silent {
+        let Ok(s) = s else {
+            reset += 1;
+            continue;
+        };
+        s.set_read_timeout(Some(Duration::from_millis(50))).unwrap();
+        let mut byte = [0u8; 1];
+        match s.read(&mut byte) {
+            Ok(0) => reset += 1,
+            Err(e) if e.kind() == std::io::ErrorKind::ConnectionReset => reset += 1,
+            _ => {}
+        }
+    }
+    assert!(
+        reset >= 12,
+        "only {reset} of 20 connections over a limit of 8 were refused"
+    );
+    c.wait_log(1, &["at the limit of 8 connections"]).unwrap();
+
+    // Once they are gone, the proxy serves again.
+    drop(silent);
+    let id = SpiffeId::new("cluster.local", "legacy", "default");
+    let (key, roots) = credentials(&c.ca_dir, &id);
+    let server_id = SpiffeId::new("cluster.local", "mesh", "server");
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let ok = rt.block_on(async {
+            let Ok(mut h2) = hbone_connect(
+                &client.netns,
+                server.addr(15008),
+                key.clone(),
+                roots.clone(),
+                server_id.clone(),
+            )
+            .await
+            else {
+                return false;
+            };
+            request(
+                &mut h2,
+                hbone::connect_request(server.addr(9000), client.ip.into()),
+            )
+            .await
+            .0 == StatusCode::OK
+        });
+        if ok {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the proxy did not recover:\n{}",
+            c.agent_log(1)
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    }
+}
+
+/// Upstream connections of node 2's proxy to `dst`, as `ss` lists them there.
+fn upstream_sockets(c: &Cluster, dst: SocketAddr) -> usize {
+    let out = netns::run(
+        netns::command_in(&c.nodes[1].netns, "ss")
+            .args(["-Htn", "dst"])
+            .arg(dst.to_string()),
+    )
+    .unwrap();
+    String::from_utf8_lossy(&out.stdout).lines().count()
+}
+
+#[test]
+fn a_tunnel_ends_with_its_hbone_connection() {
+    let mut c = Cluster::new(2).unwrap();
+    c.add_namespace("mesh", true).unwrap();
+    c.add_namespace("legacy", false).unwrap();
+    let client = c.add_pod(PodSpec::new("client", "legacy", 0)).unwrap();
+    let server = c
+        .add_pod(PodSpec::new("server", "mesh", 1).service_account("server"))
+        .unwrap();
+    c.start_agent(0).unwrap();
+    c.start_agent(1).unwrap();
+    c.wait_captured(&server, true).unwrap();
+    // A pod that accepts and never reads.
+    let sink_addr = server.addr(9100);
+    let sink = netns::in_netns(&server.netns, move || TcpListener::bind(sink_addr)).unwrap();
+    let held = std::thread::spawn(move || {
+        let mut held = Vec::new();
+        for s in sink.incoming().take(1) {
+            held.push(s);
+        }
+        std::thread::sleep(Duration::from_secs(30));
+        drop(held);
+    });
+
+    let id = SpiffeId::new("cluster.local", "legacy", "default");
+    let (key, roots) = credentials(&c.ca_dir, &id);
+    let server_id = SpiffeId::new("cluster.local", "mesh", "server");
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    // The stream stays open (held here) while its connection goes away.
+    let (_h2, _stream) = rt.block_on(async {
+        let mut h2 = hbone_connect(&client.netns, server.addr(15008), key, roots, server_id)
+            .await
+            .unwrap();
+        let (status, stream) =
+            request(&mut h2, hbone::connect_request(sink_addr, client.ip.into())).await;
+        assert_eq!(status, StatusCode::OK);
+        let mut stream = stream.unwrap();
+        // More than the pod will ever read: the proxy's copy blocks on it.
+        let junk = vec![0u8; 8 << 20];
+        let _ = tokio::time::timeout(Duration::from_secs(2), stream.write_all(&junk)).await;
+        (h2, stream)
+    });
+    assert_eq!(upstream_sockets(&c, sink_addr), 1);
+    // The client goes away: its runtime, and with it the HBONE connection, end.
+    drop(rt);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while upstream_sockets(&c, sink_addr) > 0 {
+        assert!(
+            Instant::now() < deadline,
+            "the upstream connection outlived its tunnel:\n{}",
+            String::from_utf8_lossy(
+                &Command::new("ip")
+                    .args(["netns", "exec", &c.nodes[1].netns, "ss", "-tn"])
+                    .output()
+                    .unwrap()
+                    .stdout
+            )
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    drop(held);
+}
