@@ -1,0 +1,387 @@
+//! Parsing manifest files: multi-document YAML, `Pod`, `Namespace` and `List`
+//! documents, and the checks the enrollment and the proxy rely on.
+
+use std::{
+    fmt,
+    net::IpAddr,
+    path::{Path, PathBuf},
+};
+
+use k8s_openapi::api::core::v1::{Namespace, Pod};
+use serde_yaml_ng::Value;
+
+/// A manifest problem: file, 1-based line, and what is wrong.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ManifestError {
+    /// The manifest file.
+    pub file: PathBuf,
+    /// 1-based line of the problem (the document's first line when the problem is in its content).
+    pub line: usize,
+    /// What is wrong.
+    pub message: String,
+}
+
+impl fmt::Display for ManifestError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}:{}: {}", self.file.display(), self.line, self.message)
+    }
+}
+
+impl std::error::Error for ManifestError {}
+
+/// The objects one file holds.
+#[derive(Clone, Debug, Default)]
+pub struct Objects {
+    /// Pods, in file order.
+    pub pods: Vec<Pod>,
+    /// Namespaces, in file order.
+    pub namespaces: Vec<Namespace>,
+}
+
+/// Splits a YAML stream into documents at `---` lines; returns each document's
+/// first line number (1-based) and text.
+fn documents(text: &str) -> Vec<(usize, String)> {
+    let mut docs = Vec::new();
+    let mut start = 1;
+    let mut current = String::new();
+    for (i, line) in text.lines().enumerate() {
+        let is_separator = line == "---" || line.starts_with("--- ") || line.starts_with("---\t");
+        if is_separator || line == "..." {
+            docs.push((start, std::mem::take(&mut current)));
+            start = i + 2;
+            continue;
+        }
+        current.push_str(line);
+        current.push('\n');
+    }
+    docs.push((start, current));
+    docs
+}
+
+/// Deepest nesting of flow collections (`[`, `{`) a document may have. The YAML
+/// parser takes time quadratic in it before its own recursion limit applies.
+const MAX_FLOW_DEPTH: usize = 64;
+
+/// Checks the nesting of flow collections outside quoted strings and comments;
+/// returns the 1-based line where it first exceeds [`MAX_FLOW_DEPTH`].
+fn check_flow_depth(text: &str) -> Result<(), usize> {
+    let mut depth = 0usize;
+    for (i, line) in text.lines().enumerate() {
+        let (mut single, mut double, mut escaped) = (false, false, false);
+        for c in line.chars() {
+            if double {
+                match (escaped, c) {
+                    (true, _) => escaped = false,
+                    (false, '\\') => escaped = true,
+                    (false, '"') => double = false,
+                    _ => {}
+                }
+                continue;
+            }
+            if single {
+                single = c != '\'';
+                continue;
+            }
+            match c {
+                '#' => break,
+                '"' => double = true,
+                '\'' => single = true,
+                '[' | '{' => {
+                    depth += 1;
+                    if depth > MAX_FLOW_DEPTH {
+                        return Err(i + 1);
+                    }
+                }
+                ']' | '}' => depth = depth.saturating_sub(1),
+                _ => {}
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Parses one file's text. `file` is only used in errors.
+///
+/// # Errors
+/// The first problem found; nothing of the file is used then.
+pub fn parse(file: &Path, text: &str) -> Result<Objects, ManifestError> {
+    let mut objects = Objects::default();
+    let text = text.strip_prefix('\u{feff}').unwrap_or(text);
+    for (start, doc) in documents(text) {
+        let err = |line: usize, message: String| ManifestError {
+            file: file.to_path_buf(),
+            line,
+            message,
+        };
+        check_flow_depth(&doc).map_err(|line| {
+            err(
+                start + line - 1,
+                format!("collections nested deeper than {MAX_FLOW_DEPTH} levels"),
+            )
+        })?;
+        let yaml_err = |e: serde_yaml_ng::Error| {
+            let line = e.location().map_or(start, |l| start + l.line() - 1);
+            err(line, e.to_string())
+        };
+        let value: Value = serde_yaml_ng::from_str(&doc).map_err(yaml_err)?;
+        if value.is_null() {
+            continue;
+        }
+        let field = |name: &str| match value.get(name) {
+            None => Ok(None),
+            Some(Value::String(s)) => Ok(Some(s.as_str())),
+            Some(_) => Err(err(start, format!("{name} must be a string"))),
+        };
+        let kind = field("kind")?;
+        let api_version = field("apiVersion")?;
+        match (api_version, kind) {
+            (_, None) => return Err(err(start, "document has no kind".into())),
+            (None, Some(_)) => return Err(err(start, "document has no apiVersion".into())),
+            (Some("v1"), Some("Pod")) => {
+                let pod: Pod = serde_yaml_ng::from_str(&doc).map_err(yaml_err)?;
+                check_pod(&pod).map_err(|m| err(start, m))?;
+                objects.pods.push(pod);
+            }
+            (Some("v1"), Some("Namespace")) => {
+                let ns: Namespace = serde_yaml_ng::from_str(&doc).map_err(yaml_err)?;
+                check_namespace(&ns).map_err(|m| err(start, m))?;
+                objects.namespaces.push(ns);
+            }
+            (Some("v1"), Some("List")) => {
+                let items = value
+                    .get("items")
+                    .and_then(Value::as_sequence)
+                    .ok_or_else(|| err(start, "List has no items sequence".into()))?;
+                for (i, item) in items.iter().enumerate() {
+                    let item_err = |m: String| err(start, format!("List item {i}: {m}"));
+                    match item.get("kind").and_then(Value::as_str) {
+                        Some("Pod") => {
+                            let pod: Pod = serde_yaml_ng::from_value(item.clone())
+                                .map_err(|e| item_err(e.to_string()))?;
+                            check_pod(&pod).map_err(item_err)?;
+                            objects.pods.push(pod);
+                        }
+                        Some("Namespace") => {
+                            let ns: Namespace = serde_yaml_ng::from_value(item.clone())
+                                .map_err(|e| item_err(e.to_string()))?;
+                            check_namespace(&ns).map_err(item_err)?;
+                            objects.namespaces.push(ns);
+                        }
+                        _ => {}
+                    }
+                }
+            }
+            (Some(version), Some(kind @ ("Pod" | "Namespace" | "List"))) => {
+                return Err(err(
+                    start,
+                    format!("{kind} has apiVersion {version:?}; podlink reads apiVersion v1"),
+                ));
+            }
+            // Other kinds (Services, policies, …) are not read yet.
+            _ => {}
+        }
+    }
+    Ok(objects)
+}
+
+/// A DNS-1123 label (RFC 1123 as Kubernetes applies it): 1 to 63 lowercase
+/// letters, digits and `-`, starting and ending with a letter or digit. Namespaces
+/// are labels.
+fn is_dns1123_label(s: &str) -> bool {
+    !s.is_empty()
+        && s.len() <= 63
+        && s.bytes()
+            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
+        && !s.starts_with('-')
+        && !s.ends_with('-')
+}
+
+/// A DNS-1123 subdomain: up to 253 characters of dot-separated labels. Pod,
+/// service account and node names are subdomains.
+fn is_dns1123_subdomain(s: &str) -> bool {
+    !s.is_empty() && s.len() <= 253 && s.split('.').all(is_dns1123_label)
+}
+
+fn check_namespace(ns: &Namespace) -> Result<(), String> {
+    let name = ns.metadata.name.as_deref().unwrap_or("");
+    if name.is_empty() {
+        return Err("Namespace has no metadata.name".into());
+    }
+    if !is_dns1123_label(name) {
+        return Err(format!("Namespace name {name:?} is not a DNS-1123 label"));
+    }
+    Ok(())
+}
+
+/// Checks what the enrollment and the proxy rely on.
+fn check_pod(pod: &Pod) -> Result<(), String> {
+    let name = pod.metadata.name.as_deref().unwrap_or("");
+    if name.is_empty() {
+        return Err("Pod has no metadata.name".into());
+    }
+    let namespace = pod.metadata.namespace.as_deref().unwrap_or("default");
+    let who = format!("Pod {namespace}/{name}");
+    if !is_dns1123_subdomain(name) {
+        return Err(format!("{who}: metadata.name is not a DNS-1123 subdomain"));
+    }
+    if !is_dns1123_label(namespace) {
+        return Err(format!(
+            "{who}: metadata.namespace {namespace:?} is not a DNS-1123 label"
+        ));
+    }
+    if let Some(spec) = &pod.spec {
+        for (field, value) in [
+            ("spec.serviceAccountName", &spec.service_account_name),
+            ("spec.nodeName", &spec.node_name),
+        ] {
+            if let Some(value) = value.as_deref()
+                && !value.is_empty()
+                && !is_dns1123_subdomain(value)
+            {
+                return Err(format!(
+                    "{who}: {field} {value:?} is not a DNS-1123 subdomain"
+                ));
+            }
+        }
+    }
+    if let Some(status) = &pod.status {
+        if let Some(ip) = status.pod_ip.as_deref()
+            && ip.parse::<IpAddr>().is_err()
+        {
+            return Err(format!("{who}: status.podIP {ip:?} is not an IP address"));
+        }
+        for (i, entry) in status.pod_ips.iter().flatten().enumerate() {
+            if entry.ip.parse::<IpAddr>().is_err() {
+                return Err(format!(
+                    "{who}: status.podIPs[{i}].ip {:?} is not an IP address",
+                    entry.ip
+                ));
+            }
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const POD: &str = "apiVersion: v1
+kind: Pod
+metadata:
+  name: web
+  namespace: shop
+  labels: {istio.io/dataplane-mode: ambient}
+spec:
+  nodeName: node1
+  serviceAccountName: web
+  containers: []
+status:
+  podIP: 10.1.1.5
+";
+
+    #[test]
+    fn multi_document_files() {
+        let text = format!(
+            "# comment\n---\napiVersion: v1\nkind: Namespace\nmetadata:\n  name: shop\n---\n{POD}---\n---\napiVersion: apps/v1\nkind: Deployment\nmetadata:\n  name: x\n"
+        );
+        let objects = parse(Path::new("a.yaml"), &text).unwrap();
+        assert_eq!(objects.namespaces.len(), 1);
+        assert_eq!(objects.pods.len(), 1);
+        assert_eq!(objects.pods[0].metadata.name.as_deref(), Some("web"));
+    }
+
+    #[test]
+    fn errors_name_the_line() {
+        // The second document starts on line 14; its unclosed sequence is reported
+        // where the parser gives up, at the document's end (line 18).
+        let text = format!("{POD}---\napiVersion: v1\nkind: Pod\nmetadata:\n  name: [unclosed\n");
+        let err = parse(Path::new("bad.yaml"), &text).unwrap_err();
+        assert_eq!(err.file, Path::new("bad.yaml"));
+        assert_eq!(err.line, 18, "{err}");
+        assert!(err.to_string().starts_with("bad.yaml:18:"), "{err}");
+
+        let bad_ip = POD.replace("10.1.1.5", "10.1.1.500");
+        let err = parse(Path::new("ip.yaml"), &bad_ip).unwrap_err();
+        assert!(
+            err.message
+                .contains("status.podIP \"10.1.1.500\" is not an IP address"),
+            "{err}"
+        );
+
+        let err = parse(Path::new("k.yaml"), "apiVersion: v1\nmetadata: {}\n").unwrap_err();
+        assert!(err.message.contains("no kind"), "{err}");
+
+        let wrong_type = POD.replace("nodeName: node1", "nodeName: [1, 2]");
+        let err = parse(Path::new("t.yaml"), &wrong_type).unwrap_err();
+        assert_eq!(err.line, 8, "{err}");
+
+        let no_name = POD.replace("  name: web\n", "");
+        let err = parse(Path::new("n.yaml"), &no_name).unwrap_err();
+        assert!(err.message.contains("no metadata.name"), "{err}");
+    }
+
+    #[test]
+    fn lists_are_unpacked() {
+        let text = "apiVersion: v1\nkind: List\nitems:\n- apiVersion: v1\n  kind: Pod\n  metadata: {name: a}\n- apiVersion: v1\n  kind: Namespace\n  metadata: {name: b}\n";
+        let objects = parse(Path::new("l.yaml"), text).unwrap();
+        assert_eq!(objects.pods.len(), 1);
+        assert_eq!(objects.namespaces.len(), 1);
+    }
+
+    #[test]
+    fn hostile_documents_are_refused_quickly_with_a_reason() {
+        let deep = format!(
+            "apiVersion: v1\nkind: Pod\nmetadata:\n  name: x\n  labels: {}{}\n",
+            "[".repeat(200_000),
+            "]".repeat(200_000)
+        );
+        let start = std::time::Instant::now();
+        let err = parse(Path::new("deep.yaml"), &deep).unwrap_err();
+        assert!(err.message.contains("nested deeper than 64"), "{err}");
+        assert_eq!(err.line, 5);
+        assert!(
+            start.elapsed() < std::time::Duration::from_secs(1),
+            "{:?}",
+            start.elapsed()
+        );
+        // Brackets inside strings and comments do not count.
+        let quoted = format!(
+            "apiVersion: v1\nkind: Pod\nmetadata:\n  name: x\n  labels: {{a: \"{}\"}} # {}\n",
+            "[".repeat(100),
+            "{".repeat(100)
+        );
+        assert!(parse(Path::new("q.yaml"), &quoted).is_ok());
+
+        let cases = [
+            ("kind: 5\napiVersion: v1\n", "kind must be a string"),
+            (
+                "apiVersion: v2\nkind: Pod\nmetadata: {name: x}\n",
+                "apiVersion \"v2\"",
+            ),
+            (
+                "apiVersion: v1\nkind: Pod\nmetadata: {name: x}\nspec: {serviceAccountName: wéb, containers: []}\n",
+                "spec.serviceAccountName \"wéb\" is not a DNS-1123 subdomain",
+            ),
+            (
+                "apiVersion: v1\nkind: Pod\nmetadata: {name: ../../etc}\n",
+                "metadata.name is not a DNS-1123 subdomain",
+            ),
+            (
+                "apiVersion: v1\nkind: Pod\nmetadata: {name: x, namespace: mesh/sa/evil}\n",
+                "metadata.namespace \"mesh/sa/evil\" is not a DNS-1123 label",
+            ),
+            (
+                "apiVersion: v1\nkind: Namespace\nmetadata: {name: Bad_Name}\n",
+                "not a DNS-1123 label",
+            ),
+        ];
+        for (text, want) in cases {
+            let err = parse(Path::new("c.yaml"), text).unwrap_err();
+            assert!(err.message.contains(want), "{text:?}: {err}");
+        }
+        // A byte-order mark is not an error.
+        let bom = format!("\u{feff}{POD}");
+        assert_eq!(parse(Path::new("bom.yaml"), &bom).unwrap().pods.len(), 1);
+    }
+}

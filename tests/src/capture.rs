@@ -1,0 +1,81 @@
+//! Packet captures with `tcpdump`, to show what crosses a wire.
+
+use std::{
+    fs,
+    path::{Path, PathBuf},
+    process::{Child, Command, Stdio},
+    time::{Duration, Instant},
+};
+
+use anyhow::{Context, Result, bail};
+
+use crate::netns::{self, Resource, register, run};
+
+/// A packet capture (`tcpdump`) on an interface of a namespace.
+pub struct Capture {
+    child: Child,
+    file: PathBuf,
+}
+
+impl Capture {
+    /// Starts capturing TCP on `iface` in `netns` into a file under `dir`.
+    pub fn start(netns_name: &str, iface: &str, dir: &Path, name: &str) -> Result<Self> {
+        let file = dir.join(format!("{name}.pcap"));
+        let err = dir.join(format!("{name}.tcpdump.log"));
+        let mut child = netns::command_in(netns_name, "tcpdump")
+            .args([
+                "-i",
+                iface,
+                "-nn",
+                "-U",
+                "--immediate-mode",
+                "-s",
+                "0",
+                "-w",
+            ])
+            .arg(&file)
+            .arg("tcp")
+            .stdout(Stdio::null())
+            .stderr(fs::File::create(&err)?)
+            .spawn()
+            .context("starting tcpdump")?;
+        register(Resource::Process(child.id()));
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while !fs::read_to_string(&err)
+            .unwrap_or_default()
+            .contains("listening on")
+        {
+            if let Some(status) = child.try_wait()? {
+                bail!("tcpdump exited ({status}): {}", fs::read_to_string(&err)?);
+            }
+            if Instant::now() > deadline {
+                bail!("tcpdump did not start");
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        Ok(Self { child, file })
+    }
+
+    /// Stops the capture; returns the raw file contents and tcpdump's one-line
+    /// summaries (with payload in ASCII, `-A`).
+    pub fn stop(mut self) -> Result<(Vec<u8>, Vec<String>)> {
+        // A moment for the last packets to be written.
+        std::thread::sleep(Duration::from_millis(200));
+        // SAFETY: signalling our own child.
+        unsafe { libc::kill(self.child.id() as i32, libc::SIGINT) };
+        let _ = self.child.wait();
+        netns::unregister(&Resource::Process(self.child.id()));
+        let raw = fs::read(&self.file)?;
+        let out = run(Command::new("tcpdump").args(["-nn", "-r"]).arg(&self.file))?;
+        let lines = String::from_utf8_lossy(&out.stdout)
+            .lines()
+            .map(str::to_string)
+            .collect();
+        Ok((raw, lines))
+    }
+}
+
+/// Whether `needle` occurs in `haystack`.
+pub fn contains_bytes(haystack: &[u8], needle: &[u8]) -> bool {
+    !needle.is_empty() && haystack.windows(needle.len()).any(|w| w == needle)
+}
