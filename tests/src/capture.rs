@@ -57,7 +57,7 @@ impl Capture {
     }
 
     /// Stops the capture; returns the raw file contents and tcpdump's one-line
-    /// summaries (with payload in ASCII, `-A`).
+    /// summaries, one line a packet.
     pub fn stop(mut self) -> Result<(Vec<u8>, Vec<String>)> {
         // A moment for the last packets to be written.
         std::thread::sleep(Duration::from_millis(200));
