@@ -17,7 +17,10 @@
 //! are not pinned and detach when the agent exits.
 
 mod bpffs;
+mod layout;
 pub mod net;
+
+use layout::{check_pinned_layouts, with_node_addrs};
 
 use std::{
     collections::HashMap,
@@ -30,8 +33,7 @@ use anyhow::{Context, Result, anyhow, bail};
 use aya::{
     Ebpf, EbpfLoader,
     maps::{
-        Array, HashMap as BpfHashMap, LpmTrie, MapData, MapInfo, MapType, PerCpuHashMap,
-        PerCpuValues, lpm_trie::Key,
+        Array, HashMap as BpfHashMap, LpmTrie, MapData, PerCpuHashMap, PerCpuValues, lpm_trie::Key,
     },
     programs::{
         LinkOrder, SchedClassifier, TcAttachType,
@@ -41,10 +43,9 @@ use aya::{
     util::KernelVersion,
 };
 use podlink_common::{
-    CidrKey, Config, FlowKey, MAP_CAPTURED_FLOWS, MAP_CONFIG, MAP_COUNTERS, MAP_EXCLUDED_CIDRS,
-    MAP_EXCLUDED_PORTS, MAP_NAMES, MAP_PODS, MAX_CAPTURED_FLOWS, MAX_EXCLUDED_CIDRS,
-    MAX_EXCLUDED_PORTS, MAX_NODE_ADDRS, MAX_PODS, POD_ENROLLED, POD_HAS_IPV4, PROG_FROM_POD,
-    PROG_TO_POD, PodCounters, PodInfo, ipv4_mapped,
+    CidrKey, Config, MAP_CONFIG, MAP_COUNTERS, MAP_EXCLUDED_CIDRS, MAP_EXCLUDED_PORTS, MAP_NAMES,
+    MAP_PODS, MAX_NODE_ADDRS, POD_ENROLLED, POD_HAS_IPV4, PROG_FROM_POD, PROG_TO_POD, PodCounters,
+    PodInfo, ipv4_mapped,
 };
 
 /// The eBPF object built by `cargo xtask build-ebpf`, embedded at build time.
@@ -57,73 +58,6 @@ pub fn ebpf_object() -> &'static [u8] {
 
 /// Directory under the pin directory that holds link pins.
 const LINKS_DIR: &str = "links";
-
-/// The layout this agent's programs expect of each map: type, key size, value size,
-/// capacity.
-fn expected_layout(name: &str) -> Option<(MapType, usize, usize, u32)> {
-    Some(match name {
-        MAP_PODS => (MapType::Hash, 4, size_of::<PodInfo>(), MAX_PODS),
-        MAP_CONFIG => (MapType::Array, 4, size_of::<Config>(), 1),
-        MAP_EXCLUDED_CIDRS => (
-            MapType::LpmTrie,
-            size_of::<CidrKey>(),
-            1,
-            MAX_EXCLUDED_CIDRS,
-        ),
-        MAP_EXCLUDED_PORTS => (MapType::Hash, 2, 1, MAX_EXCLUDED_PORTS),
-        MAP_COUNTERS => (MapType::PerCpuHash, 4, size_of::<PodCounters>(), MAX_PODS),
-        MAP_CAPTURED_FLOWS => (
-            MapType::LruHash,
-            size_of::<FlowKey>(),
-            1,
-            MAX_CAPTURED_FLOWS,
-        ),
-        _ => return None,
-    })
-}
-
-/// Refuses pinned maps whose layout differs from what the programs expect: reusing
-/// them would make the programs read garbage.
-fn check_pinned_layouts(pin_dir: &Path) -> Result<()> {
-    for name in MAP_NAMES {
-        let path = pin_dir.join(name);
-        if !path.exists() {
-            continue;
-        }
-        let info = MapInfo::from_pin(&path)
-            .with_context(|| format!("reading the pinned map {}", path.display()))?;
-        let found = (
-            info.map_type().ok(),
-            info.key_size() as usize,
-            info.value_size() as usize,
-            info.max_entries(),
-        );
-        let (kind, key, value, entries) =
-            expected_layout(name).expect("every map name has a layout");
-        if found != (Some(kind), key, value, entries) {
-            bail!(
-                "the pinned map {} ({:?}, key {} B, value {} B, {} entries) was made by an incompatible podlink; this agent expects {kind:?}, key {key} B, value {value} B, {entries} entries. Remove the pin directory {} (this detaches capture) and start again",
-                path.display(),
-                found.0,
-                found.1,
-                found.2,
-                found.3,
-                pin_dir.display()
-            );
-        }
-    }
-    Ok(())
-}
-
-/// `config` with the node's addresses filled in (at most [`MAX_NODE_ADDRS`]).
-fn with_node_addrs(mut config: Config, addrs: &[Ipv4Addr]) -> Config {
-    config.node_addrs = [[0; 16]; MAX_NODE_ADDRS];
-    for (slot, addr) in config.node_addrs.iter_mut().zip(addrs) {
-        *slot = ipv4_mapped(addr.octets());
-    }
-    config.node_addr_count = addrs.len().min(MAX_NODE_ADDRS) as u32;
-    config
-}
 
 /// What the dataplane is configured with at start.
 #[derive(Clone, Debug)]
