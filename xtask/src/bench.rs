@@ -395,7 +395,7 @@ fn print_table(r: &Report) {
         r.cores, r.kernel, r.repetitions
     );
     println!(
-        "{:<42} {:>26} {:>26} {:>14}",
+        "{:<50} {:>26} {:>26} {:>18}",
         "figure", "direct median [min-max]", "podlink median [min-max]", "podlink vs direct"
     );
     let fmt = |s: &Stats| {
@@ -408,7 +408,7 @@ fn print_table(r: &Report) {
             _ => format!("+{:.0} {}", row.comparison, row.unit),
         };
         println!(
-            "{:<42} {:>26} {:>26} {:>14}",
+            "{:<50} {:>26} {:>26} {:>18}",
             format!("{} ({})", row.figure, row.unit),
             fmt(&row.direct),
             fmt(&row.podlink),

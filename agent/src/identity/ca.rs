@@ -351,15 +351,16 @@ pub fn spiffe_id_of(der: &CertificateDer<'_>) -> Result<SpiffeId, PeerIdentityEr
 mod tests {
     use super::*;
 
-    fn temp_dir(name: &str) -> PathBuf {
-        let dir = std::env::temp_dir().join(format!("podlink-ca-{name}-{}", std::process::id()));
-        let _ = fs::remove_dir_all(&dir);
-        dir
+    /// A fresh directory, removed when the guard drops (also when a test fails).
+    fn temp_dir() -> (tempfile::TempDir, PathBuf) {
+        let guard = tempfile::tempdir().unwrap();
+        let dir = guard.path().join("ca");
+        (guard, dir)
     }
 
     #[test]
     fn init_load_and_issue() {
-        let dir = temp_dir("issue");
+        let (_guard, dir) = temp_dir();
         init(&dir).unwrap();
         let mode = fs::metadata(dir.join(CA_KEY_FILE)).unwrap().permissions();
         assert_eq!(
@@ -373,12 +374,11 @@ mod tests {
         assert_eq!(cert.chain[1], ca.roots()[0]);
         // A second init refuses to overwrite.
         assert!(matches!(init(&dir), Err(CaError::Exists { .. })));
-        fs::remove_dir_all(&dir).unwrap();
     }
 
     #[test]
     fn load_names_what_is_wrong() {
-        let dir = temp_dir("bad");
+        let (_guard, dir) = temp_dir();
         fs::create_dir_all(&dir).unwrap();
         let err = CertificateAuthority::load(&dir).unwrap_err().to_string();
         assert!(err.contains("ca.crt"), "{err}");
@@ -406,6 +406,5 @@ mod tests {
         fs::write(dir.join(CA_KEY_FILE), leaf_key.serialize_pem()).unwrap();
         let err = CertificateAuthority::load(&dir).unwrap_err().to_string();
         assert!(err.contains("not a CA certificate"), "{err}");
-        fs::remove_dir_all(&dir).unwrap();
     }
 }

@@ -152,11 +152,10 @@ mod tests {
     use super::*;
     use crate::identity::ca::init;
 
-    fn manager(name: &str, lifetime: Duration) -> (CertManager, std::path::PathBuf) {
-        let dir = std::env::temp_dir().join(format!("podlink-mgr-{name}-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&dir);
-        init(&dir).unwrap();
-        let ca = CertificateAuthority::load(&dir).unwrap();
+    fn manager(lifetime: Duration) -> (CertManager, tempfile::TempDir) {
+        let dir = tempfile::tempdir().unwrap();
+        init(dir.path()).unwrap();
+        let ca = CertificateAuthority::load(dir.path()).unwrap();
         (
             CertManager::new(ca, "cluster.local", lifetime).unwrap(),
             dir,
@@ -165,24 +164,22 @@ mod tests {
 
     #[test]
     fn caches_until_half_life() {
-        let (m, dir) = manager("cache", Duration::from_secs(3600));
+        let (m, _dir) = manager(Duration::from_secs(3600));
         let id = SpiffeId::new("cluster.local", "ns", "sa");
         let a = m.identity(&id).unwrap();
         let b = m.identity(&id).unwrap();
         assert!(Arc::ptr_eq(&a, &b));
         assert!(a.renew_at < a.not_after);
-        std::fs::remove_dir_all(dir).unwrap();
     }
 
     #[test]
     fn reissues_after_half_life() {
-        let (m, dir) = manager("renew", Duration::from_millis(200));
+        let (m, _dir) = manager(Duration::from_millis(200));
         let id = SpiffeId::new("cluster.local", "ns", "sa");
         let a = m.identity(&id).unwrap();
         std::thread::sleep(Duration::from_millis(150));
         let b = m.identity(&id).unwrap();
         assert!(!Arc::ptr_eq(&a, &b));
         assert_ne!(a.key.cert[0], b.key.cert[0]);
-        std::fs::remove_dir_all(dir).unwrap();
     }
 }

@@ -266,30 +266,26 @@ mod tests {
     struct Mesh {
         ca: CertificateAuthority,
         roots: Arc<RootCertStore>,
-        dir: std::path::PathBuf,
+        _dir: tempfile::TempDir,
     }
 
     impl Mesh {
-        fn new(name: &str) -> Self {
-            let dir =
-                std::env::temp_dir().join(format!("podlink-tls-{name}-{}", std::process::id()));
-            let _ = std::fs::remove_dir_all(&dir);
-            init(&dir).unwrap();
-            let ca = CertificateAuthority::load(&dir).unwrap();
+        fn new() -> Self {
+            let dir = tempfile::tempdir().unwrap();
+            init(dir.path()).unwrap();
+            let ca = CertificateAuthority::load(dir.path()).unwrap();
             let roots = root_store(ca.roots()).unwrap();
-            Self { ca, roots, dir }
+            Self {
+                ca,
+                roots,
+                _dir: dir,
+            }
         }
 
         fn key(&self, id: &SpiffeId) -> Arc<CertifiedKey> {
             let cert = self.ca.issue(id, Duration::from_secs(600)).unwrap();
             let key = provider().key_provider.load_private_key(cert.key).unwrap();
             Arc::new(CertifiedKey::new(cert.chain, key))
-        }
-    }
-
-    impl Drop for Mesh {
-        fn drop(&mut self) {
-            let _ = std::fs::remove_dir_all(&self.dir);
         }
     }
 
@@ -333,7 +329,7 @@ mod tests {
 
     #[tokio::test]
     async fn mutual_tls_with_expected_identities() {
-        let mesh = Mesh::new("ok");
+        let mesh = Mesh::new();
         let client_id = SpiffeId::new("cluster.local", "ns1", "client");
         let server_id = SpiffeId::new("cluster.local", "ns2", "server");
         let server =
@@ -344,7 +340,7 @@ mod tests {
 
     #[tokio::test]
     async fn client_refuses_a_server_with_another_identity() {
-        let mesh = Mesh::new("wrong-server");
+        let mesh = Mesh::new();
         let server = server_config(
             mesh.key(&SpiffeId::new("cluster.local", "ns2", "impostor")),
             mesh.roots.clone(),
@@ -363,8 +359,8 @@ mod tests {
 
     #[tokio::test]
     async fn server_refuses_a_client_of_another_ca() {
-        let mesh = Mesh::new("ca-a");
-        let other = Mesh::new("ca-b");
+        let mesh = Mesh::new();
+        let other = Mesh::new();
         let server_id = SpiffeId::new("cluster.local", "ns2", "server");
         let server =
             server_config(mesh.key(&server_id), mesh.roots.clone(), "cluster.local").unwrap();
@@ -383,7 +379,7 @@ mod tests {
 
     #[tokio::test]
     async fn server_refuses_a_client_of_another_trust_domain() {
-        let mesh = Mesh::new("td");
+        let mesh = Mesh::new();
         let server_id = SpiffeId::new("cluster.local", "ns2", "server");
         let server =
             server_config(mesh.key(&server_id), mesh.roots.clone(), "cluster.local").unwrap();

@@ -396,14 +396,13 @@ status:
 
     #[test]
     fn a_broken_file_keeps_its_last_good_objects() {
-        let dir = std::env::temp_dir().join(format!("podlink-manifests-{}", std::process::id()));
-        let _ = fs::remove_dir_all(&dir);
-        fs::create_dir_all(&dir).unwrap();
+        let guard = tempfile::tempdir().unwrap();
+        let dir = guard.path();
         fs::write(dir.join("pod.yaml"), POD).unwrap();
         fs::write(dir.join(".hidden.yaml"), "{{{").unwrap();
         fs::write(dir.join("notes.txt"), "{{{").unwrap();
         let settle = Duration::from_millis(30);
-        let mut source = ManifestDir::with_settle(&dir, settle).unwrap();
+        let mut source = ManifestDir::with_settle(dir, settle).unwrap();
         // The first scan applies at once.
         let first = source.rescan();
         assert!(first.changed && first.errors.is_empty(), "{first:?}");
@@ -464,31 +463,26 @@ status:
         assert!(source.rescan().changed);
         assert_eq!(source.pods().count(), 0);
         assert!(!source.settling());
-        fs::remove_dir_all(&dir).unwrap();
     }
 
     #[test]
     fn a_file_broken_from_the_start_leaves_the_source_incomplete() {
-        let dir = std::env::temp_dir().join(format!("podlink-manifests-b-{}", std::process::id()));
-        let _ = fs::remove_dir_all(&dir);
-        fs::create_dir_all(&dir).unwrap();
+        let guard = tempfile::tempdir().unwrap();
+        let dir = guard.path();
         fs::write(dir.join("bad.yaml"), "kind: [").unwrap();
-        let mut source = ManifestDir::new(&dir).unwrap();
+        let mut source = ManifestDir::new(dir).unwrap();
         assert_eq!(source.rescan().errors.len(), 1);
         assert!(source.incomplete());
-        fs::remove_dir_all(&dir).unwrap();
     }
 
     #[test]
     fn files_that_cannot_be_read_are_reported_and_keep_their_objects() {
-        let dir =
-            std::env::temp_dir().join(format!("podlink-manifests-odd-{}", std::process::id()));
-        let _ = fs::remove_dir_all(&dir);
-        fs::create_dir_all(&dir).unwrap();
+        let guard = tempfile::tempdir().unwrap();
+        let dir = guard.path();
         let pod = dir.join("pod.yaml");
         fs::write(&pod, POD).unwrap();
         let settle = Duration::from_millis(10);
-        let mut source = ManifestDir::with_settle(&dir, settle).unwrap();
+        let mut source = ManifestDir::with_settle(dir, settle).unwrap();
         assert!(source.rescan().changed);
 
         // Replaced by a dangling symlink: reported, the pod stays.
@@ -532,6 +526,5 @@ status:
             "{messages:?}"
         );
         assert_eq!(source.pods().count(), 1);
-        fs::remove_dir_all(&dir).unwrap();
     }
 }
