@@ -11,14 +11,15 @@ use std::{
 
 use http::StatusCode;
 use podlink_agent::{identity::SpiffeId, proxy::hbone};
-use podlink_tests::{Cluster, PodSpec, app, netns};
+use podlink_tests::{Cluster, Pod, PodSpec, app, netns};
 use tokio::io::AsyncWriteExt;
 
 mod common;
 use common::{credentials, hbone_connect, request};
 
-#[test]
-fn connections_are_bounded_and_the_proxy_recovers() {
+/// Two nodes: a client outside the mesh on node 1, an enrolled server on node 2
+/// whose agent gets `agent_args`.
+fn bed(agent_args: &[&str]) -> (Cluster, Pod, Pod) {
     let mut c = Cluster::new(2).unwrap();
     c.add_namespace("mesh", true).unwrap();
     c.add_namespace("legacy", false).unwrap();
@@ -27,8 +28,14 @@ fn connections_are_bounded_and_the_proxy_recovers() {
         .add_pod(PodSpec::new("server", "mesh", 1).service_account("server"))
         .unwrap();
     c.start_agent(0).unwrap();
-    c.start_agent_with(1, &["--max-connections", "8"]).unwrap();
+    c.start_agent_with(1, agent_args).unwrap();
     c.wait_captured(&server, true).unwrap();
+    (c, client, server)
+}
+
+#[test]
+fn connections_are_bounded_and_the_proxy_recovers() {
+    let (c, client, server) = bed(&["--max-connections", "8"]);
     let _echo = app::EchoServer::start(&server.netns, server.addr(9000)).unwrap();
 
     // Silent connections to the HBONE port: beyond the limit they are reset.
@@ -113,16 +120,7 @@ fn upstream_sockets(c: &Cluster, dst: SocketAddr) -> usize {
 
 #[test]
 fn a_tunnel_ends_with_its_hbone_connection() {
-    let mut c = Cluster::new(2).unwrap();
-    c.add_namespace("mesh", true).unwrap();
-    c.add_namespace("legacy", false).unwrap();
-    let client = c.add_pod(PodSpec::new("client", "legacy", 0)).unwrap();
-    let server = c
-        .add_pod(PodSpec::new("server", "mesh", 1).service_account("server"))
-        .unwrap();
-    c.start_agent(0).unwrap();
-    c.start_agent(1).unwrap();
-    c.wait_captured(&server, true).unwrap();
+    let (c, client, server) = bed(&[]);
     // A pod that accepts and never reads.
     let sink_addr = server.addr(9100);
     let sink = netns::in_netns(&server.netns, move || TcpListener::bind(sink_addr)).unwrap();

@@ -380,19 +380,7 @@ pub const RESYNC: Duration = Duration::from_secs(2);
 mod tests {
     use super::*;
 
-    const POD: &str = "apiVersion: v1
-kind: Pod
-metadata:
-  name: web
-  namespace: shop
-  labels: {istio.io/dataplane-mode: ambient}
-spec:
-  nodeName: node1
-  serviceAccountName: web
-  containers: []
-status:
-  podIP: 10.1.1.5
-";
+    const POD: &str = parse::TEST_POD;
 
     #[test]
     fn a_broken_file_keeps_its_last_good_objects() {

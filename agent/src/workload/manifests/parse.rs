@@ -262,11 +262,9 @@ fn check_pod(pod: &Pod) -> Result<(), String> {
     Ok(())
 }
 
+/// A valid Pod manifest, for tests.
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    const POD: &str = "apiVersion: v1
+pub(super) const TEST_POD: &str = "apiVersion: v1
 kind: Pod
 metadata:
   name: web
@@ -279,6 +277,12 @@ spec:
 status:
   podIP: 10.1.1.5
 ";
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const POD: &str = TEST_POD;
 
     #[test]
     fn multi_document_files() {
