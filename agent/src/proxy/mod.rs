@@ -1,11 +1,11 @@
 //! The node proxy: the transparent listeners the TC programs steer connections
 //! into, and what happens to each connection.
 //!
-//! * [`outbound`] (15001): connections leaving an enrolled pod. To an enrolled pod
+//! * `outbound` (15001): connections leaving an enrolled pod. To an enrolled pod
 //!   on another node: HBONE; on this node: directly, no TLS hop; elsewhere: plain
 //!   TCP. The upstream connection keeps the pod's address as its source.
-//! * [`inbound`] (15008): HBONE connections to an enrolled pod on this node.
-//! * [`inbound_plaintext`] (15006): plain connections to an enrolled pod on this
+//! * `inbound` (15008): HBONE connections to an enrolled pod on this node.
+//! * `inbound_plaintext` (15006): plain connections to an enrolled pod on this
 //!   node, from outside the mesh.
 //!
 //! The listeners are bound to 127.0.0.1: nothing reaches them but connections that
