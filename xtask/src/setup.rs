@@ -109,7 +109,9 @@ fn install_bpf_linker() -> Result<()> {
         "setup: building bpf-linker {BPF_LINKER_VERSION} against the nightly's LLVM {llvm_major} (a minute or two)"
     );
     let mut cmd = Command::new("cargo");
-    cmd.args(["install", "bpf-linker", "--version", BPF_LINKER_VERSION])
+    // --locked: the dependency versions bpf-linker was released with, not newer
+    // ones that may want a newer toolchain than this machine's.
+    cmd.args(["install", "bpf-linker", "--version", BPF_LINKER_VERSION, "--locked"])
         .args(["--no-default-features", "--features"])
         .arg(format!("llvm-{llvm_major}"))
         .arg("--root")
