@@ -111,13 +111,19 @@ fn install_bpf_linker() -> Result<()> {
     let mut cmd = Command::new("cargo");
     // --locked: the dependency versions bpf-linker was released with, not newer
     // ones that may want a newer toolchain than this machine's.
-    cmd.args(["install", "bpf-linker", "--version", BPF_LINKER_VERSION, "--locked"])
-        .args(["--no-default-features", "--features"])
-        .arg(format!("llvm-{llvm_major}"))
-        .arg("--root")
-        .arg(tools_dir().join("bpf-linker"))
-        .env("LLVM_PREFIX", &prefix)
-        .current_dir(project_root());
+    cmd.args([
+        "install",
+        "bpf-linker",
+        "--version",
+        BPF_LINKER_VERSION,
+        "--locked",
+    ])
+    .args(["--no-default-features", "--features"])
+    .arg(format!("llvm-{llvm_major}"))
+    .arg("--root")
+    .arg(tools_dir().join("bpf-linker"))
+    .env("LLVM_PREFIX", &prefix)
+    .current_dir(project_root());
     run(&mut cmd)
 }
 
