@@ -292,6 +292,27 @@ impl Cluster {
         Ok(cluster)
     }
 
+    /// A cluster of `nodes` nodes with these Kubernetes namespaces (name, and
+    /// whether it is labelled `istio.io/dataplane-mode=ambient`).
+    pub fn with_namespaces(nodes: usize, namespaces: &[(&str, bool)]) -> Result<Self> {
+        let cluster = Self::new(nodes)?;
+        for (name, ambient) in namespaces {
+            cluster.add_namespace(name, *ambient)?;
+        }
+        Ok(cluster)
+    }
+
+    /// Starts the agents of all nodes.
+    pub fn start_agents(&mut self) -> Result<()> {
+        (0..self.nodes.len()).try_for_each(|node| self.start_agent(node))
+    }
+
+    /// Waits until all of `pods` are captured.
+    pub fn wait_all_captured(&self, pods: &[&Pod]) -> Result<()> {
+        pods.iter()
+            .try_for_each(|pod| self.wait_captured(pod, true))
+    }
+
     fn track(&mut self, resource: Resource) {
         register(resource.clone());
         self.resources.push(resource);

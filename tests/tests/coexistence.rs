@@ -35,8 +35,7 @@ fn tc(args: &[&str]) -> String {
 
 #[test]
 fn other_programs_on_the_host_veth_keep_working_and_outlive_capture() {
-    let mut c = Cluster::new(1).unwrap();
-    c.add_namespace("mesh", true).unwrap();
+    let mut c = Cluster::with_namespaces(1, &[("mesh", true)]).unwrap();
     let pod = c.add_pod(PodSpec::new("a", "mesh", 0)).unwrap();
     let server = c
         .add_pod(PodSpec::new("b", "mesh", 0).label("istio.io/dataplane-mode", "none"))

@@ -11,8 +11,7 @@ const CONNECTIONS: usize = 8;
 
 #[test]
 fn cross_node_traffic_is_tunnelled_with_the_client_address() {
-    let mut c = Cluster::new(2).unwrap();
-    c.add_namespace("mesh", true).unwrap();
+    let mut c = Cluster::with_namespaces(2, &[("mesh", true)]).unwrap();
     let client = c
         .add_pod(PodSpec::new("client", "mesh", 0).service_account("client"))
         .unwrap();
@@ -27,10 +26,8 @@ fn cross_node_traffic_is_tunnelled_with_the_client_address() {
         "net.ipv4.conf.all.rp_filter=1",
     ]))
     .unwrap();
-    c.start_agent(0).unwrap();
-    c.start_agent(1).unwrap();
-    c.wait_captured(&client, true).unwrap();
-    c.wait_captured(&server, true).unwrap();
+    c.start_agents().unwrap();
+    c.wait_all_captured(&[&client, &server]).unwrap();
     let echo = app::EchoServer::start(&server.netns, server.addr(8080)).unwrap();
 
     let capture = Capture::start(&c.nodes[0].netns, "eth0", &c.dir, "underlay").unwrap();

@@ -13,12 +13,10 @@ use podlink_tests::{Capture, Cluster, PodSpec, app, contains_bytes};
 
 #[test]
 fn a_flow_established_before_enrollment_survives_it() {
-    let mut c = Cluster::new(2).unwrap();
-    c.add_namespace("apps", false).unwrap();
+    let mut c = Cluster::with_namespaces(2, &[("apps", false)]).unwrap();
     let client = c.add_pod(PodSpec::new("client", "apps", 0)).unwrap();
     let server = c.add_pod(PodSpec::new("server", "apps", 1)).unwrap();
-    c.start_agent(0).unwrap();
-    c.start_agent(1).unwrap();
+    c.start_agents().unwrap();
     let _echo = app::EchoServer::start(&server.netns, server.addr(8000)).unwrap();
 
     let mut old = app::connect(&client.netns, server.addr(8000), Duration::from_secs(5)).unwrap();
@@ -30,8 +28,7 @@ fn a_flow_established_before_enrollment_survives_it() {
 
     // Enroll the whole namespace.
     c.add_namespace("apps", true).unwrap();
-    c.wait_captured(&client, true).unwrap();
-    c.wait_captured(&server, true).unwrap();
+    c.wait_all_captured(&[&client, &server]).unwrap();
 
     // The old flow keeps working, untouched by the proxy.
     for i in 0..5 {
@@ -59,8 +56,7 @@ fn a_flow_established_before_enrollment_survives_it() {
 
 #[test]
 fn pods_are_attached_on_creation_and_detached_on_deletion() {
-    let mut c = Cluster::new(1).unwrap();
-    c.add_namespace("mesh", true).unwrap();
+    let mut c = Cluster::with_namespaces(1, &[("mesh", true)]).unwrap();
     c.start_agent(0).unwrap();
 
     let start = Instant::now();
@@ -110,17 +106,14 @@ fn pods_are_attached_on_creation_and_detached_on_deletion() {
 
 #[test]
 fn unenrolling_restores_the_direct_path_and_opted_out_pods_are_left_alone() {
-    let mut c = Cluster::new(2).unwrap();
-    c.add_namespace("mesh", true).unwrap();
+    let mut c = Cluster::with_namespaces(2, &[("mesh", true)]).unwrap();
     let client = c.add_pod(PodSpec::new("client", "mesh", 0)).unwrap();
     let server = c.add_pod(PodSpec::new("server", "mesh", 1)).unwrap();
     let opted_out = c
         .add_pod(PodSpec::new("optout", "mesh", 0).label("istio.io/dataplane-mode", "none"))
         .unwrap();
-    c.start_agent(0).unwrap();
-    c.start_agent(1).unwrap();
-    c.wait_captured(&client, true).unwrap();
-    c.wait_captured(&server, true).unwrap();
+    c.start_agents().unwrap();
+    c.wait_all_captured(&[&client, &server]).unwrap();
     assert!(!c.is_captured(&opted_out).unwrap());
     let _echo = app::EchoServer::start(&server.netns, server.addr(8000)).unwrap();
     assert_eq!(

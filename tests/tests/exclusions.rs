@@ -7,9 +7,7 @@ use podlink_tests::{Cluster, PodSpec, app};
 
 #[test]
 fn excluded_ports_and_prefixes_bypass_capture() {
-    let mut c = Cluster::new(2).unwrap();
-    c.add_namespace("mesh", true).unwrap();
-    c.add_namespace("legacy", false).unwrap();
+    let mut c = Cluster::with_namespaces(2, &[("mesh", true), ("legacy", false)]).unwrap();
     let client = c.add_pod(PodSpec::new("client", "mesh", 0)).unwrap();
     let plain = c.add_pod(PodSpec::new("plain", "legacy", 1)).unwrap();
     let other = c.add_pod(PodSpec::new("other", "legacy", 1)).unwrap();

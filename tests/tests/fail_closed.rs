@@ -8,16 +8,12 @@ use podlink_tests::{Capture, Cluster, PodSpec, app};
 
 #[test]
 fn no_proxy_means_no_new_connections_and_no_plaintext() {
-    let mut c = Cluster::new(2).unwrap();
-    c.add_namespace("mesh", true).unwrap();
-    c.add_namespace("legacy", false).unwrap();
+    let mut c = Cluster::with_namespaces(2, &[("mesh", true), ("legacy", false)]).unwrap();
     let client = c.add_pod(PodSpec::new("client", "mesh", 0)).unwrap();
     let server = c.add_pod(PodSpec::new("server", "mesh", 1)).unwrap();
     let outsider = c.add_pod(PodSpec::new("outsider", "legacy", 0)).unwrap();
-    c.start_agent(0).unwrap();
-    c.start_agent(1).unwrap();
-    c.wait_captured(&client, true).unwrap();
-    c.wait_captured(&server, true).unwrap();
+    c.start_agents().unwrap();
+    c.wait_all_captured(&[&client, &server]).unwrap();
     let echo = app::EchoServer::start(&server.netns, server.addr(8000)).unwrap();
     app::exchange(&client.netns, server.addr(8000), b"up").unwrap();
     assert_eq!(echo.accepted(), 1);
@@ -51,8 +47,7 @@ fn no_proxy_means_no_new_connections_and_no_plaintext() {
     assert!(c.counters(&server).unwrap()["dropped_no_listener"] >= 1);
 
     // A new agent adopts the pinned links and maps; traffic flows again.
-    c.start_agent(0).unwrap();
-    c.start_agent(1).unwrap();
+    c.start_agents().unwrap();
     assert!(c.agent_log(0).contains("adopted pinned link"));
     let ex = app::exchange(&client.netns, server.addr(8000), b"back").unwrap();
     assert_eq!(ex.echoed, b"back");
@@ -68,8 +63,7 @@ fn no_proxy_means_no_new_connections_and_no_plaintext() {
 fn proxied_flows_do_not_leak_after_the_proxy_is_gone() {
     use std::io::Write;
 
-    let mut c = Cluster::new(2).unwrap();
-    c.add_namespace("mesh", true).unwrap();
+    let mut c = Cluster::with_namespaces(2, &[("mesh", true)]).unwrap();
     let client = c.add_pod(PodSpec::new("client", "mesh", 0)).unwrap();
     let server = c.add_pod(PodSpec::new("server", "mesh", 1)).unwrap();
     // Orphaned proxy sockets (FIN_WAIT2) go away after a second instead of a minute.
@@ -81,10 +75,8 @@ fn proxied_flows_do_not_leak_after_the_proxy_is_gone() {
         ]),
     )
     .unwrap();
-    c.start_agent(0).unwrap();
-    c.start_agent(1).unwrap();
-    c.wait_captured(&client, true).unwrap();
-    c.wait_captured(&server, true).unwrap();
+    c.start_agents().unwrap();
+    c.wait_all_captured(&[&client, &server]).unwrap();
     let _echo = app::EchoServer::start(&server.netns, server.addr(8000)).unwrap();
     let mut conn = app::connect(&client.netns, server.addr(8000), Duration::from_secs(5)).unwrap();
     app::read_greeting(&conn).unwrap();

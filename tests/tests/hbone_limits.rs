@@ -20,9 +20,7 @@ use common::{credentials, hbone_connect, request};
 /// Two nodes: a client outside the mesh on node 1, an enrolled server on node 2
 /// whose agent gets `agent_args`.
 fn bed(agent_args: &[&str]) -> (Cluster, Pod, Pod) {
-    let mut c = Cluster::new(2).unwrap();
-    c.add_namespace("mesh", true).unwrap();
-    c.add_namespace("legacy", false).unwrap();
+    let mut c = Cluster::with_namespaces(2, &[("mesh", true), ("legacy", false)]).unwrap();
     let client = c.add_pod(PodSpec::new("client", "legacy", 0)).unwrap();
     let server = c
         .add_pod(PodSpec::new("server", "mesh", 1).service_account("server"))

@@ -23,17 +23,14 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 #[test]
 fn the_hbone_endpoint_refuses_everything_but_its_own_pod() {
-    let mut c = Cluster::new(2).unwrap();
-    c.add_namespace("mesh", true).unwrap();
-    c.add_namespace("legacy", false).unwrap();
+    let mut c = Cluster::with_namespaces(2, &[("mesh", true), ("legacy", false)]).unwrap();
     let attacker = c.add_pod(PodSpec::new("attacker", "legacy", 0)).unwrap();
     let server = c
         .add_pod(PodSpec::new("server", "mesh", 1).service_account("server"))
         .unwrap();
     let neighbour = c.add_pod(PodSpec::new("neighbour", "mesh", 1)).unwrap();
     let far = c.add_pod(PodSpec::new("far", "mesh", 0)).unwrap();
-    c.start_agent(0).unwrap();
-    c.start_agent(1).unwrap();
+    c.start_agents().unwrap();
     for pod in [&server, &neighbour, &far] {
         c.wait_captured(pod, true).unwrap();
     }

@@ -8,13 +8,10 @@ use podlink_tests::{Capture, Cluster, PodSpec, app, contains_bytes};
 
 #[test]
 fn plaintext_from_outside_the_mesh_is_captured_at_the_destination() {
-    let mut c = Cluster::new(2).unwrap();
-    c.add_namespace("mesh", true).unwrap();
-    c.add_namespace("legacy", false).unwrap();
+    let mut c = Cluster::with_namespaces(2, &[("mesh", true), ("legacy", false)]).unwrap();
     let client = c.add_pod(PodSpec::new("outsider", "legacy", 0)).unwrap();
     let server = c.add_pod(PodSpec::new("server", "mesh", 1)).unwrap();
-    c.start_agent(0).unwrap();
-    c.start_agent(1).unwrap();
+    c.start_agents().unwrap();
     c.wait_captured(&server, true).unwrap();
     assert!(!c.is_captured(&client).unwrap());
     let _echo = app::EchoServer::start(&server.netns, server.addr(9000)).unwrap();

@@ -8,8 +8,7 @@ use podlink_tests::{Cluster, PodSpec, app};
 
 #[test]
 fn malformed_manifests_are_reported_and_tolerated() {
-    let mut c = Cluster::new(1).unwrap();
-    c.add_namespace("mesh", true).unwrap();
+    let mut c = Cluster::with_namespaces(1, &[("mesh", true)]).unwrap();
     let a = c.add_pod(PodSpec::new("a", "mesh", 0)).unwrap();
     c.start_agent(0).unwrap();
     c.wait_captured(&a, true).unwrap();

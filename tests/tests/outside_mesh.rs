@@ -7,13 +7,10 @@ use podlink_tests::{Capture, Cluster, PodSpec, app, contains_bytes};
 
 #[test]
 fn outside_the_mesh_destinations_get_plain_tcp_from_the_pod_address() {
-    let mut c = Cluster::new(2).unwrap();
-    c.add_namespace("mesh", true).unwrap();
-    c.add_namespace("legacy", false).unwrap();
+    let mut c = Cluster::with_namespaces(2, &[("mesh", true), ("legacy", false)]).unwrap();
     let client = c.add_pod(PodSpec::new("client", "mesh", 0)).unwrap();
     let server = c.add_pod(PodSpec::new("plain", "legacy", 1)).unwrap();
-    c.start_agent(0).unwrap();
-    c.start_agent(1).unwrap();
+    c.start_agents().unwrap();
     c.wait_captured(&client, true).unwrap();
     let _echo = app::EchoServer::start(&server.netns, server.addr(5432)).unwrap();
 

@@ -8,13 +8,11 @@ use podlink_tests::{Cluster, PodSpec, app};
 
 #[test]
 fn same_node_traffic_goes_through_the_proxy_without_a_tunnel() {
-    let mut c = Cluster::new(1).unwrap();
-    c.add_namespace("mesh", true).unwrap();
+    let mut c = Cluster::with_namespaces(1, &[("mesh", true)]).unwrap();
     let client = c.add_pod(PodSpec::new("a", "mesh", 0)).unwrap();
     let server = c.add_pod(PodSpec::new("b", "mesh", 0)).unwrap();
     c.start_agent(0).unwrap();
-    c.wait_captured(&client, true).unwrap();
-    c.wait_captured(&server, true).unwrap();
+    c.wait_all_captured(&[&client, &server]).unwrap();
     let echo = app::EchoServer::start(&server.netns, server.addr(7000)).unwrap();
 
     for i in 0..3 {
