@@ -4,6 +4,7 @@
 #![warn(missing_docs)]
 
 pub mod agent;
+pub mod authz;
 pub mod dataplane;
 pub mod identity;
 pub mod proxy;
