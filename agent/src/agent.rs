@@ -30,6 +30,7 @@ use podlink_common::{
 use tokio::signal::unix::{SignalKind, signal};
 
 use crate::{
+    authz::PolicySet,
     dataplane::{CapturedPod, Dataplane, DataplaneConfig, Removal, net},
     identity::{CertManager, ca::CertificateAuthority},
     proxy::{self, Listeners, ProxyConfig, ProxyState},
@@ -52,6 +53,8 @@ pub struct AgentConfig {
     pub pin_dir: PathBuf,
     /// SPIFFE trust domain of the mesh.
     pub trust_domain: String,
+    /// Namespace whose authorization policies apply mesh-wide (`istio-system`).
+    pub root_namespace: String,
     /// Lifetime of workload certificates; they are reissued at half of it.
     pub cert_lifetime: Duration,
     /// Let enrolled pods' outbound connections pass uncaptured while no proxy listens.
@@ -139,6 +142,9 @@ pub async fn run(cfg: AgentConfig) -> Result<()> {
     let mut reconciler = Reconciler {
         node: cfg.node.clone(),
         trust_domain: cfg.trust_domain.clone(),
+        root_namespace: cfg.root_namespace.clone(),
+        policies: Arc::new(PolicySet::default()),
+        noted: HashSet::new(),
         dataplane,
         workload_ids: HashMap::new(),
         next_id: 1,
@@ -177,7 +183,11 @@ pub async fn run(cfg: AgentConfig) -> Result<()> {
         unsettled = rescan.unsettled;
         // Reconcile on a change, on retries, and on resyncs (routes and the node's
         // addresses may have changed).
-        if rescan.changed || reconciler.pending_retry.is_some() || resync {
+        if rescan.changed
+            || !rescan.errors.is_empty()
+            || reconciler.pending_retry.is_some()
+            || resync
+        {
             tokio::task::block_in_place(|| {
                 reconciler.plan(&state);
                 reconciler.apply(removal(&source));
@@ -205,6 +215,11 @@ fn removal(source: &ManifestDir) -> Removal {
 struct Reconciler {
     node: String,
     trust_domain: String,
+    root_namespace: String,
+    /// The authorization policies as last read.
+    policies: Arc<PolicySet>,
+    /// Policy notes already logged (`namespace/name: note`), each logged once.
+    noted: HashSet<String>,
     dataplane: Dataplane,
     /// Stable numbers of workloads (`namespace/name`) for the pods map.
     workload_ids: HashMap<String, u32>,
@@ -229,7 +244,8 @@ impl Reconciler {
         for error in &rescan.errors {
             tracing::warn!("manifest refused: {error}");
         }
-        if rescan.changed || self.index.node().is_empty() {
+        let first = self.index.node().is_empty();
+        if rescan.changed || first {
             let (index, warnings) = WorkloadIndex::build(
                 &self.node,
                 &self.trust_domain,
@@ -241,7 +257,42 @@ impl Reconciler {
             }
             self.index = Arc::new(index);
         }
+        // A file that breaks may make the policies unknown without changing any
+        // object.
+        if rescan.changed || !rescan.errors.is_empty() || first {
+            self.policies = Arc::new(self.policy_set(source));
+        }
         rescan
+    }
+
+    /// The policies of the manifests; all requests are denied while a broken file
+    /// may hold some. Notes on how a policy is enforced at layer 4 are logged once.
+    fn policy_set(&mut self, source: &ManifestDir) -> PolicySet {
+        let (mut set, warnings) =
+            PolicySet::build(&self.root_namespace, source.policies().cloned());
+        for warning in warnings {
+            tracing::warn!("{warning}");
+        }
+        let mut noted = HashSet::new();
+        for policy in set.policies() {
+            for note in &policy.notes {
+                let key = format!("{policy}: {note}");
+                if !self.noted.contains(&key) {
+                    tracing::warn!(policy = %policy, "AuthorizationPolicy {policy}: {note}");
+                }
+                noted.insert(key);
+            }
+        }
+        self.noted = noted;
+        if let Some(error) = source.policies_unknown() {
+            tracing::error!(
+                "authorization policies cannot be known while {} is broken ({}): every inbound connection to this node's pods is denied until it is fixed",
+                error.file.display(),
+                error.message
+            );
+            set.deny_all_unknown(format!("{} is broken", error.file.display()));
+        }
+        set
     }
 
     /// Decides which pods to capture (their host veths) and hands the proxy the
@@ -257,8 +308,15 @@ impl Reconciler {
         }
         let captured: HashSet<IpAddr> = self.wanted.iter().map(|p| IpAddr::V4(p.ipv4)).collect();
         let view = state.view();
-        if !Arc::ptr_eq(&view.workloads, &self.index) || *view.captured != captured {
-            state.update(self.index.clone(), Arc::new(captured));
+        if !Arc::ptr_eq(&view.workloads, &self.index)
+            || !Arc::ptr_eq(&view.policies, &self.policies)
+            || *view.captured != captured
+        {
+            state.update(
+                self.index.clone(),
+                Arc::new(captured),
+                self.policies.clone(),
+            );
             // Certificates are only needed for this node's enrolled workloads.
             let local: HashSet<_> = self
                 .index

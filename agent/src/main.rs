@@ -6,6 +6,7 @@ use anyhow::Result;
 use clap::{Args, Parser, Subcommand};
 use podlink_agent::{
     agent::{self, AgentConfig},
+    authz::DEFAULT_ROOT_NAMESPACE,
     identity::{DEFAULT_TRUST_DOMAIN, ca},
 };
 use tracing_subscriber::EnvFilter;
@@ -27,7 +28,7 @@ struct Cli {
 #[derive(Subcommand)]
 enum Command {
     /// Run the node agent in this node's network namespace.
-    Agent(AgentArgs),
+    Agent(Box<AgentArgs>),
     /// Certificate authority tools.
     Ca {
         #[command(subcommand)]
@@ -50,7 +51,8 @@ struct AgentArgs {
     /// This node's name, as in the pods' spec.nodeName.
     #[arg(long)]
     node: String,
-    /// Directory of Pod and Namespace manifests (YAML), watched for changes.
+    /// Directory of Pod, Namespace and AuthorizationPolicy manifests (YAML),
+    /// watched for changes.
     #[arg(long)]
     manifests: PathBuf,
     /// Directory holding ca.crt and ca.key.
@@ -62,6 +64,9 @@ struct AgentArgs {
     /// SPIFFE trust domain of the mesh.
     #[arg(long, default_value = DEFAULT_TRUST_DOMAIN)]
     trust_domain: String,
+    /// Namespace whose AuthorizationPolicies apply to the whole mesh.
+    #[arg(long, default_value = DEFAULT_ROOT_NAMESPACE)]
+    root_namespace: String,
     /// Lifetime of workload certificates (renewed at half of it), e.g. 24h, 90m.
     #[arg(long, default_value = "24h", value_parser = humantime::parse_duration)]
     cert_lifetime: Duration,
@@ -102,6 +107,7 @@ fn main() -> Result<()> {
             Ok(())
         }
         Command::Agent(args) => {
+            let args = *args;
             let runtime = tokio::runtime::Builder::new_multi_thread()
                 .enable_all()
                 .build()?;
@@ -111,6 +117,7 @@ fn main() -> Result<()> {
                 ca_dir: args.ca_dir,
                 pin_dir: args.pin_dir,
                 trust_domain: args.trust_domain,
+                root_namespace: args.root_namespace,
                 cert_lifetime: args.cert_lifetime,
                 fail_open: args.fail_open,
                 excluded_cidrs: args.excluded_cidrs,

@@ -464,6 +464,18 @@ status:
         write_atomically(&self.pod_manifest_path(pod), &text)
     }
 
+    /// Writes `text` as manifest file `file` (replacing it by rename, as a
+    /// ConfigMap update does).
+    pub fn write_manifest(&self, file: &str, text: &str) -> Result<()> {
+        write_atomically(&self.manifests.join(file), text)
+    }
+
+    /// Removes manifest file `file`.
+    pub fn remove_manifest(&self, file: &str) -> Result<()> {
+        let path = self.manifests.join(file);
+        fs::remove_file(&path).with_context(|| format!("removing {}", path.display()))
+    }
+
     /// Replaces a pod's labels (rewrites its manifest by rename).
     pub fn set_pod_labels(&mut self, name: &str, labels: BTreeMap<String, String>) -> Result<Pod> {
         let pod = self.pods.get_mut(name).context("no such pod")?;

@@ -25,9 +25,12 @@ use super::{
     hbone::{self, H2Stream},
     socket,
 };
-use crate::identity::{
-    SpiffeId,
-    tls::{ALPN_H2, peer_identity},
+use crate::{
+    authz,
+    identity::{
+        SpiffeId,
+        tls::{ALPN_H2, peer_identity},
+    },
 };
 
 /// Time allowed for the TLS and HTTP/2 handshakes.
@@ -205,6 +208,22 @@ async fn serve_stream(
     if source.is_none() {
         tracing::info!(%peer, %client, "client address does not belong to the client's identity; not preserving it");
     }
+    let access = authz::Request {
+        source_ip: peer.ip(),
+        source: Some(&client),
+        destination_ip: target.ip(),
+        destination_port: target.port(),
+    };
+    if !state.authorize(&view, &access, "HBONE stream") {
+        // The denial is logged (at a bounded rate) and counted; 401 as ztunnel
+        // answers it.
+        let response = Response::builder()
+            .status(StatusCode::UNAUTHORIZED)
+            .body(())
+            .expect("a status-only response");
+        let _ = respond.send_response(response, true);
+        return;
+    }
     drop(view);
     let Some(_slot) = state.connection_slot() else {
         return refuse(
@@ -237,7 +256,7 @@ async fn serve_stream(
     let mut stream = H2Stream::new(send, req.into_body());
     let result = tokio::select! {
         result = copy::bidirectional(&mut upstream, &mut stream) => result,
-        () = state.unenrolled(pod_ip) => Err(std::io::Error::other("the pod left the mesh")),
+        why = state.revoked(&access, "HBONE stream") => Err(std::io::Error::other(why)),
         // The HBONE connection is gone: nothing can reach the client any more.
         _ = alive.changed() => Err(std::io::Error::other("the HBONE connection closed")),
     };

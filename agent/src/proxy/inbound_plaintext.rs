@@ -1,11 +1,13 @@
 //! Plain connections to an enrolled pod on this node from outside the mesh
-//! (listener 15006).
+//! (listener 15006). Authorization policies apply with no source principal; a
+//! denied connection is reset.
 
 use std::{net::SocketAddr, sync::Arc, time::Instant};
 
 use tokio::net::TcpStream;
 
 use super::{ProxyState, copy, socket};
+use crate::authz::Request;
 
 /// Handles one connection from `src` to the pod address `dst`.
 pub async fn handle(state: Arc<ProxyState>, mut tcp: TcpStream, src: SocketAddr, dst: SocketAddr) {
@@ -15,6 +17,16 @@ pub async fn handle(state: Arc<ProxyState>, mut tcp: TcpStream, src: SocketAddr,
         socket::reset_on_close(&tcp);
         return;
     };
+    let req = Request {
+        source_ip: src.ip(),
+        source: None,
+        destination_ip: dst.ip(),
+        destination_port: dst.port(),
+    };
+    if !state.authorize(&state.view(), &req, "plaintext connection") {
+        socket::reset_on_close(&tcp);
+        return;
+    }
     // The client's address is what the network delivered: keep it.
     let proxy = async {
         let mut upstream = tokio::time::timeout(
@@ -27,7 +39,7 @@ pub async fn handle(state: Arc<ProxyState>, mut tcp: TcpStream, src: SocketAddr,
     };
     let result = tokio::select! {
         result = proxy => result,
-        () = state.unenrolled(dst.ip()) => Err(std::io::Error::other("the pod left the mesh")),
+        why = state.revoked(&req, "plaintext connection") => Err(std::io::Error::other(why)),
     };
     match result {
         Ok((sent, received)) => tracing::debug!(

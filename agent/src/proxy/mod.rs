@@ -33,6 +33,7 @@ use tokio::{
 };
 
 use crate::{
+    authz::{Denial, PolicySet, Request},
     identity::CertManager,
     workload::{Workload, WorkloadIndex},
 };
@@ -65,6 +66,8 @@ pub struct View {
     pub workloads: Arc<WorkloadIndex>,
     /// Addresses of the pods captured on this node.
     pub captured: Arc<HashSet<IpAddr>>,
+    /// The authorization policies of the mesh.
+    pub policies: Arc<PolicySet>,
 }
 
 impl View {
@@ -76,6 +79,46 @@ impl View {
             .local_enrolled(ip)
             .filter(|_| self.captured.contains(&ip))
     }
+
+    /// Checks `req` against the policies that apply to its destination, an
+    /// enrolled pod of this node (denied when it is not one any more). AUDIT
+    /// policies that match are logged when `audit` is set.
+    pub fn authorize(&self, req: &Request<'_>, audit: bool) -> Result<(), Denial> {
+        let Some(destination) = self.local_pod(req.destination_ip) else {
+            return Err(Denial::Unknown(format!(
+                "{} is not an enrolled pod of this node",
+                req.destination_ip
+            )));
+        };
+        let decision = self
+            .policies
+            .evaluate(&destination.namespace, &destination.labels, req);
+        for policy in decision.audited.iter().filter(|_| audit) {
+            tracing::info!(
+                policy = %policy,
+                source_ip = %req.source_ip,
+                source = %req.source.map_or("(plaintext)".to_string(), ToString::to_string),
+                destination = %destination.key(),
+                destination_port = req.destination_port,
+                "AUDIT policy matched"
+            );
+        }
+        decision.denied_by().map_or(Ok(()), |d| Err(d.clone()))
+    }
+}
+
+/// A connection as access and denial logs name it: `source (identity) -> pod:port`.
+pub fn describe(req: &Request<'_>, view: &View) -> String {
+    let source = req
+        .source
+        .map_or_else(|| "plaintext".to_string(), ToString::to_string);
+    let destination = view
+        .local_pod(req.destination_ip)
+        .map_or_else(|| req.destination_ip.to_string(), |w| w.key());
+    format!(
+        "{} ({source}) to {destination} port {}",
+        req.source_ip, req.destination_port
+    )
 }
 
 /// What every connection handler reads.
@@ -91,6 +134,10 @@ pub struct ProxyState {
     /// holds a socket or two): bounds the file descriptors clients can make the
     /// proxy hold.
     connections: Arc<Semaphore>,
+    /// Connections denied, by the policy that denied them ([`Denial::policy`]).
+    denials: std::sync::Mutex<std::collections::BTreeMap<String, u64>>,
+    /// Denials logged at a bounded rate.
+    denial_log: RateLimited,
 }
 
 /// Warnings given at most [`RateLimited::BURST`] times a second; the next one
@@ -134,7 +181,65 @@ impl ProxyState {
             pool: pool::Pool::default(),
             view: watch::Sender::new(View::default()),
             connections: Arc::new(Semaphore::new(config.max_connections)),
+            denials: Default::default(),
+            denial_log: RateLimited::default(),
             config,
+        }
+    }
+
+    /// Authorizes `req` with the current policies; counts and logs a denial with
+    /// the policy that made it (`what` names the kind of connection).
+    pub fn authorize(&self, view: &View, req: &Request<'_>, what: &str) -> bool {
+        match view.authorize(req, true) {
+            Ok(()) => true,
+            Err(denial) => {
+                self.denied(&denial, &describe(req, view), what);
+                false
+            }
+        }
+    }
+
+    /// Counts and logs a denial.
+    fn denied(&self, denial: &Denial, connection: &str, what: &str) {
+        let total = {
+            let mut denials = self.denials.lock().expect("denials lock");
+            let n = denials.entry(denial.policy().to_string()).or_default();
+            *n += 1;
+            *n
+        };
+        self.denial_log.warn(|n| {
+            format!("{what} from {connection} denied: {denial} ({total} denied by it so far; {n} denials since the last such line)")
+        });
+    }
+
+    /// Connections denied so far, by policy (`namespace/name`, or
+    /// `allow-policies` when no ALLOW policy matched, or `unknown-policies`).
+    pub fn denials(&self) -> Vec<(String, u64)> {
+        let denials = self.denials.lock().expect("denials lock");
+        denials.iter().map(|(k, v)| (k.clone(), *v)).collect()
+    }
+
+    /// Resolves, with the reason, once the pod at `req.destination_ip` leaves the
+    /// mesh or the policies (or the pod's labels) change so that `req` is denied;
+    /// such a denial is counted and logged. Open connections do not outlive the
+    /// permission they were made with.
+    pub async fn revoked(&self, req: &Request<'_>, what: &str) -> String {
+        let mut rx = self.view.subscribe();
+        loop {
+            {
+                let view = rx.borrow_and_update();
+                if view.local_pod(req.destination_ip).is_none() {
+                    return "the pod left the mesh".into();
+                }
+                if let Err(denial) = view.authorize(req, false) {
+                    let connection = describe(req, &view);
+                    self.denied(&denial, &connection, what);
+                    return format!("closed: {denial}");
+                }
+            }
+            if rx.changed().await.is_err() {
+                std::future::pending::<()>().await;
+            }
         }
     }
 
@@ -149,15 +254,22 @@ impl ProxyState {
         self.view.borrow().clone()
     }
 
-    /// Replaces the workloads and the captured addresses. Pooled HBONE connections
+    /// Replaces the workloads, the captured addresses and the policies (open
+    /// connections are checked again, see [`ProxyState::revoked`]). Pooled HBONE connections
     /// of pods that are no longer captured here are released, and such pods'
     /// connections are closed (see [`ProxyState::unenrolled`]): without capture
     /// their packets no longer reach the proxy, so those connections could only
     /// linger half-broken.
-    pub fn update(&self, workloads: Arc<WorkloadIndex>, captured: Arc<HashSet<IpAddr>>) {
+    pub fn update(
+        &self,
+        workloads: Arc<WorkloadIndex>,
+        captured: Arc<HashSet<IpAddr>>,
+        policies: Arc<PolicySet>,
+    ) {
         let view = View {
             workloads,
             captured,
+            policies,
         };
         self.pool.retain(|key| view.local_pod(key.src_ip).is_some());
         self.view.send_replace(view);

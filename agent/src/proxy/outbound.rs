@@ -5,7 +5,7 @@ use std::{net::SocketAddr, sync::Arc, time::Instant};
 use tokio::net::TcpStream;
 
 use super::{ProxyState, copy, pool::PoolKey, socket};
-use crate::workload::Workload;
+use crate::{authz::Request, workload::Workload};
 
 /// Where a captured outbound connection goes.
 enum Route {
@@ -56,11 +56,37 @@ pub async fn handle(state: Arc<ProxyState>, mut tcp: TcpStream, src: SocketAddr,
         }
         None => Route::Passthrough,
     };
+    // Between two pods of this node there is no inbound proxy hop: the
+    // destination's policies are checked here, with the source pod's identity
+    // (its address is its own: the programs drop spoofed packets).
+    let local = matches!(route, Route::Local).then(|| Request {
+        source_ip: src.ip(),
+        source: Some(&source.identity),
+        destination_ip: dst.ip(),
+        destination_port: dst.port(),
+    });
+    if let Some(req) = &local
+        && !state.authorize(&view, req, "connection between pods of this node")
+    {
+        socket::reset_on_close(&tcp);
+        return;
+    }
     drop(view);
     let route_name = route.name();
+    let revoked = async {
+        match &local {
+            Some(req) => {
+                state
+                    .revoked(req, "connection between pods of this node")
+                    .await
+            }
+            None => std::future::pending().await,
+        }
+    };
     let result = tokio::select! {
         result = proxy(&state, &mut tcp, route, &source, src, dst) => result,
         () = state.unenrolled(src.ip()) => Err(std::io::Error::other("the pod left the mesh")),
+        why = revoked => Err(std::io::Error::other(why)),
     };
     match result {
         Ok((sent, received)) => tracing::debug!(

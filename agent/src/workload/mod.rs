@@ -90,6 +90,8 @@ pub struct Workload {
     pub enrollment: Enrollment,
     /// `metadata.deletionTimestamp` is set: the pod is shutting down.
     pub terminating: bool,
+    /// `metadata.labels` (what authorization policy selectors match).
+    pub labels: BTreeMap<String, String>,
     /// The workload's SPIFFE ID.
     #[serde(serialize_with = "serialize_display")]
     pub identity: SpiffeId,
@@ -204,6 +206,7 @@ impl WorkloadIndex {
                 enrollment: enrollment(pod, namespaces.get(namespace.as_str()).copied()),
                 node: spec.and_then(|s| s.node_name.clone()),
                 terminating: pod.metadata.deletion_timestamp.is_some(),
+                labels: pod.metadata.labels.clone().unwrap_or_default(),
                 ips: pod_ips(pod),
                 namespace,
                 name,

@@ -2,7 +2,8 @@
 //!
 //! Every `*.yaml`, `*.yml` and `*.json` file in the directory (not its
 //! subdirectories; hidden files are skipped) is read as a multi-document YAML
-//! stream. Documents of kind `Pod` and `Namespace` (API version `v1`) are used,
+//! stream. Documents of kind `Pod` and `Namespace` (API version `v1`) and
+//! `AuthorizationPolicy` (`security.istio.io/v1` or `v1beta1`) are used,
 //! `List` documents are unpacked, and other kinds are ignored. A file that fails to
 //! parse is reported with its path, the line and what is wrong; the objects it held
 //! before keep being used until it is fixed. A changed (or removed) file is applied
@@ -19,11 +20,14 @@ use std::{
     fs,
     os::unix::fs::MetadataExt,
     path::{Path, PathBuf},
+    sync::Arc,
     time::{Duration, Instant},
 };
 
 use k8s_openapi::api::core::v1::{Namespace, Pod};
 use notify::Watcher;
+
+use crate::authz::Policy;
 use tokio::sync::mpsc;
 
 mod parse;
@@ -79,6 +83,8 @@ struct FileState {
     /// Whether `objects` came from a successful parse (not just the empty default
     /// of a file that was broken when first seen).
     good: bool,
+    /// Whether the version read names `AuthorizationPolicy`.
+    mentions_policy: bool,
 }
 
 /// A change seen but not applied yet: the file's new version (`None`: gone) and
@@ -252,6 +258,7 @@ impl ManifestDir {
                         objects: Objects::default(),
                         error: None,
                         good: false,
+                        mentions_policy: false,
                     });
                     state.stamp = Stamp::default();
                     if state.error.as_ref() != Some(&error) {
@@ -269,13 +276,17 @@ impl ManifestDir {
                 rescan.unsettled = true;
                 continue;
             }
+            let mut mentions_policy = false;
             let result = read_manifest(&path)
                 .map_err(|message| ManifestError {
                     file: path.clone(),
                     line: 0,
                     message,
                 })
-                .and_then(|text| parse(&path, &text));
+                .and_then(|text| {
+                    mentions_policy = text.contains("AuthorizationPolicy");
+                    parse(&path, &text)
+                });
             match result {
                 Ok(objects) => {
                     self.files.insert(
@@ -285,6 +296,7 @@ impl ManifestDir {
                             objects,
                             error: None,
                             good: true,
+                            mentions_policy,
                         },
                     );
                     rescan.changed = true;
@@ -305,6 +317,7 @@ impl ManifestDir {
                             objects,
                             error: Some(error),
                             good,
+                            mentions_policy,
                         },
                     );
                 }
@@ -338,6 +351,21 @@ impl ManifestDir {
     /// All namespaces of all files.
     pub fn namespaces(&self) -> impl Iterator<Item = &Namespace> {
         self.files.values().flat_map(|f| &f.objects.namespaces)
+    }
+
+    /// All authorization policies of all files.
+    pub fn policies(&self) -> impl Iterator<Item = &Arc<Policy>> {
+        self.files.values().flat_map(|f| &f.objects.policies)
+    }
+
+    /// A file that is broken, has no good version, and names `AuthorizationPolicy`:
+    /// the policies it holds are unknown, so the proxy must not guess that they
+    /// allow. Returns the first such file's error.
+    pub fn policies_unknown(&self) -> Option<&ManifestError> {
+        self.files
+            .values()
+            .find(|f| !f.good && f.mentions_policy)
+            .and_then(|f| f.error.as_ref())
     }
 
     /// Files whose current version has a problem.

@@ -1,14 +1,21 @@
-//! Parsing manifest files: multi-document YAML, `Pod`, `Namespace` and `List`
-//! documents, and the checks the enrollment and the proxy rely on.
+//! Parsing manifest files: multi-document YAML, `Pod`, `Namespace`,
+//! `AuthorizationPolicy` and `List` documents, and the checks the enrollment and
+//! the proxy rely on.
 
 use std::{
     fmt,
     net::IpAddr,
     path::{Path, PathBuf},
+    sync::Arc,
 };
 
 use k8s_openapi::api::core::v1::{Namespace, Pod};
 use serde_yaml_ng::Value;
+
+use crate::authz::{Policy, spec::AuthorizationPolicy};
+
+/// API versions of `AuthorizationPolicy` read (the same schema).
+const SECURITY_API_VERSIONS: [&str; 2] = ["security.istio.io/v1", "security.istio.io/v1beta1"];
 
 /// A manifest problem: file, 1-based line, and what is wrong.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -36,6 +43,8 @@ pub struct Objects {
     pub pods: Vec<Pod>,
     /// Namespaces, in file order.
     pub namespaces: Vec<Namespace>,
+    /// Authorization policies, compiled, in file order.
+    pub policies: Vec<Arc<Policy>>,
 }
 
 /// Splits a YAML stream into documents at `---` lines; returns each document's
@@ -167,9 +176,42 @@ pub fn parse(file: &Path, text: &str) -> Result<Objects, ManifestError> {
                             check_namespace(&ns).map_err(item_err)?;
                             objects.namespaces.push(ns);
                         }
+                        Some("AuthorizationPolicy")
+                            if item
+                                .get("apiVersion")
+                                .and_then(Value::as_str)
+                                .is_some_and(|v| SECURITY_API_VERSIONS.contains(&v)) =>
+                        {
+                            let policy: AuthorizationPolicy =
+                                serde_yaml_ng::from_value(item.clone())
+                                    .map_err(|e| item_err(e.to_string()))?;
+                            let policy = Policy::compile(&policy).map_err(&item_err)?;
+                            check_policy(&policy).map_err(&item_err)?;
+                            objects.policies.push(Arc::new(policy));
+                        }
                         _ => {}
                     }
                 }
+            }
+            (Some(version), Some("AuthorizationPolicy"))
+                if SECURITY_API_VERSIONS.contains(&version) =>
+            {
+                let policy: AuthorizationPolicy =
+                    serde_yaml_ng::from_str(&doc).map_err(yaml_err)?;
+                let policy = Policy::compile(&policy).map_err(|m| err(start, m))?;
+                check_policy(&policy).map_err(|m| err(start, m))?;
+                objects.policies.push(Arc::new(policy));
+            }
+            (Some(version), Some("AuthorizationPolicy"))
+                if version.starts_with("security.istio.io/") =>
+            {
+                return Err(err(
+                    start,
+                    format!(
+                        "AuthorizationPolicy has apiVersion {version:?}; podlink reads {}",
+                        SECURITY_API_VERSIONS.join(" and ")
+                    ),
+                ));
             }
             (Some(version), Some(kind @ ("Pod" | "Namespace" | "List"))) => {
                 return Err(err(
@@ -177,7 +219,7 @@ pub fn parse(file: &Path, text: &str) -> Result<Objects, ManifestError> {
                     format!("{kind} has apiVersion {version:?}; podlink reads apiVersion v1"),
                 ));
             }
-            // Other kinds (Services, policies, …) are not read yet.
+            // Other kinds (Services, …) are not read yet.
             _ => {}
         }
     }
@@ -209,6 +251,17 @@ fn check_namespace(ns: &Namespace) -> Result<(), String> {
     }
     if !is_dns1123_label(name) {
         return Err(format!("Namespace name {name:?} is not a DNS-1123 label"));
+    }
+    Ok(())
+}
+
+fn check_policy(policy: &Policy) -> Result<(), String> {
+    let who = format!("AuthorizationPolicy {policy}");
+    if !is_dns1123_subdomain(&policy.name) {
+        return Err(format!("{who}: metadata.name is not a DNS-1123 subdomain"));
+    }
+    if !is_dns1123_label(&policy.namespace) {
+        return Err(format!("{who}: metadata.namespace is not a DNS-1123 label"));
     }
     Ok(())
 }
@@ -323,6 +376,36 @@ mod tests {
         let no_name = POD.replace("  name: web\n", "");
         let err = parse(Path::new("n.yaml"), &no_name).unwrap_err();
         assert!(err.message.contains("no metadata.name"), "{err}");
+    }
+
+    #[test]
+    fn authorization_policies() {
+        let text = "apiVersion: security.istio.io/v1\nkind: AuthorizationPolicy\nmetadata: {name: allow-front, namespace: shop}\nspec:\n  rules: [{from: [{source: {namespaces: [shop]}}]}]\n---\napiVersion: security.istio.io/v1beta1\nkind: AuthorizationPolicy\nmetadata: {name: nothing, namespace: shop}\nspec: {}\n";
+        let objects = parse(Path::new("p.yaml"), text).unwrap();
+        let names: Vec<String> = objects.policies.iter().map(|p| p.to_string()).collect();
+        assert_eq!(names, ["shop/allow-front", "shop/nothing"]);
+
+        // Errors name the file, the document's line, the policy and the field.
+        let bad = text.replace("namespaces: [shop]", "ipBlocks: [nonsense]");
+        let err = parse(Path::new("p.yaml"), &bad).unwrap_err();
+        assert_eq!(err.line, 1);
+        assert!(
+            err.to_string().contains("AuthorizationPolicy shop/allow-front: spec.rules[0].from[0].source.ipBlocks: \"nonsense\""),
+            "{err}"
+        );
+        let typo = text.replace("rules:", "rule:");
+        let err = parse(Path::new("p.yaml"), &typo).unwrap_err();
+        assert!(err.message.contains("unknown field `rule`"), "{err}");
+        let alpha = text.replace("security.istio.io/v1beta1", "security.istio.io/v1alpha9");
+        let err = parse(Path::new("p.yaml"), &alpha).unwrap_err();
+        assert_eq!(err.line, 7);
+        assert!(
+            err.message
+                .contains("apiVersion \"security.istio.io/v1alpha9\""),
+            "{err}"
+        );
+        let list = "apiVersion: v1\nkind: List\nitems:\n- apiVersion: security.istio.io/v1\n  kind: AuthorizationPolicy\n  metadata: {name: a, namespace: b}\n  spec: {action: DENY}\n";
+        assert_eq!(parse(Path::new("l.yaml"), list).unwrap().policies.len(), 1);
     }
 
     #[test]

@@ -1,0 +1,256 @@
+//! Istio AuthorizationPolicy between pods of the test bed: ALLOW, DENY and AUDIT
+//! policies written to the manifests directory are enforced on inbound HBONE
+//! (401), inbound plaintext (reset) and connections between pods of one node;
+//! open connections are closed when a policy comes to deny them; a broken policy
+//! file denies everything until it is fixed.
+
+use std::{
+    net::SocketAddr,
+    time::{Duration, Instant},
+};
+
+use http::StatusCode;
+use podlink_agent::identity::SpiffeId;
+use podlink_tests::{Cluster, Pod, PodSpec, app};
+
+mod common;
+use common::{attempt, credentials};
+
+/// Whether one exchange from `from` to `dst` goes through and is echoed.
+fn allowed(from: &Pod, dst: SocketAddr) -> bool {
+    let payload = format!("hello from {}", from.name).into_bytes();
+    app::exchange(&from.netns, dst, &payload).is_ok_and(|ex| ex.echoed == payload)
+}
+
+/// Waits until `from` → `dst` is `allowed` (the agents apply a changed manifest
+/// within a fraction of a second); fails with both agents' logs otherwise.
+fn wait_until(c: &Cluster, from: &Pod, dst: SocketAddr, want: bool) {
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while allowed(from, dst) != want {
+        assert!(
+            Instant::now() < deadline,
+            "{} -> {dst} never became {}\nnode1:\n{}\nnode2:\n{}",
+            from.name,
+            if want { "allowed" } else { "denied" },
+            c.agent_log(0),
+            c.agent_log(1)
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+/// Denials are logged at a bounded rate: makes denied attempts from `from` to
+/// `dst` until node 2's agent has logged `needle`.
+fn wait_denial_logged(c: &Cluster, from: &Pod, dst: SocketAddr, needle: &str) {
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while !c.agent_log(1).contains(needle) {
+        assert!(!allowed(from, dst), "{} -> {dst} is allowed", from.name);
+        assert!(
+            Instant::now() < deadline,
+            "{needle:?} never logged:\n{}",
+            c.agent_log(1)
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    }
+}
+
+fn check(c: &Cluster, cases: &[(&Pod, SocketAddr, bool)]) {
+    for (from, dst, want) in cases {
+        assert_eq!(
+            allowed(from, *dst),
+            *want,
+            "{} -> {dst}\nnode2:\n{}",
+            from.name,
+            c.agent_log(1)
+        );
+    }
+}
+
+const WEB_ALLOW: &str = "apiVersion: security.istio.io/v1
+kind: AuthorizationPolicy
+metadata: {name: web-allow, namespace: shop}
+spec:
+  selector: {matchLabels: {app: web}}
+  action: ALLOW
+  rules:
+  - from: [{source: {namespaces: [shop]}}]
+    to: [{operation: {ports: [\"8080\"]}}]
+  - from: [{source: {namespaces: [bank]}}]
+    to: [{operation: {methods: [GET]}}]
+";
+
+const DENY_FRONT: &str = "apiVersion: security.istio.io/v1
+kind: AuthorizationPolicy
+metadata: {name: deny-front, namespace: shop}
+spec:
+  action: DENY
+  rules: [{from: [{source: {principals: [cluster.local/ns/shop/sa/front]}}]}]
+";
+
+const AUDIT: &str = "apiVersion: security.istio.io/v1
+kind: AuthorizationPolicy
+metadata: {name: audit-shop, namespace: shop}
+spec:
+  action: AUDIT
+  rules: [{from: [{source: {namespaces: [shop]}}]}]
+";
+
+const REQUIRE_MTLS: &str = "apiVersion: security.istio.io/v1
+kind: AuthorizationPolicy
+metadata: {name: require-mtls, namespace: istio-system}
+spec:
+  action: DENY
+  rules: [{from: [{source: {notPrincipals: [\"*\"]}}]}]
+";
+
+#[test]
+fn allow_deny_and_audit_policies_between_pods() {
+    let mut c =
+        Cluster::with_namespaces(2, &[("shop", true), ("bank", true), ("outside", false)]).unwrap();
+    let web = c
+        .add_pod(
+            PodSpec::new("web", "shop", 1)
+                .service_account("web")
+                .label("app", "web"),
+        )
+        .unwrap();
+    let near = c
+        .add_pod(PodSpec::new("near", "shop", 1).service_account("near"))
+        .unwrap();
+    let front = c
+        .add_pod(PodSpec::new("front", "shop", 0).service_account("front"))
+        .unwrap();
+    let teller = c
+        .add_pod(PodSpec::new("teller", "bank", 0).service_account("teller"))
+        .unwrap();
+    let plain = c.add_pod(PodSpec::new("plain", "outside", 0)).unwrap();
+    c.start_agents().unwrap();
+    c.wait_all_captured(&[&web, &near, &front, &teller])
+        .unwrap();
+    let _http = app::EchoServer::start(&web.netns, web.addr(8080)).unwrap();
+    let _admin = app::EchoServer::start(&web.netns, web.addr(9090)).unwrap();
+    let (http, admin) = (web.addr(8080), web.addr(9090));
+
+    // No policy: everyone gets through.
+    check(
+        &c,
+        &[
+            (&front, http, true),
+            (&teller, http, true),
+            (&plain, http, true),
+            (&near, http, true),
+        ],
+    );
+
+    // ALLOW from namespace shop to port 8080; the rule for bank needs a method,
+    // which a layer-4 proxy cannot see, so it never matches.
+    c.write_manifest("policy-web-allow.yaml", WEB_ALLOW)
+        .unwrap();
+    wait_until(&c, &teller, http, false);
+    check(
+        &c,
+        &[
+            (&front, http, true),
+            (&front, admin, false),
+            // Between pods of one node, with no HBONE hop.
+            (&near, http, true),
+            (&near, admin, false),
+            // Plaintext has no namespace.
+            (&plain, http, false),
+        ],
+    );
+    wait_denial_logged(
+        &c,
+        &teller,
+        http,
+        "denied: no ALLOW policy matched (policies shop/web-allow)",
+    );
+    // A denied HBONE stream gets 401, an allowed one 200 (a client speaking HBONE
+    // itself, from outside the mesh, with a shop and a bank identity).
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let web_id = SpiffeId::new("cluster.local", "shop", "web");
+    for (ns, sa, want) in [
+        ("bank", "teller", StatusCode::UNAUTHORIZED),
+        ("shop", "front", StatusCode::OK),
+    ] {
+        let (key, roots) = credentials(&c.ca_dir, &SpiffeId::new("cluster.local", ns, sa));
+        let status = rt
+            .block_on(attempt(
+                &plain.netns,
+                web.addr(15008),
+                key,
+                roots,
+                web_id.clone(),
+                http,
+            ))
+            .unwrap();
+        assert_eq!(status, want, "{ns}/{sa}");
+    }
+
+    // DENY wins over ALLOW, and closes the open connections it denies.
+    let mut open = app::connect(&front.netns, http, Duration::from_secs(5)).unwrap();
+    app::read_greeting(&open).unwrap();
+    assert_eq!(app::echo_round(&mut open, b"before").unwrap(), b"before");
+    c.write_manifest("policy-deny-front.yaml", DENY_FRONT)
+        .unwrap();
+    wait_until(&c, &front, http, false);
+    assert!(
+        app::echo_round(&mut open, b"after").is_err(),
+        "a connection the policy now denies stays open"
+    );
+    check(&c, &[(&near, http, true)]);
+    wait_denial_logged(&c, &front, http, "denied: denied by policy shop/deny-front");
+    let log = c.agent_log(1);
+    assert!(
+        log.contains("inbound HBONE stream failed: closed: denied by policy shop/deny-front"),
+        "{log}"
+    );
+
+    // AUDIT reports and changes nothing.
+    c.write_manifest("policy-audit.yaml", AUDIT).unwrap();
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while !c
+        .agent_log(1)
+        .lines()
+        .any(|l| l.contains("AUDIT policy matched") && l.contains("shop/audit-shop"))
+    {
+        assert!(allowed(&near, http), "AUDIT changed an outcome");
+        assert!(Instant::now() < deadline, "{}", c.agent_log(1));
+        std::thread::sleep(Duration::from_millis(100));
+    }
+
+    // Mesh-wide (root namespace): refuse plaintext, allow any mTLS client.
+    for file in [
+        "policy-web-allow.yaml",
+        "policy-deny-front.yaml",
+        "policy-audit.yaml",
+    ] {
+        c.remove_manifest(file).unwrap();
+    }
+    c.write_manifest("policy-require-mtls.yaml", REQUIRE_MTLS)
+        .unwrap();
+    wait_until(&c, &front, http, true);
+    wait_until(&c, &plain, http, false);
+    check(&c, &[(&teller, admin, true), (&near, admin, true)]);
+
+    // The note about the unenforceable method rule was logged once.
+    let log = c.agent_log(1);
+    let notes = log
+        .matches("rules[1].to[0].operation: methods cannot be seen by a layer-4 proxy")
+        .count();
+    assert_eq!(notes, 1, "{log}");
+
+    // A policy file broken from the start: its policies are unknown, so nothing
+    // is allowed until it is fixed.
+    c.write_manifest(
+        "policy-broken.yaml",
+        "apiVersion: security.istio.io/v1\nkind: AuthorizationPolicy\nmetadata: {name: x, namespace: shop}\nspec: {action: ALLOWW}\n",
+    )
+    .unwrap();
+    wait_until(&c, &front, http, false);
+    wait_denial_logged(&c, &front, http, "denied: authorization policies unknown");
+    let log = c.agent_log(1);
+    assert!(log.contains("spec.action \"ALLOWW\""), "{log}");
+    c.remove_manifest("policy-broken.yaml").unwrap();
+    wait_until(&c, &front, http, true);
+}
