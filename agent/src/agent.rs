@@ -30,6 +30,7 @@ use podlink_common::{
 use tokio::signal::unix::{SignalKind, signal};
 
 use crate::{
+    admin,
     authz::PolicySet,
     dataplane::{CapturedPod, Dataplane, DataplaneConfig, Removal, net},
     identity::{CertManager, ca::CertificateAuthority},
@@ -55,6 +56,8 @@ pub struct AgentConfig {
     pub trust_domain: String,
     /// Namespace whose authorization policies apply mesh-wide (`istio-system`).
     pub root_namespace: String,
+    /// Address of the admin endpoint (`/config_dump`), loopback.
+    pub admin_address: std::net::SocketAddr,
     /// Lifetime of workload certificates; they are reissued at half of it.
     pub cert_lifetime: Duration,
     /// Let enrolled pods' outbound connections pass uncaptured while no proxy listens.
@@ -114,6 +117,9 @@ pub async fn run(cfg: AgentConfig) -> Result<()> {
         connect_timeout: cfg.connect_timeout,
     };
     let listeners = Listeners::bind(&proxy_config)?;
+    let admin_listener = admin::bind(cfg.admin_address)
+        .await
+        .with_context(|| format!("binding the admin endpoint {}", cfg.admin_address))?;
     net::install_policy_routing(
         REDIRECT_MARK,
         REDIRECT_MARK_MASK,
@@ -157,6 +163,7 @@ pub async fn run(cfg: AgentConfig) -> Result<()> {
     reconciler.publish(&mut source);
     reconciler.plan(&state);
     let proxy = tokio::spawn(proxy::serve(state.clone(), listeners));
+    let admin = tokio::spawn(admin::serve(admin_listener, state.clone()));
     tokio::task::block_in_place(|| reconciler.apply(removal(&source)));
     tracing::info!(node = %cfg.node, pin_dir = %cfg.pin_dir.display(), "agent running");
 
@@ -198,6 +205,7 @@ pub async fn run(cfg: AgentConfig) -> Result<()> {
         "stopping; links and maps stay pinned, enrolled pods fail closed until an agent is back"
     );
     proxy.abort();
+    admin.abort();
     Ok(())
 }
 

@@ -3,6 +3,7 @@
 
 #![warn(missing_docs)]
 
+pub mod admin;
 pub mod agent;
 pub mod authz;
 pub mod dataplane;

@@ -5,6 +5,7 @@ use std::{path::PathBuf, time::Duration};
 use anyhow::Result;
 use clap::{Args, Parser, Subcommand};
 use podlink_agent::{
+    admin::DEFAULT_ADMIN_ADDRESS,
     agent::{self, AgentConfig},
     authz::DEFAULT_ROOT_NAMESPACE,
     identity::{DEFAULT_TRUST_DOMAIN, ca},
@@ -64,6 +65,9 @@ struct AgentArgs {
     /// SPIFFE trust domain of the mesh.
     #[arg(long, default_value = DEFAULT_TRUST_DOMAIN)]
     trust_domain: String,
+    /// Admin endpoint (GET /config_dump); keep it on loopback.
+    #[arg(long, default_value = DEFAULT_ADMIN_ADDRESS)]
+    admin_address: std::net::SocketAddr,
     /// Namespace whose AuthorizationPolicies apply to the whole mesh.
     #[arg(long, default_value = DEFAULT_ROOT_NAMESPACE)]
     root_namespace: String,
@@ -118,6 +122,7 @@ fn main() -> Result<()> {
                 pin_dir: args.pin_dir,
                 trust_domain: args.trust_domain,
                 root_namespace: args.root_namespace,
+                admin_address: args.admin_address,
                 cert_lifetime: args.cert_lifetime,
                 fail_open: args.fail_open,
                 excluded_cidrs: args.excluded_cidrs,

@@ -464,6 +464,40 @@ status:
         write_atomically(&self.pod_manifest_path(pod), &text)
     }
 
+    /// `GET path` on node `node`'s admin endpoint (127.0.0.1:15000 in the node's
+    /// namespace): the status code and the body.
+    pub fn admin_get(&self, node: usize, path: &str) -> Result<(u16, String)> {
+        use std::io::{Read, Write};
+        let request =
+            format!("GET {path} HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n");
+        let response = netns::in_netns(&self.nodes[node].netns, move || {
+            let mut s = std::net::TcpStream::connect(("127.0.0.1", 15000))?;
+            s.set_read_timeout(Some(Duration::from_secs(10)))?;
+            s.write_all(request.as_bytes())?;
+            let mut text = String::new();
+            s.read_to_string(&mut text)?;
+            Ok(text)
+        })?;
+        let (head, body) = response
+            .split_once("\r\n\r\n")
+            .ok_or_else(|| anyhow!("no HTTP header in {response:?}"))?;
+        let status = head
+            .split_whitespace()
+            .nth(1)
+            .and_then(|s| s.parse().ok())
+            .ok_or_else(|| anyhow!("no status in {head:?}"))?;
+        Ok((status, body.to_string()))
+    }
+
+    /// Node `node`'s `/config_dump`, parsed.
+    pub fn config_dump(&self, node: usize) -> Result<Value> {
+        let (status, body) = self.admin_get(node, "/config_dump")?;
+        if status != 200 {
+            bail!("/config_dump answered {status}: {body}");
+        }
+        serde_json::from_str(&body).with_context(|| format!("/config_dump is not JSON: {body}"))
+    }
+
     /// Writes `text` as manifest file `file` (replacing it by rename, as a
     /// ConfigMap update does).
     pub fn write_manifest(&self, file: &str, text: &str) -> Result<()> {

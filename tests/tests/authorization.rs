@@ -165,6 +165,38 @@ fn allow_deny_and_audit_policies_between_pods() {
         http,
         "denied: no ALLOW policy matched (policies shop/web-allow)",
     );
+    // The config dump shows the policy, its scope, what layer 4 cannot enforce,
+    // and the denials counted.
+    let dump = c.config_dump(1).unwrap();
+    let policy = &dump["policies"]["items"][0];
+    assert_eq!(policy["name"], "web-allow", "{dump:#}");
+    assert_eq!(policy["action"], "ALLOW");
+    assert_eq!(policy["scope"]["selector"]["namespace"], "shop", "{dump:#}");
+    assert_eq!(
+        policy["scope"]["selector"]["labels"]["app"], "web",
+        "{dump:#}"
+    );
+    let notes = policy["notes"].as_array().unwrap();
+    assert!(
+        notes.len() == 1
+            && notes[0]
+                .as_str()
+                .unwrap()
+                .contains("methods cannot be seen"),
+        "{dump:#}"
+    );
+    assert!(
+        dump["denials"]["allow-policies"].as_u64().unwrap() >= 1,
+        "{dump:#}"
+    );
+    let web_entry = dump["workloads"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|w| w["name"] == "web")
+        .unwrap();
+    assert_eq!(web_entry["captured"], true, "{dump:#}");
+    assert_eq!(c.admin_get(1, "/nothing").unwrap().0, 404);
     // A denied HBONE stream gets 401, an allowed one 200 (a client speaking HBONE
     // itself, from outside the mesh, with a shop and a bank identity).
     let rt = tokio::runtime::Runtime::new().unwrap();

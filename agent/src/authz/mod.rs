@@ -711,6 +711,16 @@ impl PolicySet {
         self.unknown = Some(reason);
     }
 
+    /// Why every request is denied, when the policies cannot be known.
+    pub fn unknown(&self) -> Option<&str> {
+        self.unknown.as_deref()
+    }
+
+    /// The namespace whose policies apply mesh-wide.
+    pub fn root_namespace(&self) -> &str {
+        &self.root_namespace
+    }
+
     /// The policies.
     pub fn policies(&self) -> impl Iterator<Item = &Arc<Policy>> {
         self.policies.iter()
