@@ -199,7 +199,7 @@ impl Pool {
                 source,
             })?;
         socket::set_liveness(&tcp);
-        let config = certs.client_config(&key.src_id, &key.dst_id)?;
+        let config = certs.client_config(&key.src_id, &key.dst_id).await?;
         let tls = TlsConnector::from(config)
             .connect(ServerName::IpAddress(key.dst.ip().into()), tcp)
             .await
