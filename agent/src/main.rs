@@ -30,7 +30,7 @@ struct Cli {
 #[derive(Subcommand)]
 enum Command {
     /// Run the node agent in this node's network namespace.
-    Agent(AgentArgs),
+    Agent(Box<AgentArgs>),
     /// Certificate authority tools.
     Ca {
         #[command(subcommand)]
@@ -130,6 +130,7 @@ fn main() -> Result<()> {
             Ok(())
         }
         Command::Agent(args) => {
+            let args = *args;
             let runtime = tokio::runtime::Builder::new_multi_thread()
                 .enable_all()
                 .build()?;

@@ -204,7 +204,7 @@ pub fn parse_ca_bundle(path: &Path, pem: &[u8]) -> Result<Vec<CertificateDer<'st
         .collect::<Result<_, _>>()
         .map_err(|e| CaError::Invalid {
             path: path.to_path_buf(),
-            what: format!("malformed PEM: {e}"),
+            what: format!("malformed PEM: {}", pem_error(&e)),
         })?;
     if certs.is_empty() {
         return Err(CaError::NoCertificate {
@@ -218,6 +218,21 @@ pub fn parse_ca_bundle(path: &Path, pem: &[u8]) -> Result<Vec<CertificateDer<'st
         })?;
     }
     Ok(certs)
+}
+
+/// A PEM error in words (rustls-pki-types prints the missing marker as bytes).
+pub(crate) fn pem_error(e: &rustls_pki_types::pem::Error) -> String {
+    use rustls_pki_types::pem::Error;
+    match e {
+        Error::MissingSectionEnd { end_marker } => format!(
+            "the section {:?} has no END line (truncated?)",
+            String::from_utf8_lossy(end_marker)
+        ),
+        Error::IllegalSectionStart { line } => {
+            format!("illegal BEGIN line {:?}", String::from_utf8_lossy(line))
+        }
+        other => other.to_string(),
+    }
 }
 
 impl CertificateAuthority {

@@ -374,7 +374,13 @@ pub fn check_chain(
     for (i, entry) in entries.iter().enumerate() {
         let certs: Vec<CertificateDer<'static>> = CertificateDer::pem_slice_iter(entry.as_bytes())
             .collect::<Result<_, _>>()
-            .map_err(|e| format!("cert_chain entry {}: malformed PEM: {e}", i + 1))?;
+            .map_err(|e| {
+                format!(
+                    "cert_chain entry {}: malformed PEM: {}",
+                    i + 1,
+                    super::ca::pem_error(&e)
+                )
+            })?;
         if certs.is_empty() {
             return Err(format!(
                 "cert_chain entry {} holds no PEM certificate",
@@ -475,7 +481,7 @@ mod tests {
         let (csr, key) = make_csr(&id("web")).unwrap();
         let leaf = ca.sign(&csr);
         let (chain, _) = check_chain(
-            &[leaf.clone()],
+            std::slice::from_ref(&leaf),
             &id("web"),
             &key,
             &ca.roots(),

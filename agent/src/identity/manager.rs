@@ -397,13 +397,15 @@ impl CertManager {
             };
             match previous.filter(|p| SystemTime::now() < p.not_after) {
                 Some(previous) => tracing::warn!(
-                    "renewing the workload certificate of {} failed ({count} in a row); keeping the current one, valid until {}; retrying in {retry_in:.1?}: {e}",
+                    "renewing the workload certificate of {} failed ({count} in a row); keeping the current one, valid until {}; retrying in {:.1} s: {e}",
                     slot.id,
                     rfc3339(previous.not_after),
+                    retry_in.as_secs_f64(),
                 ),
                 None => tracing::warn!(
-                    "issuing the workload certificate of {} failed ({count} in a row); retrying in {retry_in:.1?}: {e}",
+                    "issuing the workload certificate of {} failed ({count} in a row); retrying in {:.1} s: {e}",
                     slot.id,
+                    retry_in.as_secs_f64(),
                 ),
             }
         }
