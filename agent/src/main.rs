@@ -74,7 +74,7 @@ struct AgentArgs {
     /// With --ca-address: PEM bundle of the mesh's root certificates; verifies the
     /// CA server and the issued certificates, and is the trust bundle of HBONE.
     /// Watched and reloaded like ca.crt.
-    #[arg(long, value_name = "PATH")]
+    #[arg(long, value_name = "PATH", requires = "ca_address")]
     ca_root_cert: Option<PathBuf>,
     /// With --ca-address: the node agent's token, sent as a bearer token (read on
     /// every request).
