@@ -9,7 +9,9 @@
 //!                  "captured": bool}],
 //!   "policies": {"root_namespace", "unknown": null | "why",
 //!                "items": [{"namespace", "name", "action", "scope", "notes"}]},
-//!   "denials": {"<namespace>/<name>" | "allow-policies" | "unknown-policies": count}
+//!   "denials": {"<namespace>/<name>" | "allow-policies" | "unknown-policies": count},
+//!   "certificates": [{"identity", "state": "issued" | "pending",
+//!                     "not_after", "renew_at" (RFC 3339, UTC)}]
 //! }
 //! ```
 //!
@@ -121,8 +123,30 @@ pub fn config_dump(state: &ProxyState) -> Value {
         .into_iter()
         .map(|(k, v)| (k, json!(v)))
         .collect();
+    // This node's enrolled workload identities and their certificates.
+    let mut identities: Vec<_> = view
+        .workloads
+        .workloads()
+        .filter(|w| w.ips.iter().any(|ip| view.local_pod(*ip).is_some()))
+        .map(|w| w.identity.clone())
+        .collect();
+    identities.sort();
+    identities.dedup();
+    let certificates: Vec<Value> = identities
+        .iter()
+        .map(|id| {
+            let cert = state.certs.cached(id);
+            json!({
+                "identity": id.to_string(),
+                "state": if cert.is_some() { "issued" } else { "pending" },
+                "not_after": cert.as_ref().map(|c| humantime::format_rfc3339_seconds(c.not_after).to_string()),
+                "renew_at": cert.as_ref().map(|c| humantime::format_rfc3339_seconds(c.renew_at).to_string()),
+            })
+        })
+        .collect();
     json!({
         "node": view.workloads.node(),
+        "certificates": certificates,
         "workloads": workloads,
         "policies": {
             "root_namespace": root,

@@ -33,7 +33,10 @@ use crate::{
     admin,
     authz::PolicySet,
     dataplane::{CapturedPod, Dataplane, DataplaneConfig, Removal, net},
-    identity::{CertManager, ca::CertificateAuthority},
+    identity::{
+        CertManager, CertSource,
+        istio_ca::{IstioCaClient, IstioCaConfig},
+    },
     proxy::{self, Listeners, ProxyConfig, ProxyState},
     workload::{
         WorkloadIndex,
@@ -48,8 +51,11 @@ pub struct AgentConfig {
     pub node: String,
     /// Directory of Pod and Namespace manifests, watched for changes.
     pub manifests: PathBuf,
-    /// Directory holding `ca.crt` and `ca.key`.
-    pub ca_dir: PathBuf,
+    /// Directory holding `ca.crt` and `ca.key` (the local CA; watched, reloaded on
+    /// change). Not used with `istio_ca`.
+    pub ca_dir: Option<PathBuf>,
+    /// Get workload certificates from an Istio CA instead of the local one.
+    pub istio_ca: Option<IstioCaConfig>,
     /// Where maps and links are pinned (a bpffs is mounted there if needed).
     pub pin_dir: PathBuf,
     /// SPIFFE trust domain of the mesh.
@@ -99,8 +105,25 @@ const PENDING_RETRY_MAX: Duration = Duration::from_secs(5);
 /// Start-up failures (CA, listeners, programs, manifests directory); once running,
 /// problems with single pods or files are logged and the agent keeps going.
 pub async fn run(cfg: AgentConfig) -> Result<()> {
-    let ca = CertificateAuthority::load(&cfg.ca_dir).context("loading the CA")?;
-    let certs = CertManager::new(ca, &cfg.trust_domain, cfg.cert_lifetime)?;
+    let source = match (&cfg.istio_ca, &cfg.ca_dir) {
+        (Some(istio), _) => CertSource::Istio(IstioCaClient::new(istio.clone())?),
+        (None, Some(dir)) => CertSource::Local { dir: dir.clone() },
+        (None, None) => anyhow::bail!("no CA: give a CA directory or an Istio CA address"),
+    };
+    let described = source.describe();
+    let certs = CertManager::new(source, &cfg.trust_domain, cfg.cert_lifetime)
+        .with_context(|| format!("loading the trust of the {described}"))?;
+    tracing::info!(
+        ca = %described,
+        trust_anchors = certs.roots().len(),
+        cert_lifetime = %humantime::format_duration(cfg.cert_lifetime),
+        "workload certificates"
+    );
+    // Renewal and CA reloads, in the background.
+    let cert_maintenance = tokio::spawn({
+        let certs = certs.clone();
+        async move { certs.run().await }
+    });
     let nofile = raise_nofile_limit();
     // Each proxied connection holds two descriptors; leave room for the agent's own.
     let max_connections = cfg
@@ -136,6 +159,19 @@ pub async fn run(cfg: AgentConfig) -> Result<()> {
         excluded_ports: cfg.excluded_ports.clone(),
     })?;
     let state = Arc::new(ProxyState::new(proxy_config, certs));
+    // After a CA change, new HBONE connections are made with the reissued
+    // certificates and the new trust: pooled ones are released (their open
+    // streams finish), so that none outlives the trust it was verified under.
+    let pool_release = tokio::spawn({
+        let state = state.clone();
+        let mut changes = state.certs.ca_changes();
+        async move {
+            while changes.changed().await.is_ok() {
+                state.pool.retain(|_| false);
+                tracing::info!("CA changed: pooled HBONE connections released");
+            }
+        }
+    });
 
     let mut source = ManifestDir::new(&cfg.manifests).with_context(|| {
         format!(
@@ -206,6 +242,8 @@ pub async fn run(cfg: AgentConfig) -> Result<()> {
     );
     proxy.abort();
     admin.abort();
+    cert_maintenance.abort();
+    pool_release.abort();
     Ok(())
 }
 
@@ -333,6 +371,7 @@ impl Reconciler {
                 .map(|w| w.identity.clone())
                 .collect();
             state.certs.retain(|id| local.contains(id));
+            state.certs.prefetch(local);
         }
     }
 

@@ -8,7 +8,10 @@ use podlink_agent::{
     admin::DEFAULT_ADMIN_ADDRESS,
     agent::{self, AgentConfig},
     authz::DEFAULT_ROOT_NAMESPACE,
-    identity::{DEFAULT_TRUST_DOMAIN, ca},
+    identity::{
+        DEFAULT_TRUST_DOMAIN, ca,
+        istio_ca::{DEFAULT_CLUSTER_ID, DEFAULT_TOKEN_FILE, IstioCaConfig},
+    },
 };
 use tracing_subscriber::EnvFilter;
 
@@ -56,9 +59,33 @@ struct AgentArgs {
     /// watched for changes.
     #[arg(long)]
     manifests: PathBuf,
-    /// Directory holding ca.crt and ca.key.
-    #[arg(long)]
-    ca_dir: PathBuf,
+    /// Directory holding ca.crt (the signing CA certificate first, then further
+    /// trust anchors) and ca.key. Watched: a change is checked and put in force
+    /// (every workload certificate reissued) or refused with an error, the CA in
+    /// force staying.
+    #[arg(
+        long,
+        required_unless_present = "ca_address",
+        conflicts_with = "ca_address"
+    )]
+    ca_dir: Option<PathBuf>,
+    /// Get workload certificates from an Istio CA (istiod) at this https://host:port
+    /// instead: a CSR per local workload identity to
+    /// IstioCertificateService/CreateCertificate.
+    #[arg(long, value_name = "URL", requires = "ca_root_cert")]
+    ca_address: Option<String>,
+    /// With --ca-address: PEM bundle of the mesh's root certificates; verifies the
+    /// CA server and the issued certificates, and is the trust bundle of HBONE.
+    /// Watched and reloaded like ca.crt.
+    #[arg(long, value_name = "PATH", requires = "ca_address")]
+    ca_root_cert: Option<PathBuf>,
+    /// With --ca-address: the node agent's token, sent as a bearer token (read on
+    /// every request).
+    #[arg(long, value_name = "PATH", default_value = DEFAULT_TOKEN_FILE)]
+    ca_token_file: PathBuf,
+    /// With --ca-address: the cluster ID sent to the CA (ClusterID header).
+    #[arg(long, default_value = DEFAULT_CLUSTER_ID)]
+    cluster_id: String,
     /// Where maps and links are pinned (on a bpffs; one is mounted if needed).
     #[arg(long, default_value = "/sys/fs/bpf/podlink")]
     pin_dir: PathBuf,
@@ -71,7 +98,8 @@ struct AgentArgs {
     /// Namespace whose AuthorizationPolicies apply to the whole mesh.
     #[arg(long, default_value = DEFAULT_ROOT_NAMESPACE)]
     root_namespace: String,
-    /// Lifetime of workload certificates (renewed at half of it), e.g. 24h, 90m.
+    /// Lifetime of workload certificates (renewed in the background at half of
+    /// it), e.g. 24h, 90m.
     #[arg(long, default_value = "24h", value_parser = humantime::parse_duration)]
     cert_lifetime: Duration,
     /// Time allowed to connect upstream, e.g. 10s.
@@ -119,6 +147,12 @@ fn main() -> Result<()> {
                 node: args.node,
                 manifests: args.manifests,
                 ca_dir: args.ca_dir,
+                istio_ca: args.ca_address.map(|address| IstioCaConfig {
+                    address,
+                    root_cert: args.ca_root_cert.expect("clap requires --ca-root-cert"),
+                    token_file: args.ca_token_file,
+                    cluster_id: args.cluster_id,
+                }),
                 pin_dir: args.pin_dir,
                 trust_domain: args.trust_domain,
                 root_namespace: args.root_namespace,

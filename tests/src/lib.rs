@@ -16,6 +16,7 @@
 //! everything is removed on drop, and by [`netns::cleanup`] on a signal.
 
 pub mod app;
+pub mod ca_double;
 mod capture;
 pub mod netns;
 
@@ -565,6 +566,37 @@ status:
         }
     }
 
+    /// Waits (up to `limit`) until a node agent's log has `count` lines containing
+    /// all of `needles`; returns the log, or fails with it. For events that happen
+    /// more than once (CA reloads), or later than [`Cluster::wait_log`] waits
+    /// (retries with backoff).
+    pub fn wait_log_lines(
+        &self,
+        node: usize,
+        needles: &[&str],
+        count: usize,
+        limit: Duration,
+    ) -> Result<String> {
+        let deadline = Instant::now() + limit;
+        loop {
+            let log = self.agent_log(node);
+            let found = log
+                .lines()
+                .filter(|line| needles.iter().all(|n| line.contains(n)))
+                .count();
+            if found >= count {
+                return Ok(log);
+            }
+            if Instant::now() > deadline {
+                bail!(
+                    "the agent log of node {} has {found} lines with all of {needles:?}, not {count}:\n{log}",
+                    node + 1
+                );
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
     /// Starts `podlink agent` in node `node`'s namespace and waits until it runs.
     pub fn start_agent(&mut self, node: usize) -> Result<()> {
         self.start_agent_with(node, &[])
@@ -589,10 +621,15 @@ status:
             ])
             .arg("--manifests")
             .arg(&self.manifests)
-            .arg("--ca-dir")
-            .arg(&self.ca_dir)
             .arg("--pin-dir")
             .arg(&n.pin_dir)
+            // The test bed's CA, unless the agent is to use an Istio CA.
+            .args(
+                (!extra.contains(&"--ca-address"))
+                    .then(|| ["--ca-dir".as_ref(), self.ca_dir.as_os_str()])
+                    .into_iter()
+                    .flatten(),
+            )
             .args(extra)
             .stdout(log.try_clone()?)
             .stderr(log)
@@ -621,6 +658,23 @@ status:
             }
             std::thread::sleep(Duration::from_millis(50));
         }
+    }
+
+    /// Gives the underlay namespace's bridge the address `10.100.0.<host>`, where
+    /// a service outside the nodes (an Istio CA, as istiod would be) can listen:
+    /// every node reaches it over its `eth0`.
+    pub fn add_underlay_host(&self, host: u8) -> Result<Ipv4Addr> {
+        let addr = Ipv4Addr::new(10, 100, 0, host);
+        ip(&[
+            "-n",
+            &self.underlay,
+            "addr",
+            "add",
+            &format!("{addr}/24"),
+            "dev",
+            "br0",
+        ])?;
+        Ok(addr)
     }
 
     /// The process id of a node's running agent.

@@ -196,6 +196,14 @@ fn allow_deny_and_audit_policies_between_pods() {
         .find(|w| w["name"] == "web")
         .unwrap();
     assert_eq!(web_entry["captured"], true, "{dump:#}");
+    let cert = dump["certificates"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|c| c["identity"] == "spiffe://cluster.local/ns/shop/sa/web")
+        .unwrap_or_else(|| panic!("{dump:#}"));
+    assert_eq!(cert["state"], "issued", "{dump:#}");
+    assert!(cert["not_after"].as_str().unwrap() > cert["renew_at"].as_str().unwrap());
     assert_eq!(c.admin_get(1, "/nothing").unwrap().0, 404);
     // A denied HBONE stream gets 401, an allowed one 200 (a client speaking HBONE
     // itself, from outside the mesh, with a shop and a bank identity).

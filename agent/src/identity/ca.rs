@@ -185,6 +185,56 @@ fn write_private(path: &Path, bytes: &[u8]) -> Result<(), CaError> {
     f.write_all(bytes).map_err(err)
 }
 
+/// Reads a file whole, naming it on failure.
+pub(crate) fn read_file(path: &Path) -> Result<Vec<u8>, CaError> {
+    fs::read(path).map_err(|source| CaError::Read {
+        path: path.to_path_buf(),
+        source,
+    })
+}
+
+/// Parses a PEM bundle of CA certificates (`ca.crt`, or an Istio root bundle read
+/// from `path`): at least one certificate, each a CA certificate valid now.
+///
+/// # Errors
+/// [`CaError::NoCertificate`] or [`CaError::Invalid`], naming `path` and, for a
+/// certificate that is not usable, its position in the file (from 1).
+pub fn parse_ca_bundle(path: &Path, pem: &[u8]) -> Result<Vec<CertificateDer<'static>>, CaError> {
+    let certs: Vec<CertificateDer<'static>> = CertificateDer::pem_slice_iter(pem)
+        .collect::<Result<_, _>>()
+        .map_err(|e| CaError::Invalid {
+            path: path.to_path_buf(),
+            what: format!("malformed PEM: {}", pem_error(&e)),
+        })?;
+    if certs.is_empty() {
+        return Err(CaError::NoCertificate {
+            path: path.to_path_buf(),
+        });
+    }
+    for (i, der) in certs.iter().enumerate() {
+        check_ca_certificate(der).map_err(|what| CaError::Invalid {
+            path: path.to_path_buf(),
+            what: format!("certificate {}: {what}", i + 1),
+        })?;
+    }
+    Ok(certs)
+}
+
+/// A PEM error in words (rustls-pki-types prints the missing marker as bytes).
+pub(crate) fn pem_error(e: &rustls_pki_types::pem::Error) -> String {
+    use rustls_pki_types::pem::Error;
+    match e {
+        Error::MissingSectionEnd { end_marker } => format!(
+            "the section {:?} has no END line (truncated?)",
+            String::from_utf8_lossy(end_marker)
+        ),
+        Error::IllegalSectionStart { line } => {
+            format!("illegal BEGIN line {:?}", String::from_utf8_lossy(line))
+        }
+        other => other.to_string(),
+    }
+}
+
 impl CertificateAuthority {
     /// Loads `ca.crt` and `ca.key` from `dir`.
     ///
@@ -195,45 +245,43 @@ impl CertificateAuthority {
     pub fn load(dir: &Path) -> Result<Self, CaError> {
         let cert_path = dir.join(CA_CERT_FILE);
         let key_path = dir.join(CA_KEY_FILE);
-        let read = |path: &Path| {
-            fs::read_to_string(path).map_err(|source| CaError::Read {
-                path: path.to_path_buf(),
-                source,
-            })
-        };
-        let cert_pem = read(&cert_path)?;
-        let key_pem = read(&key_path)?;
+        let cert_pem = read_file(&cert_path)?;
+        let key_pem = read_file(&key_path)?;
+        Self::from_pem(&cert_path, &cert_pem, &key_path, &key_pem)
+    }
+
+    /// A CA from the contents of its certificate bundle (`ca.crt`: the signing CA
+    /// certificate first, then further trust anchors, all PEM) and of its PKCS #8
+    /// key (`ca.key`, PEM). The paths only name the files in errors.
+    ///
+    /// # Errors
+    /// As [`CertificateAuthority::load`].
+    pub fn from_pem(
+        cert_path: &Path,
+        cert_pem: &[u8],
+        key_path: &Path,
+        key_pem: &[u8],
+    ) -> Result<Self, CaError> {
         let invalid = |path: &Path, what: String| CaError::Invalid {
             path: path.to_path_buf(),
             what,
         };
-        let certs: Vec<CertificateDer<'static>> =
-            CertificateDer::pem_slice_iter(cert_pem.as_bytes())
-                .collect::<Result<_, _>>()
-                .map_err(|e| invalid(&cert_path, format!("malformed PEM: {e}")))?;
-        let Some(first) = certs.first().cloned() else {
-            return Err(CaError::NoCertificate { path: cert_path });
-        };
-        for (i, der) in certs.iter().enumerate() {
-            check_ca_certificate(der)
-                .map_err(|what| invalid(&cert_path, format!("certificate {}: {what}", i + 1)))?;
-        }
-        let key = KeyPair::from_pem(&key_pem)
-            .map_err(|e| invalid(&key_path, format!("not a PKCS #8 private key: {e}")))?;
+        let certs = parse_ca_bundle(cert_path, cert_pem)?;
+        let first = certs[0].clone();
+        let key_text = std::str::from_utf8(key_pem)
+            .map_err(|_| invalid(key_path, "not PEM text (not UTF-8)".into()))?;
+        let key = KeyPair::from_pem(key_text)
+            .map_err(|e| invalid(key_path, format!("not a PKCS #8 private key: {e}")))?;
         let (_, parsed) = X509Certificate::from_der(&first)
-            .map_err(|e| invalid(&cert_path, format!("malformed certificate: {e}")))?;
+            .map_err(|e| invalid(cert_path, format!("malformed certificate: {e}")))?;
         if parsed.public_key().subject_public_key.data.as_ref() != key.public_key_raw() {
             return Err(CaError::KeyMismatch {
-                key: key_path,
-                cert: cert_path,
+                key: key_path.to_path_buf(),
+                cert: cert_path.to_path_buf(),
             });
         }
-        let issuer = Issuer::from_ca_cert_der(&first, key).map_err(|e| {
-            invalid(
-                &cert_path,
-                format!("cannot sign with this certificate: {e}"),
-            )
-        })?;
+        let issuer = Issuer::from_ca_cert_der(&first, key)
+            .map_err(|e| invalid(cert_path, format!("cannot sign with this certificate: {e}")))?;
         Ok(Self {
             issuer,
             cert: first,

@@ -51,7 +51,7 @@ pub async fn handle(state: Arc<ProxyState>, tcp: TcpStream, peer: SocketAddr, lo
         tracing::info!(%peer, %local, "HBONE connection to an address that is not an enrolled pod of this node; closed");
         return;
     };
-    let identity = match state.certs.identity(&destination.identity) {
+    let identity = match state.certs.identity(&destination.identity).await {
         Ok(identity) => identity,
         Err(e) => {
             tracing::warn!(%peer, destination = %destination.key(), "no certificate to present: {e}");

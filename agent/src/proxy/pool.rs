@@ -192,6 +192,7 @@ impl Pool {
     }
 
     async fn dial(key: &PoolKey, certs: &CertManager, mark: u32) -> Result<Connection, HboneError> {
+        let config = certs.client_config(&key.src_id, &key.dst_id).await?;
         let tcp = socket::connect(Some(key.src_ip), key.dst, mark)
             .await
             .map_err(|source| HboneError::Connect {
@@ -199,7 +200,6 @@ impl Pool {
                 source,
             })?;
         socket::set_liveness(&tcp);
-        let config = certs.client_config(&key.src_id, &key.dst_id)?;
         let tls = TlsConnector::from(config)
             .connect(ServerName::IpAddress(key.dst.ip().into()), tcp)
             .await
