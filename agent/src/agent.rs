@@ -264,7 +264,7 @@ struct Reconciler {
     root_namespace: String,
     /// The authorization policies as last read.
     policies: Arc<PolicySet>,
-    /// Policy notes already logged (`namespace/name: note`), each logged once.
+    /// Policy warnings and notes already logged, each logged once while it holds.
     noted: HashSet<String>,
     dataplane: Dataplane,
     /// Stable numbers of workloads (`namespace/name`) for the pods map.
@@ -316,28 +316,40 @@ impl Reconciler {
     fn policy_set(&mut self, source: &ManifestDir) -> PolicySet {
         let (mut set, warnings) =
             PolicySet::build(&self.root_namespace, source.policies().cloned());
-        for warning in warnings {
-            tracing::warn!("{warning}");
-        }
+        // Each message is logged once, while it holds.
         let mut noted = HashSet::new();
-        for policy in set.policies() {
-            for note in &policy.notes {
-                let key = format!("{policy}: {note}");
-                if !self.noted.contains(&key) {
-                    tracing::warn!(policy = %policy, "AuthorizationPolicy {policy}: {note}");
+        let note = |noted: &mut HashSet<String>, message: String, error: bool| {
+            if !self.noted.contains(&message) {
+                if error {
+                    tracing::error!("{message}");
+                } else {
+                    tracing::warn!("{message}");
                 }
-                noted.insert(key);
+            }
+            noted.insert(message);
+        };
+        for warning in warnings {
+            note(&mut noted, warning, false);
+        }
+        for policy in set.policies() {
+            for n in &policy.notes {
+                note(
+                    &mut noted,
+                    format!("AuthorizationPolicy {policy}: {n}"),
+                    false,
+                );
             }
         }
-        self.noted = noted;
         if let Some(error) = source.policies_unknown() {
-            tracing::error!(
+            let message = format!(
                 "authorization policies cannot be known while {} is broken ({}): every inbound connection to this node's pods is denied until it is fixed",
                 error.file.display(),
                 error.message
             );
+            note(&mut noted, message, true);
             set.deny_all_unknown(format!("{} is broken", error.file.display()));
         }
+        self.noted = noted;
         set
     }
 

@@ -247,9 +247,18 @@ fn parse_nets(field: &str, values: &[String]) -> Result<Vec<IpNet>, String> {
     values
         .iter()
         .map(|v| {
-            v.parse::<IpNet>()
+            let net = v
+                .parse::<IpNet>()
                 .or_else(|_| v.parse::<IpAddr>().map(IpNet::from))
-                .map_err(|_| format!("{field}: {v:?} is not an IP address or CIDR block"))
+                .map_err(|_| format!("{field}: {v:?} is not an IP address or CIDR block"))?;
+            match net {
+                // Traffic is matched in its IPv4 form: a mapped address would
+                // never match.
+                IpNet::V6(v6) if v6.addr().to_ipv4_mapped().is_some() => Err(format!(
+                    "{field}: {v:?} is an IPv4-mapped IPv6 address; write it as IPv4"
+                )),
+                net => Ok(net),
+            }
         })
         .collect()
 }
@@ -264,43 +273,88 @@ fn parse_ports(field: &str, values: &[String]) -> Result<Vec<u16>, String> {
         .collect()
 }
 
-fn parse_service_accounts(field: &str, values: &[String]) -> Result<Vec<(String, String)>, String> {
+/// `namespace/service-account` pairs; a bare name is in the policy's namespace (as
+/// istiod reads it).
+fn parse_service_accounts(
+    field: &str,
+    values: &[String],
+    namespace: &str,
+) -> Result<Vec<(String, String)>, String> {
     values
         .iter()
         .map(|v| match v.split_once('/') {
+            None => Ok((namespace.to_string(), v.clone())),
             Some((ns, sa)) if !ns.is_empty() && !sa.is_empty() && !sa.contains('/') => {
                 Ok((ns.to_string(), sa.to_string()))
             }
             _ => Err(format!(
-                "{field}: {v:?} is not of the form <namespace>/<service account>"
+                "{field}: {v:?} is not of the form [<namespace>/]<service account>"
             )),
         })
         .collect()
+}
+
+fn patterns(values: &[String]) -> Result<Vec<Pattern>, String> {
+    Ok(values.iter().map(|p| Pattern::new(p)).collect())
+}
+
+fn principals(values: &[String]) -> Result<Vec<Pattern>, String> {
+    Ok(values.iter().map(|p| Pattern::principal(p)).collect())
 }
 
 /// Compiles one policy. Errors name the field and value that is wrong.
 struct Compiler {
     /// Request-level fields are dropped (DENY, AUDIT) instead of never matching.
     widen: bool,
+    /// The policy's namespace.
+    namespace: String,
     notes: Vec<String>,
 }
 
 impl Compiler {
-    /// Adds checks for a field given as `values` (positive) or `not_values`.
+    /// Adds a check for field `name` (at `at`) given as `values`, `negated` for
+    /// the `not*` forms. An empty list or an empty value is refused, as Istio's
+    /// validation refuses it: neither can say what was meant.
     fn field<T>(
         checks: &mut Vec<Check>,
+        (at, name): (&str, &str),
         values: &Option<Vec<String>>,
         negated: bool,
-        make: impl Fn(&[String]) -> Result<T, String>,
+        make: impl Fn(&str, &[String]) -> Result<T, String>,
         test: impl Fn(T) -> Test,
     ) -> Result<(), String> {
-        if let Some(values) = values {
-            checks.push(Check {
-                test: test(make(values)?),
-                negated,
-            });
+        let Some(values) = values else {
+            return Ok(());
+        };
+        let field = format!("{at}.{name}");
+        if values.is_empty() {
+            return Err(format!("{field} is an empty list"));
         }
+        if let Some(i) = values.iter().position(|v| v.trim().is_empty()) {
+            return Err(format!("{field}[{i}] is empty"));
+        }
+        checks.push(Check {
+            test: test(make(&field, values)?),
+            negated,
+        });
         Ok(())
+    }
+
+    /// Names of the fields among `fields` that are set; an empty list is refused.
+    fn request_fields<'a>(
+        at: &str,
+        fields: &[(&Option<Vec<String>>, &'a str)],
+    ) -> Result<Vec<&'a str>, String> {
+        let mut set = Vec::new();
+        for (values, name) in fields {
+            if let Some(values) = values {
+                if values.is_empty() {
+                    return Err(format!("{at}.{name} is an empty list"));
+                }
+                set.push(*name);
+            }
+        }
+        Ok(set)
     }
 
     /// Handles fields a layer-4 proxy cannot see: `None` when the entry is kept
@@ -327,187 +381,226 @@ impl Compiler {
     }
 
     fn source(&mut self, at: &str, s: &SourceSpec) -> Result<Vec<Check>, String> {
-        let mut checks = Vec::new();
-        let principals = |v: &[String]| Ok(v.iter().map(|p| Pattern::principal(p)).collect());
-        let patterns = |v: &[String]| Ok(v.iter().map(|p| Pattern::new(p)).collect());
-        let f = |name: &str| format!("{at}.{name}");
+        let mut c = Vec::new();
+        let ns = self.namespace.clone();
+        let sas = |field: &str, v: &[String]| parse_service_accounts(field, v, &ns);
+        let p = |_: &str, v: &[String]| principals(v);
+        let n = |_: &str, v: &[String]| patterns(v);
         Self::field(
-            &mut checks,
+            &mut c,
+            (at, "principals"),
             &s.principals,
             false,
-            principals,
+            p,
             Test::Principal,
         )?;
         Self::field(
-            &mut checks,
+            &mut c,
+            (at, "notPrincipals"),
             &s.not_principals,
             true,
-            principals,
+            p,
             Test::Principal,
         )?;
-        Self::field(&mut checks, &s.namespaces, false, patterns, Test::Namespace)?;
         Self::field(
-            &mut checks,
-            &s.not_namespaces,
-            true,
-            patterns,
+            &mut c,
+            (at, "namespaces"),
+            &s.namespaces,
+            false,
+            n,
             Test::Namespace,
         )?;
-        let sas = |name: &'static str| {
-            let field = f(name);
-            move |v: &[String]| parse_service_accounts(&field, v)
-        };
         Self::field(
-            &mut checks,
+            &mut c,
+            (at, "notNamespaces"),
+            &s.not_namespaces,
+            true,
+            n,
+            Test::Namespace,
+        )?;
+        Self::field(
+            &mut c,
+            (at, "serviceAccounts"),
             &s.service_accounts,
             false,
-            sas("serviceAccounts"),
+            sas,
             Test::ServiceAccount,
         )?;
         Self::field(
-            &mut checks,
+            &mut c,
+            (at, "notServiceAccounts"),
             &s.not_service_accounts,
             true,
-            sas("notServiceAccounts"),
+            sas,
             Test::ServiceAccount,
         )?;
+        // Without X-Forwarded-For, the remote address is the connection's source.
         for (values, negated, name) in [
             (&s.ip_blocks, false, "ipBlocks"),
             (&s.not_ip_blocks, true, "notIpBlocks"),
             (&s.remote_ip_blocks, false, "remoteIpBlocks"),
             (&s.not_remote_ip_blocks, true, "notRemoteIpBlocks"),
         ] {
-            let field = f(name);
             Self::field(
-                &mut checks,
+                &mut c,
+                (at, name),
                 values,
                 negated,
-                |v| parse_nets(&field, v),
+                parse_nets,
                 Test::SourceIp,
             )?;
         }
-        let mut unseen = Vec::new();
-        if s.request_principals.is_some() {
-            unseen.push("requestPrincipals");
+        let unseen = Self::request_fields(
+            at,
+            &[
+                (&s.request_principals, "requestPrincipals"),
+                (&s.not_request_principals, "notRequestPrincipals"),
+            ],
+        )?;
+        if c.is_empty() && unseen.is_empty() {
+            return Err(format!(
+                "{at} has no fields (Istio refuses an empty source)"
+            ));
         }
-        if s.not_request_principals.is_some() {
-            unseen.push("notRequestPrincipals");
-        }
-        checks.extend(self.unseen(at, &unseen));
-        Ok(checks)
+        c.extend(self.unseen(at, &unseen));
+        Ok(c)
     }
 
     fn operation(&mut self, at: &str, o: &OperationSpec) -> Result<Vec<Check>, String> {
-        let mut checks = Vec::new();
-        for (values, negated, name) in
-            [(&o.ports, false, "ports"), (&o.not_ports, true, "notPorts")]
-        {
-            let field = format!("{at}.{name}");
-            Self::field(
-                &mut checks,
-                values,
-                negated,
-                |v| parse_ports(&field, v),
-                Test::DestinationPort,
-            )?;
+        let mut c = Vec::new();
+        Self::field(
+            &mut c,
+            (at, "ports"),
+            &o.ports,
+            false,
+            parse_ports,
+            Test::DestinationPort,
+        )?;
+        Self::field(
+            &mut c,
+            (at, "notPorts"),
+            &o.not_ports,
+            true,
+            parse_ports,
+            Test::DestinationPort,
+        )?;
+        let unseen = Self::request_fields(
+            at,
+            &[
+                (&o.hosts, "hosts"),
+                (&o.not_hosts, "notHosts"),
+                (&o.methods, "methods"),
+                (&o.not_methods, "notMethods"),
+                (&o.paths, "paths"),
+                (&o.not_paths, "notPaths"),
+            ],
+        )?;
+        if c.is_empty() && unseen.is_empty() {
+            return Err(format!(
+                "{at} has no fields (Istio refuses an empty operation)"
+            ));
         }
-        let unseen: Vec<&str> = [
-            (o.hosts.is_some(), "hosts"),
-            (o.not_hosts.is_some(), "notHosts"),
-            (o.methods.is_some(), "methods"),
-            (o.not_methods.is_some(), "notMethods"),
-            (o.paths.is_some(), "paths"),
-            (o.not_paths.is_some(), "notPaths"),
-        ]
-        .into_iter()
-        .filter_map(|(set, name)| set.then_some(name))
-        .collect();
-        checks.extend(self.unseen(at, &unseen));
-        Ok(checks)
+        c.extend(self.unseen(at, &unseen));
+        Ok(c)
     }
 
-    fn condition(&mut self, at: &str, c: &ConditionSpec) -> Result<Vec<Check>, String> {
-        let key = c.key.as_str();
-        if c.values.is_none() && c.not_values.is_none() {
+    fn condition(&mut self, at: &str, cond: &ConditionSpec) -> Result<Vec<Check>, String> {
+        let key = cond.key.as_str();
+        if key.trim().is_empty() {
+            return Err(format!("{at}: condition has an empty key"));
+        }
+        if cond.values.is_none() && cond.not_values.is_none() {
             return Err(format!(
                 "{at}: condition on {key:?} has neither values nor notValues"
             ));
         }
-        if !L4_KEYS.contains(&key) {
-            if key.is_empty() {
-                return Err(format!("{at}: condition has an empty key"));
+        let mut c = Vec::new();
+        for (values, negated, name) in [
+            (&cond.values, false, "values"),
+            (&cond.not_values, true, "notValues"),
+        ] {
+            let f = (at, name);
+            match key {
+                "source.ip" | "remote.ip" => {
+                    Self::field(&mut c, f, values, negated, parse_nets, Test::SourceIp)?
+                }
+                "destination.ip" => {
+                    Self::field(&mut c, f, values, negated, parse_nets, Test::DestinationIp)?
+                }
+                "destination.port" => Self::field(
+                    &mut c,
+                    f,
+                    values,
+                    negated,
+                    parse_ports,
+                    Test::DestinationPort,
+                )?,
+                "source.namespace" => Self::field(
+                    &mut c,
+                    f,
+                    values,
+                    negated,
+                    |_, v| patterns(v),
+                    Test::Namespace,
+                )?,
+                "source.principal" => Self::field(
+                    &mut c,
+                    f,
+                    values,
+                    negated,
+                    |_, v| principals(v),
+                    Test::Principal,
+                )?,
+                _ => {
+                    Self::request_fields(at, &[(values, name)])?;
+                }
             }
+        }
+        if !L4_KEYS.contains(&key) {
             return Ok(self
                 .unseen(&format!("{at} (key {key})"), &[key])
                 .into_iter()
                 .collect());
         }
-        let mut checks = Vec::new();
-        for (values, negated) in [(&c.values, false), (&c.not_values, true)] {
-            let field = format!("{at}.{}", if negated { "notValues" } else { "values" });
-            match key {
-                "source.ip" | "remote.ip" => Self::field(
-                    &mut checks,
-                    values,
-                    negated,
-                    |v| parse_nets(&field, v),
-                    Test::SourceIp,
-                )?,
-                "destination.ip" => Self::field(
-                    &mut checks,
-                    values,
-                    negated,
-                    |v| parse_nets(&field, v),
-                    Test::DestinationIp,
-                )?,
-                "destination.port" => Self::field(
-                    &mut checks,
-                    values,
-                    negated,
-                    |v| parse_ports(&field, v),
-                    Test::DestinationPort,
-                )?,
-                "source.namespace" => Self::field(
-                    &mut checks,
-                    values,
-                    negated,
-                    |v| Ok(v.iter().map(|p| Pattern::new(p)).collect()),
-                    Test::Namespace,
-                )?,
-                _ => Self::field(
-                    &mut checks,
-                    values,
-                    negated,
-                    |v| Ok(v.iter().map(|p| Pattern::principal(p)).collect()),
-                    Test::Principal,
-                )?,
-            }
-        }
-        Ok(checks)
+        Ok(c)
     }
 
     fn rule(&mut self, i: usize, r: &RuleSpec) -> Result<Rule, String> {
         let mut rule = Rule::default();
         if let Some(from) = &r.from {
+            if from.is_empty() {
+                return Err(format!("rules[{i}].from is an empty list"));
+            }
             let mut alts = Vec::new();
             for (j, entry) in from.iter().enumerate() {
                 let at = format!("rules[{i}].from[{j}].source");
-                let source = entry.source.clone().unwrap_or_default();
-                alts.push(self.source(&at, &source)?);
+                let source = entry
+                    .as_ref()
+                    .and_then(|e| e.source.as_ref())
+                    .ok_or_else(|| format!("{at} is missing"))?;
+                alts.push(self.source(&at, source)?);
             }
-            rule.from = (!alts.is_empty()).then_some(alts);
+            rule.from = Some(alts);
         }
         if let Some(to) = &r.to {
+            if to.is_empty() {
+                return Err(format!("rules[{i}].to is an empty list"));
+            }
             let mut alts = Vec::new();
             for (j, entry) in to.iter().enumerate() {
                 let at = format!("rules[{i}].to[{j}].operation");
-                let op = entry.operation.clone().unwrap_or_default();
-                alts.push(self.operation(&at, &op)?);
+                let op = entry
+                    .as_ref()
+                    .and_then(|e| e.operation.as_ref())
+                    .ok_or_else(|| format!("{at} is missing"))?;
+                alts.push(self.operation(&at, op)?);
             }
-            rule.to = (!alts.is_empty()).then_some(alts);
+            rule.to = Some(alts);
         }
         for (j, c) in r.when.iter().flatten().enumerate() {
-            let checks = self.condition(&format!("rules[{i}].when[{j}]"), c)?;
+            let at = format!("rules[{i}].when[{j}]");
+            let c = c.as_ref().ok_or_else(|| format!("{at} is empty"))?;
+            let checks = self.condition(&at, c)?;
             rule.when.extend(checks);
         }
         Ok(rule)
@@ -548,13 +641,38 @@ impl Policy {
                 ));
             }
         };
-        let targeted =
-            spec.target_ref.is_some() || spec.target_refs.as_ref().is_some_and(|t| !t.is_empty());
+        let target_refs: Vec<&serde_yaml_ng::Value> = spec
+            .target_ref
+            .iter()
+            .chain(spec.target_refs.iter().flatten())
+            .collect();
+        if spec.target_refs.as_ref().is_some_and(Vec::is_empty) {
+            return Err(format!("{who}: spec.targetRefs is an empty list"));
+        }
+        for r in &target_refs {
+            let named = |key: &str| {
+                r.get(key)
+                    .and_then(serde_yaml_ng::Value::as_str)
+                    .is_some_and(|v| !v.is_empty())
+            };
+            if !named("kind") || !named("name") {
+                return Err(format!(
+                    "{who}: spec.targetRef(s) entries need a kind and a name"
+                ));
+            }
+        }
+        let targeted = !target_refs.is_empty();
+        if targeted && spec.selector.is_some() {
+            return Err(format!(
+                "{who}: spec.selector and spec.targetRef(s) cannot both be set"
+            ));
+        }
         if targeted {
             notes.push("targetRef: attached to a gateway, waypoint or service, not to workloads; not enforced here".to_string());
         }
         let mut compiler = Compiler {
             widen: action != Action::Allow,
+            namespace: namespace.clone(),
             notes,
         };
         let rules = spec
@@ -562,7 +680,12 @@ impl Policy {
             .iter()
             .flatten()
             .enumerate()
-            .map(|(i, r)| compiler.rule(i, r))
+            .map(|(i, r)| match r {
+                Some(r) => compiler.rule(i, r),
+                None => Err(format!(
+                    "rules[{i}] is empty (write {{}} for a rule that matches everything)"
+                )),
+            })
             .collect::<Result<Vec<_>, _>>()
             .map_err(|e| format!("{who}: spec.{e}"))?;
         Ok(Self {
@@ -680,9 +803,9 @@ pub struct PolicySet {
 }
 
 impl PolicySet {
-    /// A set of `policies`, those of `root_namespace` applying mesh-wide; a second
-    /// policy with the same `namespace/name` is dropped with a warning (the first,
-    /// in source order, is kept).
+    /// A set of `policies`, those of `root_namespace` applying mesh-wide. Policies
+    /// that share a `namespace/name` are all kept, with a warning: dropping one
+    /// could cancel a DENY.
     pub fn build(
         root_namespace: &str,
         policies: impl IntoIterator<Item = Arc<Policy>>,
@@ -696,10 +819,10 @@ impl PolicySet {
         for p in policies {
             let key = p.to_string();
             if seen.insert(key.clone(), ()).is_some() {
+                // Dropping either could cancel a DENY: both are enforced.
                 warnings.push(format!(
-                    "AuthorizationPolicy {key} is defined more than once; the first definition is used"
+                    "AuthorizationPolicy {key} is defined more than once; every definition is enforced"
                 ));
-                continue;
             }
             set.policies.push(p);
         }

@@ -36,8 +36,9 @@ pub struct PolicySpec {
     pub action: Option<String>,
     /// The external authorizer of a `CUSTOM` policy.
     pub provider: Option<serde_yaml_ng::Value>,
-    /// Rules; a request matches the policy when it matches any rule.
-    pub rules: Option<Vec<RuleSpec>>,
+    /// Rules; a request matches the policy when it matches any rule. A null item
+    /// (`- ` with nothing after it) is kept as `None` so it can be refused.
+    pub rules: Option<Vec<Option<RuleSpec>>>,
 }
 
 /// `spec.selector`.
@@ -54,11 +55,11 @@ pub struct Selector {
 #[serde(deny_unknown_fields, rename_all = "camelCase")]
 pub struct RuleSpec {
     /// Sources; any one matching suffices. Absent: any source.
-    pub from: Option<Vec<FromSpec>>,
+    pub from: Option<Vec<Option<FromSpec>>>,
     /// Operations; any one matching suffices. Absent: any operation.
-    pub to: Option<Vec<ToSpec>>,
+    pub to: Option<Vec<Option<ToSpec>>>,
     /// Conditions; all must match.
-    pub when: Option<Vec<ConditionSpec>>,
+    pub when: Option<Vec<Option<ConditionSpec>>>,
 }
 
 /// `rules[].from[]`.

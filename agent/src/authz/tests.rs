@@ -869,13 +869,45 @@ fn malformed_policies_are_refused_with_the_field() {
                 "shop",
                 "x",
                 "ALLOW",
-                "[{from: [{source: {serviceAccounts: [teller]}}]}]",
+                "[{from: [{source: {serviceAccounts: [a/b/c]}}]}]",
             ),
-            "not of the form <namespace>/<service account>",
+            "not of the form [<namespace>/]<service account>",
         ),
         (
             "metadata: {namespace: shop}\nspec: {}\n".to_string(),
             "no metadata.name",
+        ),
+        // Blank or empty entries would otherwise match everything (ALLOW) or
+        // nothing (DENY); Istio's validation refuses them too.
+        (
+            "metadata: {name: x, namespace: shop}\nspec:\n  rules:\n  -\n".to_string(),
+            "spec.rules[0] is empty",
+        ),
+        (
+            "metadata: {name: x, namespace: shop}\nspec:\n  rules:\n  - from:\n    - source:\n        # principals: [a]\n".to_string(),
+            "spec.rules[0].from[0].source is missing",
+        ),
+        (pol("shop", "x", "ALLOW", "[{from: []}]"), "rules[0].from is an empty list"),
+        (pol("shop", "x", "ALLOW", "[{to: []}]"), "rules[0].to is an empty list"),
+        (pol("shop", "x", "ALLOW", "[{from: [{source: {}}]}]"), "rules[0].from[0].source has no fields"),
+        (pol("shop", "x", "ALLOW", "[{from: [{source: {principals: }}]}]"), "source has no fields"),
+        (pol("shop", "x", "ALLOW", "[{to: [{operation: {}}]}]"), "operation has no fields"),
+        (pol("shop", "x", "ALLOW", "[{to: [{}]}]"), "rules[0].to[0].operation is missing"),
+        (pol("shop", "x", "DENY", "[{from: [{source: {principals: [], namespaces: [shop]}}]}]"), "source.principals is an empty list"),
+        (pol("shop", "x", "DENY", "[{from: [{source: {principals: [\"\"]}}]}]"), "source.principals[0] is empty"),
+        (pol("shop", "x", "DENY", "[{from: [{source: {ipBlocks: []}}]}]"), "ipBlocks is an empty list"),
+        (pol("shop", "x", "DENY", "[{to: [{operation: {ports: []}}]}]"), "ports is an empty list"),
+        (pol("shop", "x", "DENY", "[{to: [{operation: {methods: []}}]}]"), "methods is an empty list"),
+        (pol("shop", "x", "DENY", "[{when: [{key: source.ip, values: [], notValues: [1.2.3.4]}]}]"), "when[0].values is an empty list"),
+        (pol("shop", "x", "DENY", "[{when: [{key: \"request.headers[a]\", values: []}]}]"), "when[0].values is an empty list"),
+        (pol("shop", "x", "DENY", "[{from: [{source: {ipBlocks: [\"::ffff:10.1.2.3\"]}}]}]"), "IPv4-mapped"),
+        (
+            "metadata: {name: x, namespace: shop}\nspec:\n  targetRef: {}\n".to_string(),
+            "need a kind and a name",
+        ),
+        (
+            "metadata: {name: x, namespace: shop}\nspec:\n  selector: {matchLabels: {app: web}}\n  targetRefs: [{kind: Service, name: web}]\n".to_string(),
+            "cannot both be set",
         ),
     ] {
         let err = compile(&yaml).unwrap_err();
@@ -901,7 +933,7 @@ fn unknown_policies_deny_everything() {
 }
 
 #[test]
-fn duplicates_keep_the_first() {
+fn duplicates_are_all_enforced() {
     let (set, warnings) = PolicySet::build(
         ROOT,
         [
@@ -911,10 +943,40 @@ fn duplicates_keep_the_first() {
         .iter()
         .map(|y| Arc::new(compile(y).unwrap())),
     );
-    assert_eq!(set.policies().count(), 1);
-    assert!(warnings[0].contains("shop/a is defined more than once"));
+    // Both are enforced: a second definition cannot cancel a DENY.
+    assert_eq!(set.policies().count(), 2);
+    assert!(warnings[0].contains("shop/a is defined more than once; every definition is enforced"));
     assert_eq!(
         decide(&set, &mtls("shop", "front", "10.0.1.5"), 80).as_deref(),
         Some("shop/a")
     );
+}
+
+#[test]
+fn service_accounts_and_ipv6_blocks() {
+    let front = mtls("shop", "front", "10.0.1.5");
+    let other_ns = mtls("bank", "teller", "10.0.1.6");
+    // A bare service account is in the policy's namespace.
+    let bare = pol(
+        "shop",
+        "sa",
+        "ALLOW",
+        "[{from: [{source: {serviceAccounts: [front]}}]}]",
+    );
+    assert_eq!(decide(&set(&[&bare]), &front, 80), None);
+    let bare = pol(
+        "shop",
+        "sa",
+        "ALLOW",
+        "[{from: [{source: {serviceAccounts: [teller]}}]}]",
+    );
+    assert_eq!(decide(&set(&[&bare]), &other_ns, 80).as_deref(), DENIED);
+    // IPv6 blocks never match IPv4 traffic.
+    let v6 = pol(
+        "shop",
+        "ip6",
+        "ALLOW",
+        "[{from: [{source: {ipBlocks: [\"::/0\"]}}]}]",
+    );
+    assert_eq!(decide(&set(&[&v6]), &front, 80).as_deref(), DENIED);
 }

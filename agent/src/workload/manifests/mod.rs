@@ -258,7 +258,8 @@ impl ManifestDir {
                         objects: Objects::default(),
                         error: None,
                         good: false,
-                        mentions_policy: false,
+                        // Unreadable: what it holds is unknown.
+                        mentions_policy: true,
                     });
                     state.stamp = Stamp::default();
                     if state.error.as_ref() != Some(&error) {
@@ -276,7 +277,8 @@ impl ManifestDir {
                 rescan.unsettled = true;
                 continue;
             }
-            let mut mentions_policy = false;
+            // Until the file is read, it may hold anything.
+            let mut mentions_policy = true;
             let result = read_manifest(&path)
                 .map_err(|message| ManifestError {
                     file: path.clone(),
@@ -358,9 +360,9 @@ impl ManifestDir {
         self.files.values().flat_map(|f| &f.objects.policies)
     }
 
-    /// A file that is broken, has no good version, and names `AuthorizationPolicy`:
-    /// the policies it holds are unknown, so the proxy must not guess that they
-    /// allow. Returns the first such file's error.
+    /// A file that is broken, has no good version, and names `AuthorizationPolicy`
+    /// or cannot be read at all: the policies it holds are unknown, so the proxy
+    /// must not guess that they allow. Returns the first such file's error.
     pub fn policies_unknown(&self) -> Option<&ManifestError> {
         self.files
             .values()
@@ -409,6 +411,42 @@ mod tests {
     use super::*;
 
     const POD: &str = parse::TEST_POD;
+
+    #[test]
+    fn broken_files_that_may_hold_policies_make_them_unknown() {
+        let guard = tempfile::tempdir().unwrap();
+        let dir = guard.path();
+        fs::write(dir.join("pod.yaml"), POD).unwrap();
+        let deny = "apiVersion: security.istio.io/v1\nkind: AuthorizationPolicy\nmetadata: {name: d, namespace: shop}\nspec: {action: DENY, rules: [{}]}\n";
+        fs::write(dir.join("deny.yaml"), deny).unwrap();
+        let mut source = ManifestDir::new(dir).unwrap();
+        source.rescan();
+        assert_eq!(source.policies().count(), 1);
+        assert!(source.policies_unknown().is_none());
+
+        // A broken pod file says nothing about policies.
+        fs::write(
+            dir.join("other.yaml"),
+            "apiVersion: v1\nkind: Pod\nmetadata: [\n",
+        )
+        .unwrap();
+        // A file naming AuthorizationPolicy, or one that cannot be read as text, may
+        // hold any policy.
+        for (name, bytes) in [
+            ("bad.yaml", b"kind: AuthorizationPolicy\nspec: [\n".to_vec()),
+            ("latin1.yaml", b"# caf\xe9\n".to_vec()),
+        ] {
+            let mut fresh = ManifestDir::new(dir).unwrap();
+            fresh.rescan();
+            assert!(fresh.policies_unknown().is_none());
+            fs::write(dir.join(name), bytes).unwrap();
+            let mut fresh = ManifestDir::new(dir).unwrap();
+            fresh.rescan();
+            let unknown = fresh.policies_unknown().expect(name);
+            assert!(unknown.file.ends_with(name), "{unknown}");
+            fs::remove_file(dir.join(name)).unwrap();
+        }
+    }
 
     #[test]
     fn a_broken_file_keeps_its_last_good_objects() {

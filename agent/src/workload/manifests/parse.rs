@@ -176,12 +176,14 @@ pub fn parse(file: &Path, text: &str) -> Result<Objects, ManifestError> {
                             check_namespace(&ns).map_err(item_err)?;
                             objects.namespaces.push(ns);
                         }
-                        Some("AuthorizationPolicy")
-                            if item
-                                .get("apiVersion")
-                                .and_then(Value::as_str)
-                                .is_some_and(|v| SECURITY_API_VERSIONS.contains(&v)) =>
-                        {
+                        Some("AuthorizationPolicy") => {
+                            let version = item.get("apiVersion").and_then(Value::as_str);
+                            if !version.is_some_and(|v| SECURITY_API_VERSIONS.contains(&v)) {
+                                return Err(item_err(format!(
+                                    "AuthorizationPolicy has apiVersion {version:?}; podlink reads {}",
+                                    SECURITY_API_VERSIONS.join(" and ")
+                                )));
+                            }
                             let policy: AuthorizationPolicy =
                                 serde_yaml_ng::from_value(item.clone())
                                     .map_err(|e| item_err(e.to_string()))?;
@@ -202,9 +204,7 @@ pub fn parse(file: &Path, text: &str) -> Result<Objects, ManifestError> {
                 check_policy(&policy).map_err(|m| err(start, m))?;
                 objects.policies.push(Arc::new(policy));
             }
-            (Some(version), Some("AuthorizationPolicy"))
-                if version.starts_with("security.istio.io/") =>
-            {
+            (Some(version), Some("AuthorizationPolicy")) => {
                 return Err(err(
                     start,
                     format!(
@@ -406,6 +406,28 @@ mod tests {
         );
         let list = "apiVersion: v1\nkind: List\nitems:\n- apiVersion: security.istio.io/v1\n  kind: AuthorizationPolicy\n  metadata: {name: a, namespace: b}\n  spec: {action: DENY}\n";
         assert_eq!(parse(Path::new("l.yaml"), list).unwrap().policies.len(), 1);
+        // A policy under any other apiVersion is an error, never silently dropped
+        // (that could drop a DENY).
+        for (from, to) in [
+            ("security.istio.io/v1", "security.istio.io/v1beta2"),
+            ("apiVersion: security.istio.io/v1\n  ", ""),
+        ] {
+            let bad = list.replace(from, to);
+            let err = parse(Path::new("l.yaml"), &bad).unwrap_err();
+            assert!(
+                err.message
+                    .contains("List item 0: AuthorizationPolicy has apiVersion"),
+                "{bad}: {err}"
+            );
+        }
+        for version in ["istio.io/v1", "security.istio.io.v1"] {
+            let bad = text.replace("security.istio.io/v1beta1", version);
+            let err = parse(Path::new("p.yaml"), &bad).unwrap_err();
+            assert!(
+                err.message.contains("AuthorizationPolicy has apiVersion"),
+                "{err}"
+            );
+        }
     }
 
     #[test]
