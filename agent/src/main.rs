@@ -99,8 +99,8 @@ struct AgentArgs {
     #[arg(long, default_value = DEFAULT_ROOT_NAMESPACE)]
     root_namespace: String,
     /// Lifetime of workload certificates (renewed in the background at half of
-    /// it), e.g. 24h, 90m.
-    #[arg(long, default_value = "24h", value_parser = humantime::parse_duration)]
+    /// it), e.g. 24h, 90m; from 10m to 366d.
+    #[arg(long, default_value = "24h", value_parser = parse_cert_lifetime)]
     cert_lifetime: Duration,
     /// Time allowed to connect upstream, e.g. 10s.
     #[arg(long, default_value = "10s", value_parser = humantime::parse_duration)]
@@ -119,6 +119,26 @@ struct AgentArgs {
     /// Default: a third of the open-file limit.
     #[arg(long)]
     max_connections: Option<usize>,
+}
+
+/// Certificate lifetimes the agent accepts: long enough that renewal at half of
+/// it cannot spin, short enough to stay within X.509 dates.
+const CERT_LIFETIME_RANGE: (Duration, Duration) = (
+    Duration::from_secs(10 * 60),
+    Duration::from_secs(366 * 24 * 3600),
+);
+
+fn parse_cert_lifetime(s: &str) -> Result<Duration, String> {
+    let d = humantime::parse_duration(s).map_err(|e| e.to_string())?;
+    let (min, max) = CERT_LIFETIME_RANGE;
+    if d < min || d > max {
+        return Err(format!(
+            "{s} is outside {} to {}",
+            humantime::format_duration(min),
+            humantime::format_duration(max)
+        ));
+    }
+    Ok(d)
 }
 
 fn main() -> Result<()> {

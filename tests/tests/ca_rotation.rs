@@ -154,6 +154,9 @@ fn rotating_the_ca_keeps_every_new_connection_working() {
         }
     };
 
+    // A client certificate of the old CA, for after the rotation.
+    let prober_id = SpiffeId::new("cluster.local", "legacy", "prober");
+    let (old_client_key, _) = credentials(&c.ca_dir, &prober_id);
     run_phase(0);
     // (a) Both roots trusted; the old CA still signs.
     secret.publish(&[
@@ -224,6 +227,16 @@ fn rotating_the_ca_keeps_every_new_connection_working() {
         server.addr(8080),
     ));
     assert_eq!(status, Ok(StatusCode::OK), "node2:\n{}", c.agent_log(1));
+    // And a certificate of the removed root is refused.
+    let refused = tokio::runtime::Runtime::new().unwrap().block_on(attempt(
+        &prober.netns,
+        server.addr(15008),
+        old_client_key,
+        credentials(&c.ca_dir, &prober_id).1,
+        SpiffeId::new("cluster.local", "mesh", "server"),
+        server.addr(8080),
+    ));
+    assert!(refused.is_err(), "{refused:?}");
 }
 
 #[test]

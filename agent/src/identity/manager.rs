@@ -247,8 +247,10 @@ impl CertManager {
             if let Some(current) = state.usable() {
                 return Ok(current);
             }
+            // Until the background retry is due, connections fail at once
+            // instead of each asking the CA again.
             if let Some(failure) = &state.failure
-                && failure.at.elapsed() < FAILED_RECENTLY
+                && (failure.at.elapsed() < FAILED_RECENTLY || Instant::now() < failure.retry_at())
             {
                 return Err(failure.unavailable(id));
             }
@@ -267,6 +269,33 @@ impl CertManager {
             }
         }
         self.inner.issue(&slot).await
+    }
+
+    /// Server configuration presenting `identity` and trusting the roots in force
+    /// now: the one built with the certificate, or, when the trust changed since
+    /// and the reissue has not happened yet (a CA that cannot be reached), one
+    /// built now, so a removed root is never trusted a moment longer.
+    ///
+    /// # Errors
+    /// A TLS configuration rustls refuses, naming the identity.
+    pub fn server_config(
+        &self,
+        identity: &WorkloadIdentity,
+    ) -> Result<Arc<ServerConfig>, IdentityError> {
+        let generation = self.inner.generation();
+        if identity.generation == generation.number {
+            return Ok(identity.server.clone());
+        }
+        tls::server_config(
+            identity.key.clone(),
+            generation.trust.store.clone(),
+            &self.inner.trust_domain,
+        )
+        .map(Arc::new)
+        .map_err(|source| IdentityError::Tls {
+            id: identity.id.to_string(),
+            source,
+        })
     }
 
     /// The cached certificate of `id`, if any, without issuing one.
@@ -831,5 +860,72 @@ mod tests {
         assert!(m.cached(&id("a")).is_some());
         m.retain(|i| *i != id("a"));
         assert!(m.cached(&id("a")).is_none());
+    }
+
+    /// A TLS handshake of a client presenting `client` and trusting `roots`
+    /// against `server` (which must present `sa`).
+    async fn handshake(
+        server: Arc<ServerConfig>,
+        client: Arc<CertifiedKey>,
+        roots: Arc<rustls::RootCertStore>,
+    ) -> Result<(), String> {
+        let (a, b) = tokio::io::duplex(64 * 1024);
+        let accept = tokio::spawn(async move {
+            tokio_rustls::TlsAcceptor::from(server)
+                .accept(a)
+                .await
+                .map(drop)
+                .map_err(|e| e.to_string())
+        });
+        let config = tls::client_config(client, roots, id("sa")).unwrap();
+        let name = rustls_pki_types::ServerName::IpAddress(std::net::Ipv4Addr::LOCALHOST.into());
+        // The client's stream lives until the server is done (it writes session
+        // tickets after the handshake).
+        let connected = tokio_rustls::TlsConnector::from(Arc::new(config))
+            .connect(name, b)
+            .await
+            .map_err(|e| e.to_string());
+        let accepted = accept.await.unwrap();
+        accepted.and(connected.map(drop))
+    }
+
+    fn client_key(dir: &Path, sa: &str) -> Arc<CertifiedKey> {
+        let ca = crate::identity::ca::CertificateAuthority::load(dir).unwrap();
+        let cert = ca.issue(&id(sa), Duration::from_secs(600)).unwrap();
+        let key = tls::provider()
+            .key_provider
+            .load_private_key(cert.key)
+            .unwrap();
+        Arc::new(CertifiedKey::new(cert.chain, key))
+    }
+
+    #[tokio::test]
+    async fn inbound_trusts_only_the_roots_in_force_even_when_the_reissue_fails() {
+        let (m, dir) = manager(Duration::from_secs(3600));
+        let (cert, key) = (dir.path().join(CA_CERT_FILE), dir.path().join(CA_KEY_FILE));
+        let old_client = client_key(dir.path(), "peer");
+        let old_root = m.roots();
+        m.identity(&id("sa")).await.unwrap();
+        // The CA is replaced while issuing fails (a CA that cannot be reached).
+        m.inner
+            .fail_issuance
+            .store(true, std::sync::atomic::Ordering::Relaxed);
+        let (new_cert, new_key) = generate_ca("new").unwrap();
+        replace(&cert, &new_cert);
+        replace(&key, &new_key);
+        m.reload().await.unwrap();
+        let new_client = client_key(dir.path(), "peer");
+        let current = m.identity(&id("sa")).await.unwrap();
+        // The server still presents the old certificate (clients trust both roots
+        // here), but trusts only the new root.
+        let both = tls::root_store(&[old_root, m.roots()].concat()).unwrap();
+        let server = m.server_config(&current).unwrap();
+        let accepted = handshake(server.clone(), new_client, both.clone()).await;
+        assert!(accepted.is_ok(), "{accepted:?}");
+        let refused = handshake(server, old_client, both).await.unwrap_err();
+        assert!(
+            refused.contains("UnknownIssuer") || refused.contains("unknown"),
+            "{refused}"
+        );
     }
 }

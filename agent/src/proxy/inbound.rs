@@ -51,8 +51,12 @@ pub async fn handle(state: Arc<ProxyState>, tcp: TcpStream, peer: SocketAddr, lo
         tracing::info!(%peer, %local, "HBONE connection to an address that is not an enrolled pod of this node; closed");
         return;
     };
-    let identity = match state.certs.identity(&destination.identity).await {
-        Ok(identity) => identity,
+    let server = match state.certs.identity(&destination.identity).await {
+        Ok(identity) => state.certs.server_config(&identity),
+        Err(e) => Err(e),
+    };
+    let server = match server {
+        Ok(server) => server,
         Err(e) => {
             tracing::warn!(%peer, destination = %destination.key(), "no certificate to present: {e}");
             return;
@@ -60,7 +64,7 @@ pub async fn handle(state: Arc<ProxyState>, tcp: TcpStream, peer: SocketAddr, lo
     };
     socket::set_liveness(&tcp);
     let accepted = tokio::time::timeout(HANDSHAKE_TIMEOUT, async {
-        let tls = TlsAcceptor::from(identity.server.clone())
+        let tls = TlsAcceptor::from(server)
             .accept(tcp)
             .await
             .map_err(|e| format!("TLS handshake refused: {e}"))?;
@@ -91,6 +95,11 @@ pub async fn handle(state: Arc<ProxyState>, tcp: TcpStream, peer: SocketAddr, lo
     let (_connection_alive, alive) = watch::channel(());
     let active = Arc::new(AtomicUsize::new(0));
     let mut idle_check = tokio::time::interval(IDLE_TIMEOUT / 4);
+    // When the trust changes, the client is asked to go (GOAWAY; open streams
+    // finish) and to handshake again: no connection outlives the roots it was
+    // verified under.
+    let mut ca_changes = state.certs.ca_changes();
+    let mut going_away = false;
     let mut last_active = Instant::now();
     loop {
         let next = tokio::select! {
@@ -98,6 +107,12 @@ pub async fn handle(state: Arc<ProxyState>, tcp: TcpStream, peer: SocketAddr, lo
             () = state.unenrolled(local.ip()) => {
                 tracing::info!(%peer, destination = %destination.key(), "the pod left the mesh; closing its HBONE connection");
                 return;
+            }
+            Ok(()) = ca_changes.changed(), if !going_away => {
+                tracing::debug!(%peer, "the CA changed; asking the client to reconnect");
+                conn.graceful_shutdown();
+                going_away = true;
+                continue;
             }
             _ = idle_check.tick() => {
                 if active.load(Ordering::Relaxed) > 0 {
