@@ -250,9 +250,6 @@ impl ConnectionRecord {
         if std::mem::replace(&mut self.done, true) {
             return;
         }
-        for c in &self.closed {
-            c.inc();
-        }
         let (result, policy, error) = match outcome {
             Outcome::Ok => ("ok", None, None),
             Outcome::Denied(policy) => ("denied", Some(policy.as_str()), None),
@@ -286,6 +283,10 @@ impl ConnectionRecord {
             error,
             "connection complete"
         );
+        // Counted once logged: a reader of the metrics finds the line written.
+        for c in &self.closed {
+            c.inc();
+        }
     }
 }
 
