@@ -311,7 +311,6 @@ async fn serve_stream(
         // The HBONE connection is gone: nothing can reach the client any more.
         _ = alive.changed() => Err(Failure::new(FailureKind::Io, "the HBONE connection closed")),
     };
-    drop(metered);
     match result {
         Ok(_) => record.finish(Outcome::Ok),
         Err(e) => {

@@ -107,7 +107,7 @@ pub struct Traffic {
 }
 
 impl Traffic {
-    fn from_client(&self, n: usize) {
+    fn count_from_client(&self, n: usize) {
         let n = n as u64;
         self.from_client.fetch_add(n, Ordering::Relaxed);
         self.received.iter().for_each(|c| {
@@ -115,7 +115,7 @@ impl Traffic {
         });
     }
 
-    fn to_client(&self, n: usize) {
+    fn count_to_client(&self, n: usize) {
         let n = n as u64;
         self.to_client.fetch_add(n, Ordering::Relaxed);
         self.sent.iter().for_each(|c| {
@@ -139,7 +139,7 @@ impl<S: AsyncRead + Unpin> AsyncRead for Metered<'_, S> {
     ) -> Poll<io::Result<()>> {
         let before = buf.filled().len();
         ready!(Pin::new(&mut self.inner).poll_read(cx, buf))?;
-        self.traffic.from_client(buf.filled().len() - before);
+        self.traffic.count_from_client(buf.filled().len() - before);
         Poll::Ready(Ok(()))
     }
 }
@@ -151,7 +151,7 @@ impl<S: AsyncWrite + Unpin> AsyncWrite for Metered<'_, S> {
         buf: &[u8],
     ) -> Poll<io::Result<usize>> {
         let n = ready!(Pin::new(&mut self.inner).poll_write(cx, buf))?;
-        self.traffic.to_client(n);
+        self.traffic.count_to_client(n);
         Poll::Ready(Ok(n))
     }
 
