@@ -1,5 +1,9 @@
 //! The admin endpoint, on `127.0.0.1:15000` by default (ztunnel's admin port):
-//! `GET /config_dump` answers a JSON document of what the proxy works from.
+//! `GET /config_dump` answers a JSON document of what the proxy works from;
+//! `/logging` shows (`GET`) and changes (`POST /logging?level=debug`, or
+//! `EnvFilter` directives: `?level=info,podlink_agent::proxy=debug`) the log
+//! filter at run time, as ztunnel's and Envoy's `/logging` do; a filter that does
+//! not parse is answered 400 with the reason, and the filter in force stays.
 //!
 //! ```text
 //! {
@@ -18,17 +22,19 @@
 //! It is bound to loopback: it exposes the mesh's workloads and must not be
 //! reachable from pods.
 
-use std::{convert::Infallible, net::SocketAddr, sync::Arc};
+use std::{net::SocketAddr, sync::Arc};
 
 use bytes::Bytes;
 use http::{Method, Request, Response, StatusCode};
 use http_body_util::Full;
-use hyper::{body::Incoming, service::service_fn};
-use hyper_util::rt::TokioIo;
+use hyper::body::Incoming;
 use serde_json::{Value, json};
 use tokio::net::TcpListener;
 
-use crate::proxy::ProxyState;
+use crate::{
+    proxy::ProxyState,
+    telemetry::{logging::LogControl, server},
+};
 
 /// The default admin address.
 pub const DEFAULT_ADMIN_ADDRESS: &str = "127.0.0.1:15000";
@@ -41,55 +47,83 @@ pub async fn bind(addr: SocketAddr) -> std::io::Result<TcpListener> {
     TcpListener::bind(addr).await
 }
 
-/// Serves admin requests until the task is dropped.
-pub async fn serve(listener: TcpListener, state: Arc<ProxyState>) {
-    loop {
-        let Ok((stream, _)) = listener.accept().await else {
-            tokio::time::sleep(std::time::Duration::from_millis(50)).await;
-            continue;
-        };
-        let state = state.clone();
-        tokio::spawn(async move {
-            let service = service_fn(move |req| {
-                let state = state.clone();
-                async move { Ok::<_, Infallible>(handle(&state, &req)) }
-            });
-            let _ = hyper::server::conn::http1::Builder::new()
-                .serve_connection(TokioIo::new(stream), service)
-                .await;
-        });
+/// Serves admin requests until the task is dropped. Without `logging` (no
+/// reloadable log filter installed), `/logging` answers 503.
+pub async fn serve(listener: TcpListener, state: Arc<ProxyState>, logging: Option<LogControl>) {
+    server::serve(listener, move |req| handle(&state, logging.as_ref(), req)).await;
+}
+
+/// The value of query parameter `name` in `query`, percent-decoded.
+fn query_param(query: &str, name: &str) -> Option<String> {
+    query.split('&').find_map(|pair| {
+        let (key, value) = pair.split_once('=').unwrap_or((pair, ""));
+        (key == name).then(|| {
+            percent_encoding::percent_decode_str(&value.replace('+', " "))
+                .decode_utf8_lossy()
+                .into_owned()
+        })
+    })
+}
+
+/// `/logging`: `GET` shows the filter in force; `POST ?level=FILTER` puts a new
+/// one in force (a level such as `debug`, or `EnvFilter` directives such as
+/// `info,podlink_agent::proxy=debug`), or answers 400 with the reason and
+/// keeps the one in force.
+fn logging(logging: Option<&LogControl>, req: &Request<Incoming>) -> Response<Full<Bytes>> {
+    let Some(control) = logging else {
+        return server::text(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "the log filter cannot be changed in this process\n",
+        );
+    };
+    match *req.method() {
+        Method::GET => server::text(StatusCode::OK, format!("{}\n", control.current())),
+        Method::POST | Method::PUT => {
+            let Some(level) = query_param(req.uri().query().unwrap_or(""), "level") else {
+                return server::text(
+                    StatusCode::BAD_REQUEST,
+                    "give the new filter as ?level=LEVEL or ?level=target=level,...\n",
+                );
+            };
+            match control.set(&level) {
+                Ok(now) => {
+                    tracing::info!(filter = %now, "log filter changed");
+                    server::text(StatusCode::OK, format!("{now}\n"))
+                }
+                Err(e) => server::text(
+                    StatusCode::BAD_REQUEST,
+                    format!("{e}; the filter in force stays {}\n", control.current()),
+                ),
+            }
+        }
+        _ => server::text(
+            StatusCode::METHOD_NOT_ALLOWED,
+            "GET shows the log filter, POST ?level=... changes it\n",
+        ),
     }
 }
 
-fn handle(state: &ProxyState, req: &Request<Incoming>) -> Response<Full<Bytes>> {
-    let (status, body) = match (req.method(), req.uri().path()) {
+fn handle(
+    state: &ProxyState,
+    log_control: Option<&LogControl>,
+    req: &Request<Incoming>,
+) -> Response<Full<Bytes>> {
+    match (req.method(), req.uri().path()) {
         (&Method::GET, "/config_dump") => {
             let mut text =
                 serde_json::to_string_pretty(&config_dump(state)).expect("JSON values serialize");
             text.push('\n');
-            (StatusCode::OK, text)
+            server::respond(StatusCode::OK, "application/json", text)
         }
-        (_, "/config_dump") => (
-            StatusCode::METHOD_NOT_ALLOWED,
-            "only GET is allowed\n".to_string(),
-        ),
-        (_, path) => (
+        (_, "/config_dump") => {
+            server::text(StatusCode::METHOD_NOT_ALLOWED, "only GET is allowed\n")
+        }
+        (_, "/logging") => logging(log_control, req),
+        (_, path) => server::text(
             StatusCode::NOT_FOUND,
-            format!("no admin endpoint {path}; try /config_dump\n"),
+            format!("no admin endpoint {path}; try /config_dump or /logging\n"),
         ),
-    };
-    Response::builder()
-        .status(status)
-        .header(
-            http::header::CONTENT_TYPE,
-            if status == StatusCode::OK {
-                "application/json"
-            } else {
-                "text/plain"
-            },
-        )
-        .body(Full::new(Bytes::from(body)))
-        .expect("a valid response")
+    }
 }
 
 /// The config dump (shape in the module documentation).

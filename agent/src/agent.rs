@@ -38,6 +38,11 @@ use crate::{
         istio_ca::{IstioCaClient, IstioCaConfig},
     },
     proxy::{self, Listeners, ProxyConfig, ProxyState},
+    telemetry::{
+        logging::LogControl,
+        scrape::DataplaneMaps,
+        server::{self, Readiness},
+    },
     workload::{
         WorkloadIndex,
         manifests::{self, ManifestDir},
@@ -76,6 +81,17 @@ pub struct AgentConfig {
     pub connect_timeout: Duration,
     /// Connections handled at once; `None`: a third of the open-file limit.
     pub max_connections: Option<usize>,
+    /// Address of the metrics endpoint (`GET /metrics`).
+    pub metrics_address: std::net::SocketAddr,
+    /// Address of the readiness endpoint (`GET /healthz/ready`).
+    pub readiness_address: std::net::SocketAddr,
+    /// How long open connections may go on after SIGTERM before the agent exits.
+    pub drain_grace: Duration,
+    /// The cluster ID (the `*_cluster` metric labels).
+    pub cluster_id: String,
+    /// The log filter, changed at run time by the admin endpoint's `/logging`
+    /// (`None`: not changeable).
+    pub log_control: Option<LogControl>,
 }
 
 /// Raises the soft open-file limit to the hard one; returns the limit in force.
@@ -98,8 +114,12 @@ fn raise_nofile_limit() -> u64 {
 const PENDING_RETRY_MIN: Duration = Duration::from_millis(200);
 const PENDING_RETRY_MAX: Duration = Duration::from_secs(5);
 
-/// Runs the agent until SIGTERM or SIGINT. Pinned links and maps stay in place on
-/// exit: enrolled pods stay captured (fail closed) until an agent is back.
+/// Runs the agent until SIGTERM or SIGINT, then drains: the listeners close (new
+/// connections of enrolled pods are dropped by the programs: fail closed), the
+/// agent stops being ready, and open connections go on until they end or
+/// `drain_grace` has passed (a second signal ends the wait), then it returns.
+/// Pinned links and maps stay in place on exit: enrolled pods stay captured (fail
+/// closed) until an agent is back.
 ///
 /// # Errors
 /// Start-up failures (CA, listeners, programs, manifests directory); once running,
@@ -138,11 +158,24 @@ pub async fn run(cfg: AgentConfig) -> Result<()> {
         hbone_port: HBONE_PORT,
         proxy_mark: PROXY_MARK,
         connect_timeout: cfg.connect_timeout,
+        cluster_id: cfg.cluster_id.clone(),
     };
     let listeners = Listeners::bind(&proxy_config)?;
     let admin_listener = admin::bind(cfg.admin_address)
         .await
         .with_context(|| format!("binding the admin endpoint {}", cfg.admin_address))?;
+    let bind = |what: &'static str, addr: std::net::SocketAddr| async move {
+        tokio::net::TcpListener::bind(addr)
+            .await
+            .with_context(|| format!("binding the {what} endpoint {addr}"))
+    };
+    let metrics_listener = bind("metrics", cfg.metrics_address).await?;
+    // Not ready until the programs are attached and the proxy accepts.
+    let readiness = Arc::new(Readiness::default());
+    let readiness_server = tokio::spawn(server::serve(
+        bind("readiness", cfg.readiness_address).await?,
+        server::readiness(readiness.clone()),
+    ));
     net::install_policy_routing(
         REDIRECT_MARK,
         REDIRECT_MARK_MASK,
@@ -159,6 +192,17 @@ pub async fn run(cfg: AgentConfig) -> Result<()> {
         excluded_ports: cfg.excluded_ports.clone(),
     })?;
     let state = Arc::new(ProxyState::new(proxy_config, certs));
+    let maps = match DataplaneMaps::new(&dataplane) {
+        Ok(maps) => Some(Arc::new(std::sync::Mutex::new(maps))),
+        Err(e) => {
+            tracing::warn!("the metrics will not report the dataplane's maps: {e:#}");
+            None
+        }
+    };
+    let metrics_server = tokio::spawn(server::serve(
+        metrics_listener,
+        server::metrics(state.clone(), maps),
+    ));
     // After a CA change, new HBONE connections are made with the reissued
     // certificates and the new trust: pooled ones are released (their open
     // streams finish), so that none outlives the trust it was verified under.
@@ -199,9 +243,20 @@ pub async fn run(cfg: AgentConfig) -> Result<()> {
     reconciler.publish(&mut source);
     reconciler.plan(&state);
     let proxy = tokio::spawn(proxy::serve(state.clone(), listeners));
-    let admin = tokio::spawn(admin::serve(admin_listener, state.clone()));
+    let admin = tokio::spawn(admin::serve(
+        admin_listener,
+        state.clone(),
+        cfg.log_control.clone(),
+    ));
     tokio::task::block_in_place(|| reconciler.apply(removal(&source)));
-    tracing::info!(node = %cfg.node, pin_dir = %cfg.pin_dir.display(), "agent running");
+    readiness.set(true);
+    tracing::info!(
+        node = %cfg.node,
+        pin_dir = %cfg.pin_dir.display(),
+        metrics = %cfg.metrics_address,
+        readiness = %cfg.readiness_address,
+        "agent running"
+    );
 
     let mut sigterm = signal(SignalKind::terminate())?;
     let mut sigint = signal(SignalKind::interrupt())?;
@@ -237,14 +292,59 @@ pub async fn run(cfg: AgentConfig) -> Result<()> {
             });
         }
     }
+    readiness.set(false);
+    drain(&state, cfg.drain_grace, (&mut sigterm, &mut sigint)).await;
     tracing::info!(
         "stopping; links and maps stay pinned, enrolled pods fail closed until an agent is back"
     );
     proxy.abort();
     admin.abort();
+    metrics_server.abort();
+    readiness_server.abort();
     cert_maintenance.abort();
     pool_release.abort();
     Ok(())
+}
+
+/// Closes the listeners and waits until the open connections end, `grace` passes,
+/// or another signal comes.
+async fn drain(
+    state: &ProxyState,
+    grace: Duration,
+    (sigterm, sigint): (
+        &mut tokio::signal::unix::Signal,
+        &mut tokio::signal::unix::Signal,
+    ),
+) {
+    state.drain();
+    let open = state.open_connections();
+    tracing::info!(
+        open_connections = open,
+        grace = %humantime::format_duration(grace),
+        "draining: listeners closed (enrolled pods' new connections fail closed), open connections go on for the grace period"
+    );
+    let deadline = tokio::time::Instant::now() + grace;
+    let mut tick = tokio::time::interval(Duration::from_millis(100));
+    loop {
+        let open = state.open_connections();
+        if open == 0 {
+            tracing::info!("drained: no connection open");
+            return;
+        }
+        tokio::select! {
+            _ = tick.tick() => {}
+            () = tokio::time::sleep_until(deadline) => {
+                tracing::info!(open_connections = open, "grace period over; closing the open connections");
+                return;
+            }
+            _ = sigterm.recv() => break,
+            _ = sigint.recv() => break,
+        }
+    }
+    tracing::info!(
+        open_connections = state.open_connections(),
+        "signalled again; closing the open connections"
+    );
 }
 
 /// What may be detached, given how complete the workload source is.

@@ -9,4 +9,5 @@ pub mod authz;
 pub mod dataplane;
 pub mod identity;
 pub mod proxy;
+pub mod telemetry;
 pub mod workload;

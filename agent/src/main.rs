@@ -12,8 +12,12 @@ use podlink_agent::{
         DEFAULT_TRUST_DOMAIN, ca,
         istio_ca::{DEFAULT_CLUSTER_ID, DEFAULT_TOKEN_FILE, IstioCaConfig},
     },
+    telemetry::{
+        logging::{self, LogFormat},
+        metrics::DEFAULT_METRICS_ADDRESS,
+        server::DEFAULT_READINESS_ADDRESS,
+    },
 };
-use tracing_subscriber::EnvFilter;
 
 #[derive(Parser)]
 #[command(
@@ -22,9 +26,13 @@ use tracing_subscriber::EnvFilter;
     about = "eBPF redirection dataplane and HBONE proxy for Kubernetes"
 )]
 struct Cli {
-    /// Log filter (tracing EnvFilter syntax); RUST_LOG overrides it.
+    /// Log filter (tracing EnvFilter syntax); RUST_LOG overrides it. The agent's
+    /// can be changed at run time: POST /logging?level=... on the admin endpoint.
     #[arg(long, global = true, default_value = "info")]
     log_level: String,
+    /// Log lines as text, or as JSON objects (one per line).
+    #[arg(long, global = true, value_enum, default_value_t = LogFormat::Text)]
+    log_format: LogFormat,
     #[command(subcommand)]
     command: Command,
 }
@@ -83,7 +91,8 @@ struct AgentArgs {
     /// every request).
     #[arg(long, value_name = "PATH", default_value = DEFAULT_TOKEN_FILE)]
     ca_token_file: PathBuf,
-    /// With --ca-address: the cluster ID sent to the CA (ClusterID header).
+    /// The cluster ID: sent to the Istio CA (ClusterID header) with --ca-address,
+    /// and the source_cluster/destination_cluster label of the metrics.
     #[arg(long, default_value = DEFAULT_CLUSTER_ID)]
     cluster_id: String,
     /// Where maps and links are pinned (on a bpffs; one is mounted if needed).
@@ -92,9 +101,21 @@ struct AgentArgs {
     /// SPIFFE trust domain of the mesh.
     #[arg(long, default_value = DEFAULT_TRUST_DOMAIN)]
     trust_domain: String,
-    /// Admin endpoint (GET /config_dump); keep it on loopback.
+    /// Admin endpoint (GET /config_dump, GET and POST /logging); keep it on
+    /// loopback.
     #[arg(long, default_value = DEFAULT_ADMIN_ADDRESS)]
     admin_address: std::net::SocketAddr,
+    /// Prometheus metrics endpoint (GET /metrics).
+    #[arg(long, default_value = DEFAULT_METRICS_ADDRESS)]
+    metrics_address: std::net::SocketAddr,
+    /// Readiness endpoint (GET /healthz/ready: 200 once the programs are attached
+    /// and the listeners accept, 503 while starting or draining).
+    #[arg(long, default_value = DEFAULT_READINESS_ADDRESS)]
+    readiness_address: std::net::SocketAddr,
+    /// On SIGTERM, how long open connections may go on (the listeners close at
+    /// once) before the agent exits, e.g. 5s (Istio's terminationDrainDuration).
+    #[arg(long, default_value = "5s", value_parser = humantime::parse_duration)]
+    drain_grace: Duration,
     /// Namespace whose AuthorizationPolicies apply to the whole mesh.
     #[arg(long, default_value = DEFAULT_ROOT_NAMESPACE)]
     root_namespace: String,
@@ -143,13 +164,7 @@ fn parse_cert_lifetime(s: &str) -> Result<Duration, String> {
 
 fn main() -> Result<()> {
     let cli = Cli::parse();
-    let filter =
-        EnvFilter::try_from_default_env().or_else(|_| EnvFilter::try_new(&cli.log_level))?;
-    tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_writer(std::io::stderr)
-        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
-        .init();
+    let log_control = logging::init(&cli.log_level, cli.log_format)?;
     match cli.command {
         Command::Ca {
             command: CaCommand::Init { out },
@@ -171,7 +186,7 @@ fn main() -> Result<()> {
                     address,
                     root_cert: args.ca_root_cert.expect("clap requires --ca-root-cert"),
                     token_file: args.ca_token_file,
-                    cluster_id: args.cluster_id,
+                    cluster_id: args.cluster_id.clone(),
                 }),
                 pin_dir: args.pin_dir,
                 trust_domain: args.trust_domain,
@@ -183,6 +198,11 @@ fn main() -> Result<()> {
                 excluded_ports: args.excluded_ports,
                 connect_timeout: args.connect_timeout,
                 max_connections: args.max_connections,
+                metrics_address: args.metrics_address,
+                readiness_address: args.readiness_address,
+                drain_grace: args.drain_grace,
+                cluster_id: args.cluster_id,
+                log_control: Some(log_control),
             }))
         }
     }

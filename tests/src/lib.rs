@@ -36,6 +36,82 @@ use anyhow::{Context, Result, anyhow, bail};
 use netns::{Resource, ip, register, run};
 use serde_json::Value;
 
+/// The agent's admin port (on 127.0.0.1 of the node's namespace).
+pub const ADMIN_PORT: u16 = 15000;
+/// The agent's metrics port.
+pub const METRICS_PORT: u16 = 15020;
+/// The agent's readiness port.
+pub const READINESS_PORT: u16 = 15021;
+
+/// A parsed metrics page (OpenMetrics text): samples by name and labels.
+#[derive(Clone, Debug)]
+pub struct Metrics {
+    /// The page as served.
+    pub text: String,
+    /// `(name, labels, value)` of each sample.
+    pub samples: Vec<(String, BTreeMap<String, String>, f64)>,
+}
+
+impl Metrics {
+    /// Parses the sample lines of `text` (label values without escapes, as the
+    /// agent writes them).
+    pub fn parse(text: &str) -> Self {
+        let samples = text
+            .lines()
+            .filter(|l| !l.starts_with('#') && !l.is_empty())
+            .filter_map(|line| {
+                let (series, value) = line.rsplit_once(' ')?;
+                let value: f64 = value.parse().ok()?;
+                let (name, labels) = match series.split_once('{') {
+                    Some((name, rest)) => {
+                        let rest = rest.strip_suffix('}')?;
+                        let labels = rest
+                            .split("\",")
+                            .filter(|kv| !kv.is_empty())
+                            .filter_map(|kv| {
+                                let (k, v) = kv.split_once("=\"")?;
+                                Some((k.to_string(), v.trim_end_matches('"').to_string()))
+                            })
+                            .collect();
+                        (name.to_string(), labels)
+                    }
+                    None => (series.to_string(), BTreeMap::new()),
+                };
+                Some((name, labels, value))
+            })
+            .collect();
+        Self {
+            text: text.to_string(),
+            samples,
+        }
+    }
+
+    /// The samples of `name` whose labels include all of `labels`.
+    pub fn matching<'a>(
+        &'a self,
+        name: &'a str,
+        labels: &'a [(&'a str, &'a str)],
+    ) -> impl Iterator<Item = &'a (String, BTreeMap<String, String>, f64)> + 'a {
+        self.samples.iter().filter(move |(n, l, _)| {
+            n == name
+                && labels
+                    .iter()
+                    .all(|(k, v)| l.get(*k).map(String::as_str) == Some(*v))
+        })
+    }
+
+    /// The sum of the samples of `name` whose labels include all of `labels`
+    /// (0 when there are none).
+    pub fn sum(&self, name: &str, labels: &[(&str, &str)]) -> f64 {
+        self.matching(name, labels).map(|(_, _, v)| v).sum()
+    }
+
+    /// Whether some sample of `name` has all of `labels`.
+    pub fn has(&self, name: &str, labels: &[(&str, &str)]) -> bool {
+        self.matching(name, labels).next().is_some()
+    }
+}
+
 /// Where Debian's containernetworking-plugins are installed.
 pub const CNI_BIN_DIR: &str = "/usr/lib/cni";
 
@@ -468,11 +544,71 @@ status:
     /// `GET path` on node `node`'s admin endpoint (127.0.0.1:15000 in the node's
     /// namespace): the status code and the body.
     pub fn admin_get(&self, node: usize, path: &str) -> Result<(u16, String)> {
+        self.http_request(node, ADMIN_PORT, "GET", path)
+    }
+
+    /// `POST path` on node `node`'s admin endpoint: the status code and the body.
+    pub fn admin_post(&self, node: usize, path: &str) -> Result<(u16, String)> {
+        self.http_request(node, ADMIN_PORT, "POST", path)
+    }
+
+    /// Node `node`'s metrics page (`GET 127.0.0.1:15020/metrics` in its
+    /// namespace), parsed.
+    pub fn metrics(&self, node: usize) -> Result<Metrics> {
+        let (status, body) = self.http_request(node, METRICS_PORT, "GET", "/metrics")?;
+        if status != 200 {
+            bail!("/metrics answered {status}: {body}");
+        }
+        Ok(Metrics::parse(&body))
+    }
+
+    /// Node `node`'s readiness (`GET 127.0.0.1:15021/healthz/ready`): the status.
+    pub fn readiness(&self, node: usize) -> Result<u16> {
+        Ok(self
+            .http_request(node, READINESS_PORT, "GET", "/healthz/ready")?
+            .0)
+    }
+
+    /// Waits (up to 10 s) until `check` holds for node `node`'s metrics; returns
+    /// them, or fails with the page.
+    pub fn wait_metrics(
+        &self,
+        node: usize,
+        what: &str,
+        check: impl Fn(&Metrics) -> bool,
+    ) -> Result<Metrics> {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            let metrics = self.metrics(node)?;
+            if check(&metrics) {
+                return Ok(metrics);
+            }
+            if Instant::now() > deadline {
+                bail!(
+                    "node {}'s metrics never showed {what}:\n{}",
+                    node + 1,
+                    metrics.text
+                );
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    /// A one-shot HTTP/1.1 request to `127.0.0.1:port` in node `node`'s
+    /// namespace: the status code and the body.
+    pub fn http_request(
+        &self,
+        node: usize,
+        port: u16,
+        method: &str,
+        path: &str,
+    ) -> Result<(u16, String)> {
         use std::io::{Read, Write};
-        let request =
-            format!("GET {path} HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n");
+        let request = format!(
+            "{method} {path} HTTP/1.1\r\nHost: localhost\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
+        );
         let response = netns::in_netns(&self.nodes[node].netns, move || {
-            let mut s = std::net::TcpStream::connect(("127.0.0.1", 15000))?;
+            let mut s = std::net::TcpStream::connect(("127.0.0.1", port))?;
             s.set_read_timeout(Some(Duration::from_secs(10)))?;
             s.write_all(request.as_bytes())?;
             let mut text = String::new();
@@ -680,6 +816,49 @@ status:
     /// The process id of a node's running agent.
     pub fn agent_pid(&self, node: usize) -> Option<u32> {
         self.agents.get(&node).map(Child::id)
+    }
+
+    /// Sends `signal` to a node's agent, without waiting.
+    pub fn signal_agent(&self, node: usize, signal: i32) -> Result<()> {
+        let pid = self.agent_pid(node).context("no agent runs on that node")?;
+        // SAFETY: signalling our own child, which has not been reaped.
+        if unsafe { libc::kill(pid as i32, signal) } != 0 {
+            bail!("kill: {}", std::io::Error::last_os_error());
+        }
+        Ok(())
+    }
+
+    /// Whether a node's agent is still running (started and not exited).
+    pub fn agent_running(&mut self, node: usize) -> bool {
+        self.agents
+            .get_mut(&node)
+            .is_some_and(|c| matches!(c.try_wait(), Ok(None)))
+    }
+
+    /// Waits up to `limit` for a node's agent to exit; returns its exit status,
+    /// or fails with its log.
+    pub fn wait_agent_exit(
+        &mut self,
+        node: usize,
+        limit: Duration,
+    ) -> Result<std::process::ExitStatus> {
+        let deadline = Instant::now() + limit;
+        let mut child = self.agents.remove(&node).context("no agent on that node")?;
+        loop {
+            if let Some(status) = child.try_wait()? {
+                netns::unregister(&Resource::Process(child.id()));
+                return Ok(status);
+            }
+            if Instant::now() > deadline {
+                self.agents.insert(node, child);
+                bail!(
+                    "the agent of node {} did not exit within {limit:?}:\n{}",
+                    node + 1,
+                    self.agent_log(node)
+                );
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
     }
 
     /// Stops a node's agent with SIGTERM and waits for it to exit.

@@ -499,6 +499,35 @@ impl Dataplane {
     pub fn attached(&self) -> impl Iterator<Item = &CapturedPod> {
         self.attached.values().map(|a| &a.pod)
     }
+
+    /// A second handle on the loaded map `name` — `pods`, `pod_counters` or
+    /// `captured_flows` — (a duplicated descriptor), to read it elsewhere (metrics read the counters at scrape time) while this
+    /// dataplane writes it.
+    ///
+    /// # Errors
+    /// No such map in the object, another map, or the descriptor cannot be
+    /// duplicated.
+    pub fn map_handle(&self, name: &str) -> Result<MapData> {
+        use aya::maps::IterableMap;
+        use std::os::fd::AsFd;
+        let dup = |data: &MapData| -> Result<MapData> {
+            let fd = data.fd().as_fd().try_clone_to_owned()?;
+            Ok(MapData::from_fd(fd)?)
+        };
+        match name {
+            MAP_PODS => dup(self.pods.map()),
+            MAP_COUNTERS => dup(self.counters.map()),
+            _ => {
+                let map = self
+                    .ebpf
+                    .map(name)
+                    .ok_or_else(|| anyhow!("map {name} missing from the object"))?;
+                let flows: BpfHashMap<&MapData, podlink_common::FlowKey, u8> =
+                    BpfHashMap::try_from(map).with_context(|| format!("map {name}"))?;
+                dup(flows.map())
+            }
+        }
+    }
 }
 
 #[cfg(test)]

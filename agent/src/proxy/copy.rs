@@ -2,27 +2,18 @@
 
 use std::io;
 
-use tokio::{
-    io::{AsyncRead, AsyncWrite},
-    net::TcpStream,
-};
-
-use super::socket::reset_on_close;
+use tokio::io::{AsyncRead, AsyncWrite};
 
 /// Buffer size of each direction (bytes).
 const BUFFER: usize = 64 * 1024;
 
-/// Copies between the downstream connection `tcp` and `upstream` until both
-/// directions end; a half-close is passed on as one. Returns the bytes sent
-/// downstream→upstream and upstream→downstream. On an error `tcp` is set to close
-/// with a RST, so the client sees the failure.
-pub async fn bidirectional<U>(tcp: &mut TcpStream, upstream: &mut U) -> io::Result<(u64, u64)>
+/// Copies between `a` and `b` until both directions end; a half-close is passed
+/// on as one. Returns the bytes copied a→b and b→a. On an error the caller
+/// decides how the sockets close (a RST, so that the peers see the failure).
+pub async fn bidirectional<A, B>(a: &mut A, b: &mut B) -> io::Result<(u64, u64)>
 where
-    U: AsyncRead + AsyncWrite + Unpin + ?Sized,
+    A: AsyncRead + AsyncWrite + Unpin + ?Sized,
+    B: AsyncRead + AsyncWrite + Unpin + ?Sized,
 {
-    let result = tokio::io::copy_bidirectional_with_sizes(tcp, upstream, BUFFER, BUFFER).await;
-    if result.is_err() {
-        reset_on_close(tcp);
-    }
-    result
+    tokio::io::copy_bidirectional_with_sizes(a, b, BUFFER, BUFFER).await
 }

@@ -31,6 +31,10 @@ use crate::{
         SpiffeId,
         tls::{ALPN_H2, peer_identity},
     },
+    telemetry::{
+        connection::{ConnectionRecord, Endpoints, Failure, Outcome},
+        metrics::{Direction, FailureKind, Reporter, SecurityPolicy},
+    },
 };
 
 /// Time allowed for the TLS and HTTP/2 handshakes.
@@ -47,8 +51,10 @@ pub async fn handle(state: Arc<ProxyState>, tcp: TcpStream, peer: SocketAddr, lo
     // Until the handshakes succeed, a close is a RST: a refused or silent client
     // leaves no TIME_WAIT socket behind to collide with its next connection.
     socket::reset_on_close(&tcp);
+    let failed = |kind| state.metrics.failed(Direction::Inbound, kind);
     let Some(destination) = state.view().local_pod(local.ip()).cloned() else {
         tracing::info!(%peer, %local, "HBONE connection to an address that is not an enrolled pod of this node; closed");
+        failed(FailureKind::NotEnrolled);
         return;
     };
     let server = match state.certs.identity(&destination.identity).await {
@@ -59,6 +65,7 @@ pub async fn handle(state: Arc<ProxyState>, tcp: TcpStream, peer: SocketAddr, lo
         Ok(server) => server,
         Err(e) => {
             tracing::warn!(%peer, destination = %destination.key(), "no certificate to present: {e}");
+            failed(FailureKind::Identity);
             return;
         }
     };
@@ -86,6 +93,7 @@ pub async fn handle(state: Arc<ProxyState>, tcp: TcpStream, peer: SocketAddr, lo
         Err(e) => {
             let destination = destination.key();
             REFUSALS.warn(|n| format!("from {peer} to {destination}: {e} ({n} such)"));
+            failed(FailureKind::Handshake);
             return;
         }
     };
@@ -101,9 +109,18 @@ pub async fn handle(state: Arc<ProxyState>, tcp: TcpStream, peer: SocketAddr, lo
     let mut ca_changes = state.certs.ca_changes();
     let mut going_away = false;
     let mut last_active = Instant::now();
+    let mut goaway_sent = false;
     loop {
         let next = tokio::select! {
             next = conn.accept() => next,
+            // Draining: no new streams; the connection closes once its open
+            // streams end.
+            () = state.draining(), if !goaway_sent => {
+                tracing::debug!(%peer, "draining: GOAWAY to the HBONE client");
+                conn.graceful_shutdown();
+                goaway_sent = true;
+                continue;
+            }
             () = state.unenrolled(local.ip()) => {
                 tracing::info!(%peer, destination = %destination.key(), "the pod left the mesh; closing its HBONE connection");
                 return;
@@ -171,6 +188,7 @@ impl Drop for ActiveStream {
 /// connection is gone, and its place in the active-stream count.
 type StreamContext = (watch::Receiver<()>, ActiveStream);
 
+/// Answers a stream with an error `status`.
 fn refuse(mut respond: SendResponse<Bytes>, status: StatusCode, peer: SocketAddr, why: &str) {
     tracing::info!(%peer, status = status.as_u16(), "HBONE request refused: {why}");
     let response = Response::builder()
@@ -196,10 +214,15 @@ async fn serve_stream(
     client: SpiffeId,
     (mut alive, _active): StreamContext,
 ) {
-    let start = Instant::now();
+    let bad_request = |respond, status, why: &str| {
+        state
+            .metrics
+            .failed(Direction::Inbound, FailureKind::BadRequest);
+        refuse(respond, status, peer, why);
+    };
     let target = match hbone::parse_connect(&req) {
         Ok(target) => target,
-        Err(e) => return refuse(respond, e.status(), peer, &e.to_string()),
+        Err(e) => return bad_request(respond, e.status(), &e.to_string()),
     };
     let view = state.view();
     let index = &view.workloads;
@@ -212,7 +235,7 @@ async fn serve_stream(
         let why = format!(
             "destination {target} is not the enrolled pod {pod_ip} this connection was made to"
         );
-        return refuse(respond, StatusCode::BAD_REQUEST, peer, &why);
+        return bad_request(respond, StatusCode::BAD_REQUEST, &why);
     }
     // Keep the client's address only when it belongs to a workload whose identity
     // is the one the client proved; otherwise connect from the node's address.
@@ -223,13 +246,30 @@ async fn serve_stream(
     if source.is_none() {
         tracing::info!(%peer, %client, "client address does not belong to the client's identity; not preserving it");
     }
+    let source_workload = source.and_then(|ip| index.by_ip(ip)).cloned();
+    let destination = view.local_pod(target.ip()).cloned();
+    let record = ConnectionRecord::open(
+        &state.metrics,
+        Direction::Inbound,
+        &[Reporter::Destination],
+        SecurityPolicy::MutualTls,
+        Endpoints {
+            route: "inbound_hbone",
+            src: peer,
+            dst: target,
+            src_workload: source_workload,
+            dst_workload: destination,
+            src_identity: Some(client.clone()),
+            dst_identity: Some(pod_id.clone()),
+        },
+    );
     let access = authz::Request {
         source_ip: peer.ip(),
         source: Some(&client),
         destination_ip: target.ip(),
         destination_port: target.port(),
     };
-    if !state.authorize(&view, &access, "HBONE stream") {
+    if let Err(denial) = state.authorize(&view, &access, "HBONE stream") {
         // The denial is logged (at a bounded rate) and counted; 401 as ztunnel
         // answers it.
         let response = Response::builder()
@@ -237,16 +277,17 @@ async fn serve_stream(
             .body(())
             .expect("a status-only response");
         let _ = respond.send_response(response, true);
+        record.finish(Outcome::Denied(denial.policy().to_string()));
         return;
     }
     drop(view);
     let Some(_slot) = state.connection_slot() else {
-        return refuse(
-            respond,
-            StatusCode::SERVICE_UNAVAILABLE,
-            peer,
-            "the proxy is at its connection limit",
-        );
+        let why = "the proxy is at its connection limit";
+        refuse(respond, StatusCode::SERVICE_UNAVAILABLE, peer, why);
+        return record.finish(Outcome::Failed(Failure::new(
+            FailureKind::ConnectionLimit,
+            why,
+        )));
     };
     let connect = tokio::time::timeout(
         state.config.connect_timeout,
@@ -258,32 +299,39 @@ async fn serve_stream(
         Ok(upstream) => upstream,
         Err(e) => {
             let why = format!("connecting to {target}: {e}");
-            return refuse(respond, StatusCode::SERVICE_UNAVAILABLE, peer, &why);
+            refuse(respond, StatusCode::SERVICE_UNAVAILABLE, peer, &why);
+            return record.finish(Outcome::Failed(Failure::new(
+                FailureKind::of_connect(&e),
+                why,
+            )));
         }
     };
     let send = match respond.send_response(Response::new(()), false) {
         Ok(send) => send,
         Err(e) => {
             tracing::debug!(%peer, "client went away before the tunnel opened: {e}");
-            return;
+            return record.finish(Outcome::Failed(Failure::new(
+                FailureKind::Io,
+                format!("the client went away before the tunnel opened: {e}"),
+            )));
         }
     };
     let mut stream = H2Stream::new(send, req.into_body());
+    let mut metered = record.meter(&mut stream);
     let result = tokio::select! {
-        result = copy::bidirectional(&mut upstream, &mut stream) => result,
-        why = state.revoked(&access, "HBONE stream") => Err(std::io::Error::other(why)),
+        result = copy::bidirectional(&mut upstream, &mut metered) => {
+            result.map_err(|e| Failure::new(FailureKind::Io, e))
+        }
+        why = state.revoked(&access, "HBONE stream") => Err(Failure::new(FailureKind::Revoked, why)),
         // The HBONE connection is gone: nothing can reach the client any more.
-        _ = alive.changed() => Err(std::io::Error::other("the HBONE connection closed")),
+        _ = alive.changed() => Err(Failure::new(FailureKind::Io, "the HBONE connection closed")),
     };
-    if result.is_err() {
-        socket::reset_on_close(&upstream);
-    }
     match result {
-        Ok((to_client, from_client)) => tracing::debug!(
-            %peer, %client, %target, sent = from_client, received = to_client,
-            duration_ms = start.elapsed().as_millis() as u64,
-            "inbound HBONE stream closed"
-        ),
-        Err(e) => tracing::info!(%peer, %client, %target, "inbound HBONE stream failed: {e}"),
+        Ok(_) => record.finish(Outcome::Ok),
+        Err(e) => {
+            socket::reset_on_close(&upstream);
+            tracing::info!(%peer, %client, %target, "inbound HBONE stream failed: {e}");
+            record.finish(Outcome::Failed(e));
+        }
     }
 }

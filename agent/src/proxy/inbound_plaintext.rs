@@ -2,31 +2,59 @@
 //! (listener 15006). Authorization policies apply with no source principal; a
 //! denied connection is reset.
 
-use std::{net::SocketAddr, sync::Arc, time::Instant};
+use std::{net::SocketAddr, sync::Arc};
 
 use tokio::net::TcpStream;
 
 use super::{ProxyState, copy, socket};
-use crate::authz::Request;
+use crate::{
+    authz::Request,
+    telemetry::{
+        connection::{ConnectionRecord, Endpoints, Failure, Outcome},
+        metrics::{Direction, FailureKind, Reporter, SecurityPolicy},
+    },
+};
 
 /// Handles one connection from `src` to the pod address `dst`.
 pub async fn handle(state: Arc<ProxyState>, mut tcp: TcpStream, src: SocketAddr, dst: SocketAddr) {
-    let start = Instant::now();
-    let Some(destination) = state.view().local_pod(dst.ip()).cloned() else {
+    let view = state.view();
+    let Some(destination) = view.local_pod(dst.ip()).cloned() else {
         tracing::info!(%src, %dst, "plaintext connection to an address that is not an enrolled pod of this node; reset");
+        state
+            .metrics
+            .failed(Direction::Inbound, FailureKind::NotEnrolled);
         socket::reset_on_close(&tcp);
         return;
     };
+    // The client may be a known pod outside the mesh; it has no identity here.
+    let source = view.workloads.by_ip(src.ip()).cloned();
+    let record = ConnectionRecord::open(
+        &state.metrics,
+        Direction::Inbound,
+        &[Reporter::Destination],
+        SecurityPolicy::None,
+        Endpoints {
+            route: "inbound_plaintext",
+            src,
+            dst,
+            src_workload: source.clone(),
+            dst_workload: Some(destination.clone()),
+            src_identity: None,
+            dst_identity: Some(destination.identity.clone()),
+        },
+    );
     let req = Request {
         source_ip: src.ip(),
         source: None,
         destination_ip: dst.ip(),
         destination_port: dst.port(),
     };
-    if !state.authorize(&state.view(), &req, "plaintext connection") {
+    if let Err(denial) = state.authorize(&view, &req, "plaintext connection") {
         socket::reset_on_close(&tcp);
+        record.finish(Outcome::Denied(denial.policy().to_string()));
         return;
     }
+    drop(view);
     // The client's address is what the network delivered: keep it.
     let proxy = async {
         let mut upstream = tokio::time::timeout(
@@ -34,22 +62,22 @@ pub async fn handle(state: Arc<ProxyState>, mut tcp: TcpStream, src: SocketAddr,
             socket::connect(Some(src.ip()), dst, state.config.proxy_mark),
         )
         .await
-        .unwrap_or_else(|_| Err(std::io::ErrorKind::TimedOut.into()))?;
-        copy::bidirectional(&mut tcp, &mut upstream).await
+        .unwrap_or_else(|_| Err(std::io::ErrorKind::TimedOut.into()))
+        .map_err(|e| Failure::new(FailureKind::of_connect(&e), format!("connecting: {e}")))?;
+        copy::bidirectional(&mut record.meter(&mut tcp), &mut upstream)
+            .await
+            .map_err(|e| Failure::new(FailureKind::Io, e))
     };
     let result = tokio::select! {
         result = proxy => result,
-        why = state.revoked(&req, "plaintext connection") => Err(std::io::Error::other(why)),
+        why = state.revoked(&req, "plaintext connection") => Err(Failure::new(FailureKind::Revoked, why)),
     };
     match result {
-        Ok((sent, received)) => tracing::debug!(
-            %src, %dst, destination = %destination.key(), sent, received,
-            duration_ms = start.elapsed().as_millis() as u64,
-            "inbound plaintext connection closed"
-        ),
+        Ok(_) => record.finish(Outcome::Ok),
         Err(e) => {
             socket::reset_on_close(&tcp);
             tracing::info!(%src, %dst, destination = %destination.key(), "inbound plaintext connection failed: {e}");
+            record.finish(Outcome::Failed(e));
         }
     }
 }

@@ -35,6 +35,7 @@ use tokio::{
 use crate::{
     authz::{Denial, PolicySet, Request},
     identity::CertManager,
+    telemetry::metrics::{Direction, FailureKind, Metrics},
     workload::{Workload, WorkloadIndex},
 };
 
@@ -56,6 +57,9 @@ pub struct ProxyConfig {
     /// Connections (accepted, plus inbound HBONE streams) handled at once; more
     /// are refused.
     pub max_connections: usize,
+    /// The cluster ID: the `source_cluster` and `destination_cluster` metric
+    /// labels of known workloads.
+    pub cluster_id: String,
 }
 
 /// The proxy's view of the node: the workloads, and the addresses of the pods this
@@ -129,7 +133,12 @@ pub struct ProxyState {
     pub certs: CertManager,
     /// Pooled HBONE connections.
     pub pool: pool::Pool,
+    /// Istio's TCP metrics and the failure counts.
+    pub metrics: Arc<Metrics>,
     view: watch::Sender<View>,
+    /// Set once the agent drains: the listeners close, inbound HBONE connections
+    /// are sent GOAWAY.
+    draining: watch::Sender<bool>,
     /// One permit per accepted connection and per inbound HBONE stream (each
     /// holds a socket or two): bounds the file descriptors clients can make the
     /// proxy hold.
@@ -179,7 +188,9 @@ impl ProxyState {
         Self {
             certs,
             pool: pool::Pool::default(),
+            metrics: Arc::new(Metrics::new(&config.cluster_id)),
             view: watch::Sender::new(View::default()),
+            draining: watch::Sender::new(false),
             connections: Arc::new(Semaphore::new(config.max_connections)),
             denials: Default::default(),
             denial_log: RateLimited::default(),
@@ -189,14 +200,35 @@ impl ProxyState {
 
     /// Authorizes `req` with the current policies; counts and logs a denial with
     /// the policy that made it (`what` names the kind of connection).
-    pub fn authorize(&self, view: &View, req: &Request<'_>, what: &str) -> bool {
-        match view.authorize(req, true) {
-            Ok(()) => true,
-            Err(denial) => {
-                self.denied(&denial, &describe(req, view), what);
-                false
-            }
-        }
+    ///
+    /// # Errors
+    /// The denial.
+    pub fn authorize(&self, view: &View, req: &Request<'_>, what: &str) -> Result<(), Denial> {
+        view.authorize(req, true).inspect_err(|denial| {
+            self.denied(denial, &describe(req, view), what);
+        })
+    }
+
+    /// Starts draining: the listeners stop accepting (and close), inbound HBONE
+    /// connections are sent GOAWAY so that they close once their streams end.
+    /// Open connections go on.
+    pub fn drain(&self) {
+        self.draining.send_replace(true);
+    }
+
+    /// Resolves once the proxy drains (at once if it does).
+    pub async fn draining(&self) {
+        let mut rx = self.draining.subscribe();
+        // The sender lives as long as `self`.
+        let _ = rx.wait_for(|draining| *draining).await;
+    }
+
+    /// Connections open now: accepted downstream connections (inbound HBONE
+    /// connections included) and inbound HBONE streams.
+    pub fn open_connections(&self) -> usize {
+        self.config
+            .max_connections
+            .saturating_sub(self.connections.available_permits())
     }
 
     /// Counts and logs a denial.
@@ -331,19 +363,19 @@ pub async fn serve(state: Arc<ProxyState>, listeners: Listeners) {
     };
     tokio::join!(
         accept_loop(
-            "outbound",
+            ("outbound", Direction::Outbound),
             listeners.outbound,
             state.clone(),
             outbound::handle
         ),
         accept_loop(
-            "inbound plaintext",
+            ("inbound plaintext", Direction::Inbound),
             listeners.inbound_plaintext,
             state.clone(),
             inbound_plaintext::handle
         ),
         accept_loop(
-            "inbound HBONE",
+            ("inbound HBONE", Direction::Inbound),
             listeners.hbone,
             state.clone(),
             inbound::handle
@@ -352,8 +384,12 @@ pub async fn serve(state: Arc<ProxyState>, listeners: Listeners) {
     );
 }
 
+/// Accepts connections on `listener` and hands each to `handle`, until the proxy
+/// drains: the listener is then closed, so the kernel stops completing
+/// handshakes for it (the programs find no listener and drop new connections of
+/// enrolled pods: fail closed).
 async fn accept_loop<F, Fut>(
-    name: &'static str,
+    (name, direction): (&'static str, Direction),
     listener: TcpListener,
     state: Arc<ProxyState>,
     handle: F,
@@ -364,7 +400,15 @@ async fn accept_loop<F, Fut>(
     let accept_failed = RateLimited::default();
     let over_limit = RateLimited::default();
     loop {
-        let (stream, peer) = match listener.accept().await {
+        let accepted = tokio::select! {
+            accepted = listener.accept() => accepted,
+            () = state.draining() => {
+                drop(listener);
+                tracing::info!("{name} listener closed");
+                return;
+            }
+        };
+        let (stream, peer) = match accepted {
             Ok(accepted) => accepted,
             Err(e) => {
                 // EMFILE and friends: back off instead of spinning.
@@ -374,6 +418,9 @@ async fn accept_loop<F, Fut>(
             }
         };
         let Ok(permit) = state.connections.clone().try_acquire_owned() else {
+            state
+                .metrics
+                .failed(direction, FailureKind::ConnectionLimit);
             over_limit.warn(|n| {
                 format!("{name} listener: at the limit of {} connections; refused {n} (from {peer} and others)", state.config.max_connections)
             });

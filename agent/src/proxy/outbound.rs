@@ -1,11 +1,22 @@
 //! Connections leaving an enrolled pod (listener 15001).
 
-use std::{net::SocketAddr, sync::Arc, time::Instant};
+use std::{net::SocketAddr, sync::Arc};
 
 use tokio::net::TcpStream;
 
-use super::{ProxyState, copy, pool::PoolKey, socket};
-use crate::{authz::Request, workload::Workload};
+use super::{
+    ProxyState, copy,
+    pool::{HboneError, PoolKey},
+    socket,
+};
+use crate::{
+    authz::Request,
+    telemetry::{
+        connection::{ConnectionRecord, Endpoints, Failure, Outcome},
+        metrics::{Direction, FailureKind, Reporter, SecurityPolicy},
+    },
+    workload::Workload,
+};
 
 /// Where a captured outbound connection goes.
 enum Route {
@@ -29,14 +40,19 @@ impl Route {
 
 /// Handles one connection from pod `src` to its original destination `dst`.
 pub async fn handle(state: Arc<ProxyState>, mut tcp: TcpStream, src: SocketAddr, dst: SocketAddr) {
-    let start = Instant::now();
     let view = state.view();
     let index = &view.workloads;
+    let refuse = |tcp: &TcpStream| {
+        state
+            .metrics
+            .failed(Direction::Outbound, FailureKind::NotEnrolled);
+        socket::reset_on_close(tcp);
+    };
     let Some(source) = view.local_pod(src.ip()).cloned() else {
         // Only enrolled pods' connections are steered here; anything else (a pod
         // that was just un-enrolled) is refused rather than guessed at.
         tracing::info!(%src, %dst, "outbound connection from an address that is not an enrolled pod of this node; reset");
-        socket::reset_on_close(&tcp);
+        refuse(&tcp);
         return;
     };
     let route = match index.by_ip(dst.ip()).filter(|w| w.enrollment.is_enrolled()) {
@@ -45,17 +61,49 @@ pub async fn handle(state: Arc<ProxyState>, mut tcp: TcpStream, src: SocketAddr,
             // A workload that says it is here but has no host veth here: not
             // something to connect to in plain text.
             tracing::warn!(%src, %dst, destination = %w.key(), "destination claims to be an enrolled pod of this node but has no host veth here; reset");
-            socket::reset_on_close(&tcp);
+            refuse(&tcp);
             return;
         }
         Some(w) => Route::Hbone(w.clone()),
         None if index.conflict(dst.ip()).is_some() => {
             tracing::warn!(%src, %dst, "destination address is claimed by several pods; reset");
-            socket::reset_on_close(&tcp);
+            refuse(&tcp);
             return;
         }
         None => Route::Passthrough,
     };
+    let route_name = route.name();
+    // A destination outside the mesh may still be a known pod (its labels name
+    // it), but has no identity here.
+    let dst_workload = index.by_ip(dst.ip()).cloned();
+    let dst_identity = match route {
+        Route::Passthrough => None,
+        Route::Hbone(_) | Route::Local => dst_workload.as_ref().map(|w| w.identity.clone()),
+    };
+    let (reporters, security): (&[Reporter], _) = match route {
+        Route::Hbone(_) => (&[Reporter::Source], SecurityPolicy::MutualTls),
+        // No inbound hop reports it: this proxy is both sides.
+        Route::Local => (
+            &[Reporter::Source, Reporter::Destination],
+            SecurityPolicy::None,
+        ),
+        Route::Passthrough => (&[Reporter::Source], SecurityPolicy::None),
+    };
+    let record = ConnectionRecord::open(
+        &state.metrics,
+        Direction::Outbound,
+        reporters,
+        security,
+        Endpoints {
+            route: route_name,
+            src,
+            dst,
+            src_workload: Some(source.clone()),
+            dst_workload,
+            src_identity: Some(source.identity.clone()),
+            dst_identity,
+        },
+    );
     // Between two pods of this node there is no inbound proxy hop: the
     // destination's policies are checked here, with the source pod's identity
     // (its address is its own: the programs drop spoofed packets).
@@ -66,13 +114,13 @@ pub async fn handle(state: Arc<ProxyState>, mut tcp: TcpStream, src: SocketAddr,
         destination_port: dst.port(),
     });
     if let Some(req) = &local
-        && !state.authorize(&view, req, "connection between pods of this node")
+        && let Err(denial) = state.authorize(&view, req, "connection between pods of this node")
     {
         socket::reset_on_close(&tcp);
+        record.finish(Outcome::Denied(denial.policy().to_string()));
         return;
     }
     drop(view);
-    let route_name = route.name();
     let revoked = async {
         match &local {
             Some(req) => {
@@ -84,33 +132,32 @@ pub async fn handle(state: Arc<ProxyState>, mut tcp: TcpStream, src: SocketAddr,
         }
     };
     let result = tokio::select! {
-        result = proxy(&state, &mut tcp, route, &source, src, dst) => result,
-        () = state.unenrolled(src.ip()) => Err(std::io::Error::other("the pod left the mesh")),
-        why = revoked => Err(std::io::Error::other(why)),
+        result = proxy(&state, &mut tcp, route, &source, (src, dst), &record) => result,
+        () = state.unenrolled(src.ip()) => Err(Failure::new(FailureKind::Revoked, "the pod left the mesh")),
+        why = revoked => Err(Failure::new(FailureKind::Revoked, why)),
     };
     match result {
-        Ok((sent, received)) => tracing::debug!(
-            %src, %dst, source = %source.key(), route = %route_name, sent, received,
-            duration_ms = start.elapsed().as_millis() as u64,
-            "outbound connection closed"
-        ),
+        Ok(()) => record.finish(Outcome::Ok),
         Err(e) => {
             socket::reset_on_close(&tcp);
             tracing::info!(%src, %dst, source = %source.key(), route = %route_name, "outbound connection failed: {e}");
+            record.finish(Outcome::Failed(e));
         }
     }
 }
 
-/// Connects upstream along `route` and copies until both sides are done.
+/// Connects upstream along `route` and copies until both sides are done,
+/// counting the bytes in `record`.
 async fn proxy(
     state: &ProxyState,
     tcp: &mut TcpStream,
     route: Route,
     source: &Workload,
-    src: SocketAddr,
-    dst: SocketAddr,
-) -> std::io::Result<(u64, u64)> {
+    (src, dst): (SocketAddr, SocketAddr),
+    record: &ConnectionRecord,
+) -> Result<(), Failure> {
     let mark = state.config.proxy_mark;
+    let copy_failed = |e: std::io::Error| Failure::new(FailureKind::Io, e);
     match route {
         Route::Hbone(dst_workload) => {
             let key = PoolKey {
@@ -125,10 +172,20 @@ async fn proxy(
             )
             .await;
             match stream {
-                Ok(Ok(mut stream)) => copy::bidirectional(tcp, &mut stream).await,
-                Ok(Err(e)) => Err(std::io::Error::other(e.to_string())),
-                Err(_) => Err(std::io::Error::new(
-                    std::io::ErrorKind::TimedOut,
+                Ok(Ok(mut stream)) => copy::bidirectional(&mut record.meter(tcp), &mut stream)
+                    .await
+                    .map(drop)
+                    .map_err(copy_failed),
+                Ok(Err(e)) => {
+                    let kind = match &e {
+                        HboneError::Identity(_) => FailureKind::Identity,
+                        HboneError::Connect { source, .. } => FailureKind::of_connect(source),
+                        _ => FailureKind::Hbone,
+                    };
+                    Err(Failure::new(kind, e))
+                }
+                Err(_) => Err(Failure::new(
+                    FailureKind::ConnectTimeout,
                     format!("HBONE to {} timed out", key.dst),
                 )),
             }
@@ -141,8 +198,14 @@ async fn proxy(
             .await
             .unwrap_or_else(|_| Err(std::io::ErrorKind::TimedOut.into()));
             match connect {
-                Ok(mut upstream) => copy::bidirectional(tcp, &mut upstream).await,
-                Err(e) => Err(e),
+                Ok(mut upstream) => copy::bidirectional(&mut record.meter(tcp), &mut upstream)
+                    .await
+                    .map(drop)
+                    .map_err(copy_failed),
+                Err(e) => Err(Failure::new(
+                    FailureKind::of_connect(&e),
+                    format!("connecting to {dst}: {e}"),
+                )),
             }
         }
     }

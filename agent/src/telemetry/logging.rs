@@ -1,0 +1,177 @@
+//! The agent's log: text lines (the default) or JSON lines (`--log-format json`),
+//! filtered by a tracing `EnvFilter` that can be replaced at run time (the admin
+//! endpoint's `/logging`) through `tracing-subscriber`'s reload layer.
+
+use std::fmt;
+
+use tracing_subscriber::{
+    EnvFilter, Registry, filter::LevelFilter, layer::SubscriberExt, reload, util::SubscriberInitExt,
+};
+
+/// How log lines are written (to standard error).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum)]
+pub enum LogFormat {
+    /// `tracing-subscriber`'s human-readable lines: time, level, target, message,
+    /// `key=value` fields.
+    #[default]
+    Text,
+    /// One JSON object per line: `timestamp`, `level`, `target`, and `fields`
+    /// (with `message`).
+    Json,
+}
+
+/// Why a filter given at run time was refused; the filter in force stays.
+#[derive(Debug, thiserror::Error)]
+pub enum FilterError {
+    /// Nothing was given.
+    #[error(
+        "no filter given: give a level (error, warn, info, debug, trace, off) or target=level directives, comma-separated"
+    )]
+    Empty,
+    /// A directive is neither a level nor `target=level`.
+    #[error(
+        "{0:?} is neither a level (error, warn, info, debug, trace, off) nor a target=level directive"
+    )]
+    Directive(String),
+    /// `EnvFilter` refused the filter.
+    #[error("invalid filter {filter:?}: {source}")]
+    Parse {
+        /// The filter given.
+        filter: String,
+        /// The parser's error.
+        source: tracing_subscriber::filter::ParseError,
+    },
+    /// The subscriber is gone (not expected while the agent runs).
+    #[error("the log filter cannot be changed: {0}")]
+    Reload(#[from] reload::Error),
+}
+
+/// Checks a filter given at run time: comma-separated directives, each a level
+/// or `target[span{field}]=level` (a bare target, which `EnvFilter` would take as
+/// "everything of that target", is refused as the likely typo it is), then parsed
+/// by `EnvFilter`.
+///
+/// # Errors
+/// [`FilterError`] saying which directive is wrong.
+pub fn parse_filter(filter: &str) -> Result<EnvFilter, FilterError> {
+    let filter = filter.trim();
+    if filter.is_empty() {
+        return Err(FilterError::Empty);
+    }
+    for directive in filter.split(',').map(str::trim) {
+        let level = directive
+            .rsplit_once('=')
+            .map_or(
+                directive,
+                |(target, level)| {
+                    if target.is_empty() { "" } else { level }
+                },
+            );
+        if level.parse::<LevelFilter>().is_err() {
+            return Err(FilterError::Directive(directive.to_string()));
+        }
+    }
+    EnvFilter::builder()
+        .parse(filter)
+        .map_err(|source| FilterError::Parse {
+            filter: filter.to_string(),
+            source,
+        })
+}
+
+/// The handle on the log filter in force.
+#[derive(Clone)]
+pub struct LogControl {
+    handle: reload::Handle<EnvFilter, Registry>,
+}
+
+impl fmt::Debug for LogControl {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("LogControl")
+            .field("filter", &self.current())
+            .finish()
+    }
+}
+
+impl LogControl {
+    /// The filter in force, in `EnvFilter` syntax.
+    pub fn current(&self) -> String {
+        self.handle
+            .with_current(ToString::to_string)
+            .unwrap_or_else(|e| format!("(unavailable: {e})"))
+    }
+
+    /// Puts `filter` in force (see [`parse_filter`]); returns it as now in force.
+    ///
+    /// # Errors
+    /// [`FilterError`]; the filter in force then stays.
+    pub fn set(&self, filter: &str) -> Result<String, FilterError> {
+        let parsed = parse_filter(filter)?;
+        self.handle.reload(parsed)?;
+        Ok(self.current())
+    }
+}
+
+/// Installs the global subscriber: `format` lines on standard error, filtered by
+/// `RUST_LOG` when set, else by `filter`.
+///
+/// # Errors
+/// An invalid filter, or a subscriber already installed.
+pub fn init(filter: &str, format: LogFormat) -> anyhow::Result<LogControl> {
+    let filter = match std::env::var("RUST_LOG") {
+        Ok(env) if !env.is_empty() => EnvFilter::builder().parse(env)?,
+        _ => EnvFilter::builder().parse(filter)?,
+    };
+    let (filter, handle) = reload::Layer::new(filter);
+    let ansi = std::io::IsTerminal::is_terminal(&std::io::stderr());
+    let registry = tracing_subscriber::registry().with(filter);
+    match format {
+        LogFormat::Text => registry
+            .with(
+                tracing_subscriber::fmt::layer()
+                    .with_writer(std::io::stderr)
+                    .with_ansi(ansi),
+            )
+            .try_init()?,
+        LogFormat::Json => registry
+            .with(
+                tracing_subscriber::fmt::layer()
+                    .json()
+                    .with_writer(std::io::stderr),
+            )
+            .try_init()?,
+    }
+    Ok(LogControl { handle })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn levels_and_target_directives_parse() {
+        for ok in [
+            "debug",
+            "INFO",
+            "info,podlink_agent=debug",
+            "podlink_agent::proxy=trace",
+            "access=off, warn",
+        ] {
+            parse_filter(ok).unwrap_or_else(|e| panic!("{ok}: {e}"));
+        }
+    }
+
+    #[test]
+    fn garbage_is_refused_with_the_directive() {
+        assert!(matches!(parse_filter(" "), Err(FilterError::Empty)));
+        for (bad, named) in [
+            ("loud", "loud"),
+            ("info,podlink_agent=loud", "podlink_agent=loud"),
+            ("=debug", "=debug"),
+            ("podlink_agent", "podlink_agent"),
+        ] {
+            let e = parse_filter(bad).unwrap_err();
+            assert!(e.to_string().contains(named), "{bad}: {e}");
+        }
+    }
+}

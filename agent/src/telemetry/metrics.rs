@@ -1,0 +1,584 @@
+//! Prometheus metrics, served on `:15020/metrics` (ztunnel's and Istio's metrics
+//! port) in the OpenMetrics text format, encoded by `prometheus-client`.
+//!
+//! Istio's standard TCP metrics (<https://istio.io/latest/docs/reference/config/metrics/>),
+//! counted by the proxy as connections open, carry bytes and close:
+//!
+//! | metric | counts |
+//! |---|---|
+//! | `istio_tcp_connections_opened_total` | connections opened (counted when the proxy has accepted and identified the connection, before authorization) |
+//! | `istio_tcp_connections_closed_total` | connections closed, whatever the result (denied and failed ones too) |
+//! | `istio_tcp_received_bytes_total` | bytes from the client to the server (the request direction), counted as they flow |
+//! | `istio_tcp_sent_bytes_total` | bytes from the server to the client (the response direction), counted as they flow |
+//!
+//! with Istio's labels ([`TcpLabels`]): `reporter` (`source` on the outbound side,
+//! `destination` on the inbound side; a connection between two pods of one node
+//! is reported by both), the source's and destination's `*_workload`,
+//! `*_workload_namespace`, `*_principal`, `*_app`, `*_version`,
+//! `*_canonical_service`, `*_canonical_revision`, `*_cluster`,
+//! `destination_service*`, `request_protocol` (`tcp`), `response_flags` (`-`) and
+//! `connection_security_policy` (`mutual_tls` over HBONE, `none` otherwise).
+//! Values that are not known are `unknown`, as in Istio. Differences from Istio:
+//! `*_workload` is the pod's name (Istio uses the owning Deployment's; podlink reads
+//! Pods only), and `destination_service*` is `unknown` (Services are not resolved
+//! yet).
+//!
+//! podlink's own metrics:
+//!
+//! | metric | type | labels | value |
+//! |---|---|---|---|
+//! | `podlink_enrolled_pods` | gauge | | this node's enrolled pods that are captured |
+//! | `podlink_bpf_map_entries` | gauge | `map` (`pods`, `pod_counters`, `captured_flows`) | entries in each map |
+//! | `podlink_redirect_drops_total` | counter | `workload`, `workload_namespace`, `reason` | packets the TC programs dropped on the pod's host veth, by reason (the `dropped_*` fields of [`podlink_common::PodCounters`], summed over CPUs: `no_listener`, `bounce_miss`, `assign_failed`, `fragment`, `unparsable`, `ipv6`, `flow_gone`, `spoofed`) |
+//! | `podlink_captured_connections_total` | counter | `workload`, `workload_namespace`, `listener` (`outbound`, `inbound_hbone`, `inbound_plaintext`) | new connections the programs assigned to a listener |
+//! | `podlink_certificate_expiry_seconds` | gauge | `identity` (SPIFFE ID) | `notAfter` of the workload certificate in use, in seconds since the Unix epoch |
+//! | `podlink_authorization_denials_total` | counter | `policy` (`namespace/name`, `allow-policies`, `unknown-policies`) | connections denied, by the policy that denied them |
+//! | `podlink_connection_failures_total` | counter | `direction` (`outbound`, `inbound`), `kind` ([`FailureKind`]) | connections that failed, by kind |
+//!
+//! The `podlink_*` metrics but the failures are read at scrape time
+//! ([`super::scrape`]); the map-based ones from the dataplane's maps (a scrape
+//! walks the maps' keys: at most [`podlink_common::MAX_CAPTURED_FLOWS`] lookups);
+//! counters survive agent restarts with the pins, and a pod's counters end with
+//! its map entry.
+
+use std::fmt::{self, Write as _};
+
+use prometheus_client::{
+    encoding::{EncodeLabelSet, EncodeLabelValue, LabelValueEncoder, text},
+    metrics::{counter::Counter, family::Family},
+    registry::Registry,
+};
+
+use crate::{identity::SpiffeId, workload::Workload};
+
+/// The default address of the metrics endpoint (all addresses of the node's
+/// network namespace, port 15020 as ztunnel).
+pub const DEFAULT_METRICS_ADDRESS: &str = "0.0.0.0:15020";
+
+/// The content type of the metrics page (OpenMetrics text 1.0.0).
+pub const CONTENT_TYPE: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
+
+/// Label value for what is not known, as Istio writes it.
+pub const UNKNOWN: &str = "unknown";
+
+/// Writes a label value from its `as_str`.
+macro_rules! label_value {
+    ($t:ty) => {
+        impl EncodeLabelValue for $t {
+            fn encode(&self, encoder: &mut LabelValueEncoder<'_>) -> Result<(), fmt::Error> {
+                encoder.write_str(self.as_str())
+            }
+        }
+    };
+}
+
+/// Which proxy reports a connection (Istio's `reporter` label).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Reporter {
+    /// The client's proxy (outbound).
+    Source,
+    /// The server's proxy (inbound).
+    Destination,
+}
+
+impl Reporter {
+    /// `source` or `destination`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Reporter::Source => "source",
+            Reporter::Destination => "destination",
+        }
+    }
+}
+label_value!(Reporter);
+
+/// Istio's `connection_security_policy` label.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum SecurityPolicy {
+    /// Carried over HBONE (mutual TLS).
+    MutualTls,
+    /// Plain TCP: to or from outside the mesh, and between two pods of one node
+    /// (no TLS hop; the source's identity is known from its address, which the
+    /// programs verify).
+    None,
+}
+
+impl SecurityPolicy {
+    /// `mutual_tls` or `none`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            SecurityPolicy::MutualTls => "mutual_tls",
+            SecurityPolicy::None => "none",
+        }
+    }
+}
+label_value!(SecurityPolicy);
+
+/// Which side of the proxy a connection came in on.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Direction {
+    /// Leaving an enrolled pod of this node (listener 15001).
+    Outbound,
+    /// Entering an enrolled pod of this node (HBONE 15008 or plaintext 15006).
+    Inbound,
+}
+
+impl Direction {
+    /// `outbound` or `inbound`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Direction::Outbound => "outbound",
+            Direction::Inbound => "inbound",
+        }
+    }
+}
+label_value!(Direction);
+
+/// Why a connection failed: the `kind` label of
+/// `podlink_connection_failures_total` and the `result` of its access log line.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum FailureKind {
+    /// The source or destination is not an enrolled pod of this node, or the
+    /// destination cannot be told apart (an address claimed twice).
+    NotEnrolled,
+    /// Connecting to the destination timed out.
+    ConnectTimeout,
+    /// Connecting to the destination failed (refused, unreachable).
+    ConnectFailed,
+    /// The outbound HBONE tunnel could not be opened (TLS, HTTP/2, or the peer
+    /// answered the CONNECT with an error status).
+    Hbone,
+    /// No workload certificate for the identity the connection needs.
+    Identity,
+    /// An inbound HBONE connection's TLS or HTTP/2 handshake was refused.
+    Handshake,
+    /// An inbound HBONE request was malformed or named another destination (400).
+    BadRequest,
+    /// The proxy was at its connection limit.
+    ConnectionLimit,
+    /// An I/O error (a reset) while carrying the connection's bytes.
+    Io,
+    /// Closed by the proxy: a changed policy now denies it, or a pod left the mesh.
+    Revoked,
+}
+
+impl FailureKind {
+    /// Every kind, in a fixed order.
+    pub const ALL: [FailureKind; 10] = [
+        FailureKind::NotEnrolled,
+        FailureKind::ConnectTimeout,
+        FailureKind::ConnectFailed,
+        FailureKind::Hbone,
+        FailureKind::Identity,
+        FailureKind::Handshake,
+        FailureKind::BadRequest,
+        FailureKind::ConnectionLimit,
+        FailureKind::Io,
+        FailureKind::Revoked,
+    ];
+
+    /// The label value: `not_enrolled`, `connect_timeout`, `connect_failed`,
+    /// `hbone`, `identity`, `handshake`, `bad_request`, `connection_limit`, `io`,
+    /// `revoked`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            FailureKind::NotEnrolled => "not_enrolled",
+            FailureKind::ConnectTimeout => "connect_timeout",
+            FailureKind::ConnectFailed => "connect_failed",
+            FailureKind::Hbone => "hbone",
+            FailureKind::Identity => "identity",
+            FailureKind::Handshake => "handshake",
+            FailureKind::BadRequest => "bad_request",
+            FailureKind::ConnectionLimit => "connection_limit",
+            FailureKind::Io => "io",
+            FailureKind::Revoked => "revoked",
+        }
+    }
+
+    /// The kind of a failed upstream connect.
+    pub fn of_connect(e: &std::io::Error) -> Self {
+        if e.kind() == std::io::ErrorKind::TimedOut {
+            FailureKind::ConnectTimeout
+        } else {
+            FailureKind::ConnectFailed
+        }
+    }
+}
+label_value!(FailureKind);
+
+/// One side of a connection, as the labels describe it.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Peer<'a> {
+    /// The pod, when its address belongs to a known workload.
+    pub workload: Option<&'a Workload>,
+    /// The identity it proved (or, for a pod of this node, the one of its address).
+    pub identity: Option<&'a SpiffeId>,
+}
+
+/// Istio's labels of the `istio_tcp_*` metrics (see the module documentation).
+#[derive(Clone, Debug, PartialEq, Eq, Hash, EncodeLabelSet)]
+#[allow(missing_docs)]
+pub struct TcpLabels {
+    pub reporter: Reporter,
+    pub source_workload: String,
+    pub source_canonical_service: String,
+    pub source_canonical_revision: String,
+    pub source_workload_namespace: String,
+    pub source_principal: String,
+    pub source_app: String,
+    pub source_version: String,
+    pub source_cluster: String,
+    pub destination_service: &'static str,
+    pub destination_service_namespace: &'static str,
+    pub destination_service_name: &'static str,
+    pub destination_workload: String,
+    pub destination_canonical_service: String,
+    pub destination_canonical_revision: String,
+    pub destination_workload_namespace: String,
+    pub destination_principal: String,
+    pub destination_app: String,
+    pub destination_version: String,
+    pub destination_cluster: String,
+    pub request_protocol: &'static str,
+    pub response_flags: &'static str,
+    pub connection_security_policy: SecurityPolicy,
+}
+
+/// The first of `keys` that `w` has as a label.
+fn label<'a>(w: &'a Workload, keys: &[&str]) -> Option<&'a str> {
+    keys.iter()
+        .find_map(|k| w.labels.get(*k))
+        .map(String::as_str)
+}
+
+/// Istio's canonical service of a workload: label
+/// `service.istio.io/canonical-name`, else `app.kubernetes.io/name`, else `app`,
+/// else the workload's name.
+pub fn canonical_service(w: &Workload) -> &str {
+    label(
+        w,
+        &[
+            "service.istio.io/canonical-name",
+            "app.kubernetes.io/name",
+            "app",
+        ],
+    )
+    .unwrap_or(&w.name)
+}
+
+/// Istio's canonical revision of a workload: label
+/// `service.istio.io/canonical-revision`, else `app.kubernetes.io/version`, else
+/// `version`, else `latest`.
+pub fn canonical_revision(w: &Workload) -> &str {
+    label(
+        w,
+        &[
+            "service.istio.io/canonical-revision",
+            "app.kubernetes.io/version",
+            "version",
+        ],
+    )
+    .unwrap_or("latest")
+}
+
+/// The label values of one side: workload, canonical service, canonical revision,
+/// namespace, principal, app, version, cluster.
+fn side(peer: Peer<'_>, cluster: &str) -> [String; 8] {
+    let principal = peer
+        .identity
+        .map_or(UNKNOWN.to_string(), |id| id.to_string());
+    match peer.workload {
+        Some(w) => [
+            w.name.clone(),
+            canonical_service(w).to_string(),
+            canonical_revision(w).to_string(),
+            w.namespace.clone(),
+            principal,
+            label(w, &["app"]).unwrap_or(UNKNOWN).to_string(),
+            label(w, &["version"]).unwrap_or(UNKNOWN).to_string(),
+            cluster.to_string(),
+        ],
+        None => {
+            let mut values = std::array::from_fn(|_| UNKNOWN.to_string());
+            values[4] = principal;
+            values
+        }
+    }
+}
+
+impl TcpLabels {
+    /// The labels of a connection from `source` to `destination` as `reporter`
+    /// sees it; `cluster` is the cluster ID of known workloads.
+    pub fn new(
+        reporter: Reporter,
+        source: Peer<'_>,
+        destination: Peer<'_>,
+        security: SecurityPolicy,
+        cluster: &str,
+    ) -> Self {
+        let [sw, scs, scr, sns, sp, sa, sv, sc] = side(source, cluster);
+        let [dw, dcs, dcr, dns, dp, da, dv, dc] = side(destination, cluster);
+        Self {
+            reporter,
+            source_workload: sw,
+            source_canonical_service: scs,
+            source_canonical_revision: scr,
+            source_workload_namespace: sns,
+            source_principal: sp,
+            source_app: sa,
+            source_version: sv,
+            source_cluster: sc,
+            destination_service: UNKNOWN,
+            destination_service_namespace: UNKNOWN,
+            destination_service_name: UNKNOWN,
+            destination_workload: dw,
+            destination_canonical_service: dcs,
+            destination_canonical_revision: dcr,
+            destination_workload_namespace: dns,
+            destination_principal: dp,
+            destination_app: da,
+            destination_version: dv,
+            destination_cluster: dc,
+            request_protocol: "tcp",
+            response_flags: "-",
+            connection_security_policy: security,
+        }
+    }
+}
+
+/// Labels of `podlink_connection_failures_total`.
+#[derive(Clone, Debug, PartialEq, Eq, Hash, EncodeLabelSet)]
+struct FailureLabels {
+    direction: Direction,
+    kind: FailureKind,
+}
+
+/// The proxy's live metrics: the `istio_tcp_*` families and the failure counts.
+/// Cloning a family shares its series.
+#[derive(Debug)]
+pub struct Metrics {
+    registry: Registry,
+    /// `istio_tcp_connections_opened_total`.
+    pub opened: Family<TcpLabels, Counter>,
+    /// `istio_tcp_connections_closed_total`.
+    pub closed: Family<TcpLabels, Counter>,
+    /// `istio_tcp_sent_bytes_total` (server to client).
+    pub sent_bytes: Family<TcpLabels, Counter>,
+    /// `istio_tcp_received_bytes_total` (client to server).
+    pub received_bytes: Family<TcpLabels, Counter>,
+    failures: Family<FailureLabels, Counter>,
+    cluster_id: String,
+}
+
+impl Metrics {
+    /// Empty metrics; `cluster_id` is the `*_cluster` label of known workloads.
+    pub fn new(cluster_id: &str) -> Self {
+        let mut registry = Registry::default();
+        let opened = Family::<TcpLabels, Counter>::default();
+        let closed = Family::<TcpLabels, Counter>::default();
+        let sent_bytes = Family::<TcpLabels, Counter>::default();
+        let received_bytes = Family::<TcpLabels, Counter>::default();
+        let failures = Family::<FailureLabels, Counter>::default();
+        registry.register(
+            "istio_tcp_connections_opened",
+            "Total TCP connections opened",
+            opened.clone(),
+        );
+        registry.register(
+            "istio_tcp_connections_closed",
+            "Total TCP connections closed",
+            closed.clone(),
+        );
+        registry.register(
+            "istio_tcp_sent_bytes",
+            "Bytes sent from the server to the client (response direction)",
+            sent_bytes.clone(),
+        );
+        registry.register(
+            "istio_tcp_received_bytes",
+            "Bytes received from the client for the server (request direction)",
+            received_bytes.clone(),
+        );
+        registry.register(
+            "podlink_connection_failures",
+            "Connections that failed, by direction and kind",
+            failures.clone(),
+        );
+        // Every kind is present from the start, so that rates need no absent series.
+        for direction in [Direction::Outbound, Direction::Inbound] {
+            for kind in FailureKind::ALL {
+                drop(failures.get_or_create(&FailureLabels { direction, kind }));
+            }
+        }
+        Self {
+            registry,
+            opened,
+            closed,
+            sent_bytes,
+            received_bytes,
+            failures,
+            cluster_id: cluster_id.to_string(),
+        }
+    }
+
+    /// The cluster ID the labels carry.
+    pub fn cluster_id(&self) -> &str {
+        &self.cluster_id
+    }
+
+    /// Counts a failed connection.
+    pub fn failed(&self, direction: Direction, kind: FailureKind) {
+        self.failures
+            .get_or_create(&FailureLabels { direction, kind })
+            .inc();
+    }
+
+    /// Writes the live metrics in the OpenMetrics text format, without the
+    /// closing `# EOF` (see [`super::scrape::encode`]).
+    ///
+    /// # Errors
+    /// Those of `out`.
+    pub fn encode_live(&self, out: &mut impl fmt::Write) -> fmt::Result {
+        text::encode_registry(out, &self.registry)
+    }
+
+    /// Connections that failed so far with this direction and kind.
+    pub fn failures(&self, direction: Direction, kind: FailureKind) -> u64 {
+        self.failures
+            .get_or_create(&FailureLabels { direction, kind })
+            .get()
+    }
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        Self::new(crate::identity::istio_ca::DEFAULT_CLUSTER_ID)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::collections::BTreeMap;
+
+    use super::*;
+    use crate::workload::Enrollment;
+
+    fn workload(name: &str, labels: &[(&str, &str)]) -> Workload {
+        Workload {
+            namespace: "shop".into(),
+            name: name.into(),
+            node: Some("node1".into()),
+            service_account: "web".into(),
+            ips: vec!["10.244.1.2".parse().unwrap()],
+            enrollment: Enrollment::Enrolled,
+            terminating: false,
+            labels: labels
+                .iter()
+                .map(|(k, v)| (k.to_string(), v.to_string()))
+                .collect::<BTreeMap<_, _>>(),
+            identity: SpiffeId::new("cluster.local", "shop", "web"),
+        }
+    }
+
+    #[test]
+    fn canonical_names_follow_istio() {
+        let bare = workload("web-0", &[]);
+        assert_eq!(canonical_service(&bare), "web-0");
+        assert_eq!(canonical_revision(&bare), "latest");
+        let app = workload("web-0", &[("app", "web"), ("version", "v2")]);
+        assert_eq!(canonical_service(&app), "web");
+        assert_eq!(canonical_revision(&app), "v2");
+        let both = workload(
+            "web-0",
+            &[
+                ("app", "web"),
+                ("app.kubernetes.io/name", "shop-web"),
+                ("service.istio.io/canonical-name", "storefront"),
+                ("app.kubernetes.io/version", "1.2"),
+            ],
+        );
+        assert_eq!(canonical_service(&both), "storefront");
+        assert_eq!(canonical_revision(&both), "1.2");
+    }
+
+    #[test]
+    fn unknown_peers_are_unknown_but_keep_their_principal() {
+        let server = workload("web-0", &[("app", "web")]);
+        let client_id = SpiffeId::new("cluster.local", "bank", "teller");
+        let labels = TcpLabels::new(
+            Reporter::Destination,
+            Peer {
+                workload: None,
+                identity: Some(&client_id),
+            },
+            Peer {
+                workload: Some(&server),
+                identity: Some(&server.identity),
+            },
+            SecurityPolicy::MutualTls,
+            "Kubernetes",
+        );
+        assert_eq!(labels.source_workload, UNKNOWN);
+        assert_eq!(labels.source_workload_namespace, UNKNOWN);
+        assert_eq!(labels.source_cluster, UNKNOWN);
+        assert_eq!(
+            labels.source_principal,
+            "spiffe://cluster.local/ns/bank/sa/teller"
+        );
+        assert_eq!(labels.destination_workload, "web-0");
+        assert_eq!(labels.destination_app, "web");
+        assert_eq!(labels.destination_version, UNKNOWN);
+        assert_eq!(labels.destination_cluster, "Kubernetes");
+    }
+
+    /// The page is OpenMetrics text: counters get `_total`, labels are Istio's,
+    /// every failure kind is present, and it ends with `# EOF`.
+    #[test]
+    fn page_has_istio_names_and_labels() {
+        let metrics = Metrics::new("Kubernetes");
+        let server = workload("web-0", &[]);
+        let labels = TcpLabels::new(
+            Reporter::Source,
+            Peer::default(),
+            Peer {
+                workload: Some(&server),
+                identity: Some(&server.identity),
+            },
+            SecurityPolicy::None,
+            metrics.cluster_id(),
+        );
+        metrics.opened.get_or_create(&labels).inc();
+        metrics.sent_bytes.get_or_create(&labels).inc_by(42);
+        metrics.failed(Direction::Outbound, FailureKind::ConnectTimeout);
+        let mut page = String::new();
+        text::encode(&mut page, &metrics.registry).unwrap();
+        let opened = page
+            .lines()
+            .find(|l| l.starts_with("istio_tcp_connections_opened_total{"))
+            .unwrap_or_else(|| panic!("{page}"));
+        for needle in [
+            "reporter=\"source\"",
+            "source_workload=\"unknown\"",
+            "destination_workload=\"web-0\"",
+            "destination_workload_namespace=\"shop\"",
+            "destination_principal=\"spiffe://cluster.local/ns/shop/sa/web\"",
+            "connection_security_policy=\"none\"",
+            "request_protocol=\"tcp\"",
+        ] {
+            assert!(opened.contains(needle), "{needle} missing from {opened}");
+        }
+        assert!(opened.ends_with(" 1"), "{opened}");
+        assert!(
+            page.lines()
+                .any(|l| l.starts_with("istio_tcp_sent_bytes_total{") && l.ends_with(" 42")),
+            "{page}"
+        );
+        assert!(page.contains(
+            "podlink_connection_failures_total{direction=\"outbound\",kind=\"connect_timeout\"} 1"
+        ));
+        assert!(
+            page.contains("podlink_connection_failures_total{direction=\"inbound\",kind=\"io\"} 0")
+        );
+        assert!(page.ends_with("# EOF\n"), "{page}");
+    }
+}

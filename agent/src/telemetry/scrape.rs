@@ -1,0 +1,281 @@
+//! podlink's metrics read at scrape time: from the proxy's state (enrolled pods,
+//! certificates, denials) and from the dataplane's pinned maps (entries, per-pod
+//! drops and captures, summed over CPUs). See [`super::metrics`] for the list.
+
+use std::{net::Ipv4Addr, sync::Mutex, time::UNIX_EPOCH};
+
+use anyhow::Result;
+use aya::maps::{HashMap as BpfHashMap, MapData, PerCpuHashMap};
+use podlink_common::{
+    FlowKey, MAP_CAPTURED_FLOWS, MAP_COUNTERS, MAP_PODS, POD_HAS_IPV4, PodCounters, PodInfo,
+};
+use prometheus_client::{
+    encoding::{EncodeLabelSet, text},
+    metrics::{counter::Counter, family::Family, gauge::Gauge},
+    registry::{Registry, Unit},
+};
+
+use super::metrics::UNKNOWN;
+use crate::{dataplane::Dataplane, proxy::ProxyState};
+
+/// Second handles on the dataplane's maps, read at scrape time.
+pub struct DataplaneMaps {
+    pods: BpfHashMap<MapData, u32, PodInfo>,
+    counters: PerCpuHashMap<MapData, u32, PodCounters>,
+    captured_flows: BpfHashMap<MapData, FlowKey, u8>,
+}
+
+impl DataplaneMaps {
+    /// Handles on the pods, counters and captured-flows maps of `dataplane`.
+    ///
+    /// # Errors
+    /// A map is missing or its descriptor cannot be duplicated.
+    pub fn new(dataplane: &Dataplane) -> Result<Self> {
+        use aya::maps::Map;
+        Ok(Self {
+            pods: BpfHashMap::try_from(Map::HashMap(dataplane.map_handle(MAP_PODS)?))?,
+            counters: PerCpuHashMap::try_from(Map::PerCpuHashMap(
+                dataplane.map_handle(MAP_COUNTERS)?,
+            ))?,
+            captured_flows: BpfHashMap::try_from(Map::LruHashMap(
+                dataplane.map_handle(MAP_CAPTURED_FLOWS)?,
+            ))?,
+        })
+    }
+}
+
+/// A pod's counters summed over CPUs, with the pod's address when the pods map
+/// has one for its host veth.
+fn pod_totals(maps: &DataplaneMaps) -> Vec<(Option<Ipv4Addr>, PodCounters)> {
+    let mut totals = Vec::new();
+    for entry in maps.counters.iter() {
+        let Ok((ifindex, per_cpu)) = entry else {
+            continue;
+        };
+        let mut sum = PodCounters::default();
+        for c in per_cpu.iter() {
+            add_counters(&mut sum, c);
+        }
+        let ipv4 = maps
+            .pods
+            .get(&ifindex, 0)
+            .ok()
+            .filter(|p| p.flags & POD_HAS_IPV4 != 0)
+            .map(|p| Ipv4Addr::new(p.ipv4[12], p.ipv4[13], p.ipv4[14], p.ipv4[15]));
+        totals.push((ipv4, sum));
+    }
+    totals
+}
+
+fn add_counters(sum: &mut PodCounters, c: &PodCounters) {
+    sum.captured_outbound += c.captured_outbound;
+    sum.captured_inbound_hbone += c.captured_inbound_hbone;
+    sum.captured_inbound_plaintext += c.captured_inbound_plaintext;
+    sum.assigned_established += c.assigned_established;
+    sum.bounced += c.bounced;
+    sum.passed += c.passed;
+    sum.dropped_no_listener += c.dropped_no_listener;
+    sum.dropped_bounce_miss += c.dropped_bounce_miss;
+    sum.dropped_assign_failed += c.dropped_assign_failed;
+    sum.dropped_fragment += c.dropped_fragment;
+    sum.dropped_unparsable += c.dropped_unparsable;
+    sum.dropped_ipv6 += c.dropped_ipv6;
+    sum.dropped_flow_gone += c.dropped_flow_gone;
+    sum.dropped_spoofed += c.dropped_spoofed;
+}
+
+/// The drop reasons of [`PodCounters`]: the `reason` label and the count.
+pub fn drop_reasons(c: &PodCounters) -> [(&'static str, u64); 8] {
+    [
+        ("no_listener", c.dropped_no_listener),
+        ("bounce_miss", c.dropped_bounce_miss),
+        ("assign_failed", c.dropped_assign_failed),
+        ("fragment", c.dropped_fragment),
+        ("unparsable", c.dropped_unparsable),
+        ("ipv6", c.dropped_ipv6),
+        ("flow_gone", c.dropped_flow_gone),
+        ("spoofed", c.dropped_spoofed),
+    ]
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Hash, EncodeLabelSet)]
+struct PodLabels {
+    workload: String,
+    workload_namespace: String,
+    reason: &'static str,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Hash, EncodeLabelSet)]
+struct CaptureLabels {
+    workload: String,
+    workload_namespace: String,
+    listener: &'static str,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Hash, EncodeLabelSet)]
+struct MapLabels {
+    map: &'static str,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Hash, EncodeLabelSet)]
+struct IdentityLabels {
+    identity: String,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Hash, EncodeLabelSet)]
+struct PolicyLabels {
+    policy: String,
+}
+
+/// The metrics page: the live metrics of `state`, and podlink's metrics read now
+/// from the state and (when given) the dataplane's maps. Map read errors leave
+/// the series out.
+pub fn encode(state: &ProxyState, maps: Option<&Mutex<DataplaneMaps>>) -> String {
+    let view = state.view();
+    let mut scrape = Registry::default();
+
+    let enrolled = Gauge::<i64>::default();
+    enrolled.set(view.captured.len() as i64);
+    scrape.register(
+        "podlink_enrolled_pods",
+        "Enrolled pods of this node that are captured",
+        enrolled,
+    );
+
+    if let Some(maps) = maps {
+        let maps = maps.lock().expect("dataplane maps lock");
+        let entries = Family::<MapLabels, Gauge>::default();
+        let count = |keys: usize, map| entries.get_or_create(&MapLabels { map }).set(keys as i64);
+        count(maps.pods.keys().filter(Result::is_ok).count(), MAP_PODS);
+        count(
+            maps.counters.keys().filter(Result::is_ok).count(),
+            MAP_COUNTERS,
+        );
+        count(
+            maps.captured_flows.keys().filter(Result::is_ok).count(),
+            MAP_CAPTURED_FLOWS,
+        );
+        scrape.register(
+            "podlink_bpf_map_entries",
+            "Entries in the dataplane's BPF maps",
+            entries,
+        );
+
+        let drops = Family::<PodLabels, Counter>::default();
+        let captured = Family::<CaptureLabels, Counter>::default();
+        for (ipv4, totals) in pod_totals(&maps) {
+            let workload = ipv4.and_then(|ip| view.workloads.by_ip(ip.into()));
+            let (name, namespace) = workload
+                .map_or((UNKNOWN.to_string(), UNKNOWN.to_string()), |w| {
+                    (w.name.clone(), w.namespace.clone())
+                });
+            for (reason, n) in drop_reasons(&totals) {
+                drops
+                    .get_or_create(&PodLabels {
+                        workload: name.clone(),
+                        workload_namespace: namespace.clone(),
+                        reason,
+                    })
+                    .inc_by(n);
+            }
+            for (listener, n) in [
+                ("outbound", totals.captured_outbound),
+                ("inbound_hbone", totals.captured_inbound_hbone),
+                ("inbound_plaintext", totals.captured_inbound_plaintext),
+            ] {
+                captured
+                    .get_or_create(&CaptureLabels {
+                        workload: name.clone(),
+                        workload_namespace: namespace.clone(),
+                        listener,
+                    })
+                    .inc_by(n);
+            }
+        }
+        scrape.register(
+            "podlink_redirect_drops",
+            "Packets dropped by the TC programs on enrolled pods' host veths, by reason",
+            drops,
+        );
+        scrape.register(
+            "podlink_captured_connections",
+            "New connections the TC programs assigned to a proxy listener",
+            captured,
+        );
+    }
+
+    let expiry = Family::<IdentityLabels, Gauge>::default();
+    let mut identities: Vec<_> = view
+        .workloads
+        .workloads()
+        .filter(|w| w.ips.iter().any(|ip| view.local_pod(*ip).is_some()))
+        .map(|w| w.identity.clone())
+        .collect();
+    identities.sort();
+    identities.dedup();
+    for id in identities {
+        if let Some(cert) = state.certs.cached(&id) {
+            let secs = cert
+                .not_after
+                .duration_since(UNIX_EPOCH)
+                .unwrap_or_default()
+                .as_secs();
+            expiry
+                .get_or_create(&IdentityLabels {
+                    identity: id.to_string(),
+                })
+                .set(i64::try_from(secs).unwrap_or(i64::MAX));
+        }
+    }
+    scrape.register_with_unit(
+        "podlink_certificate_expiry",
+        "Expiry (notAfter) of the workload certificate in use, Unix time",
+        Unit::Seconds,
+        expiry,
+    );
+
+    let denials = Family::<PolicyLabels, Counter>::default();
+    for (policy, n) in state.denials() {
+        denials.get_or_create(&PolicyLabels { policy }).inc_by(n);
+    }
+    scrape.register(
+        "podlink_authorization_denials",
+        "Connections denied by authorization policies, by the policy that denied them",
+        denials,
+    );
+
+    let mut page = String::new();
+    state
+        .metrics
+        .encode_live(&mut page)
+        .and_then(|()| text::encode_registry(&mut page, &scrape))
+        .and_then(|()| text::encode_eof(&mut page))
+        .expect("writing to a String does not fail");
+    page
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn drop_reasons_cover_every_dropped_field() {
+        let c = PodCounters {
+            dropped_no_listener: 1,
+            dropped_bounce_miss: 2,
+            dropped_assign_failed: 3,
+            dropped_fragment: 4,
+            dropped_unparsable: 5,
+            dropped_ipv6: 6,
+            dropped_flow_gone: 7,
+            dropped_spoofed: 8,
+            ..Default::default()
+        };
+        let total: u64 = drop_reasons(&c).iter().map(|(_, n)| n).sum();
+        assert_eq!(total, 36);
+        let mut sum = PodCounters::default();
+        add_counters(&mut sum, &c);
+        add_counters(&mut sum, &c);
+        assert_eq!(sum.dropped_spoofed, 16);
+    }
+}
