@@ -1,0 +1,113 @@
+//! Restarting the agents under load: a client keeps opening connections across
+//! nodes while the client's node agent, then the server's, is restarted on the
+//! same pins. Connections opened while no proxy listens wait (their SYNs are
+//! dropped and retried) and succeed once the new agent is up; connections open at
+//! SIGTERM finish; nothing crosses the underlay in plain text.
+
+use std::{
+    io::{Read, Write},
+    net::{Shutdown, SocketAddr},
+    sync::{
+        Arc,
+        atomic::{AtomicBool, AtomicUsize, Ordering},
+    },
+    time::{Duration, Instant},
+};
+
+use podlink_tests::{Capture, Cluster, PodSpec, app, contains_bytes};
+
+/// Connect timeout: long enough for the SYN retries (1 s, 3 s, 7 s, …) that span
+/// a restart.
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(20);
+
+/// One exchange with a connect timeout that covers a restart.
+fn exchange(netns: &str, dst: SocketAddr, payload: &[u8]) -> std::io::Result<()> {
+    let mut stream = app::connect(netns, dst, CONNECT_TIMEOUT)?;
+    app::read_greeting(&stream)?;
+    stream.write_all(payload)?;
+    stream.shutdown(Shutdown::Write)?;
+    let mut echoed = Vec::new();
+    stream.read_to_end(&mut echoed)?;
+    if echoed != payload {
+        return Err(std::io::Error::other("echo differs"));
+    }
+    Ok(())
+}
+
+#[test]
+fn restarts_under_load_lose_no_connection_and_leak_nothing() {
+    let mut c = Cluster::with_namespaces(2, &[("mesh", true)]).unwrap();
+    let client = c.add_pod(PodSpec::new("client", "mesh", 0)).unwrap();
+    let server = c.add_pod(PodSpec::new("server", "mesh", 1)).unwrap();
+    c.start_agents().unwrap();
+    c.wait_all_captured(&[&client, &server]).unwrap();
+    let echo = app::EchoServer::start(&server.netns, server.addr(8080)).unwrap();
+    let capture = Capture::start(&c.nodes[0].netns, "eth0", &c.dir, "underlay").unwrap();
+
+    let stop = Arc::new(AtomicBool::new(false));
+    let done = Arc::new(AtomicUsize::new(0));
+    let load = {
+        let (stop, done) = (stop.clone(), done.clone());
+        let (netns, dst) = (client.netns.clone(), server.addr(8080));
+        std::thread::spawn(move || {
+            let mut failures = Vec::new();
+            let mut i = 0;
+            while !stop.load(Ordering::Relaxed) {
+                let payload = format!("restart-payload-{i}-").repeat(50).into_bytes();
+                if let Err(e) = exchange(&netns, dst, &payload) {
+                    failures.push(format!("connection {i}: {e}"));
+                }
+                done.fetch_add(1, Ordering::Relaxed);
+                i += 1;
+            }
+            failures
+        })
+    };
+    let wait_for = |n: usize| {
+        let deadline = Instant::now() + Duration::from_secs(60);
+        while done.load(Ordering::Relaxed) < n {
+            assert!(Instant::now() < deadline, "the load stalled at {n}");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    };
+
+    wait_for(20);
+    let before = done.load(Ordering::Relaxed);
+    c.stop_agent(0).unwrap();
+    // Pins outlive the agent: the client stays captured (fail closed).
+    assert!(c.is_captured(&client).unwrap());
+    c.start_agent(0).unwrap();
+    wait_for(before + 20);
+    let middle = done.load(Ordering::Relaxed);
+    c.stop_agent(1).unwrap();
+    assert!(c.is_captured(&server).unwrap());
+    c.start_agent(1).unwrap();
+    wait_for(middle + 20);
+    stop.store(true, Ordering::Relaxed);
+    let failures = load.join().unwrap();
+    let (raw, lines) = capture.stop().unwrap();
+
+    assert!(
+        failures.is_empty(),
+        "{} of {} connections failed: {failures:#?}\nnode1:\n{}\nnode2:\n{}",
+        failures.len(),
+        done.load(Ordering::Relaxed),
+        c.agent_log(0),
+        c.agent_log(1)
+    );
+    assert_eq!(echo.accepted(), done.load(Ordering::Relaxed));
+    // Only HBONE on the underlay, before, during and after the restarts.
+    assert!(
+        !lines.iter().any(|l| l.contains(".8080")),
+        "plain TCP to the server on the underlay: {lines:#?}"
+    );
+    assert!(
+        !contains_bytes(&raw, b"restart-payload"),
+        "payload in plain text on the underlay"
+    );
+    // The second agent of each node adopted the first one's links.
+    for node in 0..2 {
+        let log = c.agent_log(node);
+        assert!(log.matches("agent running").count() >= 2, "{log}");
+    }
+}
