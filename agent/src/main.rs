@@ -8,6 +8,7 @@ use podlink_agent::{
     admin::DEFAULT_ADMIN_ADDRESS,
     agent::{self, AgentConfig},
     authz::DEFAULT_ROOT_NAMESPACE,
+    dataplane::{DEFAULT_PIN_DIR, DEFAULT_STATE_DIR},
     identity::{
         DEFAULT_TRUST_DOMAIN, ca,
         istio_ca::{DEFAULT_CLUSTER_ID, DEFAULT_TOKEN_FILE, IstioCaConfig},
@@ -86,9 +87,14 @@ struct AgentArgs {
     /// With --ca-address: the cluster ID sent to the CA (ClusterID header).
     #[arg(long, default_value = DEFAULT_CLUSTER_ID)]
     cluster_id: String,
-    /// Where maps and links are pinned (on a bpffs; one is mounted if needed).
-    #[arg(long, default_value = "/sys/fs/bpf/podlink")]
+    /// Where maps and links are pinned (on a bpffs; one is mounted if needed),
+    /// under v<layout version>/. Locked while the agent runs.
+    #[arg(long, default_value = DEFAULT_PIN_DIR)]
     pin_dir: PathBuf,
+    /// Where the original values of the sysctls the agent changes are recorded
+    /// (sysctls.json), for `podlink uninstall`. One per node network namespace.
+    #[arg(long, default_value = DEFAULT_STATE_DIR)]
+    state_dir: PathBuf,
     /// SPIFFE trust domain of the mesh.
     #[arg(long, default_value = DEFAULT_TRUST_DOMAIN)]
     trust_domain: String,
@@ -154,6 +160,7 @@ fn main() -> Result<()> {
                     cluster_id: args.cluster_id,
                 }),
                 pin_dir: args.pin_dir,
+                state_dir: args.state_dir,
                 trust_domain: args.trust_domain,
                 root_namespace: args.root_namespace,
                 admin_address: args.admin_address,

@@ -39,6 +39,16 @@ pub const PROG_FROM_POD: &str = "from_pod";
 /// Name of the TC egress program of a host veth (packets entering the pod).
 pub const PROG_TO_POD: &str = "to_pod";
 
+/// Version of the pin layout: the maps' names, types, key and value layouts and
+/// capacities, and where links are pinned. Pins live under
+/// `<pin-dir>/v<LAYOUT_VERSION>/`; an agent finding another version there migrates
+/// it or refuses to start, so that its programs never read maps of another layout.
+/// Raise it with any change to a map's layout or to the pin paths.
+pub const LAYOUT_VERSION: u32 = 1;
+/// Directory, under the versioned pin directory, of the TCX link pins
+/// (`<ifindex>_<program>`).
+pub const LINKS_DIR: &str = "links";
+
 /// Map: host veth ifindex (`u32`) → [`PodInfo`].
 pub const MAP_PODS: &str = "pods";
 /// Map: a single [`Config`] at index 0.
