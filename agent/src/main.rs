@@ -8,7 +8,7 @@ use podlink_agent::{
     admin::DEFAULT_ADMIN_ADDRESS,
     agent::{self, AgentConfig},
     authz::DEFAULT_ROOT_NAMESPACE,
-    dataplane::{DEFAULT_PIN_DIR, DEFAULT_STATE_DIR},
+    dataplane::{DEFAULT_PIN_DIR, DEFAULT_STATE_DIR, inspect},
     identity::{
         DEFAULT_TRUST_DOMAIN, ca,
         istio_ca::{DEFAULT_CLUSTER_ID, DEFAULT_TOKEN_FILE, IstioCaConfig},
@@ -38,6 +38,18 @@ enum Command {
     Ca {
         #[command(subcommand)]
         command: CaCommand,
+    },
+    /// Show what is pinned: enrolled pods (interface, addresses, flags), their TCX
+    /// links, their packet counters by outcome and drop reason, and anything
+    /// inconsistent. Reads the pins only, with or without an agent running; run it
+    /// in the node's network namespace.
+    Inspect {
+        /// The agent's pin directory.
+        #[arg(long, default_value = DEFAULT_PIN_DIR)]
+        pin_dir: PathBuf,
+        /// Print a JSON document instead of tables.
+        #[arg(long)]
+        json: bool,
     },
 }
 
@@ -142,6 +154,15 @@ fn main() -> Result<()> {
         } => {
             let (cert, key) = ca::init(&out)?;
             println!("wrote {} and {}", cert.display(), key.display());
+            Ok(())
+        }
+        Command::Inspect { pin_dir, json } => {
+            let report = inspect::inspect(&pin_dir)?;
+            if json {
+                println!("{}", serde_json::to_string_pretty(&report)?);
+            } else {
+                print!("{}", report.to_table());
+            }
             Ok(())
         }
         Command::Agent(args) => {

@@ -721,6 +721,19 @@ status:
         cmd
     }
 
+    /// `podlink inspect --json` of node `node`'s pin directory, parsed.
+    pub fn inspect(&self, node: usize) -> Result<Value> {
+        let out = run(self
+            .podlink_command(node, &["inspect", "--json", "--pin-dir"])
+            .arg(&self.nodes[node].pin_dir))?;
+        serde_json::from_slice(&out.stdout).with_context(|| {
+            format!(
+                "podlink inspect --json printed no JSON: {}",
+                String::from_utf8_lossy(&out.stdout)
+            )
+        })
+    }
+
     /// The ifindex of a pod's host veth in its node namespace.
     pub fn host_ifindex(&self, pod: &Pod) -> Result<u32> {
         let out = ip(&[

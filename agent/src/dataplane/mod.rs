@@ -20,6 +20,7 @@
 //! are not pinned and detach when the agent exits.
 
 mod bpffs;
+pub mod inspect;
 pub mod journal;
 mod layout;
 pub mod net;

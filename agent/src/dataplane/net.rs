@@ -153,6 +153,7 @@ pub fn host_routes() -> Result<HashMap<Ipv4Addr, String>> {
 
 #[derive(Deserialize)]
 struct LinkInfo {
+    ifindex: u32,
     ifname: String,
     linkinfo: Option<LinkKind>,
 }
@@ -170,6 +171,20 @@ pub fn veth_names() -> Result<std::collections::HashSet<String>> {
         .into_iter()
         .filter(|l| l.linkinfo.as_ref().and_then(|k| k.info_kind.as_deref()) == Some("veth"))
         .map(|l| l.ifname)
+        .collect())
+}
+
+/// The node's interfaces by index: name, and kind (`veth`, `bridge`, …; `None`
+/// for plain devices such as loopback).
+pub fn interfaces() -> Result<HashMap<u32, (String, Option<String>)>> {
+    let out = ip(&["-j", "-d", "link", "show"])?;
+    let links: Vec<LinkInfo> = serde_json::from_str(&out).context("parsing ip -j -d link")?;
+    Ok(links
+        .into_iter()
+        .map(|l| {
+            let kind = l.linkinfo.and_then(|k| k.info_kind);
+            (l.ifindex, (l.ifname, kind))
+        })
         .collect())
 }
 
