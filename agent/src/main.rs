@@ -8,11 +8,13 @@ use podlink_agent::{
     admin::DEFAULT_ADMIN_ADDRESS,
     agent::{self, AgentConfig},
     authz::DEFAULT_ROOT_NAMESPACE,
+    cni,
     dataplane::{DEFAULT_PIN_DIR, DEFAULT_STATE_DIR, inspect},
     identity::{
         DEFAULT_TRUST_DOMAIN, ca,
         istio_ca::{DEFAULT_CLUSTER_ID, DEFAULT_TOKEN_FILE, IstioCaConfig},
     },
+    uninstall::{self, UninstallConfig},
 };
 use tracing_subscriber::EnvFilter;
 
@@ -50,6 +52,22 @@ enum Command {
         /// Print a JSON document instead of tables.
         #[arg(long)]
         json: bool,
+    },
+    /// Remove everything the agent made on this node: links and pins, the policy
+    /// routing rule and route, the sysctls it changed (restored where they still
+    /// have its value), and podlink-cni from the CNI configuration lists.
+    /// Refuses while an agent runs on the pin directory: stop it first. Run it in
+    /// the node's network namespace; running it again is harmless.
+    Uninstall {
+        /// The agent's pin directory.
+        #[arg(long, default_value = DEFAULT_PIN_DIR)]
+        pin_dir: PathBuf,
+        /// The agent's state directory (the sysctl journal).
+        #[arg(long, default_value = DEFAULT_STATE_DIR)]
+        state_dir: PathBuf,
+        /// The CNI configuration directory (its *.conflist files are edited).
+        #[arg(long, default_value = cni::DEFAULT_CONF_DIR)]
+        cni_conf_dir: PathBuf,
     },
 }
 
@@ -162,6 +180,24 @@ fn main() -> Result<()> {
                 println!("{}", serde_json::to_string_pretty(&report)?);
             } else {
                 print!("{}", report.to_table());
+            }
+            Ok(())
+        }
+        Command::Uninstall {
+            pin_dir,
+            state_dir,
+            cni_conf_dir,
+        } => {
+            let done = uninstall::uninstall(&UninstallConfig {
+                pin_dir,
+                state_dir,
+                cni_conf_dir,
+            })?;
+            for line in &done {
+                println!("{line}");
+            }
+            if done.is_empty() {
+                println!("nothing of podlink's was left on this node");
             }
             Ok(())
         }

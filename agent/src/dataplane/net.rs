@@ -79,6 +79,58 @@ pub fn apply_node_sysctls(journal: &SysctlJournal) -> Result<()> {
     Ok(())
 }
 
+/// Removes what [`install_policy_routing`] installed with the same arguments: the
+/// `fwmark <mark>/<mask> lookup <table>` rule at `priority` (every copy) and the
+/// table's `local 0.0.0.0/0 dev lo` route. Other rules and routes, also in that
+/// table, stay. Idempotent; returns what was removed, as `ip` would print it.
+///
+/// # Errors
+/// When `ip` fails or its output cannot be read.
+pub fn remove_policy_routing(
+    mark: u32,
+    mask: u32,
+    table: u32,
+    priority: u32,
+) -> Result<Vec<String>> {
+    let pref = priority.to_string();
+    let table_s = table.to_string();
+    let fwmark = format!("{mark:#x}/{mask:#x}");
+    let wanted = format!("fwmark {fwmark} lookup {table}");
+    let mut removed = Vec::new();
+    while ip(&["-4", "rule", "show", "pref", &pref])?.contains(&wanted) {
+        ip(&[
+            "-4", "rule", "del", "pref", &pref, "fwmark", &fwmark, "lookup", &table_s,
+        ])?;
+        removed.push(format!("rule pref {pref} {wanted}"));
+    }
+    // A table that was never made lists as an error in some iproute2 versions.
+    let routes: Vec<Route> = match ip(&["-j", "-4", "route", "show", "table", &table_s]) {
+        Ok(out) if out.trim().is_empty() => Vec::new(),
+        Ok(out) => serde_json::from_str(&out).context("parsing ip -j route")?,
+        Err(_) => Vec::new(),
+    };
+    let ours = routes.iter().any(|r| {
+        r.kind.as_deref() == Some("local")
+            && (r.dst == "default" || r.dst == "0.0.0.0/0")
+            && r.dev.as_deref() == Some("lo")
+    });
+    if ours {
+        ip(&[
+            "-4",
+            "route",
+            "del",
+            "local",
+            "0.0.0.0/0",
+            "dev",
+            "lo",
+            "table",
+            &table_s,
+        ])?;
+        removed.push(format!("route local 0.0.0.0/0 dev lo table {table}"));
+    }
+    Ok(removed)
+}
+
 /// Per-interface sysctls of a captured host veth: bounced packets arrive on it with
 /// a source that is routed elsewhere (reverse-path filtering off), or with one of
 /// the node's own addresses when the node answers a connection the proxy made for
