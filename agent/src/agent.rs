@@ -32,7 +32,7 @@ use tokio::signal::unix::{SignalKind, signal};
 use crate::{
     admin,
     authz::PolicySet,
-    dataplane::{CapturedPod, Dataplane, DataplaneConfig, Removal, net},
+    dataplane::{CapturedPod, Dataplane, DataplaneConfig, Removal, journal::SysctlJournal, net},
     identity::{
         CertManager, CertSource,
         istio_ca::{IstioCaClient, IstioCaConfig},
@@ -63,6 +63,9 @@ pub struct AgentConfig {
     pub istio_ca: Option<IstioCaConfig>,
     /// Where maps and links are pinned (a bpffs is mounted there if needed).
     pub pin_dir: PathBuf,
+    /// Where the sysctls' original values are recorded before they are changed
+    /// (`sysctls.json`, see [`crate::dataplane::journal`]); one per node.
+    pub state_dir: PathBuf,
     /// SPIFFE trust domain of the mesh.
     pub trust_domain: String,
     /// Namespace whose authorization policies apply mesh-wide (`istio-system`).
@@ -183,9 +186,11 @@ pub async fn run(cfg: AgentConfig) -> Result<()> {
         RULE_PRIORITY,
     )
     .context("installing policy routing")?;
-    net::apply_node_sysctls()?;
+    let journal = SysctlJournal::new(&cfg.state_dir);
+    net::apply_node_sysctls(&journal)?;
     let dataplane = Dataplane::load(&DataplaneConfig {
         pin_dir: cfg.pin_dir.clone(),
+        journal,
         config: Config::with_defaults(if cfg.fail_open { CONFIG_FAIL_OPEN } else { 0 }),
         node_addrs: net::node_ipv4_addrs().context("reading the node's addresses")?,
         excluded_cidrs: cfg.excluded_cidrs.clone(),

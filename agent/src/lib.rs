@@ -6,8 +6,10 @@
 pub mod admin;
 pub mod agent;
 pub mod authz;
+pub mod cni;
 pub mod dataplane;
 pub mod identity;
 pub mod proxy;
 pub mod telemetry;
+pub mod uninstall;
 pub mod workload;

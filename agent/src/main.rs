@@ -8,6 +8,8 @@ use podlink_agent::{
     admin::DEFAULT_ADMIN_ADDRESS,
     agent::{self, AgentConfig},
     authz::DEFAULT_ROOT_NAMESPACE,
+    cni,
+    dataplane::{DEFAULT_PIN_DIR, DEFAULT_STATE_DIR, inspect},
     identity::{
         DEFAULT_TRUST_DOMAIN, ca,
         istio_ca::{DEFAULT_CLUSTER_ID, DEFAULT_TOKEN_FILE, IstioCaConfig},
@@ -17,6 +19,7 @@ use podlink_agent::{
         metrics::DEFAULT_METRICS_ADDRESS,
         server::DEFAULT_READINESS_ADDRESS,
     },
+    uninstall::{self, UninstallConfig},
 };
 
 #[derive(Parser)]
@@ -45,6 +48,34 @@ enum Command {
     Ca {
         #[command(subcommand)]
         command: CaCommand,
+    },
+    /// Show what is pinned: enrolled pods (interface, addresses, flags), their TCX
+    /// links, their packet counters by outcome and drop reason, and anything
+    /// inconsistent. Reads the pins only, with or without an agent running; run it
+    /// in the node's network namespace.
+    Inspect {
+        /// The agent's pin directory.
+        #[arg(long, default_value = DEFAULT_PIN_DIR)]
+        pin_dir: PathBuf,
+        /// Print a JSON document instead of tables.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Remove everything the agent made on this node: links and pins, the policy
+    /// routing rule and route, the sysctls it changed (restored where they still
+    /// have its value), and podlink-cni from the CNI configuration lists.
+    /// Refuses while an agent runs on the pin directory: stop it first. Run it in
+    /// the node's network namespace; running it again is harmless.
+    Uninstall {
+        /// The agent's pin directory.
+        #[arg(long, default_value = DEFAULT_PIN_DIR)]
+        pin_dir: PathBuf,
+        /// The agent's state directory (the sysctl journal).
+        #[arg(long, default_value = DEFAULT_STATE_DIR)]
+        state_dir: PathBuf,
+        /// The CNI configuration directory (its *.conflist files are edited).
+        #[arg(long, default_value = cni::DEFAULT_CONF_DIR)]
+        cni_conf_dir: PathBuf,
     },
 }
 
@@ -95,9 +126,14 @@ struct AgentArgs {
     /// and the source_cluster/destination_cluster label of the metrics.
     #[arg(long, default_value = DEFAULT_CLUSTER_ID)]
     cluster_id: String,
-    /// Where maps and links are pinned (on a bpffs; one is mounted if needed).
-    #[arg(long, default_value = "/sys/fs/bpf/podlink")]
+    /// Where maps and links are pinned (on a bpffs; one is mounted if needed),
+    /// under v<layout version>/. Locked while the agent runs.
+    #[arg(long, default_value = DEFAULT_PIN_DIR)]
     pin_dir: PathBuf,
+    /// Where the original values of the sysctls the agent changes are recorded
+    /// (sysctls.json), for `podlink uninstall`. One per node network namespace.
+    #[arg(long, default_value = DEFAULT_STATE_DIR)]
+    state_dir: PathBuf,
     /// SPIFFE trust domain of the mesh.
     #[arg(long, default_value = DEFAULT_TRUST_DOMAIN)]
     trust_domain: String,
@@ -173,6 +209,33 @@ fn main() -> Result<()> {
             println!("wrote {} and {}", cert.display(), key.display());
             Ok(())
         }
+        Command::Inspect { pin_dir, json } => {
+            let report = inspect::inspect(&pin_dir)?;
+            if json {
+                println!("{}", serde_json::to_string_pretty(&report)?);
+            } else {
+                print!("{}", report.to_table());
+            }
+            Ok(())
+        }
+        Command::Uninstall {
+            pin_dir,
+            state_dir,
+            cni_conf_dir,
+        } => {
+            let done = uninstall::uninstall(&UninstallConfig {
+                pin_dir,
+                state_dir,
+                cni_conf_dir,
+            })?;
+            for line in &done {
+                println!("{line}");
+            }
+            if done.is_empty() {
+                println!("nothing of podlink's was left on this node");
+            }
+            Ok(())
+        }
         Command::Agent(args) => {
             let args = *args;
             let runtime = tokio::runtime::Builder::new_multi_thread()
@@ -189,6 +252,7 @@ fn main() -> Result<()> {
                     cluster_id: args.cluster_id.clone(),
                 }),
                 pin_dir: args.pin_dir,
+                state_dir: args.state_dir,
                 trust_domain: args.trust_domain,
                 root_namespace: args.root_namespace,
                 admin_address: args.admin_address,

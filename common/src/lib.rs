@@ -39,6 +39,16 @@ pub const PROG_FROM_POD: &str = "from_pod";
 /// Name of the TC egress program of a host veth (packets entering the pod).
 pub const PROG_TO_POD: &str = "to_pod";
 
+/// Version of the pin layout: the maps' names, types, key and value layouts and
+/// capacities, and where links are pinned. Pins live under
+/// `<pin-dir>/v<LAYOUT_VERSION>/`; an agent finding another version there migrates
+/// it or refuses to start, so that its programs never read maps of another layout.
+/// Raise it with any change to a map's layout or to the pin paths.
+pub const LAYOUT_VERSION: u32 = 1;
+/// Directory, under the versioned pin directory, of the TCX link pins
+/// (`<ifindex>_<program>`).
+pub const LINKS_DIR: &str = "links";
+
 /// Map: host veth ifindex (`u32`) → [`PodInfo`].
 pub const MAP_PODS: &str = "pods";
 /// Map: a single [`Config`] at index 0.
@@ -211,6 +221,45 @@ pub struct PodCounters {
     pub dropped_spoofed: u64,
 }
 
+impl PodCounters {
+    /// Every counter with its field name (as `bpftool` prints it from BTF), in
+    /// declaration order. Adding a field without naming it here fails to compile.
+    pub const fn named(&self) -> [(&'static str, u64); 14] {
+        let PodCounters {
+            captured_outbound,
+            captured_inbound_hbone,
+            captured_inbound_plaintext,
+            assigned_established,
+            bounced,
+            passed,
+            dropped_no_listener,
+            dropped_bounce_miss,
+            dropped_assign_failed,
+            dropped_fragment,
+            dropped_unparsable,
+            dropped_ipv6,
+            dropped_flow_gone,
+            dropped_spoofed,
+        } = *self;
+        [
+            ("captured_outbound", captured_outbound),
+            ("captured_inbound_hbone", captured_inbound_hbone),
+            ("captured_inbound_plaintext", captured_inbound_plaintext),
+            ("assigned_established", assigned_established),
+            ("bounced", bounced),
+            ("passed", passed),
+            ("dropped_no_listener", dropped_no_listener),
+            ("dropped_bounce_miss", dropped_bounce_miss),
+            ("dropped_assign_failed", dropped_assign_failed),
+            ("dropped_fragment", dropped_fragment),
+            ("dropped_unparsable", dropped_unparsable),
+            ("dropped_ipv6", dropped_ipv6),
+            ("dropped_flow_gone", dropped_flow_gone),
+            ("dropped_spoofed", dropped_spoofed),
+        ]
+    }
+}
+
 #[cfg(feature = "user")]
 mod user {
     // SAFETY: all five are `#[repr(C)]` plain data with no padding holes that the
@@ -240,6 +289,20 @@ mod tests {
         assert_eq!(core::mem::size_of::<Config>(), 32 + 16 * MAX_NODE_ADDRS);
         assert_eq!(core::mem::size_of::<PodCounters>(), 14 * 8);
         assert_eq!(core::mem::size_of::<FlowKey>(), 36);
+    }
+
+    #[test]
+    fn every_counter_is_named_once() {
+        let named = PodCounters::default().named();
+        assert_eq!(named.len() * 8, core::mem::size_of::<PodCounters>());
+        for (i, (a, _)) in named.iter().enumerate() {
+            assert!(named[i + 1..].iter().all(|(b, _)| a != b), "{a} twice");
+        }
+        let c = PodCounters {
+            dropped_spoofed: 7,
+            ..Default::default()
+        };
+        assert_eq!(c.named()[13], ("dropped_spoofed", 7));
     }
 
     #[test]

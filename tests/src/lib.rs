@@ -165,6 +165,17 @@ pub struct Node {
     pub pod_cidr: Ipv4Addr,
     /// The agent's pin directory (on this node's own bpffs).
     pub pin_dir: PathBuf,
+    /// The agent's state directory (its sysctl journal).
+    pub state_dir: PathBuf,
+}
+
+impl Node {
+    /// The directory of the agent's pin layout: `<pin_dir>/v<LAYOUT_VERSION>`, which
+    /// holds the maps and `links/`.
+    pub fn pins(&self) -> PathBuf {
+        self.pin_dir
+            .join(format!("v{}", podlink_common::LAYOUT_VERSION))
+    }
 }
 
 /// A pod of the test bed.
@@ -349,6 +360,7 @@ impl Cluster {
                 ip: node_ip,
                 pod_cidr: Ipv4Addr::new(10, 244, k as u8, 0),
                 pin_dir: bpffs.join("podlink"),
+                state_dir: dir.join(format!("node{k}/state")),
             });
         }
         for node in &cluster.nodes {
@@ -759,6 +771,8 @@ status:
             .arg(&self.manifests)
             .arg("--pin-dir")
             .arg(&n.pin_dir)
+            .arg("--state-dir")
+            .arg(&n.state_dir)
             // The test bed's CA, unless the agent is to use an Istio CA.
             .args(
                 (!extra.contains(&"--ca-address"))
@@ -878,6 +892,27 @@ status:
         Ok(())
     }
 
+    /// `podlink <args>` run in node `node`'s network namespace (as an operator
+    /// would, e.g. `inspect`, `uninstall`); add `--pin-dir` and the like.
+    pub fn podlink_command(&self, node: usize, args: &[&str]) -> Command {
+        let mut cmd = netns::command_in(&self.nodes[node].netns, &podlink_bin().to_string_lossy());
+        cmd.args(args);
+        cmd
+    }
+
+    /// `podlink inspect --json` of node `node`'s pin directory, parsed.
+    pub fn inspect(&self, node: usize) -> Result<Value> {
+        let out = run(self
+            .podlink_command(node, &["inspect", "--json", "--pin-dir"])
+            .arg(&self.nodes[node].pin_dir))?;
+        serde_json::from_slice(&out.stdout).with_context(|| {
+            format!(
+                "podlink inspect --json printed no JSON: {}",
+                String::from_utf8_lossy(&out.stdout)
+            )
+        })
+    }
+
     /// The ifindex of a pod's host veth in its node namespace.
     pub fn host_ifindex(&self, pod: &Pod) -> Result<u32> {
         let out = ip(&[
@@ -899,7 +934,7 @@ status:
     /// pods-map entry present. `None` while only part of that is in place.
     pub fn capture_state(&self, pod: &Pod) -> Result<Option<bool>> {
         let ifindex = self.host_ifindex(pod)?;
-        let links = self.nodes[pod.node].pin_dir.join("links");
+        let links = self.nodes[pod.node].pins().join("links");
         let pins = ["from_pod", "to_pod"]
             .iter()
             .filter(|p| links.join(format!("{ifindex}_{p}")).exists())
@@ -941,10 +976,14 @@ status:
 
     /// `bpftool -j map dump pinned` of one of a node's maps.
     pub fn dump_map(&self, node: usize, map: &str) -> Result<Value> {
-        let path = self.nodes[node].pin_dir.join(map);
+        self.dump_map_at(&self.nodes[node].pins().join(map))
+    }
+
+    /// `bpftool -j map dump pinned <path>`.
+    pub fn dump_map_at(&self, path: &Path) -> Result<Value> {
         let out = run(Command::new("bpftool")
             .args(["-j", "map", "dump", "pinned"])
-            .arg(&path))?;
+            .arg(path))?;
         Ok(serde_json::from_slice(&out.stdout)?)
     }
 

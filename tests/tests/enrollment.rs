@@ -83,7 +83,7 @@ fn pods_are_attached_on_creation_and_detached_on_deletion() {
     assert_eq!(&ipv4[12..], &octets[..]);
 
     // Deleting the pod (manifest and CNI DEL) removes links and map entries.
-    let links = c.nodes[0].pin_dir.join("links");
+    let links = c.nodes[0].pins().join("links");
     c.remove_pod("late").unwrap();
     let deadline = Instant::now() + Duration::from_secs(10);
     loop {

@@ -125,10 +125,10 @@ fn demo() -> Result<()> {
         }
     );
 
-    section("bpftool map dump pinned <pin-dir>/pods (node1)");
+    section("bpftool map dump pinned <pin-dir>/v1/pods (node1)");
     let out = Command::new("bpftool")
         .args(["map", "dump", "pinned"])
-        .arg(c.nodes[0].pin_dir.join("pods"))
+        .arg(c.nodes[0].pins().join("pods"))
         .output()?;
     print!("{}", String::from_utf8_lossy(&out.stdout));
 

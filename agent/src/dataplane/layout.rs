@@ -37,7 +37,18 @@ fn expected_layout(name: &str) -> Option<(MapType, usize, usize, u32)> {
 
 /// Refuses pinned maps whose layout differs from what the programs expect: reusing
 /// them would make the programs read garbage.
+/// `pin_dir` is the directory holding the maps: a layout's `v<N>`, or the pin
+/// directory itself for the unversioned layout.
 pub(super) fn check_pinned_layouts(pin_dir: &Path) -> Result<()> {
+    // The directory `podlink uninstall` takes.
+    let versioned = pin_dir
+        .file_name()
+        .and_then(|n| n.to_str())
+        .is_some_and(|n| n.starts_with('v') && n[1..].bytes().all(|b| b.is_ascii_digit()));
+    let top = match pin_dir.parent() {
+        Some(parent) if versioned => parent,
+        _ => pin_dir,
+    };
     for name in MAP_NAMES {
         let path = pin_dir.join(name);
         if !path.exists() {
@@ -55,13 +66,13 @@ pub(super) fn check_pinned_layouts(pin_dir: &Path) -> Result<()> {
             expected_layout(name).expect("every map name has a layout");
         if found != (Some(kind), key, value, entries) {
             bail!(
-                "the pinned map {} ({:?}, key {} B, value {} B, {} entries) was made by an incompatible podlink; this agent expects {kind:?}, key {key} B, value {value} B, {entries} entries. Remove the pin directory {} (this detaches capture) and start again",
+                "the pinned map {} ({:?}, key {} B, value {} B, {} entries) was made by an incompatible podlink; this agent expects {kind:?}, key {key} B, value {value} B, {entries} entries. Remove its pins with `podlink uninstall --pin-dir {}` (this detaches capture) and start again",
                 path.display(),
                 found.0,
                 found.1,
                 found.2,
                 found.3,
-                pin_dir.display()
+                top.display()
             );
         }
     }

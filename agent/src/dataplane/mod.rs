@@ -1,12 +1,15 @@
 //! The kernel side: loading the TC programs, pinning their maps and links, attaching
 //! them to the host veths of enrolled pods, and writing the maps.
 //!
-//! Pins (under the pin directory, default `/sys/fs/bpf/podlink`):
-//! * `<map>` for each map in [`podlink_common::MAP_NAMES`], readable with
-//!   `bpftool map dump pinned <pin-dir>/<map>` (field names from BTF);
-//! * `links/<ifindex>_<program>` for each TCX link, so that capture outlives the
+//! Pins (under the pin directory, default `/sys/fs/bpf/podlink`, in the directory
+//! of the layout version, see [`pins`]):
+//! * `v1/<map>` for each map in [`podlink_common::MAP_NAMES`], readable with
+//!   `bpftool map dump pinned <pin-dir>/v1/<map>` (field names from BTF);
+//! * `v1/links/<ifindex>_<program>` for each TCX link, so that capture outlives the
 //!   agent: while no proxy listens, enrolled pods' new connections are dropped
 //!   (fail closed), never sent in plain text.
+//!
+//! The agent holds a lock on the pin directory while it runs ([`pins::lock`]).
 //!
 //! A new agent on the same pins reuses the maps and moves each pinned link to its
 //! freshly loaded program with `BPF_LINK_UPDATE` (atomic: no packet sees no
@@ -17,14 +20,19 @@
 //! are not pinned and detach when the agent exits.
 
 mod bpffs;
+pub mod inspect;
+pub mod journal;
 mod layout;
 pub mod net;
+pub mod pins;
 
+use journal::SysctlJournal;
 use layout::{check_pinned_layouts, with_node_addrs};
+use pins::{link_pin_name, parse_link_pin_name};
 
 use std::{
     collections::HashMap,
-    fs,
+    fs::{self, File},
     net::Ipv4Addr,
     path::{Path, PathBuf},
 };
@@ -42,11 +50,18 @@ use aya::{
     },
     util::KernelVersion,
 };
+use nix::fcntl::Flock;
 use podlink_common::{
-    CidrKey, Config, MAP_CONFIG, MAP_COUNTERS, MAP_EXCLUDED_CIDRS, MAP_EXCLUDED_PORTS, MAP_NAMES,
-    MAP_PODS, MAX_NODE_ADDRS, POD_ENROLLED, POD_HAS_IPV4, PROG_FROM_POD, PROG_TO_POD, PodCounters,
-    PodInfo, ipv4_mapped,
+    CidrKey, Config, LINKS_DIR, MAP_CONFIG, MAP_COUNTERS, MAP_EXCLUDED_CIDRS, MAP_EXCLUDED_PORTS,
+    MAP_NAMES, MAP_PODS, MAX_NODE_ADDRS, POD_ENROLLED, POD_HAS_IPV4, PROG_FROM_POD, PROG_TO_POD,
+    PodCounters, PodInfo, ipv4_mapped,
 };
+
+/// The pin directory by default (on the host's bpffs).
+pub const DEFAULT_PIN_DIR: &str = "/sys/fs/bpf/podlink";
+/// The state directory by default (the sysctl journal; a tmpfs, as the sysctls it
+/// records do not outlive a reboot either).
+pub const DEFAULT_STATE_DIR: &str = "/run/podlink";
 
 /// The eBPF object built by `cargo xtask build-ebpf`, embedded at build time.
 static EBPF_OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/podlink-ebpf"));
@@ -56,14 +71,14 @@ pub fn ebpf_object() -> &'static [u8] {
     EBPF_OBJECT
 }
 
-/// Directory under the pin directory that holds link pins.
-const LINKS_DIR: &str = "links";
-
 /// What the dataplane is configured with at start.
 #[derive(Clone, Debug)]
 pub struct DataplaneConfig {
-    /// The bpffs directory for map and link pins.
+    /// The bpffs directory for map and link pins (the layout's own directory,
+    /// `v<N>`, is made below it).
     pub pin_dir: PathBuf,
+    /// Where the host veths' sysctls are recorded before they are changed.
+    pub journal: SysctlJournal,
     /// Written to the config map at load, with `node_addrs`.
     pub config: Config,
     /// The node's own addresses (connections from them to a pod are not captured).
@@ -129,7 +144,11 @@ struct Attachment {
 /// The loaded programs, their maps and the current attachments.
 pub struct Dataplane {
     ebpf: Ebpf,
-    pin_dir: PathBuf,
+    /// The layout's directory, `<pin-dir>/v<N>`.
+    pins: PathBuf,
+    journal: SysctlJournal,
+    /// The pin directory's lock, held while this agent runs.
+    _lock: Flock<File>,
     config: Config,
     pods: BpfHashMap<MapData, u32, PodInfo>,
     counters: PerCpuHashMap<MapData, u32, PodCounters>,
@@ -141,25 +160,15 @@ pub struct Dataplane {
     tcx: bool,
 }
 
-fn link_pin_name(ifindex: u32, program: &str) -> String {
-    format!("{ifindex}_{program}")
-}
-
-fn parse_link_pin_name(name: &str) -> Option<(u32, &'static str)> {
-    let (ifindex, program) = name.split_once('_')?;
-    let program = [PROG_FROM_POD, PROG_TO_POD]
-        .into_iter()
-        .find(|p| *p == program)?;
-    Some((ifindex.parse().ok()?, program))
-}
-
 impl Dataplane {
-    /// Loads the programs (reusing pinned maps), writes the config map and adopts the
-    /// pinned links of a previous agent.
+    /// Locks the pin directory, migrates an unversioned pin layout, loads the
+    /// programs (reusing pinned maps), writes the config map and adopts the pinned
+    /// links of a previous agent.
     ///
     /// # Errors
-    /// When the pin directory cannot be put on a bpffs, the object was not embedded,
-    /// or the kernel refuses the programs or maps.
+    /// When the pin directory cannot be put on a bpffs, another agent holds it, it
+    /// holds pins of another layout version or maps of an incompatible layout, the
+    /// object was not embedded, or the kernel refuses the programs or maps.
     pub fn load(cfg: &DataplaneConfig) -> Result<Self> {
         if EBPF_OBJECT.is_empty() {
             bail!(
@@ -167,13 +176,13 @@ impl Dataplane {
             );
         }
         bpffs::ensure(&cfg.pin_dir)?;
-        fs::create_dir_all(cfg.pin_dir.join(LINKS_DIR))
-            .with_context(|| format!("creating {}", cfg.pin_dir.join(LINKS_DIR).display()))?;
-        check_pinned_layouts(&cfg.pin_dir)?;
+        let lock = pins::lock(&cfg.pin_dir)?;
+        let pin_dir = pins::prepare(&cfg.pin_dir)?;
+        check_pinned_layouts(&pin_dir)?;
         let mut loader = EbpfLoader::new();
         let pin_paths: Vec<(&str, PathBuf)> = MAP_NAMES
             .iter()
-            .map(|name| (*name, cfg.pin_dir.join(name)))
+            .map(|name| (*name, pin_dir.join(name)))
             .collect();
         for (name, path) in &pin_paths {
             loader.map_pin_path(name, path.as_path());
@@ -237,7 +246,9 @@ impl Dataplane {
         }
         let mut dataplane = Dataplane {
             ebpf,
-            pin_dir: cfg.pin_dir.clone(),
+            pins: pin_dir,
+            journal: cfg.journal.clone(),
+            _lock: lock,
             config,
             pods,
             counters,
@@ -260,7 +271,7 @@ impl Dataplane {
 
     /// Moves every pinned link of a previous agent to this agent's programs.
     fn adopt_pinned_links(&mut self) -> Result<()> {
-        let dir = self.pin_dir.join(LINKS_DIR);
+        let dir = self.pins.join(LINKS_DIR);
         for entry in fs::read_dir(&dir).with_context(|| format!("reading {}", dir.display()))? {
             let path = entry?.path();
             let Some((ifindex, program)) = path
@@ -324,7 +335,7 @@ impl Dataplane {
             return Ok(Link::Netlink(link));
         }
         let path = self
-            .pin_dir
+            .pins
             .join(LINKS_DIR)
             .join(link_pin_name(ifindex, program));
         let _ = fs::remove_file(&path);
@@ -349,7 +360,7 @@ impl Dataplane {
                 .insert(pod.ifindex, zero, 0)
                 .context("writing the counters map")?;
         }
-        net::apply_host_veth_sysctls(&pod.ifname)?;
+        net::apply_host_veth_sysctls(&self.journal, &pod.ifname, pod.ifindex)?;
         let mut links = Vec::new();
         for program in [PROG_FROM_POD, PROG_TO_POD] {
             match self.attach(&pod.ifname, pod.ifindex, program) {
@@ -527,19 +538,5 @@ impl Dataplane {
                 dup(flows.map())
             }
         }
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn link_pin_names_round_trip() {
-        assert_eq!(link_pin_name(7, PROG_FROM_POD), "7_from_pod");
-        assert_eq!(parse_link_pin_name("7_from_pod"), Some((7, PROG_FROM_POD)));
-        assert_eq!(parse_link_pin_name("12_to_pod"), Some((12, PROG_TO_POD)));
-        assert_eq!(parse_link_pin_name("x_to_pod"), None);
-        assert_eq!(parse_link_pin_name("7_other"), None);
     }
 }

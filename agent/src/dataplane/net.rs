@@ -10,6 +10,8 @@ use std::{collections::HashMap, net::Ipv4Addr, process::Command};
 use anyhow::{Context, Result, bail};
 use serde::Deserialize;
 
+use super::journal::{Interface, SysctlJournal};
+
 /// Runs `ip` with `args`; returns its standard output.
 fn ip(args: &[&str]) -> Result<String> {
     let out = Command::new("ip")
@@ -55,26 +57,6 @@ pub fn install_policy_routing(mark: u32, mask: u32, table: u32, priority: u32) -
     Ok(())
 }
 
-/// Writes a sysctl under `/proc/sys/` (the current network namespace's view for
-/// `net.*`); returns the previous value.
-pub fn set_sysctl(name: &str, value: &str) -> Result<String> {
-    let path = format!("/proc/sys/{}", name.replace('.', "/"));
-    let previous = read_sysctl(name)?;
-    if previous != value {
-        std::fs::write(&path, value).with_context(|| format!("setting {name}={value}"))?;
-    }
-    Ok(previous)
-}
-
-/// Reads a sysctl under `/proc/sys/`.
-pub fn read_sysctl(name: &str) -> Result<String> {
-    let path = format!("/proc/sys/{}", name.replace('.', "/"));
-    Ok(std::fs::read_to_string(&path)
-        .with_context(|| format!("reading {name}"))?
-        .trim()
-        .to_string())
-}
-
 /// The sysctls the data path needs in the node namespace (see DESIGN.md): early
 /// demux would attach later packets of proxied flows arriving from the uplink or
 /// another pod to the proxy's socket and then drop them in the forwarding path.
@@ -83,11 +65,13 @@ pub fn read_sysctl(name: &str) -> Result<String> {
 /// strict reverse-path filtering (`rp_filter=1`) drops them, and the effective
 /// value is the maximum of `all` and the interface's. A node with `all` strict is
 /// moved to loose mode (2), which still refuses sources the node cannot route.
-pub fn apply_node_sysctls() -> Result<()> {
-    set_sysctl("net.ipv4.tcp_early_demux", "0")?;
-    set_sysctl("net.ipv4.ip_forward", "1")?;
-    if read_sysctl("net.ipv4.conf.all.rp_filter")? == "1" {
-        set_sysctl("net.ipv4.conf.all.rp_filter", "2")?;
+///
+/// Each change is recorded in `journal` first, for `podlink uninstall`.
+pub fn apply_node_sysctls(journal: &SysctlJournal) -> Result<()> {
+    journal.set("net.ipv4.tcp_early_demux", "0", None)?;
+    journal.set("net.ipv4.ip_forward", "1", None)?;
+    if journal.read("net.ipv4.conf.all.rp_filter")? == "1" {
+        journal.set("net.ipv4.conf.all.rp_filter", "2", None)?;
         tracing::warn!(
             "net.ipv4.conf.all.rp_filter was 1 (strict), which drops captured inbound packets; set it to 2 (loose)"
         );
@@ -95,14 +79,75 @@ pub fn apply_node_sysctls() -> Result<()> {
     Ok(())
 }
 
+/// Removes what [`install_policy_routing`] installed with the same arguments: the
+/// `fwmark <mark>/<mask> lookup <table>` rule at `priority` (every copy) and the
+/// table's `local 0.0.0.0/0 dev lo` route. Other rules and routes, also in that
+/// table, stay. Idempotent; returns what was removed, as `ip` would print it.
+///
+/// # Errors
+/// When `ip` fails or its output cannot be read.
+pub fn remove_policy_routing(
+    mark: u32,
+    mask: u32,
+    table: u32,
+    priority: u32,
+) -> Result<Vec<String>> {
+    let pref = priority.to_string();
+    let table_s = table.to_string();
+    let fwmark = format!("{mark:#x}/{mask:#x}");
+    let wanted = format!("fwmark {fwmark} lookup {table}");
+    let mut removed = Vec::new();
+    while ip(&["-4", "rule", "show", "pref", &pref])?.contains(&wanted) {
+        ip(&[
+            "-4", "rule", "del", "pref", &pref, "fwmark", &fwmark, "lookup", &table_s,
+        ])?;
+        removed.push(format!("rule pref {pref} {wanted}"));
+    }
+    // A table that was never made lists as an error in some iproute2 versions.
+    let routes: Vec<Route> = match ip(&["-j", "-4", "route", "show", "table", &table_s]) {
+        Ok(out) if out.trim().is_empty() => Vec::new(),
+        Ok(out) => serde_json::from_str(&out).context("parsing ip -j route")?,
+        Err(_) => Vec::new(),
+    };
+    let ours = routes.iter().any(|r| {
+        r.kind.as_deref() == Some("local")
+            && (r.dst == "default" || r.dst == "0.0.0.0/0")
+            && r.dev.as_deref() == Some("lo")
+    });
+    if ours {
+        ip(&[
+            "-4",
+            "route",
+            "del",
+            "local",
+            "0.0.0.0/0",
+            "dev",
+            "lo",
+            "table",
+            &table_s,
+        ])?;
+        removed.push(format!("route local 0.0.0.0/0 dev lo table {table}"));
+    }
+    Ok(removed)
+}
+
 /// Per-interface sysctls of a captured host veth: bounced packets arrive on it with
 /// a source that is routed elsewhere (reverse-path filtering off), or with one of
 /// the node's own addresses when the node answers a connection the proxy made for
 /// the pod (`accept_local`; `from_pod` drops anything the pod itself sends with a
-/// source other than its own address).
-pub fn apply_host_veth_sysctls(ifname: &str) -> Result<()> {
-    set_sysctl(&format!("net.ipv4.conf.{ifname}.rp_filter"), "0")?;
-    set_sysctl(&format!("net.ipv4.conf.{ifname}.accept_local"), "1")?;
+/// source other than its own address). Each change is recorded in `journal` first.
+pub fn apply_host_veth_sysctls(journal: &SysctlJournal, ifname: &str, ifindex: u32) -> Result<()> {
+    for (setting, value) in [("rp_filter", "0"), ("accept_local", "1")] {
+        let interface = Interface {
+            name: ifname.to_string(),
+            ifindex,
+        };
+        journal.set(
+            &format!("net.ipv4.conf.{ifname}.{setting}"),
+            value,
+            Some(interface),
+        )?;
+    }
     Ok(())
 }
 
@@ -160,6 +205,7 @@ pub fn host_routes() -> Result<HashMap<Ipv4Addr, String>> {
 
 #[derive(Deserialize)]
 struct LinkInfo {
+    ifindex: u32,
     ifname: String,
     linkinfo: Option<LinkKind>,
 }
@@ -177,6 +223,20 @@ pub fn veth_names() -> Result<std::collections::HashSet<String>> {
         .into_iter()
         .filter(|l| l.linkinfo.as_ref().and_then(|k| k.info_kind.as_deref()) == Some("veth"))
         .map(|l| l.ifname)
+        .collect())
+}
+
+/// The node's interfaces by index: name, and kind (`veth`, `bridge`, …; `None`
+/// for plain devices such as loopback).
+pub fn interfaces() -> Result<HashMap<u32, (String, Option<String>)>> {
+    let out = ip(&["-j", "-d", "link", "show"])?;
+    let links: Vec<LinkInfo> = serde_json::from_str(&out).context("parsing ip -j -d link")?;
+    Ok(links
+        .into_iter()
+        .map(|l| {
+            let kind = l.linkinfo.and_then(|k| k.info_kind);
+            (l.ifindex, (l.ifname, kind))
+        })
         .collect())
 }
 

@@ -1,0 +1,174 @@
+//! The CNI side of podlink. For now: taking the chained plugin `podlink-cni` out of
+//! a node's CNI network configuration lists, for `podlink uninstall`.
+//!
+//! A network configuration list (CNI spec 1.0, "Network Configuration Lists") is a
+//! JSON object whose `plugins` array holds one object per plugin, each with a
+//! `type` naming the plugin binary; the runtime reads every `*.conflist` of its
+//! configuration directory (`/etc/cni/net.d` by default).
+
+use std::{
+    fs,
+    io::{self, Write as _},
+    path::{Path, PathBuf},
+};
+
+use anyhow::{Context, Result, bail};
+use serde_json::Value;
+
+/// The `type` of podlink's chained plugin in a conflist.
+pub const PLUGIN_TYPE: &str = "podlink-cni";
+/// The CNI configuration directory of container runtimes by default.
+pub const DEFAULT_CONF_DIR: &str = "/etc/cni/net.d";
+
+/// `text` (a conflist) without its `plugins` entries of type [`PLUGIN_TYPE`]; `None`
+/// when it has none. Everything else is kept in its order (`serde_json` with
+/// `preserve_order`), printed with two-space indents.
+///
+/// # Errors
+/// When `text` is not a JSON object, or its `plugins` is not an array.
+pub fn without_plugin(text: &str) -> Result<Option<String>> {
+    let mut conf: Value = serde_json::from_str(text).context("not JSON")?;
+    let Some(object) = conf.as_object_mut() else {
+        bail!("not a JSON object");
+    };
+    let Some(plugins) = object.get_mut("plugins") else {
+        return Ok(None);
+    };
+    let Some(plugins) = plugins.as_array_mut() else {
+        bail!("`plugins` is not an array");
+    };
+    let before = plugins.len();
+    plugins.retain(|p| p.get("type").and_then(Value::as_str) != Some(PLUGIN_TYPE));
+    if plugins.len() == before {
+        return Ok(None);
+    }
+    let mut out = serde_json::to_string_pretty(&conf)?;
+    if text.ends_with('\n') {
+        out.push('\n');
+    }
+    Ok(Some(out))
+}
+
+/// Replaces `path` by a file holding `text`, by rename (never half written),
+/// keeping its permissions.
+fn write_atomically(path: &Path, text: &str) -> Result<()> {
+    let name = path.file_name().context("a file name")?.to_string_lossy();
+    // Not `*.conflist`: a runtime reading the directory meanwhile ignores it.
+    let tmp = path.with_file_name(format!(".{name}.podlink-partial"));
+    let mut file = fs::File::create(&tmp).with_context(|| format!("writing {}", tmp.display()))?;
+    file.write_all(text.as_bytes())
+        .and_then(|()| file.sync_all())
+        .with_context(|| format!("writing {}", tmp.display()))?;
+    if let Ok(meta) = fs::metadata(path) {
+        let _ = fs::set_permissions(&tmp, meta.permissions());
+    }
+    fs::rename(&tmp, path).with_context(|| format!("replacing {}", path.display()))
+}
+
+/// Removes the [`PLUGIN_TYPE`] entries from every `*.conflist` in `conf_dir`,
+/// rewriting only the files that had one. A missing directory has none.
+/// Returns the files changed.
+///
+/// # Errors
+/// A conflist that cannot be read, parsed (named, with what is wrong) or written.
+pub fn remove_plugin(conf_dir: &Path) -> Result<Vec<PathBuf>> {
+    let entries = match fs::read_dir(conf_dir) {
+        Ok(entries) => entries,
+        Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(Vec::new()),
+        Err(e) => return Err(e).with_context(|| format!("reading {}", conf_dir.display())),
+    };
+    let mut files: Vec<PathBuf> = entries
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter(|p| p.extension().is_some_and(|x| x == "conflist") && p.is_file())
+        .collect();
+    files.sort();
+    let mut changed = Vec::new();
+    for path in files {
+        let text =
+            fs::read_to_string(&path).with_context(|| format!("reading {}", path.display()))?;
+        let new = without_plugin(&text).with_context(|| {
+            format!("{} is not a CNI network configuration list", path.display())
+        })?;
+        if let Some(new) = new {
+            write_atomically(&path, &new)?;
+            changed.push(path);
+        }
+    }
+    Ok(changed)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const CONFLIST: &str = r#"{
+  "cniVersion": "1.0.0",
+  "name": "k8s-pod-network",
+  "plugins": [
+    {
+      "type": "ptp",
+      "ipam": {
+        "type": "host-local",
+        "subnet": "10.244.1.0/24"
+      }
+    },
+    {
+      "type": "podlink-cni",
+      "log_level": "info"
+    },
+    {
+      "type": "portmap",
+      "capabilities": {
+        "portMappings": true
+      }
+    }
+  ]
+}
+"#;
+
+    #[test]
+    fn only_the_plugin_entry_goes_and_the_rest_keeps_its_order() {
+        let out = without_plugin(CONFLIST).unwrap().unwrap();
+        let expected = CONFLIST.replace(
+            "    {\n      \"type\": \"podlink-cni\",\n      \"log_level\": \"info\"\n    },\n",
+            "",
+        );
+        assert_eq!(out, expected);
+        assert_eq!(without_plugin(&out).unwrap(), None);
+    }
+
+    #[test]
+    fn bad_conflists_are_refused_with_the_reason() {
+        assert!(format!("{:#}", without_plugin("[]").unwrap_err()).contains("not a JSON object"));
+        assert!(
+            format!("{:#}", without_plugin(r#"{"plugins": {}}"#).unwrap_err())
+                .contains("`plugins` is not an array")
+        );
+        assert_eq!(without_plugin(r#"{"type": "ptp"}"#).unwrap(), None);
+    }
+
+    #[test]
+    fn only_conflists_with_the_plugin_are_rewritten() {
+        let dir = tempfile::tempdir().unwrap();
+        let ours = dir.path().join("10-net.conflist");
+        let other = dir.path().join("20-other.conflist");
+        let single = dir.path().join("30-single.conf");
+        fs::write(&ours, CONFLIST).unwrap();
+        let untouched = CONFLIST.replace("podlink-cni", "other-cni");
+        fs::write(&other, &untouched).unwrap();
+        fs::write(&single, r#"{"type": "podlink-cni"}"#).unwrap();
+        assert_eq!(remove_plugin(dir.path()).unwrap(), vec![ours.clone()]);
+        assert!(!fs::read_to_string(&ours).unwrap().contains(PLUGIN_TYPE));
+        assert_eq!(fs::read_to_string(&other).unwrap(), untouched);
+        assert_eq!(fs::read_dir(dir.path()).unwrap().count(), 3);
+        assert!(remove_plugin(dir.path()).unwrap().is_empty());
+        assert!(
+            remove_plugin(&dir.path().join("absent"))
+                .unwrap()
+                .is_empty()
+        );
+        fs::write(&other, "{").unwrap();
+        let error = format!("{:#}", remove_plugin(dir.path()).unwrap_err());
+        assert!(error.contains("20-other.conflist"), "{error}");
+    }
+}

@@ -1,0 +1,345 @@
+//! The pin layout and its versions.
+//!
+//! Pins live under `<pin-dir>/v<N>/`, `N` being [`LAYOUT_VERSION`]:
+//! * `v<N>/<map>` for each map in [`MAP_NAMES`];
+//! * `v<N>/links/<ifindex>_<program>` for each TCX link.
+//!
+//! The layout before versions (issue 2) had the same maps and links directly under
+//! `<pin-dir>`: an agent finding it moves each pin into `v1/` by renaming it on the
+//! bpffs (`rename(2)`; the map or link object is the same, so pods' entries,
+//! counters and captured flows carry over and every link stays attached), then
+//! adopts the links as after any restart. A `v<M>` of another version makes the
+//! agent refuse to start: it cannot know that layout.
+//!
+//! The pin directory itself is locked (`flock(2)` on the directory) by the agent
+//! using it, so that `podlink uninstall` can tell that one is running.
+
+use std::{
+    fs::{self, File},
+    io,
+    path::{Path, PathBuf},
+};
+
+use anyhow::{Context, Result, bail};
+use nix::fcntl::{Flock, FlockArg};
+use podlink_common::{LAYOUT_VERSION, LINKS_DIR, MAP_NAMES, PROG_FROM_POD, PROG_TO_POD};
+
+use super::layout::check_pinned_layouts;
+
+/// The directory of this agent's layout: `<pin_dir>/v<LAYOUT_VERSION>`.
+pub fn versioned_dir(pin_dir: &Path) -> PathBuf {
+    pin_dir.join(format!("v{LAYOUT_VERSION}"))
+}
+
+/// The pin name of a TCX link: `<ifindex>_<program>`.
+pub fn link_pin_name(ifindex: u32, program: &str) -> String {
+    format!("{ifindex}_{program}")
+}
+
+/// The interface index and program of a link pin name, if it is one of podlink's
+/// (`7_from_pod` → `(7, "from_pod")`).
+pub fn parse_link_pin_name(name: &str) -> Option<(u32, &'static str)> {
+    let (ifindex, program) = name.split_once('_')?;
+    let program = [PROG_FROM_POD, PROG_TO_POD]
+        .into_iter()
+        .find(|p| *p == program)?;
+    Some((ifindex.parse().ok()?, program))
+}
+
+/// The version of a layout directory name (`v1` → 1).
+fn parse_version(name: &str) -> Option<u32> {
+    let digits = name.strip_prefix('v')?;
+    if digits.is_empty() || !digits.bytes().all(|b| b.is_ascii_digit()) {
+        return None;
+    }
+    digits.parse().ok()
+}
+
+/// What a pin directory holds.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct PinDirContents {
+    /// Versions of the `v<N>` directories, ascending.
+    pub versions: Vec<u32>,
+    /// Whether maps or the `links` directory of the unversioned layout are there.
+    pub legacy: bool,
+}
+
+/// Lists the layouts under `pin_dir` (nothing when it does not exist).
+///
+/// # Errors
+/// When the directory cannot be read.
+pub fn survey(pin_dir: &Path) -> Result<PinDirContents> {
+    let mut contents = PinDirContents::default();
+    let entries = match fs::read_dir(pin_dir) {
+        Ok(entries) => entries,
+        Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(contents),
+        Err(e) => return Err(e).with_context(|| format!("reading {}", pin_dir.display())),
+    };
+    for entry in entries {
+        let entry = entry.with_context(|| format!("reading {}", pin_dir.display()))?;
+        let name = entry.file_name();
+        let name = name.to_string_lossy();
+        if let Some(version) = parse_version(&name) {
+            contents.versions.push(version);
+        } else if name == LINKS_DIR || MAP_NAMES.contains(&name.as_ref()) {
+            contents.legacy = true;
+        }
+    }
+    contents.versions.sort_unstable();
+    Ok(contents)
+}
+
+/// Refuses layouts this agent does not know: any `v<M>` other than its own.
+fn refuse_other_versions(pin_dir: &Path, contents: &PinDirContents) -> Result<()> {
+    if let Some(&other) = contents.versions.iter().find(|v| **v != LAYOUT_VERSION) {
+        let path = pin_dir.join(format!("v{other}"));
+        let advice = if other > LAYOUT_VERSION {
+            "it was made by a newer podlink: run that version, or remove it with `podlink uninstall` (this detaches capture)"
+        } else {
+            "this podlink has no migration from it: remove it with `podlink uninstall` (this detaches capture)"
+        };
+        bail!(
+            "{} holds pins of layout version {other}, but this agent's layout version is {LAYOUT_VERSION}: {advice}",
+            path.display()
+        );
+    }
+    Ok(())
+}
+
+/// Makes `<pin_dir>/v<N>/links` ready for this agent: refuses other versions and
+/// migrates the unversioned layout. Returns the versioned directory.
+///
+/// # Errors
+/// A pin directory of another layout version, unversioned maps of an incompatible
+/// layout, or a failed rename or directory creation.
+pub(super) fn prepare(pin_dir: &Path) -> Result<PathBuf> {
+    let contents = survey(pin_dir)?;
+    refuse_other_versions(pin_dir, &contents)?;
+    let dir = versioned_dir(pin_dir);
+    let links = dir.join(LINKS_DIR);
+    fs::create_dir_all(&links).with_context(|| format!("creating {}", links.display()))?;
+    if contents.legacy {
+        migrate_unversioned(pin_dir, &dir)?;
+    }
+    Ok(dir)
+}
+
+/// Moves the unversioned layout's pins (same maps, same link names) into `dir`.
+/// Each step is a rename and the whole is idempotent, so an agent stopped halfway
+/// finishes the move on its next start.
+fn migrate_unversioned(pin_dir: &Path, dir: &Path) -> Result<()> {
+    check_pinned_layouts(pin_dir).context("migrating the unversioned pin layout")?;
+    let mut moved = 0;
+    for name in MAP_NAMES {
+        let (from, to) = (pin_dir.join(name), dir.join(name));
+        if from.exists() && !to.exists() {
+            fs::rename(&from, &to)
+                .with_context(|| format!("moving {} to {}", from.display(), to.display()))?;
+            moved += 1;
+        }
+    }
+    let old_links = pin_dir.join(LINKS_DIR);
+    if old_links.is_dir() {
+        for entry in
+            fs::read_dir(&old_links).with_context(|| format!("reading {}", old_links.display()))?
+        {
+            let from = entry?.path();
+            let Some(name) = from.file_name() else {
+                continue;
+            };
+            let to = dir.join(LINKS_DIR).join(name);
+            if to.exists() {
+                // A second link on the same hook: the versioned one stays.
+                let _ = fs::remove_file(&from);
+            } else {
+                fs::rename(&from, &to)
+                    .with_context(|| format!("moving {} to {}", from.display(), to.display()))?;
+                moved += 1;
+            }
+        }
+        fs::remove_dir(&old_links).with_context(|| format!("removing {}", old_links.display()))?;
+    }
+    // Maps of the old layout that a versioned map of the same name replaced.
+    for name in MAP_NAMES {
+        let _ = fs::remove_file(pin_dir.join(name));
+    }
+    tracing::info!(
+        from = %pin_dir.display(),
+        to = %dir.display(),
+        pins = moved,
+        "migrated the unversioned pin layout to layout version {LAYOUT_VERSION}"
+    );
+    Ok(())
+}
+
+/// Takes the exclusive lock of `pin_dir` (which must exist), held as long as the
+/// returned value lives.
+///
+/// # Errors
+/// When another process holds it (an agent running on this pin directory), naming
+/// the directory; or when the directory cannot be opened.
+pub fn lock(pin_dir: &Path) -> Result<Flock<File>> {
+    let dir = File::open(pin_dir).with_context(|| format!("opening {}", pin_dir.display()))?;
+    match Flock::lock(dir, FlockArg::LockExclusiveNonblock) {
+        Ok(lock) => Ok(lock),
+        Err((_, nix::errno::Errno::EWOULDBLOCK)) => bail!(
+            "a podlink agent is running on the pin directory {} (it holds its lock): stop it first",
+            pin_dir.display()
+        ),
+        Err((_, e)) => Err(e).with_context(|| format!("locking {}", pin_dir.display())),
+    }
+}
+
+/// Removes every pin podlink makes under `pin_dir`, of any layout version: link
+/// pins first (a TCX link is detached when its last reference, the pin, goes), then
+/// map pins, then the directories, `pin_dir` itself last when it ends up empty.
+/// Entries podlink does not name (`v<N>`, `links`, map names) are left alone.
+/// Returns what was removed. Idempotent.
+///
+/// # Errors
+/// A pin or directory that cannot be removed.
+pub fn remove_all(pin_dir: &Path) -> Result<Vec<PathBuf>> {
+    let mut removed = Vec::new();
+    let contents = survey(pin_dir)?;
+    let mut roots: Vec<PathBuf> = contents
+        .versions
+        .iter()
+        .map(|v| pin_dir.join(format!("v{v}")))
+        .collect();
+    if contents.legacy {
+        roots.push(pin_dir.to_path_buf());
+    }
+    for root in &roots {
+        let links = root.join(LINKS_DIR);
+        if links.is_dir() {
+            remove_tree(&links, &mut removed)?;
+        }
+    }
+    for root in &roots {
+        if root == pin_dir {
+            for name in MAP_NAMES {
+                let path = pin_dir.join(name);
+                if path.exists() {
+                    fs::remove_file(&path)
+                        .with_context(|| format!("removing {}", path.display()))?;
+                    removed.push(path);
+                }
+            }
+        } else {
+            remove_tree(root, &mut removed)?;
+        }
+    }
+    if pin_dir.is_dir()
+        && fs::read_dir(pin_dir)
+            .map(|mut d| d.next().is_none())
+            .unwrap_or(false)
+    {
+        // A mount point cannot be removed; it stays, empty.
+        if fs::remove_dir(pin_dir).is_ok() {
+            removed.push(pin_dir.to_path_buf());
+        }
+    }
+    Ok(removed)
+}
+
+/// Removes a directory of podlink's pins and everything in it.
+fn remove_tree(dir: &Path, removed: &mut Vec<PathBuf>) -> Result<()> {
+    for entry in fs::read_dir(dir).with_context(|| format!("reading {}", dir.display()))? {
+        let path = entry?.path();
+        if path.is_dir() {
+            remove_tree(&path, removed)?;
+        } else {
+            fs::remove_file(&path).with_context(|| format!("removing {}", path.display()))?;
+            removed.push(path);
+        }
+    }
+    fs::remove_dir(dir).with_context(|| format!("removing {}", dir.display()))?;
+    removed.push(dir.to_path_buf());
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn link_pin_names_round_trip() {
+        assert_eq!(link_pin_name(7, PROG_FROM_POD), "7_from_pod");
+        assert_eq!(parse_link_pin_name("7_from_pod"), Some((7, PROG_FROM_POD)));
+        assert_eq!(parse_link_pin_name("12_to_pod"), Some((12, PROG_TO_POD)));
+        assert_eq!(parse_link_pin_name("x_to_pod"), None);
+        assert_eq!(parse_link_pin_name("7_other"), None);
+    }
+
+    #[test]
+    fn version_names() {
+        assert_eq!(parse_version("v1"), Some(1));
+        assert_eq!(parse_version("v12"), Some(12));
+        assert_eq!(parse_version("v"), None);
+        assert_eq!(parse_version("v1a"), None);
+        assert_eq!(parse_version("links"), None);
+    }
+
+    #[test]
+    fn survey_tells_versions_from_the_unversioned_layout() {
+        let dir = tempfile::tempdir().unwrap();
+        assert_eq!(
+            survey(&dir.path().join("absent")).unwrap(),
+            Default::default()
+        );
+        fs::create_dir(dir.path().join("v1")).unwrap();
+        fs::create_dir(dir.path().join("other")).unwrap();
+        assert_eq!(
+            survey(dir.path()).unwrap(),
+            PinDirContents {
+                versions: vec![1],
+                legacy: false
+            }
+        );
+        fs::write(dir.path().join("pods"), "").unwrap();
+        assert!(survey(dir.path()).unwrap().legacy);
+    }
+
+    #[test]
+    fn a_newer_layout_is_refused_naming_path_and_versions() {
+        let dir = tempfile::tempdir().unwrap();
+        let newer = LAYOUT_VERSION + 1;
+        fs::create_dir(dir.path().join(format!("v{newer}"))).unwrap();
+        let error = format!("{:#}", prepare(dir.path()).unwrap_err());
+        let path = dir.path().join(format!("v{newer}"));
+        assert!(error.contains(&path.display().to_string()), "{error}");
+        assert!(
+            error.contains(&format!("layout version {newer}")),
+            "{error}"
+        );
+        assert!(
+            error.contains(&format!("layout version is {LAYOUT_VERSION}")),
+            "{error}"
+        );
+        assert!(error.contains("newer podlink"), "{error}");
+        // Nothing was made beside it.
+        assert!(!versioned_dir(dir.path()).exists());
+    }
+
+    #[test]
+    fn removal_leaves_what_podlink_does_not_name() {
+        let dir = tempfile::tempdir().unwrap();
+        let v1 = versioned_dir(dir.path());
+        fs::create_dir_all(v1.join(LINKS_DIR)).unwrap();
+        fs::write(v1.join(LINKS_DIR).join("7_from_pod"), "").unwrap();
+        fs::write(v1.join("pods"), "").unwrap();
+        fs::write(dir.path().join("pods"), "").unwrap();
+        fs::write(dir.path().join("someone_elses"), "").unwrap();
+        let removed = remove_all(dir.path()).unwrap();
+        assert!(removed.contains(&v1.join(LINKS_DIR).join("7_from_pod")));
+        assert!(removed.contains(&dir.path().join("pods")));
+        assert!(!v1.exists());
+        assert!(dir.path().join("someone_elses").exists());
+        assert!(remove_all(dir.path()).unwrap().is_empty());
+        fs::remove_file(dir.path().join("someone_elses")).unwrap();
+        assert_eq!(
+            remove_all(dir.path()).unwrap(),
+            vec![dir.path().to_path_buf()]
+        );
+    }
+}

@@ -1,0 +1,113 @@
+//! `podlink uninstall`: removes from a node everything podlink's agent made there,
+//! with the agent stopped, so that pods talk directly again.
+//!
+//! In order: every link pin (which detaches the TCX links), map pin and layout
+//! directory under the pin directory; the policy routing rule and the route of
+//! podlink's table; the sysctls recorded in the state directory's journal
+//! (restored where they still have podlink's value); the `podlink-cni` entries of
+//! the CNI configuration lists. Every step runs even when an earlier one fails;
+//! running it again finishes what is left and otherwise does nothing.
+//!
+//! It refuses to run while an agent holds the pin directory's lock: that agent
+//! would attach pods again. Stop the agent (the DaemonSet) first.
+
+use std::{fs, path::PathBuf};
+
+use anyhow::{Result, bail};
+use podlink_common::{REDIRECT_MARK, REDIRECT_MARK_MASK, ROUTE_TABLE, RULE_PRIORITY};
+
+use crate::{
+    cni,
+    dataplane::{
+        journal::{Restored, SysctlJournal},
+        net, pins,
+    },
+};
+
+/// Where podlink's traces on a node are.
+#[derive(Clone, Debug)]
+pub struct UninstallConfig {
+    /// The agent's pin directory (`--pin-dir`).
+    pub pin_dir: PathBuf,
+    /// The agent's state directory (`--state-dir`), holding the sysctl journal.
+    pub state_dir: PathBuf,
+    /// The CNI configuration directory whose `*.conflist` files may name
+    /// `podlink-cni`.
+    pub cni_conf_dir: PathBuf,
+}
+
+/// Removes podlink from this node (run in the node's network namespace). Returns
+/// what was done, a line each.
+///
+/// # Errors
+/// When an agent runs on the pin directory (nothing is done then); otherwise the
+/// steps that failed, each named, after all steps ran.
+pub fn uninstall(cfg: &UninstallConfig) -> Result<Vec<String>> {
+    let mut done = Vec::new();
+    let mut failures = Vec::new();
+    let _lock = if cfg.pin_dir.is_dir() {
+        Some(pins::lock(&cfg.pin_dir)?)
+    } else {
+        None
+    };
+    match pins::remove_all(&cfg.pin_dir) {
+        Ok(removed) => done.extend(
+            removed
+                .into_iter()
+                .map(|p| format!("removed pin {}", p.display())),
+        ),
+        Err(e) => failures.push(format!("removing pins: {e:#}")),
+    }
+    match net::remove_policy_routing(
+        REDIRECT_MARK,
+        REDIRECT_MARK_MASK,
+        ROUTE_TABLE,
+        RULE_PRIORITY,
+    ) {
+        Ok(removed) => done.extend(removed.into_iter().map(|r| format!("removed {r}"))),
+        Err(e) => failures.push(format!("removing policy routing: {e:#}")),
+    }
+    let journal = SysctlJournal::new(&cfg.state_dir);
+    match journal.restore() {
+        Ok(restored) => {
+            for r in restored {
+                done.push(match r {
+                    Restored::Restored(c) => {
+                        format!(
+                            "restored {}={} (podlink had set {})",
+                            c.name, c.original, c.set
+                        )
+                    }
+                    Restored::ChangedSince { change, current } => format!(
+                        "left {}={current}: changed since podlink set {}",
+                        change.name, change.set
+                    ),
+                    Restored::InterfaceGone(c) => {
+                        format!("left {}: its interface is gone", c.name)
+                    }
+                });
+            }
+            // The state directory goes too once empty (it may be shared: not forced).
+            if fs::remove_dir(&cfg.state_dir).is_ok() {
+                done.push(format!("removed {}", cfg.state_dir.display()));
+            }
+        }
+        Err(e) => failures.push(format!("restoring sysctls: {e:#}")),
+    }
+    match cni::remove_plugin(&cfg.cni_conf_dir) {
+        Ok(changed) => done.extend(
+            changed
+                .into_iter()
+                .map(|p| format!("removed {} from {}", cni::PLUGIN_TYPE, p.display())),
+        ),
+        Err(e) => failures.push(format!("editing the CNI configuration: {e:#}")),
+    }
+    if !failures.is_empty() {
+        bail!(
+            "uninstall incomplete (run it again once fixed):\n{}\ndone meanwhile:\n{}",
+            failures.join("\n"),
+            done.join("\n")
+        );
+    }
+    Ok(done)
+}

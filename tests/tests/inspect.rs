@@ -1,0 +1,159 @@
+//! `podlink inspect` reads the pins, with the agent running and stopped: enrolled
+//! pods with their addresses, flags, links and counters, and a link left dangling
+//! by a pod deleted while no agent ran.
+
+use std::process::Command;
+
+use podlink_tests::{Cluster, Pod, PodSpec, app, netns};
+use serde_json::Value;
+
+/// The `pods` entry of `pod` in an inspect report.
+fn pod_entry<'a>(report: &'a Value, pod: &Pod) -> &'a Value {
+    report["pods"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|p| p["interface"] == pod.host_veth.as_str())
+        .unwrap_or_else(|| panic!("{} missing from {report:#}", pod.name))
+}
+
+/// The link ids of `ifindex` in an inspect report, by program.
+fn link_ids(report: &Value, ifindex: u32) -> Vec<(String, u64)> {
+    let mut ids: Vec<(String, u64)> = report["links"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|l| l["ifindex"] == ifindex)
+        .map(|l| {
+            (
+                l["program"].as_str().unwrap().to_string(),
+                l["link_id"].as_u64().unwrap(),
+            )
+        })
+        .collect();
+    ids.sort();
+    ids
+}
+
+#[test]
+fn inspect_shows_pods_links_counters_and_dangling_links() {
+    let mut c = Cluster::with_namespaces(1, &[("mesh", true)]).unwrap();
+    let client = c.add_pod(PodSpec::new("client", "mesh", 0)).unwrap();
+    let server = c.add_pod(PodSpec::new("server", "mesh", 0)).unwrap();
+    c.start_agent(0).unwrap();
+    c.wait_all_captured(&[&client, &server]).unwrap();
+    let _echo = app::EchoServer::start(&server.netns, server.addr(8000)).unwrap();
+    app::exchange(&client.netns, server.addr(8000), b"counted").unwrap();
+
+    // With the agent running.
+    let seen_by_bpftool = c.counters(&client).unwrap();
+    let report = c.inspect(0).unwrap();
+    assert_eq!(report["layout"], "v1", "{report:#}");
+    assert_eq!(report["problems"], serde_json::json!([]), "{report:#}");
+    let kernel_links: Value = serde_json::from_slice(
+        &netns::run(Command::new("bpftool").args(["-j", "link", "show"]))
+            .unwrap()
+            .stdout,
+    )
+    .unwrap();
+    for pod in [&client, &server] {
+        let entry = pod_entry(&report, pod);
+        let ifindex = c.host_ifindex(pod).unwrap();
+        assert_eq!(entry["ifindex"], ifindex);
+        assert_eq!(entry["ipv4"], pod.ip.to_string());
+        assert_eq!(entry["flags"], serde_json::json!(["enrolled", "has_ipv4"]));
+        let links = link_ids(&report, ifindex);
+        assert_eq!(
+            links.iter().map(|(p, _)| p.as_str()).collect::<Vec<_>>(),
+            ["from_pod", "to_pod"],
+            "{report:#}"
+        );
+        // The ids are the kernel's links, running podlink's programs.
+        for (program, id) in &links {
+            let link = report["links"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .find(|l| l["link_id"] == *id)
+                .unwrap();
+            assert_eq!(link["program_name"], program.as_str());
+            let kernel = kernel_links
+                .as_array()
+                .unwrap()
+                .iter()
+                .find(|l| l["id"] == *id)
+                .unwrap_or_else(|| panic!("link {id} not in bpftool link show"));
+            assert_eq!(kernel["prog_id"], link["program_id"]);
+        }
+        let total: u64 = entry["counters"]
+            .as_object()
+            .unwrap()
+            .values()
+            .map(|v| v.as_u64().unwrap())
+            .sum();
+        assert!(total > 0, "{entry:#}");
+    }
+    // Counters are bpftool's per-CPU values summed (they only grow).
+    let counters = pod_entry(&report, &client)["counters"].as_object().unwrap();
+    assert_eq!(counters.len(), seen_by_bpftool.len());
+    for (name, value) in &seen_by_bpftool {
+        assert!(counters[name].as_u64().unwrap() >= *value, "{name}");
+    }
+    assert!(counters["captured_outbound"].as_u64().unwrap() >= 1);
+
+    // With the agent stopped, the same pins read the same.
+    c.stop_agent(0).unwrap();
+    let stopped = c.inspect(0).unwrap();
+    assert_eq!(stopped["problems"], serde_json::json!([]), "{stopped:#}");
+    assert_eq!(stopped["links"], report["links"]);
+    assert_eq!(stopped["pods"].as_array().unwrap().len(), 2);
+
+    // The server pod goes (CNI DEL removes its veth) while no agent runs.
+    let gone = c.host_ifindex(&server).unwrap();
+    c.remove_pod("server").unwrap();
+    let after = c.inspect(0).unwrap();
+    let problems: Vec<(&str, u64)> = after["problems"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|p| (p["kind"].as_str().unwrap(), p["ifindex"].as_u64().unwrap()))
+        .collect();
+    let gone = u64::from(gone);
+    assert!(
+        problems
+            .iter()
+            .filter(|p| **p == ("link_interface_gone", gone))
+            .count()
+            == 2,
+        "{after:#}"
+    );
+    assert!(
+        problems.contains(&("pod_interface_gone", gone)),
+        "{after:#}"
+    );
+    assert!(
+        problems.iter().all(|(_, i)| *i == gone),
+        "only the deleted pod is inconsistent: {after:#}"
+    );
+    // Inspecting changed nothing: the dangling links are still pinned.
+    assert_eq!(after["links"].as_array().unwrap().len(), 4);
+    for program in ["from_pod", "to_pod"] {
+        assert!(
+            c.nodes[0]
+                .pins()
+                .join("links")
+                .join(format!("{gone}_{program}"))
+                .exists()
+        );
+    }
+    // The table says it too.
+    let out = netns::run(
+        c.podlink_command(0, &["inspect", "--pin-dir"])
+            .arg(&c.nodes[0].pin_dir),
+    )
+    .unwrap();
+    let table = String::from_utf8_lossy(&out.stdout);
+    assert!(table.contains("link_interface_gone"), "{table}");
+    assert!(table.contains(&client.host_veth), "{table}");
+    assert!(table.contains(&client.ip.to_string()), "{table}");
+}

@@ -1,0 +1,215 @@
+//! `podlink uninstall` leaves nothing of podlink's on a node — no TCX program, no
+//! link, no pin, no policy routing, sysctls as they were, no `podlink-cni` in the
+//! CNI configuration — and pods talk directly again. It refuses while an agent
+//! runs, and running it twice is harmless.
+
+use std::{fs, net::IpAddr, process::Command};
+
+use podlink_tests::{Capture, Cluster, PodSpec, app, contains_bytes, netns};
+use serde_json::Value;
+
+const CONFLIST: &str = r#"{
+  "cniVersion": "1.0.0",
+  "name": "k8s-pod-network",
+  "plugins": [
+    {
+      "type": "ptp",
+      "ipMasq": false,
+      "ipam": {
+        "type": "host-local",
+        "subnet": "10.244.1.0/24"
+      }
+    },
+    {
+      "type": "podlink-cni",
+      "socket": "/run/podlink/cni.sock"
+    },
+    {
+      "type": "portmap",
+      "capabilities": {
+        "portMappings": true
+      }
+    }
+  ]
+}
+"#;
+
+const OTHER_CONFLIST: &str =
+    r#"{"cniVersion": "1.0.0", "name": "other", "plugins": [{"type": "bridge"}]}"#;
+
+fn sysctl(netns_name: &str, name: &str) -> String {
+    let out = netns::run(netns::command_in(netns_name, "sysctl").args(["-n", name])).unwrap();
+    String::from_utf8_lossy(&out.stdout).trim().to_string()
+}
+
+fn in_node(netns_name: &str, program: &str, args: &[&str]) -> String {
+    let out = netns::run(netns::command_in(netns_name, program).args(args)).unwrap();
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+#[test]
+fn uninstall_removes_every_trace_and_pods_talk_directly() {
+    let mut c = Cluster::with_namespaces(2, &[("mesh", true)]).unwrap();
+    let client = c.add_pod(PodSpec::new("client", "mesh", 0)).unwrap();
+    let server = c.add_pod(PodSpec::new("server", "mesh", 1)).unwrap();
+    let node = c.nodes[0].clone();
+    // A strict reverse-path filter, which the agent relaxes to loose.
+    netns::run(netns::command_in(&node.netns, "sysctl").args([
+        "-q",
+        "-w",
+        "net.ipv4.conf.all.rp_filter=1",
+    ]))
+    .unwrap();
+    let names = [
+        "net.ipv4.tcp_early_demux".to_string(),
+        "net.ipv4.ip_forward".to_string(),
+        "net.ipv4.conf.all.rp_filter".to_string(),
+        format!("net.ipv4.conf.{}.rp_filter", client.host_veth),
+        format!("net.ipv4.conf.{}.accept_local", client.host_veth),
+    ];
+    let original: Vec<String> = names.iter().map(|n| sysctl(&node.netns, n)).collect();
+    let cni_dir = c.dir.join("node1-cni");
+    fs::create_dir_all(&cni_dir).unwrap();
+    fs::write(cni_dir.join("10-k8s.conflist"), CONFLIST).unwrap();
+    fs::write(cni_dir.join("20-other.conflist"), OTHER_CONFLIST).unwrap();
+
+    c.start_agents().unwrap();
+    c.wait_all_captured(&[&client, &server]).unwrap();
+    let echo = app::EchoServer::start(&server.netns, server.addr(8000)).unwrap();
+    app::exchange(&client.netns, server.addr(8000), b"meshed").unwrap();
+    assert!(c.counters(&client).unwrap()["captured_outbound"] >= 1);
+    // The agent did change things the uninstall must undo.
+    let changed: Vec<String> = names.iter().map(|n| sysctl(&node.netns, n)).collect();
+    assert_ne!(changed, original);
+    assert!(in_node(&node.netns, "ip", &["rule"]).contains("lookup 1339"));
+    let report = c.inspect(0).unwrap();
+    let link_ids: Vec<u64> = report["links"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|l| l["link_id"].as_u64().unwrap())
+        .collect();
+    assert_eq!(link_ids.len(), 2, "{report:#}");
+
+    let uninstall = |c: &Cluster, node: usize, cni_dir: &std::path::Path| {
+        let mut cmd = c.podlink_command(node, &["uninstall", "--pin-dir"]);
+        cmd.arg(&c.nodes[node].pin_dir)
+            .arg("--state-dir")
+            .arg(&c.nodes[node].state_dir)
+            .arg("--cni-conf-dir")
+            .arg(cni_dir);
+        cmd.output().unwrap()
+    };
+
+    // Refused while the agent runs; nothing is touched.
+    let refused = uninstall(&c, 0, &cni_dir);
+    assert!(!refused.status.success());
+    let stderr = String::from_utf8_lossy(&refused.stderr);
+    assert!(stderr.contains("agent is running"), "{stderr}");
+    assert!(
+        stderr.contains(&node.pin_dir.display().to_string()),
+        "{stderr}"
+    );
+    assert!(c.is_captured(&client).unwrap());
+    assert_eq!(
+        fs::read_to_string(cni_dir.join("10-k8s.conflist")).unwrap(),
+        CONFLIST
+    );
+
+    c.stop_agent(0).unwrap();
+    c.stop_agent(1).unwrap();
+    let no_cni = c.dir.join("node2-cni");
+    for (n, dir) in [(0, &cni_dir), (1, &no_cni)] {
+        let out = uninstall(&c, n, dir);
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+
+    // No TCX program on the node's interfaces, no link, no rule, no route.
+    let net = in_node(&node.netns, "bpftool", &["-j", "net", "show"]);
+    assert!(
+        !net.contains("from_pod") && !net.contains("to_pod"),
+        "{net}"
+    );
+    let links: Value = serde_json::from_slice(
+        &netns::run(Command::new("bpftool").args(["-j", "link", "show"]))
+            .unwrap()
+            .stdout,
+    )
+    .unwrap();
+    for id in &link_ids {
+        assert!(
+            !links.as_array().unwrap().iter().any(|l| l["id"] == *id),
+            "link {id} is still there: {links:#}"
+        );
+    }
+    let rules = in_node(&node.netns, "ip", &["rule"]);
+    assert!(
+        !rules.contains("1339") && !rules.contains("0x1000"),
+        "{rules}"
+    );
+    let routes = netns::command_in(&node.netns, "ip")
+        .args(["route", "show", "table", "1339"])
+        .output()
+        .unwrap();
+    assert!(
+        String::from_utf8_lossy(&routes.stdout).trim().is_empty(),
+        "{routes:?}"
+    );
+    // No pins; the state is gone; the sysctls are as they were.
+    assert!(!node.pin_dir.exists(), "{}", node.pin_dir.display());
+    assert!(!node.state_dir.exists());
+    let restored: Vec<String> = names.iter().map(|n| sysctl(&node.netns, n)).collect();
+    assert_eq!(restored, original, "{names:?}");
+    // The conflist lost podlink-cni and nothing else; the other one is untouched.
+    let mut expected: Value = serde_json::from_str(CONFLIST).unwrap();
+    expected["plugins"].as_array_mut().unwrap().remove(1);
+    let edited = fs::read_to_string(cni_dir.join("10-k8s.conflist")).unwrap();
+    assert_eq!(serde_json::from_str::<Value>(&edited).unwrap(), expected);
+    assert_eq!(
+        edited,
+        CONFLIST.replace(
+            "    {\n      \"type\": \"podlink-cni\",\n      \"socket\": \"/run/podlink/cni.sock\"\n    },\n",
+            ""
+        )
+    );
+    assert_eq!(
+        fs::read_to_string(cni_dir.join("20-other.conflist")).unwrap(),
+        OTHER_CONFLIST
+    );
+    assert_eq!(fs::read_dir(&cni_dir).unwrap().count(), 2);
+
+    // Pods talk directly: plain TCP on the underlay, from the client's address.
+    let capture = Capture::start(&node.netns, "eth0", &c.dir, "underlay").unwrap();
+    let ex = app::exchange(&client.netns, server.addr(8000), b"direct-after-uninstall").unwrap();
+    let (raw, lines) = capture.stop().unwrap();
+    assert_eq!(ex.echoed, b"direct-after-uninstall");
+    assert_eq!(ex.peer_seen.ip(), IpAddr::V4(client.ip));
+    assert!(
+        contains_bytes(&raw, b"direct-after-uninstall"),
+        "{lines:#?}"
+    );
+    assert!(
+        !lines.iter().any(|l| l.contains(".15008")),
+        "no HBONE: {lines:#?}"
+    );
+    assert_eq!(echo.accepted(), 2);
+
+    // Twice is harmless.
+    for (n, dir) in [(0, &cni_dir), (1, &no_cni)] {
+        let out = uninstall(&c, n, dir);
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        assert!(String::from_utf8_lossy(&out.stdout).contains("nothing of podlink's was left"));
+    }
+    assert_eq!(
+        fs::read_to_string(cni_dir.join("10-k8s.conflist")).unwrap(),
+        edited
+    );
+}
