@@ -1,8 +1,9 @@
 //! Restarting the agents under load: a client keeps opening connections across
 //! nodes while the client's node agent, then the server's, is restarted on the
 //! same pins. Connections opened while no proxy listens wait (their SYNs are
-//! dropped and retried) and succeed once the new agent is up; connections open at
-//! SIGTERM finish; nothing crosses the underlay in plain text.
+//! dropped at the host veth, as the pod counters show, and retried) and succeed
+//! once the new agent is up; connections open at SIGTERM finish; nothing crosses
+//! the underlay in plain text.
 
 use std::{
     io::{Read, Write},
@@ -14,7 +15,7 @@ use std::{
     time::{Duration, Instant},
 };
 
-use podlink_tests::{Capture, Cluster, PodSpec, app, contains_bytes};
+use podlink_tests::{Capture, Cluster, Pod, PodSpec, app, contains_bytes};
 
 /// Connect timeout: long enough for the SYN retries (1 s, 3 s, 7 s, …) that span
 /// a restart.
@@ -71,17 +72,29 @@ fn restarts_under_load_lose_no_connection_and_leak_nothing() {
         }
     };
 
+    // Restarts node `node`'s agent once the load has met the missing proxy: a SYN
+    // dropped at `pod`'s host veth (fail closed), to be retried by the client.
+    let restart = |c: &mut Cluster, node: usize, pod: &Pod| {
+        let dropped = |c: &Cluster| c.counters(pod).unwrap()["dropped_no_listener"];
+        let before = dropped(c);
+        c.stop_agent(node).unwrap();
+        // Pins outlive the agent: the pod stays captured.
+        assert!(c.is_captured(pod).unwrap());
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while dropped(c) == before {
+            assert!(Instant::now() < deadline, "no SYN met the stopped proxy");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        c.start_agent(node).unwrap();
+    };
+
     wait_for(20);
     let before = done.load(Ordering::Relaxed);
-    c.stop_agent(0).unwrap();
-    // Pins outlive the agent: the client stays captured (fail closed).
-    assert!(c.is_captured(&client).unwrap());
-    c.start_agent(0).unwrap();
+    restart(&mut c, 0, &client);
     wait_for(before + 20);
     let middle = done.load(Ordering::Relaxed);
-    c.stop_agent(1).unwrap();
-    assert!(c.is_captured(&server).unwrap());
-    c.start_agent(1).unwrap();
+    // The server's side: the client's node dials HBONE to a node without a proxy.
+    restart(&mut c, 1, &server);
     wait_for(middle + 20);
     stop.store(true, Ordering::Relaxed);
     let failures = load.join().unwrap();
