@@ -13,6 +13,8 @@
 //!                  "captured": bool}],
 //!   "policies": {"root_namespace", "unknown": null | "why",
 //!                "items": [{"namespace", "name", "action", "scope", "notes"}]},
+//!   "services": [{"namespace", "name", "vip", "port_name", "target_port",
+//!                 "endpoints": [{"addr", "ready", "terminating"}], "has_slices"}],
 //!   "denials": {"<namespace>/<name>" | "allow-policies" | "unknown-policies": count},
 //!   "certificates": [{"identity", "state": "issued" | "pending",
 //!                     "not_after", "renew_at" (RFC 3339, UTC)}]
@@ -188,5 +190,6 @@ pub fn config_dump(state: &ProxyState) -> Value {
             "items": policies,
         },
         "denials": denials,
+        "services": view.services.ports().map(|p| p.as_ref()).collect::<Vec<_>>(),
     })
 }

@@ -37,7 +37,7 @@ use crate::{
         CertManager, CertSource,
         istio_ca::{IstioCaClient, IstioCaConfig},
     },
-    proxy::{self, Listeners, ProxyConfig, ProxyState},
+    proxy::{self, Listeners, ProxyConfig, ProxyState, View},
     telemetry::{
         logging::LogControl,
         scrape::DataplaneMaps,
@@ -46,6 +46,7 @@ use crate::{
     workload::{
         WorkloadIndex,
         manifests::{self, ManifestDir},
+        services::ServiceIndex,
     },
 };
 
@@ -235,6 +236,7 @@ pub async fn run(cfg: AgentConfig) -> Result<()> {
         trust_domain: cfg.trust_domain.clone(),
         root_namespace: cfg.root_namespace.clone(),
         policies: Arc::new(PolicySet::default()),
+        services: Arc::new(ServiceIndex::default()),
         noted: HashSet::new(),
         dataplane,
         workload_ids: HashMap::new(),
@@ -369,6 +371,8 @@ struct Reconciler {
     root_namespace: String,
     /// The authorization policies as last read.
     policies: Arc<PolicySet>,
+    /// The Services as last read.
+    services: Arc<ServiceIndex>,
     /// Policy warnings and notes already logged, each logged once while it holds.
     noted: HashSet<String>,
     dataplane: Dataplane,
@@ -407,6 +411,12 @@ impl Reconciler {
                 tracing::warn!("{warning}");
             }
             self.index = Arc::new(index);
+            let (services, warnings) =
+                ServiceIndex::build(source.services(), source.endpoint_slices());
+            for warning in warnings {
+                tracing::warn!("{warning}");
+            }
+            self.services = Arc::new(services);
         }
         // A file that breaks may make the policies unknown without changing any
         // object.
@@ -473,13 +483,15 @@ impl Reconciler {
         let view = state.view();
         if !Arc::ptr_eq(&view.workloads, &self.index)
             || !Arc::ptr_eq(&view.policies, &self.policies)
+            || !Arc::ptr_eq(&view.services, &self.services)
             || *view.captured != captured
         {
-            state.update(
-                self.index.clone(),
-                Arc::new(captured),
-                self.policies.clone(),
-            );
+            state.update(View {
+                workloads: self.index.clone(),
+                captured: Arc::new(captured),
+                policies: self.policies.clone(),
+                services: self.services.clone(),
+            });
             // Certificates are only needed for this node's enrolled workloads.
             let local: HashSet<_> = self
                 .index

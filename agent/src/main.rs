@@ -94,8 +94,8 @@ struct AgentArgs {
     /// This node's name, as in the pods' spec.nodeName.
     #[arg(long)]
     node: String,
-    /// Directory of Pod, Namespace and AuthorizationPolicy manifests (YAML),
-    /// watched for changes.
+    /// Directory of Pod, Namespace, AuthorizationPolicy, Service and
+    /// EndpointSlice manifests (YAML), watched for changes.
     #[arg(long)]
     manifests: PathBuf,
     /// Directory holding ca.crt (the signing CA certificate first, then further

@@ -261,6 +261,7 @@ async fn serve_stream(
             dst_workload: destination,
             src_identity: Some(client.clone()),
             dst_identity: Some(pod_id.clone()),
+            service: None,
         },
     );
     let access = authz::Request {

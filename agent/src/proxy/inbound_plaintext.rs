@@ -41,6 +41,7 @@ pub async fn handle(state: Arc<ProxyState>, mut tcp: TcpStream, src: SocketAddr,
             dst_workload: Some(destination.clone()),
             src_identity: None,
             dst_identity: Some(destination.identity.clone()),
+            service: None,
         },
     );
     let req = Request {

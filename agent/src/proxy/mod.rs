@@ -20,7 +20,7 @@ pub mod pool;
 pub mod socket;
 
 use std::{
-    collections::HashSet,
+    collections::{HashMap, HashSet},
     net::{IpAddr, Ipv4Addr, SocketAddr},
     sync::Arc,
     time::Duration,
@@ -36,6 +36,7 @@ use crate::{
     authz::{Denial, PolicySet, Request},
     identity::CertManager,
     telemetry::metrics::{Direction, FailureKind, Metrics},
+    workload::services::{ServiceIndex, ServicePort},
     workload::{Workload, WorkloadIndex},
 };
 
@@ -72,6 +73,8 @@ pub struct View {
     pub captured: Arc<HashSet<IpAddr>>,
     /// The authorization policies of the mesh.
     pub policies: Arc<PolicySet>,
+    /// The Services, by virtual address.
+    pub services: Arc<ServiceIndex>,
 }
 
 impl View {
@@ -143,10 +146,14 @@ pub struct ProxyState {
     /// holds a socket or two): bounds the file descriptors clients can make the
     /// proxy hold.
     connections: Arc<Semaphore>,
+    /// Open connections to each Service endpoint, for balancing.
+    endpoint_load: Arc<std::sync::Mutex<HashMap<SocketAddr, usize>>>,
     /// Connections denied, by the policy that denied them ([`Denial::policy`]).
     denials: std::sync::Mutex<std::collections::BTreeMap<String, u64>>,
     /// Denials logged at a bounded rate.
     denial_log: RateLimited,
+    /// Connections to Services without a ready endpoint, logged at a bounded rate.
+    pub service_log: RateLimited,
 }
 
 /// Warnings given at most [`RateLimited::BURST`] times a second; the next one
@@ -193,7 +200,9 @@ impl ProxyState {
             draining: watch::Sender::new(false),
             connections: Arc::new(Semaphore::new(config.max_connections)),
             denials: Default::default(),
+            endpoint_load: Default::default(),
             denial_log: RateLimited::default(),
+            service_log: RateLimited::default(),
             config,
         }
     }
@@ -229,6 +238,37 @@ impl ProxyState {
         self.config
             .max_connections
             .saturating_sub(self.connections.available_permits())
+    }
+
+    /// Picks a ready endpoint of `service` by the "power of two choices"
+    /// (Mitzenmacher, 2001): of two ready endpoints chosen at random, the one with
+    /// fewer open connections from this proxy. The guard counts the connection
+    /// as open on it until dropped. `None` when no endpoint is ready.
+    pub fn pick_endpoint(&self, service: &ServicePort) -> Option<EndpointGuard> {
+        let ready: Vec<SocketAddr> = service.ready().collect();
+        let mut load = self.endpoint_load.lock().expect("endpoint load lock");
+        let chosen = match ready.len() {
+            0 => return None,
+            1 => ready[0],
+            n => {
+                let i = fastrand::usize(..n);
+                let mut j = fastrand::usize(..n - 1);
+                if j >= i {
+                    j += 1;
+                }
+                let open = |a: &SocketAddr| load.get(a).copied().unwrap_or(0);
+                if open(&ready[j]) < open(&ready[i]) {
+                    ready[j]
+                } else {
+                    ready[i]
+                }
+            }
+        };
+        *load.entry(chosen).or_default() += 1;
+        Some(EndpointGuard {
+            addr: chosen,
+            load: self.endpoint_load.clone(),
+        })
     }
 
     /// Counts and logs a denial.
@@ -292,17 +332,7 @@ impl ProxyState {
     /// connections are closed (see [`ProxyState::unenrolled`]): without capture
     /// their packets no longer reach the proxy, so those connections could only
     /// linger half-broken.
-    pub fn update(
-        &self,
-        workloads: Arc<WorkloadIndex>,
-        captured: Arc<HashSet<IpAddr>>,
-        policies: Arc<PolicySet>,
-    ) {
-        let view = View {
-            workloads,
-            captured,
-            policies,
-        };
+    pub fn update(&self, view: View) {
         self.pool.retain(|key| view.local_pod(key.src_ip).is_some());
         self.view.send_replace(view);
     }
@@ -318,6 +348,25 @@ impl ProxyState {
             if rx.changed().await.is_err() {
                 // The state is gone with the agent: nothing changes any more.
                 std::future::pending::<()>().await;
+            }
+        }
+    }
+}
+
+/// A connection to a Service endpoint, counted as open on it while it lives.
+pub struct EndpointGuard {
+    /// The endpoint (address and resolved target port).
+    pub addr: SocketAddr,
+    load: Arc<std::sync::Mutex<HashMap<SocketAddr, usize>>>,
+}
+
+impl Drop for EndpointGuard {
+    fn drop(&mut self) {
+        let mut load = self.load.lock().expect("endpoint load lock");
+        if let Some(n) = load.get_mut(&self.addr) {
+            *n -= 1;
+            if *n == 0 {
+                load.remove(&self.addr);
             }
         }
     }

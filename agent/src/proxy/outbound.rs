@@ -55,8 +55,37 @@ pub async fn handle(state: Arc<ProxyState>, mut tcp: TcpStream, src: SocketAddr,
         refuse(&tcp);
         return;
     };
-    let route = match index.by_ip(dst.ip()).filter(|w| w.enrollment.is_enrolled()) {
-        Some(_) if view.local_pod(dst.ip()).is_some() => Route::Local,
+    // A Service's virtual address: the proxy picks one of its ready endpoints and
+    // connects to it (HBONE when it is an enrolled pod elsewhere), as ztunnel does;
+    // the original destination stays the one logged.
+    let service = view.services.lookup(dst).cloned();
+    let endpoint = match &service {
+        None => None,
+        Some(svc) => match state.pick_endpoint(svc) {
+            Some(endpoint) => Some(endpoint),
+            None => {
+                let why = if svc.has_slices {
+                    "has no ready endpoint"
+                } else {
+                    "has no EndpointSlice yet"
+                };
+                state.service_log.warn(|n| {
+                    format!("outbound connection from {src} ({}) to {dst}: service {} {why}; reset ({n} such)", source.key(), svc.key())
+                });
+                state
+                    .metrics
+                    .failed(Direction::Outbound, FailureKind::NoEndpoint);
+                socket::reset_on_close(&tcp);
+                return;
+            }
+        },
+    };
+    let upstream = endpoint.as_ref().map_or(dst, |e| e.addr);
+    let route = match index
+        .by_ip(upstream.ip())
+        .filter(|w| w.enrollment.is_enrolled())
+    {
+        Some(_) if view.local_pod(upstream.ip()).is_some() => Route::Local,
         Some(w) if index.is_local(w) => {
             // A workload that says it is here but has no host veth here: not
             // something to connect to in plain text.
@@ -65,7 +94,7 @@ pub async fn handle(state: Arc<ProxyState>, mut tcp: TcpStream, src: SocketAddr,
             return;
         }
         Some(w) => Route::Hbone(w.clone()),
-        None if index.conflict(dst.ip()).is_some() => {
+        None if index.conflict(upstream.ip()).is_some() => {
             tracing::warn!(%src, %dst, "destination address is claimed by several pods; reset");
             refuse(&tcp);
             return;
@@ -75,7 +104,7 @@ pub async fn handle(state: Arc<ProxyState>, mut tcp: TcpStream, src: SocketAddr,
     let route_name = route.name();
     // A destination outside the mesh may still be a known pod (its labels name
     // it), but has no identity here.
-    let dst_workload = index.by_ip(dst.ip()).cloned();
+    let dst_workload = index.by_ip(upstream.ip()).cloned();
     let dst_identity = match route {
         Route::Passthrough => None,
         Route::Hbone(_) | Route::Local => dst_workload.as_ref().map(|w| w.identity.clone()),
@@ -102,6 +131,9 @@ pub async fn handle(state: Arc<ProxyState>, mut tcp: TcpStream, src: SocketAddr,
             dst_workload,
             src_identity: Some(source.identity.clone()),
             dst_identity,
+            service: service
+                .as_ref()
+                .map(|s| (s.namespace.clone(), s.name.clone())),
         },
     );
     // Between two pods of this node there is no inbound proxy hop: the
@@ -110,8 +142,8 @@ pub async fn handle(state: Arc<ProxyState>, mut tcp: TcpStream, src: SocketAddr,
     let local = matches!(route, Route::Local).then(|| Request {
         source_ip: src.ip(),
         source: Some(&source.identity),
-        destination_ip: dst.ip(),
-        destination_port: dst.port(),
+        destination_ip: upstream.ip(),
+        destination_port: upstream.port(),
     });
     if let Some(req) = &local
         && let Err(denial) = state.authorize(&view, req, "connection between pods of this node")
@@ -132,7 +164,7 @@ pub async fn handle(state: Arc<ProxyState>, mut tcp: TcpStream, src: SocketAddr,
         }
     };
     let result = tokio::select! {
-        result = proxy(&state, &mut tcp, route, &source, (src, dst), &record) => result,
+        result = proxy(&state, &mut tcp, route, &source, (src, upstream), &record) => result,
         () = state.unenrolled(src.ip()) => Err(Failure::new(FailureKind::Revoked, "the pod left the mesh")),
         why = revoked => Err(Failure::new(FailureKind::Revoked, why)),
     };
@@ -140,7 +172,7 @@ pub async fn handle(state: Arc<ProxyState>, mut tcp: TcpStream, src: SocketAddr,
         Ok(()) => record.finish(Outcome::Ok),
         Err(e) => {
             socket::reset_on_close(&tcp);
-            tracing::info!(%src, %dst, source = %source.key(), route = %route_name, "outbound connection failed: {e}");
+            tracing::info!(%src, %dst, %upstream, source = %source.key(), route = %route_name, "outbound connection failed: {e}");
             record.finish(Outcome::Failed(e));
         }
     }

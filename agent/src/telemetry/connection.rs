@@ -93,6 +93,8 @@ pub struct Endpoints {
     pub src_identity: Option<SpiffeId>,
     /// The destination's identity, when known.
     pub dst_identity: Option<SpiffeId>,
+    /// The Service whose ClusterIP the client connected to (`namespace`, `name`).
+    pub service: Option<(String, String)>,
 }
 
 /// The bytes a connection carries, counted as they flow: into the
@@ -198,6 +200,10 @@ impl ConnectionRecord {
         let labels: Vec<TcpLabels> = reporters
             .iter()
             .map(|r| TcpLabels::new(*r, source, destination, security, metrics.cluster_id()))
+            .map(|l| match &endpoints.service {
+                Some((namespace, name)) => l.with_service(namespace, name),
+                None => l,
+            })
             .collect();
         let each = |family: &prometheus_client::metrics::family::Family<TcpLabels, Counter>| {
             labels
@@ -314,6 +320,7 @@ mod tests {
             dst_workload: None,
             src_identity: None,
             dst_identity: None,
+            service: None,
         }
     }
 

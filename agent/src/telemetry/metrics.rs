@@ -160,11 +160,13 @@ pub enum FailureKind {
     Io,
     /// Closed by the proxy: a changed policy now denies it, or a pod left the mesh.
     Revoked,
+    /// A connection to a Service with no ready endpoint (or no EndpointSlice).
+    NoEndpoint,
 }
 
 impl FailureKind {
     /// Every kind, in a fixed order.
-    pub const ALL: [FailureKind; 10] = [
+    pub const ALL: [FailureKind; 11] = [
         FailureKind::NotEnrolled,
         FailureKind::ConnectTimeout,
         FailureKind::ConnectFailed,
@@ -175,11 +177,12 @@ impl FailureKind {
         FailureKind::ConnectionLimit,
         FailureKind::Io,
         FailureKind::Revoked,
+        FailureKind::NoEndpoint,
     ];
 
     /// The label value: `not_enrolled`, `connect_timeout`, `connect_failed`,
     /// `hbone`, `identity`, `handshake`, `bad_request`, `connection_limit`, `io`,
-    /// `revoked`.
+    /// `revoked`, `no_endpoint`.
     pub fn as_str(self) -> &'static str {
         match self {
             FailureKind::NotEnrolled => "not_enrolled",
@@ -192,6 +195,7 @@ impl FailureKind {
             FailureKind::ConnectionLimit => "connection_limit",
             FailureKind::Io => "io",
             FailureKind::Revoked => "revoked",
+            FailureKind::NoEndpoint => "no_endpoint",
         }
     }
 
@@ -228,9 +232,9 @@ pub struct TcpLabels {
     pub source_app: String,
     pub source_version: String,
     pub source_cluster: String,
-    pub destination_service: &'static str,
-    pub destination_service_namespace: &'static str,
-    pub destination_service_name: &'static str,
+    pub destination_service: String,
+    pub destination_service_namespace: String,
+    pub destination_service_name: String,
     pub destination_workload: String,
     pub destination_canonical_service: String,
     pub destination_canonical_revision: String,
@@ -307,6 +311,15 @@ fn side(peer: Peer<'_>, cluster: &str) -> [String; 8] {
 }
 
 impl TcpLabels {
+    /// Names the destination Service (a connection to its ClusterIP):
+    /// `destination_service` is its host name `<name>.<namespace>.svc.cluster.local`.
+    pub fn with_service(mut self, namespace: &str, name: &str) -> Self {
+        self.destination_service = format!("{name}.{namespace}.svc.cluster.local");
+        self.destination_service_namespace = namespace.to_string();
+        self.destination_service_name = name.to_string();
+        self
+    }
+
     /// The labels of a connection from `source` to `destination` as `reporter`
     /// sees it; `cluster` is the cluster ID of known workloads.
     pub fn new(
@@ -328,9 +341,9 @@ impl TcpLabels {
             source_app: sa,
             source_version: sv,
             source_cluster: sc,
-            destination_service: UNKNOWN,
-            destination_service_namespace: UNKNOWN,
-            destination_service_name: UNKNOWN,
+            destination_service: UNKNOWN.to_string(),
+            destination_service_namespace: UNKNOWN.to_string(),
+            destination_service_name: UNKNOWN.to_string(),
             destination_workload: dw,
             destination_canonical_service: dcs,
             destination_canonical_revision: dcr,

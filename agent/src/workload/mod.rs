@@ -10,6 +10,7 @@
 //! `hostNetwork: true` are never enrolled.
 
 pub mod manifests;
+pub mod services;
 
 use std::{
     collections::{BTreeMap, HashMap},

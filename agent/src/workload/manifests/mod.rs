@@ -2,8 +2,9 @@
 //!
 //! Every `*.yaml`, `*.yml` and `*.json` file in the directory (not its
 //! subdirectories; hidden files are skipped) is read as a multi-document YAML
-//! stream. Documents of kind `Pod` and `Namespace` (API version `v1`) and
-//! `AuthorizationPolicy` (`security.istio.io/v1` or `v1beta1`) are used,
+//! stream. Documents of kind `Pod`, `Namespace` and `Service` (API version `v1`),
+//! `EndpointSlice` (`discovery.k8s.io/v1`) and `AuthorizationPolicy`
+//! (`security.istio.io/v1` or `v1beta1`) are used,
 //! `List` documents are unpacked, and other kinds are ignored. A file that fails to
 //! parse is reported with its path, the line and what is wrong; the objects it held
 //! before keep being used until it is fixed. A changed (or removed) file is applied
@@ -24,7 +25,10 @@ use std::{
     time::{Duration, Instant},
 };
 
-use k8s_openapi::api::core::v1::{Namespace, Pod};
+use k8s_openapi::api::{
+    core::v1::{Namespace, Pod, Service},
+    discovery::v1::EndpointSlice,
+};
 use notify::Watcher;
 
 use crate::authz::Policy;
@@ -353,6 +357,16 @@ impl ManifestDir {
     /// All namespaces of all files.
     pub fn namespaces(&self) -> impl Iterator<Item = &Namespace> {
         self.files.values().flat_map(|f| &f.objects.namespaces)
+    }
+
+    /// All Services of all files.
+    pub fn services(&self) -> impl Iterator<Item = &Service> {
+        self.files.values().flat_map(|f| &f.objects.services)
+    }
+
+    /// All EndpointSlices of all files.
+    pub fn endpoint_slices(&self) -> impl Iterator<Item = &EndpointSlice> {
+        self.files.values().flat_map(|f| &f.objects.endpoint_slices)
     }
 
     /// All authorization policies of all files.

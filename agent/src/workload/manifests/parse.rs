@@ -1,5 +1,5 @@
-//! Parsing manifest files: multi-document YAML, `Pod`, `Namespace`,
-//! `AuthorizationPolicy` and `List` documents, and the checks the enrollment and
+//! Parsing manifest files: multi-document YAML, `Pod`, `Namespace`, `Service`,
+//! `EndpointSlice`, `AuthorizationPolicy` and `List` documents, and the checks the enrollment and
 //! the proxy rely on.
 
 use std::{
@@ -9,7 +9,10 @@ use std::{
     sync::Arc,
 };
 
-use k8s_openapi::api::core::v1::{Namespace, Pod};
+use k8s_openapi::api::{
+    core::v1::{Namespace, Pod, Service},
+    discovery::v1::EndpointSlice,
+};
 use serde_yaml_ng::Value;
 
 use crate::authz::{Policy, spec::AuthorizationPolicy};
@@ -45,6 +48,10 @@ pub struct Objects {
     pub namespaces: Vec<Namespace>,
     /// Authorization policies, compiled, in file order.
     pub policies: Vec<Arc<Policy>>,
+    /// Services, in file order.
+    pub services: Vec<Service>,
+    /// EndpointSlices, in file order.
+    pub endpoint_slices: Vec<EndpointSlice>,
 }
 
 /// Splits a YAML stream into documents at `---` lines; returns each document's
@@ -156,6 +163,24 @@ pub fn parse(file: &Path, text: &str) -> Result<Objects, ManifestError> {
                 check_namespace(&ns).map_err(|m| err(start, m))?;
                 objects.namespaces.push(ns);
             }
+            (Some("v1"), Some("Service")) => {
+                let service: Service = serde_yaml_ng::from_str(&doc).map_err(yaml_err)?;
+                check_service(&service).map_err(|m| err(start, m))?;
+                objects.services.push(service);
+            }
+            (Some("discovery.k8s.io/v1"), Some("EndpointSlice")) => {
+                let slice: EndpointSlice = serde_yaml_ng::from_str(&doc).map_err(yaml_err)?;
+                check_endpoint_slice(&slice).map_err(|m| err(start, m))?;
+                objects.endpoint_slices.push(slice);
+            }
+            (Some(version), Some("EndpointSlice")) => {
+                return Err(err(
+                    start,
+                    format!(
+                        "EndpointSlice has apiVersion {version:?}; podlink reads discovery.k8s.io/v1"
+                    ),
+                ));
+            }
             (Some("v1"), Some("List")) => {
                 let items = value
                     .get("items")
@@ -175,6 +200,18 @@ pub fn parse(file: &Path, text: &str) -> Result<Objects, ManifestError> {
                                 .map_err(|e| item_err(e.to_string()))?;
                             check_namespace(&ns).map_err(item_err)?;
                             objects.namespaces.push(ns);
+                        }
+                        Some("Service") => {
+                            let service: Service = serde_yaml_ng::from_value(item.clone())
+                                .map_err(|e| item_err(e.to_string()))?;
+                            check_service(&service).map_err(&item_err)?;
+                            objects.services.push(service);
+                        }
+                        Some("EndpointSlice") => {
+                            let slice: EndpointSlice = serde_yaml_ng::from_value(item.clone())
+                                .map_err(|e| item_err(e.to_string()))?;
+                            check_endpoint_slice(&slice).map_err(&item_err)?;
+                            objects.endpoint_slices.push(slice);
                         }
                         Some("AuthorizationPolicy") => {
                             let version = item.get("apiVersion").and_then(Value::as_str);
@@ -213,7 +250,7 @@ pub fn parse(file: &Path, text: &str) -> Result<Objects, ManifestError> {
                     ),
                 ));
             }
-            (Some(version), Some(kind @ ("Pod" | "Namespace" | "List"))) => {
+            (Some(version), Some(kind @ ("Pod" | "Namespace" | "Service" | "List"))) => {
                 return Err(err(
                     start,
                     format!("{kind} has apiVersion {version:?}; podlink reads apiVersion v1"),
@@ -251,6 +288,83 @@ fn check_namespace(ns: &Namespace) -> Result<(), String> {
     }
     if !is_dns1123_label(name) {
         return Err(format!("Namespace name {name:?} is not a DNS-1123 label"));
+    }
+    Ok(())
+}
+
+/// The object's `namespace/name`, checked as Kubernetes names.
+fn object_name(
+    kind: &str,
+    meta: &k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta,
+) -> Result<String, String> {
+    let name = meta.name.as_deref().unwrap_or("");
+    let namespace = meta.namespace.as_deref().unwrap_or("default");
+    let who = format!("{kind} {namespace}/{name}");
+    if name.is_empty() {
+        return Err(format!("{kind} has no metadata.name"));
+    }
+    if !is_dns1123_subdomain(name) {
+        return Err(format!("{who}: metadata.name is not a DNS-1123 subdomain"));
+    }
+    if !is_dns1123_label(namespace) {
+        return Err(format!("{who}: metadata.namespace is not a DNS-1123 label"));
+    }
+    Ok(who)
+}
+
+fn check_port(who: &str, field: &str, port: i32) -> Result<(), String> {
+    if (1..=65535).contains(&port) {
+        Ok(())
+    } else {
+        Err(format!(
+            "{who}: {field} {port} is not a port number (1-65535)"
+        ))
+    }
+}
+
+/// Checks what resolving a ClusterIP relies on: addresses and ports.
+fn check_service(service: &Service) -> Result<(), String> {
+    let who = object_name("Service", &service.metadata)?;
+    let Some(spec) = &service.spec else {
+        return Ok(());
+    };
+    let ips = spec
+        .cluster_ip
+        .iter()
+        .chain(spec.cluster_ips.iter().flatten());
+    for ip in ips {
+        if !ip.is_empty() && ip != "None" && ip.parse::<IpAddr>().is_err() {
+            return Err(format!(
+                "{who}: cluster IP {ip:?} is not an IP address (or None)"
+            ));
+        }
+    }
+    for (i, port) in spec.ports.iter().flatten().enumerate() {
+        check_port(&who, &format!("spec.ports[{i}].port"), port.port)?;
+        if let Some(k8s_openapi::apimachinery::pkg::util::intstr::IntOrString::Int(n)) =
+            &port.target_port
+        {
+            check_port(&who, &format!("spec.ports[{i}].targetPort"), *n)?;
+        }
+    }
+    Ok(())
+}
+
+fn check_endpoint_slice(slice: &EndpointSlice) -> Result<(), String> {
+    let who = object_name("EndpointSlice", &slice.metadata)?;
+    for (i, port) in slice.ports.iter().flatten().enumerate() {
+        if let Some(n) = port.port {
+            check_port(&who, &format!("ports[{i}].port"), n)?;
+        }
+    }
+    for (i, endpoint) in slice.endpoints.iter().flatten().enumerate() {
+        for address in &endpoint.addresses {
+            if slice.address_type != "FQDN" && address.parse::<IpAddr>().is_err() {
+                return Err(format!(
+                    "{who}: endpoints[{i}].addresses {address:?} is not an IP address"
+                ));
+            }
+        }
     }
     Ok(())
 }
@@ -427,6 +541,46 @@ mod tests {
                 err.message.contains("AuthorizationPolicy has apiVersion"),
                 "{err}"
             );
+        }
+    }
+
+    #[test]
+    fn services_and_endpoint_slices() {
+        let text = "apiVersion: v1\nkind: Service\nmetadata: {name: web, namespace: shop}\nspec:\n  clusterIP: 10.96.0.10\n  ports: [{name: http, port: 80, targetPort: http}]\n---\napiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\nmetadata: {name: web-1, namespace: shop, labels: {kubernetes.io/service-name: web}}\naddressType: IPv4\nports: [{name: http, port: 8080}]\nendpoints: [{addresses: [10.244.1.2]}]\n";
+        let objects = parse(Path::new("s.yaml"), text).unwrap();
+        assert_eq!(
+            (objects.services.len(), objects.endpoint_slices.len()),
+            (1, 1)
+        );
+        for (from, to, want) in [
+            (
+                "clusterIP: 10.96.0.10",
+                "clusterIP: 10.96.0.300",
+                "cluster IP \"10.96.0.300\" is not an IP address",
+            ),
+            (
+                "port: 80,",
+                "port: 0,",
+                "spec.ports[0].port 0 is not a port number",
+            ),
+            (
+                "port: 8080",
+                "port: 70000",
+                "ports[0].port 70000 is not a port number",
+            ),
+            (
+                "addresses: [10.244.1.2]",
+                "addresses: [pod-a]",
+                "endpoints[0].addresses \"pod-a\" is not an IP address",
+            ),
+            (
+                "discovery.k8s.io/v1",
+                "discovery.k8s.io/v1beta1",
+                "EndpointSlice has apiVersion",
+            ),
+        ] {
+            let err = parse(Path::new("s.yaml"), &text.replace(from, to)).unwrap_err();
+            assert!(err.message.contains(want), "{to}: {err}");
         }
     }
 

@@ -1,0 +1,245 @@
+//! Services: an enrolled client connects to a Service's ClusterIP (there is no
+//! kube-proxy in the test bed: only the proxy can resolve it). The proxy picks a
+//! ready endpoint, resolves the named target port through the EndpointSlice, and
+//! carries the connection over HBONE to endpoints on the other nodes; connections
+//! spread over the endpoints; removed, not ready and terminating endpoints get no
+//! new connections; a Service without ready endpoints, or without an
+//! EndpointSlice, resets the client at once.
+
+use std::{
+    io::{ErrorKind, Read},
+    net::{IpAddr, SocketAddr},
+    sync::{
+        Arc,
+        atomic::{AtomicBool, Ordering},
+    },
+    time::{Duration, Instant},
+};
+
+use podlink_tests::{Capture, Cluster, Pod, PodSpec, app, contains_bytes};
+
+const VIP: &str = "10.96.0.10:80";
+const LONELY: &str = "10.96.0.11:80";
+
+const SERVICE: &str = "apiVersion: v1
+kind: Service
+metadata: {name: web, namespace: shop}
+spec:
+  clusterIP: 10.96.0.10
+  ports:
+  - {name: http, port: 80, targetPort: http}
+---
+apiVersion: v1
+kind: Service
+metadata: {name: lonely, namespace: shop}
+spec:
+  clusterIP: 10.96.0.11
+  ports:
+  - {port: 80, targetPort: 8080}
+";
+
+/// The EndpointSlice of `web` with `endpoints` (address, conditions).
+fn slice(endpoints: &[(&Pod, &str)]) -> String {
+    let mut text = "apiVersion: discovery.k8s.io/v1
+kind: EndpointSlice
+metadata:
+  name: web-1
+  namespace: shop
+  labels: {kubernetes.io/service-name: web}
+addressType: IPv4
+ports:
+- {name: http, port: 8080, protocol: TCP}
+endpoints:
+"
+    .to_string();
+    for (pod, conditions) in endpoints {
+        text.push_str(&format!(
+            "- addresses: [\"{}\"]\n  conditions: {conditions}\n",
+            pod.ip
+        ));
+    }
+    text
+}
+
+const READY: &str = "{ready: true, serving: true, terminating: false}";
+
+fn vip() -> SocketAddr {
+    VIP.parse().unwrap()
+}
+
+/// Connections each endpoint accepted so far.
+fn accepted(servers: &[app::EchoServer]) -> Vec<usize> {
+    servers.iter().map(app::EchoServer::accepted).collect()
+}
+
+/// Makes `n` exchanges with the Service; each must succeed with the client's
+/// address kept.
+fn exchanges(c: &Cluster, client: &Pod, n: usize) {
+    for i in 0..n {
+        let payload = format!("service-payload-{i}-").repeat(20).into_bytes();
+        let ex = app::exchange(&client.netns, vip(), &payload).unwrap_or_else(|e| {
+            panic!(
+                "exchange {i} failed: {e}\nnode1:\n{}\nnode2:\n{}",
+                c.agent_log(0),
+                c.agent_log(1)
+            )
+        });
+        assert_eq!(ex.echoed, payload);
+        assert_eq!(ex.peer_seen.ip(), IpAddr::V4(client.ip));
+    }
+}
+
+/// Expects the proxy to reset a connection to `dst` at once (not leave it open).
+fn reset_at_once(client: &Pod, dst: SocketAddr) {
+    // The reset may even come before connect() returns.
+    let err = match app::connect(&client.netns, dst, Duration::from_secs(5)) {
+        Err(e) => e.kind(),
+        Ok(mut stream) => {
+            let mut buf = [0u8; 16];
+            match stream.read(&mut buf) {
+                Ok(0) => ErrorKind::UnexpectedEof,
+                Ok(n) => panic!("{n} bytes from a Service without endpoints"),
+                Err(e) => e.kind(),
+            }
+        }
+    };
+    // A hanging connection would end in the 20 s read timeout (WouldBlock).
+    assert!(
+        matches!(err, ErrorKind::ConnectionReset | ErrorKind::UnexpectedEof),
+        "{err:?}"
+    );
+}
+
+#[test]
+fn service_connections_go_to_ready_endpoints_over_hbone() {
+    // The client on node 1, the endpoints on nodes 2 and 3.
+    let mut c = Cluster::with_namespaces(3, &[("shop", true)]).unwrap();
+    let client = c.add_pod(PodSpec::new("client", "shop", 0)).unwrap();
+    let first = c
+        .add_pod(PodSpec::new("web-a", "shop", 1).label("app", "web"))
+        .unwrap();
+    let far1 = c
+        .add_pod(PodSpec::new("web-b", "shop", 1).label("app", "web"))
+        .unwrap();
+    let far2 = c
+        .add_pod(PodSpec::new("web-c", "shop", 2).label("app", "web"))
+        .unwrap();
+    c.write_manifest("service-web.yaml", SERVICE).unwrap();
+    c.write_manifest(
+        "slice-web.yaml",
+        &slice(&[(&first, READY), (&far1, READY), (&far2, READY)]),
+    )
+    .unwrap();
+    c.start_agents().unwrap();
+    c.wait_all_captured(&[&client, &first, &far1, &far2])
+        .unwrap();
+    let servers: Vec<app::EchoServer> = [&first, &far1, &far2]
+        .iter()
+        .map(|p| app::EchoServer::start(&p.netns, p.addr(8080)).unwrap())
+        .collect();
+
+    // Spread over the endpoints, over HBONE only.
+    let capture = Capture::start(&c.nodes[0].netns, "eth0", &c.dir, "underlay").unwrap();
+    exchanges(&c, &client, 30);
+    let (raw, lines) = capture.stop().unwrap();
+    let counts = accepted(&servers);
+    assert!(counts.iter().all(|&n| n > 0), "{counts:?}");
+    assert_eq!(counts.iter().sum::<usize>(), 30);
+    assert!(
+        !contains_bytes(&raw, b"service-payload"),
+        "plaintext on the underlay"
+    );
+    assert!(!lines.iter().any(|l| l.contains(".8080")), "{lines:#?}");
+    for endpoint in [&first, &far1, &far2] {
+        assert!(c.counters(endpoint).unwrap()["captured_inbound_hbone"] > 0);
+    }
+    let dump = c.config_dump(0).unwrap();
+    let web = dump["services"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|s| s["name"] == "web")
+        .unwrap_or_else(|| panic!("{dump:#}"));
+    assert_eq!(web["vip"], VIP);
+    assert_eq!(web["endpoints"].as_array().unwrap().len(), 3, "{dump:#}");
+    let metrics = c.metrics(0).unwrap().text;
+    assert!(
+        metrics.contains("destination_service=\"web.shop.svc.cluster.local\""),
+        "{metrics}"
+    );
+
+    // An endpoint removed while the client keeps connecting: no connection
+    // fails, and once the change is in, the removed one gets none.
+    let stop = Arc::new(AtomicBool::new(false));
+    let load = {
+        let (stop, netns) = (stop.clone(), client.netns.clone());
+        std::thread::spawn(move || {
+            let mut failures = Vec::new();
+            while !stop.load(Ordering::Relaxed) {
+                if let Err(e) = app::exchange(&netns, vip(), b"during") {
+                    failures.push(e.to_string());
+                }
+            }
+            failures
+        })
+    };
+    std::thread::sleep(Duration::from_millis(300));
+    c.write_manifest("slice-web.yaml", &slice(&[(&first, READY), (&far1, READY)]))
+        .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while c.config_dump(0).unwrap()["services"][1]["endpoints"]
+        .as_array()
+        .is_some_and(|e| e.len() == 3)
+    {
+        assert!(Instant::now() < deadline, "{}", c.agent_log(0));
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    std::thread::sleep(Duration::from_millis(300));
+    stop.store(true, Ordering::Relaxed);
+    let failures = load.join().unwrap();
+    assert!(failures.is_empty(), "{failures:?}");
+    let before = accepted(&servers);
+    exchanges(&c, &client, 20);
+    let after = accepted(&servers);
+    assert_eq!(after[2], before[2], "the removed endpoint got connections");
+
+    // Not ready and terminating endpoints get no new connections.
+    c.write_manifest(
+        "slice-web.yaml",
+        &slice(&[
+            (&first, "{ready: false}"),
+            (&far1, "{ready: true, serving: true, terminating: true}"),
+            (&far2, READY),
+        ]),
+    )
+    .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        let before = accepted(&servers);
+        exchanges(&c, &client, 10);
+        let after = accepted(&servers);
+        if after[0] == before[0] && after[1] == before[1] {
+            assert_eq!(after[2], before[2] + 10);
+            break;
+        }
+        assert!(Instant::now() < deadline, "{}", c.agent_log(0));
+    }
+
+    // No ready endpoint: reset at once, with a clear log line.
+    c.write_manifest("slice-web.yaml", &slice(&[(&first, "{ready: false}")]))
+        .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while !c
+        .agent_log(0)
+        .contains("service shop/web has no ready endpoint")
+    {
+        assert!(Instant::now() < deadline, "{}", c.agent_log(0));
+        let _ = app::exchange(&client.netns, vip(), b"x");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    reset_at_once(&client, vip());
+    // A Service without an EndpointSlice: the same, saying so.
+    reset_at_once(&client, LONELY.parse().unwrap());
+    c.wait_log(0, &["service shop/lonely has no EndpointSlice yet"])
+        .unwrap();
+}
