@@ -90,6 +90,25 @@ pub enum HboneError {
     },
 }
 
+impl HboneError {
+    /// Whether the peer reset the connection before the tunnel opened (its agent
+    /// stopping with connections still in its listener's queue, or going away
+    /// during the handshakes): nothing was processed, so a new dial may be made.
+    pub fn peer_restarting(&self) -> bool {
+        use std::io::ErrorKind::{ConnectionAborted, ConnectionReset, UnexpectedEof};
+        match self {
+            HboneError::Connect { source, .. } | HboneError::Tls { source, .. } => {
+                matches!(
+                    source.kind(),
+                    ConnectionReset | ConnectionAborted | UnexpectedEof
+                )
+            }
+            HboneError::H2 { source, .. } => source.is_io() || source.is_go_away(),
+            HboneError::Identity(_) | HboneError::Status { .. } => false,
+        }
+    }
+}
+
 struct Connection {
     sender: SendRequest<Bytes>,
     closed: Arc<AtomicBool>,
@@ -132,8 +151,11 @@ impl Pool {
             source,
         };
         // A pooled connection may be dying (closed, or going away after a GOAWAY):
-        // the request was then not processed, so it is retried once on a new one.
-        let mut attempts = 2;
+        // the request was then not processed, so it is retried on a new one. Twice:
+        // a peer that is draining may accept the first new connection from its
+        // backlog and send it away too; the next one waits (SYN retry) for the
+        // peer's next agent.
+        let mut attempts = 3;
         loop {
             attempts -= 1;
             let (sender, closed) = {
@@ -144,7 +166,17 @@ impl Pool {
                         (conn.sender.clone(), conn.closed.clone())
                     }
                     _ => {
-                        let conn = Self::dial(key, certs, mark).await?;
+                        let conn = match Self::dial(key, certs, mark).await {
+                            Ok(conn) => conn,
+                            // A peer whose agent is stopping resets the
+                            // connections left in its listener's queue: the next
+                            // dial waits (SYN retry) for its next agent.
+                            Err(e) if attempts > 0 && e.peer_restarting() => {
+                                tracing::debug!(dst = %key.dst, "HBONE dial reset ({e}); dialling again");
+                                continue;
+                            }
+                            Err(e) => return Err(e),
+                        };
                         let pair = (conn.sender.clone(), conn.closed.clone());
                         *guard = Some(conn);
                         pair
