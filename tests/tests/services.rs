@@ -4,7 +4,8 @@
 //! carries the connection over HBONE to endpoints on the other nodes; connections
 //! spread over the endpoints; removed, not ready and terminating endpoints get no
 //! new connections; a Service without ready endpoints, or without an
-//! EndpointSlice, resets the client at once.
+//! EndpointSlice, resets the client at once; an endpoint outside the mesh is
+//! reached in plain TCP.
 
 use std::{
     io::{ErrorKind, Read},
@@ -110,10 +111,22 @@ fn reset_at_once(client: &Pod, dst: SocketAddr) {
     );
 }
 
+/// How many endpoints node 1's agent knows for `shop/web`.
+fn web_endpoints(c: &Cluster) -> usize {
+    let dump = c.config_dump(0).unwrap();
+    dump["services"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .find(|s| s["namespace"] == "shop" && s["name"] == "web")
+        .and_then(|s| s["endpoints"].as_array())
+        .map_or(0, Vec::len)
+}
+
 #[test]
 fn service_connections_go_to_ready_endpoints_over_hbone() {
     // The client on node 1, the endpoints on nodes 2 and 3.
-    let mut c = Cluster::with_namespaces(3, &[("shop", true)]).unwrap();
+    let mut c = Cluster::with_namespaces(3, &[("shop", true), ("legacy", false)]).unwrap();
     let client = c.add_pod(PodSpec::new("client", "shop", 0)).unwrap();
     let first = c
         .add_pod(PodSpec::new("web-a", "shop", 1).label("app", "web"))
@@ -124,7 +137,30 @@ fn service_connections_go_to_ready_endpoints_over_hbone() {
     let far2 = c
         .add_pod(PodSpec::new("web-c", "shop", 2).label("app", "web"))
         .unwrap();
+    // An endpoint outside the mesh: reached in plain TCP.
+    let legacy = c.add_pod(PodSpec::new("old", "legacy", 2)).unwrap();
     c.write_manifest("service-web.yaml", SERVICE).unwrap();
+    c.write_manifest(
+        "service-old.yaml",
+        &format!(
+            "apiVersion: v1
+kind: Service
+metadata: {{name: old, namespace: legacy}}
+spec:
+  clusterIP: 10.96.0.12
+  ports: [{{port: 80, targetPort: 8080}}]
+---
+apiVersion: discovery.k8s.io/v1
+kind: EndpointSlice
+metadata: {{name: old-1, namespace: legacy, labels: {{kubernetes.io/service-name: old}}}}
+addressType: IPv4
+ports: [{{port: 8080}}]
+endpoints: [{{addresses: [\"{}\"]}}]
+",
+            legacy.ip
+        ),
+    )
+    .unwrap();
     c.write_manifest(
         "slice-web.yaml",
         &slice(&[(&first, READY), (&far1, READY), (&far2, READY)]),
@@ -168,6 +204,14 @@ fn service_connections_go_to_ready_endpoints_over_hbone() {
         "{metrics}"
     );
 
+    let old = app::EchoServer::start(&legacy.netns, legacy.addr(8080)).unwrap();
+    let ex = app::exchange(&client.netns, "10.96.0.12:80".parse().unwrap(), b"legacy").unwrap();
+    assert_eq!(
+        (ex.echoed.as_slice(), ex.peer_seen.ip()),
+        (&b"legacy"[..], IpAddr::V4(client.ip))
+    );
+    assert_eq!(old.accepted(), 1);
+
     // An endpoint removed while the client keeps connecting: no connection
     // fails, and once the change is in, the removed one gets none.
     let stop = Arc::new(AtomicBool::new(false));
@@ -187,10 +231,7 @@ fn service_connections_go_to_ready_endpoints_over_hbone() {
     c.write_manifest("slice-web.yaml", &slice(&[(&first, READY), (&far1, READY)]))
         .unwrap();
     let deadline = Instant::now() + Duration::from_secs(20);
-    while c.config_dump(0).unwrap()["services"][1]["endpoints"]
-        .as_array()
-        .is_some_and(|e| e.len() == 3)
-    {
+    while web_endpoints(&c) != 2 {
         assert!(Instant::now() < deadline, "{}", c.agent_log(0));
         std::thread::sleep(Duration::from_millis(50));
     }
