@@ -127,7 +127,7 @@ struct AgentArgs {
     #[arg(long, default_value = DEFAULT_CLUSTER_ID)]
     cluster_id: String,
     /// Where maps and links are pinned (on a bpffs; one is mounted if needed),
-    /// under v<layout version>/. Locked while the agent runs.
+    /// under vN/, N being the layout version. Locked while the agent runs.
     #[arg(long, default_value = DEFAULT_PIN_DIR)]
     pin_dir: PathBuf,
     /// Where the original values of the sysctls the agent changes are recorded
