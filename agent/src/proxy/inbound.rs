@@ -51,6 +51,8 @@ pub async fn handle(state: Arc<ProxyState>, tcp: TcpStream, peer: SocketAddr, lo
     // Until the handshakes succeed, a close is a RST: a refused or silent client
     // leaves no TIME_WAIT socket behind to collide with its next connection.
     socket::reset_on_close(&tcp);
+    // A second descriptor of the socket, for the lingering close at the end.
+    let lingering = socket2::SockRef::from(&tcp).try_clone().ok();
     let failed = |kind| state.metrics.failed(Direction::Inbound, kind);
     let Some(destination) = state.view().local_pod(local.ip()).cloned() else {
         tracing::info!(%peer, %local, "HBONE connection to an address that is not an enrolled pod of this node; closed");
@@ -166,6 +168,40 @@ pub async fn handle(state: Arc<ProxyState>, tcp: TcpStream, peer: SocketAddr, lo
     // No more streams (the client sent GOAWAY, or idled out): drive the connection
     // until the open ones finish.
     let _ = std::future::poll_fn(|cx| conn.poll_closed(cx)).await;
+    drop(conn);
+    if let Some(socket) = lingering {
+        lingering_close(socket).await;
+    }
+}
+
+/// How long a closed HBONE connection waits for the client's end.
+const LINGER: Duration = Duration::from_secs(2);
+
+/// Closes an HBONE connection whose streams are all done without losing what the
+/// client has not read yet: a plain close would answer the client's late frames
+/// (window updates after the last data) with a RST, which makes its kernel
+/// discard the last response bytes it holds. Sends FIN, then reads and drops
+/// until the client closes too, for at most [`LINGER`] ("lingering close", as
+/// HTTP servers do).
+async fn lingering_close(socket: socket2::Socket) {
+    use tokio::io::AsyncReadExt;
+    let _ = socket.shutdown(std::net::Shutdown::Write);
+    let std: std::net::TcpStream = socket.into();
+    if std.set_nonblocking(true).is_err() {
+        return;
+    }
+    let Ok(mut tcp) = TcpStream::from_std(std) else {
+        return;
+    };
+    let mut buf = [0u8; 4096];
+    let _ = tokio::time::timeout(LINGER, async {
+        while let Ok(n) = tcp.read(&mut buf).await {
+            if n == 0 {
+                break;
+            }
+        }
+    })
+    .await;
 }
 
 /// Counts a stream as active while it lives.
