@@ -160,14 +160,7 @@ pub fn config_dump(state: &ProxyState) -> Value {
         .map(|(k, v)| (k, json!(v)))
         .collect();
     // This node's enrolled workload identities and their certificates.
-    let mut identities: Vec<_> = view
-        .workloads
-        .workloads()
-        .filter(|w| w.ips.iter().any(|ip| view.local_pod(*ip).is_some()))
-        .map(|w| w.identity.clone())
-        .collect();
-    identities.sort();
-    identities.dedup();
+    let identities = view.local_identities();
     let certificates: Vec<Value> = identities
         .iter()
         .map(|id| {

@@ -222,6 +222,41 @@ pub struct PodCounters {
 }
 
 impl PodCounters {
+    /// Adds `other` to these counters, field by field (summing the per-CPU values
+    /// of one pod). Adding a field without adding it here fails to compile.
+    pub fn add(&mut self, other: &PodCounters) {
+        let PodCounters {
+            captured_outbound,
+            captured_inbound_hbone,
+            captured_inbound_plaintext,
+            assigned_established,
+            bounced,
+            passed,
+            dropped_no_listener,
+            dropped_bounce_miss,
+            dropped_assign_failed,
+            dropped_fragment,
+            dropped_unparsable,
+            dropped_ipv6,
+            dropped_flow_gone,
+            dropped_spoofed,
+        } = *other;
+        self.captured_outbound += captured_outbound;
+        self.captured_inbound_hbone += captured_inbound_hbone;
+        self.captured_inbound_plaintext += captured_inbound_plaintext;
+        self.assigned_established += assigned_established;
+        self.bounced += bounced;
+        self.passed += passed;
+        self.dropped_no_listener += dropped_no_listener;
+        self.dropped_bounce_miss += dropped_bounce_miss;
+        self.dropped_assign_failed += dropped_assign_failed;
+        self.dropped_fragment += dropped_fragment;
+        self.dropped_unparsable += dropped_unparsable;
+        self.dropped_ipv6 += dropped_ipv6;
+        self.dropped_flow_gone += dropped_flow_gone;
+        self.dropped_spoofed += dropped_spoofed;
+    }
+
     /// Every counter with its field name (as `bpftool` prints it from BTF), in
     /// declaration order. Adding a field without naming it here fails to compile.
     pub const fn named(&self) -> [(&'static str, u64); 14] {

@@ -141,13 +141,10 @@ fn pod_report(ifindex: u32, info: &PodInfo, interface: Option<String>) -> PodRep
 
 /// Sums per-CPU counters, named.
 fn summed(per_cpu: &[PodCounters]) -> serde_json::Map<String, serde_json::Value> {
-    let mut totals = PodCounters::default().named();
-    for cpu in per_cpu {
-        for (total, (_, value)) in totals.iter_mut().zip(cpu.named()) {
-            total.1 += value;
-        }
-    }
-    totals
+    let mut total = PodCounters::default();
+    per_cpu.iter().for_each(|cpu| total.add(cpu));
+    total
+        .named()
         .into_iter()
         .map(|(name, value)| (name.to_string(), value.into()))
         .collect()

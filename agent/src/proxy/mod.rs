@@ -87,6 +87,20 @@ impl View {
             .filter(|_| self.captured.contains(&ip))
     }
 
+    /// The identities of this node's captured pods, sorted, each once (the
+    /// certificates the config dump and the metrics report).
+    pub fn local_identities(&self) -> Vec<crate::identity::SpiffeId> {
+        let mut ids: Vec<_> = self
+            .workloads
+            .workloads()
+            .filter(|w| w.ips.iter().any(|ip| self.local_pod(*ip).is_some()))
+            .map(|w| w.identity.clone())
+            .collect();
+        ids.sort();
+        ids.dedup();
+        ids
+    }
+
     /// Checks `req` against the policies that apply to its destination, an
     /// enrolled pod of this node (denied when it is not one any more). AUDIT
     /// policies that match are logged when `audit` is set.

@@ -54,7 +54,7 @@ fn pod_totals(maps: &DataplaneMaps) -> Vec<(Option<Ipv4Addr>, PodCounters)> {
         };
         let mut sum = PodCounters::default();
         for c in per_cpu.iter() {
-            add_counters(&mut sum, c);
+            sum.add(c);
         }
         let ipv4 = maps
             .pods
@@ -65,23 +65,6 @@ fn pod_totals(maps: &DataplaneMaps) -> Vec<(Option<Ipv4Addr>, PodCounters)> {
         totals.push((ipv4, sum));
     }
     totals
-}
-
-fn add_counters(sum: &mut PodCounters, c: &PodCounters) {
-    sum.captured_outbound += c.captured_outbound;
-    sum.captured_inbound_hbone += c.captured_inbound_hbone;
-    sum.captured_inbound_plaintext += c.captured_inbound_plaintext;
-    sum.assigned_established += c.assigned_established;
-    sum.bounced += c.bounced;
-    sum.passed += c.passed;
-    sum.dropped_no_listener += c.dropped_no_listener;
-    sum.dropped_bounce_miss += c.dropped_bounce_miss;
-    sum.dropped_assign_failed += c.dropped_assign_failed;
-    sum.dropped_fragment += c.dropped_fragment;
-    sum.dropped_unparsable += c.dropped_unparsable;
-    sum.dropped_ipv6 += c.dropped_ipv6;
-    sum.dropped_flow_gone += c.dropped_flow_gone;
-    sum.dropped_spoofed += c.dropped_spoofed;
 }
 
 /// The drop reasons of [`PodCounters`]: the `reason` label and the count.
@@ -205,14 +188,7 @@ pub fn encode(state: &ProxyState, maps: Option<&Mutex<DataplaneMaps>>) -> String
     }
 
     let expiry = Family::<IdentityLabels, Gauge>::default();
-    let mut identities: Vec<_> = view
-        .workloads
-        .workloads()
-        .filter(|w| w.ips.iter().any(|ip| view.local_pod(*ip).is_some()))
-        .map(|w| w.identity.clone())
-        .collect();
-    identities.sort();
-    identities.dedup();
+    let identities = view.local_identities();
     for id in identities {
         if let Some(cert) = state.certs.cached(&id) {
             let secs = cert
@@ -274,8 +250,8 @@ mod tests {
         let total: u64 = drop_reasons(&c).iter().map(|(_, n)| n).sum();
         assert_eq!(total, 36);
         let mut sum = PodCounters::default();
-        add_counters(&mut sum, &c);
-        add_counters(&mut sum, &c);
+        sum.add(&c);
+        sum.add(&c);
         assert_eq!(sum.dropped_spoofed, 16);
     }
 }
