@@ -118,9 +118,9 @@ fn raise_nofile_limit() -> u64 {
 const PENDING_RETRY_MIN: Duration = Duration::from_millis(200);
 const PENDING_RETRY_MAX: Duration = Duration::from_secs(5);
 
-/// Runs the agent until SIGTERM or SIGINT, then drains: the listeners close (new
-/// connections of enrolled pods are dropped by the programs: fail closed), the
-/// agent stops being ready, and open connections go on until they end or
+/// Runs the agent until SIGTERM or SIGINT, then drains: the programs stop handing
+/// new connections of enrolled pods to the proxy (they drop them: fail closed),
+/// the listeners accept what is queued and close, the agent stops being ready, and open connections go on until they end or
 /// `drain_grace` has passed (a second signal ends the wait), then it returns.
 /// Pinned links and maps stay in place on exit: enrolled pods stay captured (fail
 /// closed) until an agent is back.
@@ -300,6 +300,13 @@ pub async fn run(cfg: AgentConfig) -> Result<()> {
         }
     }
     readiness.set(false);
+    // First stop the programs from handing the listeners new connections, so
+    // that the listeners can finish the handshakes under way before they close.
+    if let Err(e) = reconciler.dataplane.set_draining() {
+        tracing::warn!(
+            "could not mark the proxy draining in the config map ({e:#}); connections queued on the listeners may be reset"
+        );
+    }
     drain(&state, cfg.drain_grace, (&mut sigterm, &mut sigint)).await;
     tracing::info!(
         "stopping; links and maps stay pinned, enrolled pods fail closed until an agent is back"
@@ -328,13 +335,13 @@ async fn drain(
     tracing::info!(
         open_connections = open,
         grace = %humantime::format_duration(grace),
-        "draining: listeners closed (enrolled pods' new connections fail closed), open connections go on for the grace period"
+        "draining: enrolled pods' new connections fail closed, the listeners close once the handshakes under way are accepted, open connections go on for the grace period"
     );
     let deadline = tokio::time::Instant::now() + grace;
     let mut tick = tokio::time::interval(Duration::from_millis(100));
     loop {
         let open = state.open_connections();
-        if open == 0 {
+        if open == 0 && state.listeners_open() == 0 {
             tracing::info!("drained: no connection open");
             return;
         }

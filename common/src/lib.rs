@@ -111,6 +111,13 @@ pub struct PodInfo {
 /// uncaptured instead of dropping it (fail open). Off by default: fail closed.
 pub const CONFIG_FAIL_OPEN: u32 = 1 << 0;
 
+/// [`Config::flags`]: the proxy is draining. New connections of enrolled pods are
+/// handled as if its listeners were gone (dropped, or passed under
+/// [`CONFIG_FAIL_OPEN`]) while the listeners still accept the handshakes already
+/// under way, so that closing them resets no connection. The next agent clears it
+/// when it writes the config map.
+pub const CONFIG_DRAINING: u32 = 1 << 1;
+
 /// Value of the config map (one entry, index 0). Written by the agent at start.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]

@@ -23,7 +23,7 @@ use aya_ebpf::{
     macros::classifier,
     programs::TcContext,
 };
-use podlink_common::{CONFIG_FAIL_OPEN, Config, PodCounters, PodInfo};
+use podlink_common::{CONFIG_DRAINING, CONFIG_FAIL_OPEN, Config, PodCounters, PodInfo};
 
 use crate::{
     maps::{count, is_excluded, is_node_addr},
@@ -159,7 +159,14 @@ fn from_pod_tcp4(
         }
         cfg.outbound_port
     };
-    let Some(sk) = socket::lookup_listener(ctx, pkt, listener_port) else {
+    // A draining proxy takes no new connection: its listeners only finish the
+    // handshakes under way before they close.
+    let listener = if cfg.flags & CONFIG_DRAINING != 0 {
+        None
+    } else {
+        socket::lookup_listener(ctx, pkt, listener_port)
+    };
+    let Some(sk) = listener else {
         if cfg.flags & CONFIG_FAIL_OPEN != 0 && !bounced {
             count(counters, |c| &mut c.passed);
             return PASS;

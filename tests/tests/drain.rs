@@ -23,7 +23,7 @@ fn sigterm_drains_open_connections_then_exits_leaving_the_pins() {
     let drops_before = c.counters(&client).unwrap()["dropped_no_listener"];
 
     c.signal_agent(0, libc::SIGTERM).unwrap();
-    c.wait_log(0, &["draining: listeners closed"]).unwrap();
+    c.wait_log(0, &["outbound listener closed"]).unwrap();
     assert_eq!(c.readiness(0).unwrap(), 503);
     // The open connection keeps working while the agent drains.
     assert_eq!(

@@ -13,9 +13,9 @@ use aya::{
     programs::{SchedClassifier, TestRun, TestRunOptions},
 };
 use podlink_common::{
-    CONFIG_FAIL_OPEN, Config, FlowKey, MAP_CAPTURED_FLOWS, MAP_CONFIG, MAP_COUNTERS,
-    MAP_EXCLUDED_PORTS, MAP_PODS, OUTBOUND_PORT, POD_ENROLLED, POD_HAS_IPV4, PROXY_MARK,
-    PodCounters, PodInfo, ipv4_mapped,
+    CONFIG_DRAINING, CONFIG_FAIL_OPEN, Config, FlowKey, MAP_CAPTURED_FLOWS, MAP_CONFIG,
+    MAP_COUNTERS, MAP_EXCLUDED_PORTS, MAP_PODS, OUTBOUND_PORT, POD_ENROLLED, POD_HAS_IPV4,
+    PROXY_MARK, PodCounters, PodInfo, ipv4_mapped,
 };
 use podlink_tests::netns;
 
@@ -114,11 +114,16 @@ impl Programs {
         Self { ebpf }
     }
 
-    fn set_fail_open(&mut self) {
+    /// Sets (`on`) or clears the config map's `flag`.
+    fn set_flag(&mut self, flag: u32, on: bool) {
         let mut config: Array<&mut MapData, Config> =
             Array::try_from(self.ebpf.map_mut(MAP_CONFIG).unwrap()).unwrap();
         let mut c = config.get(&0, 0).unwrap();
-        c.flags |= CONFIG_FAIL_OPEN;
+        if on {
+            c.flags |= flag;
+        } else {
+            c.flags &= !flag;
+        }
         config.set(0, c, 0).unwrap();
     }
 
@@ -277,6 +282,19 @@ fn decisions_on_crafted_packets() {
             p.counters().dropped_no_listener,
             before.dropped_no_listener + 1
         );
+        // A draining proxy: the listener is still there, but a new connection is
+        // dropped as if it were not (fail closed), and only a new one.
+        p.set_flag(CONFIG_DRAINING, true);
+        assert_eq!(p.run("from_pod", &tcp(POD, PEER, 1003, 80, SYN), 0), DROP);
+        assert_eq!(
+            p.counters().dropped_no_listener,
+            before.dropped_no_listener + 2
+        );
+        assert_eq!(
+            p.counters().dropped_assign_failed,
+            before.dropped_assign_failed + 1
+        );
+        p.set_flag(CONFIG_DRAINING, false);
 
         // to_pod: the proxy's marked packets, the node's own and pre-enrollment
         // flows pass; new connections are bounced to ingress.
@@ -320,7 +338,7 @@ fn decisions_on_crafted_packets() {
         // Fail open (a flag, off by default): with no listener, an outbound SYN
         // passes; an inbound one is still dropped.
         drop(_outbound);
-        p.set_fail_open();
+        p.set_flag(CONFIG_FAIL_OPEN, true);
         assert_eq!(p.run("from_pod", &tcp(POD, PEER, 1002, 80, SYN), 0), PASS);
         assert_eq!(p.run("from_pod", &tcp(PEER, POD, 1002, 80, SYN), 0), DROP);
     });

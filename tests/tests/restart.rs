@@ -35,19 +35,15 @@ fn exchange(netns: &str, dst: SocketAddr, payload: &[u8]) -> std::io::Result<()>
     Ok(())
 }
 
-/// About one run in seven, a connection in flight when an agent drains is reset
-/// (see the README's "Not yet"); until that race is found this runs only on
-/// request: `cargo xtask build && PODLINK_BIN=target/release/podlink cargo test
-/// --release -p podlink-tests --test restart -- --ignored` (as root).
+/// Restarting the client's node: its outbound listener must not reset the
+/// connections queued on it when it closes.
 #[test]
-#[ignore = "known race: a connection in flight when an agent drains is sometimes reset"]
 fn restarting_the_client_nodes_agent_under_load_loses_nothing() {
     restart_under_load(&[0]);
 }
 
 /// As above, restarting the server's node.
 #[test]
-#[ignore = "known race: a connection in flight when an agent drains is sometimes reset"]
 fn restarting_the_server_nodes_agent_under_load_loses_nothing() {
     restart_under_load(&[1]);
 }

@@ -52,9 +52,9 @@ use aya::{
 };
 use nix::fcntl::Flock;
 use podlink_common::{
-    CidrKey, Config, LINKS_DIR, MAP_CONFIG, MAP_COUNTERS, MAP_EXCLUDED_CIDRS, MAP_EXCLUDED_PORTS,
-    MAP_NAMES, MAP_PODS, MAX_NODE_ADDRS, POD_ENROLLED, POD_HAS_IPV4, PROG_FROM_POD, PROG_TO_POD,
-    PodCounters, PodInfo, ipv4_mapped,
+    CONFIG_DRAINING, CidrKey, Config, LINKS_DIR, MAP_CONFIG, MAP_COUNTERS, MAP_EXCLUDED_CIDRS,
+    MAP_EXCLUDED_PORTS, MAP_NAMES, MAP_PODS, MAX_NODE_ADDRS, POD_ENROLLED, POD_HAS_IPV4,
+    PROG_FROM_POD, PROG_TO_POD, PodCounters, PodInfo, ipv4_mapped,
 };
 
 /// The pin directory by default (on the host's bpffs).
@@ -485,6 +485,24 @@ impl Dataplane {
             }
         }
         failures
+    }
+
+    /// Marks the proxy as draining in the config map ([`CONFIG_DRAINING`]): from
+    /// now on the programs hand no new connection to the listeners, which may then
+    /// accept what is queued and close without resetting anything.
+    ///
+    /// # Errors
+    /// A failed map update.
+    pub fn set_draining(&mut self) -> Result<()> {
+        let config = Config {
+            flags: self.config.flags | CONFIG_DRAINING,
+            ..self.config
+        };
+        self.config_map
+            .set(0, config, 0)
+            .context("writing the config map")?;
+        self.config = config;
+        Ok(())
     }
 
     /// Writes the node's addresses into the config map if they changed.

@@ -156,6 +156,8 @@ pub struct ProxyState {
     /// Set once the agent drains: the listeners close, inbound HBONE connections
     /// are sent GOAWAY.
     draining: watch::Sender<bool>,
+    /// Listeners not yet closed.
+    listeners_open: std::sync::atomic::AtomicUsize,
     /// One permit per accepted connection and per inbound HBONE stream (each
     /// holds a socket or two): bounds the file descriptors clients can make the
     /// proxy hold.
@@ -212,6 +214,7 @@ impl ProxyState {
             metrics: Arc::new(Metrics::new(&config.cluster_id)),
             view: watch::Sender::new(View::default()),
             draining: watch::Sender::new(false),
+            listeners_open: Default::default(),
             connections: Arc::new(Semaphore::new(config.max_connections)),
             denials: Default::default(),
             endpoint_load: Default::default(),
@@ -244,6 +247,12 @@ impl ProxyState {
         let mut rx = self.draining.subscribe();
         // The sender lives as long as `self`.
         let _ = rx.wait_for(|draining| *draining).await;
+    }
+
+    /// Listeners still open: 0 once a draining proxy has closed them all.
+    pub fn listeners_open(&self) -> usize {
+        self.listeners_open
+            .load(std::sync::atomic::Ordering::Relaxed)
     }
 
     /// Connections open now: accepted downstream connections (inbound HBONE
@@ -447,10 +456,21 @@ pub async fn serve(state: Arc<ProxyState>, listeners: Listeners) {
     );
 }
 
+/// How long a draining listener goes on accepting after its last connection:
+/// the handshakes the programs handed it before they stopped ([`CONFIG_DRAINING`])
+/// complete within a round trip.
+///
+/// [`CONFIG_DRAINING`]: podlink_common::CONFIG_DRAINING
+const DRAIN_QUIET: Duration = Duration::from_millis(250);
+/// The longest a draining listener stays open.
+const DRAIN_ACCEPT_MAX: Duration = Duration::from_secs(2);
+
 /// Accepts connections on `listener` and hands each to `handle`, until the proxy
-/// drains: the listener is then closed, so the kernel stops completing
-/// handshakes for it (the programs find no listener and drop new connections of
-/// enrolled pods: fail closed).
+/// drains. The agent has then stopped the programs from handing it new
+/// connections (enrolled pods' new connections fail closed); the listener goes
+/// on accepting the handshakes already under way until none came for
+/// [`DRAIN_QUIET`], then closes. Closing it earlier would reset the connections
+/// waiting in its queue.
 async fn accept_loop<F, Fut>(
     (name, direction): (&'static str, Direction),
     listener: TcpListener,
@@ -460,15 +480,28 @@ async fn accept_loop<F, Fut>(
     F: Fn(Arc<ProxyState>, tokio::net::TcpStream, SocketAddr, SocketAddr) -> Fut,
     Fut: std::future::Future<Output = ()> + Send + 'static,
 {
+    state
+        .listeners_open
+        .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     let accept_failed = RateLimited::default();
     let over_limit = RateLimited::default();
+    let mut close_by = None;
     loop {
-        let accepted = tokio::select! {
-            accepted = listener.accept() => accepted,
-            () = state.draining() => {
-                drop(listener);
-                tracing::info!("{name} listener closed");
-                return;
+        let accepted = match close_by {
+            None => tokio::select! {
+                accepted = listener.accept() => accepted,
+                () = state.draining() => {
+                    close_by = Some(tokio::time::Instant::now() + DRAIN_ACCEPT_MAX);
+                    continue;
+                }
+            },
+            Some(close_by) => {
+                let quiet = tokio::time::sleep(DRAIN_QUIET);
+                tokio::select! {
+                    accepted = listener.accept() => accepted,
+                    () = quiet => break,
+                    () = tokio::time::sleep_until(close_by) => break,
+                }
             }
         };
         let (stream, peer) = match accepted {
@@ -500,4 +533,9 @@ async fn accept_loop<F, Fut>(
             drop(permit);
         });
     }
+    drop(listener);
+    state
+        .listeners_open
+        .fetch_sub(1, std::sync::atomic::Ordering::Relaxed);
+    tracing::info!("{name} listener closed");
 }
