@@ -223,13 +223,16 @@ pub async fn run(cfg: AgentConfig) -> Result<()> {
         }
     });
 
-    let mut source = ManifestDir::new(&cfg.manifests).with_context(|| {
-        format!(
-            "reading the manifests directory {}",
-            cfg.manifests.display()
-        )
-    })?;
-    let (_watcher, mut events) = manifests::watch(&cfg.manifests)
+    let completions = manifests::Completions::default();
+    let mut source = ManifestDir::new(&cfg.manifests)
+        .with_context(|| {
+            format!(
+                "reading the manifests directory {}",
+                cfg.manifests.display()
+            )
+        })?
+        .with_completions(completions.clone());
+    let (_watcher, mut events) = manifests::watch(&cfg.manifests, completions)
         .with_context(|| format!("watching {}", cfg.manifests.display()))?;
     let mut reconciler = Reconciler {
         node: cfg.node.clone(),
@@ -276,9 +279,18 @@ pub async fn run(cfg: AgentConfig) -> Result<()> {
         };
         let mut resync = false;
         tokio::select! {
-            Some(()) = events.recv() => {
-                tokio::time::sleep(manifests::DEBOUNCE).await;
-                while events.try_recv().is_ok() {}
+            Some(complete) = events.recv() => {
+                // A file closed after writing or renamed into place is read at
+                // once; other changes wait for the writer's next steps (and, in
+                // the source, to settle).
+                let mut complete = complete;
+                while let Ok(next) = events.try_recv() {
+                    complete |= next;
+                }
+                if !complete {
+                    tokio::time::sleep(manifests::DEBOUNCE).await;
+                    while events.try_recv().is_ok() {}
+                }
             }
             () = tokio::time::sleep(wait) => resync = true,
             _ = sigterm.recv() => break,

@@ -9,7 +9,8 @@
 //! parse is reported with its path, the line and what is wrong; the objects it held
 //! before keep being used until it is fixed. A changed (or removed) file is applied
 //! once it has stayed the same for [`SETTLE`], so a file rewritten in place is not
-//! read half-written; files that cannot be read (a dangling symlink, a FIFO, more
+//! read half-written, unless inotify reported the change complete (closed after
+//! writing, or renamed into place: [`Completions`]), which is read at once; files that cannot be read (a dangling symlink, a FIFO, more
 //! than [`MAX_FILE_SIZE`]) are reported and keep their last objects.
 //!
 //! Files are re-read only when their size, modification time or inode changed, so a
@@ -115,6 +116,50 @@ pub struct ManifestDir {
     pending: BTreeMap<PathBuf, Pending>,
     settle: Duration,
     scanned: bool,
+    /// What inotify says of the files' last changes, when watched.
+    completions: Option<Completions>,
+}
+
+/// Files whose last change inotify reported complete: closed after writing
+/// (`IN_CLOSE_WRITE`) or renamed into place (`IN_MOVED_TO`), and not opened for
+/// writing since (see inotify(7)). Such a change is read at once, without
+/// waiting for [`SETTLE`]. Filled by [`watch`].
+#[derive(Clone, Debug, Default)]
+pub struct Completions(Arc<std::sync::Mutex<HashMap<PathBuf, bool>>>);
+
+impl Completions {
+    fn is_complete(&self, path: &Path) -> bool {
+        self.0
+            .lock()
+            .expect("completions lock")
+            .get(path)
+            .copied()
+            .unwrap_or(false)
+    }
+
+    /// Records an inotify event; returns whether it completes a change.
+    fn record(&self, event: &notify::Event) -> bool {
+        use notify::event::{AccessKind, AccessMode, EventKind, ModifyKind, RenameMode};
+        let complete = match event.kind {
+            EventKind::Access(AccessKind::Close(AccessMode::Write))
+            | EventKind::Modify(ModifyKind::Name(RenameMode::To | RenameMode::Both)) => true,
+            EventKind::Create(_) | EventKind::Modify(ModifyKind::Data(_)) => false,
+            EventKind::Remove(_) | EventKind::Modify(ModifyKind::Name(_)) => {
+                let mut files = self.0.lock().expect("completions lock");
+                for path in &event.paths {
+                    files.remove(path);
+                }
+                return false;
+            }
+            _ => return false,
+        };
+        let mut files = self.0.lock().expect("completions lock");
+        // A rename names the source first: the file now in place is the last path.
+        if let Some(path) = event.paths.last() {
+            files.insert(path.clone(), complete);
+        }
+        complete
+    }
 }
 
 /// The result of a rescan.
@@ -126,6 +171,20 @@ pub struct Rescan {
     pub errors: Vec<ManifestError>,
     /// Changes wait for their files to settle: rescan again after [`SETTLE`].
     pub unsettled: bool,
+}
+
+/// The version of the file at `path`, following symlinks (ConfigMap mounts are
+/// symlinks), or why it cannot be read.
+fn stamp_of(path: &Path) -> Result<Stamp, String> {
+    match fs::metadata(path) {
+        Ok(meta) if meta.is_file() => Ok(Stamp {
+            len: meta.len(),
+            mtime_ns: i128::from(meta.mtime()) * 1_000_000_000 + i128::from(meta.mtime_nsec()),
+            ino: meta.ino(),
+        }),
+        Ok(_) => Err("not a regular file".to_string()),
+        Err(e) => Err(format!("cannot be read: {e}")),
+    }
 }
 
 fn is_manifest(path: &Path) -> bool {
@@ -156,7 +215,15 @@ impl ManifestDir {
             pending: BTreeMap::new(),
             settle,
             scanned: false,
+            completions: None,
         })
+    }
+
+    /// Reads changes that inotify reported complete at once (see [`Completions`]).
+    #[must_use]
+    pub fn with_completions(mut self, completions: Completions) -> Self {
+        self.completions = Some(completions);
+        self
     }
 
     /// The watched directory.
@@ -173,17 +240,7 @@ impl ManifestDir {
             if !is_manifest(&path) {
                 continue;
             }
-            // Follow symlinks (ConfigMap mounts are symlinks).
-            let stamp = match fs::metadata(&path) {
-                Ok(meta) if meta.is_file() => Ok(Stamp {
-                    len: meta.len(),
-                    mtime_ns: i128::from(meta.mtime()) * 1_000_000_000
-                        + i128::from(meta.mtime_nsec()),
-                    ino: meta.ino(),
-                }),
-                Ok(_) => Err("not a regular file".to_string()),
-                Err(e) => Err(format!("cannot be read: {e}")),
-            };
+            let stamp = stamp_of(&path);
             seen.insert(path, stamp);
         }
         Ok(seen)
@@ -192,7 +249,13 @@ impl ManifestDir {
     /// Whether a change to `path` (new version `stamp`) may be applied now; records
     /// it as pending otherwise.
     fn settled_change(&mut self, path: &Path, stamp: Option<Stamp>, now: Instant) -> bool {
-        if !self.scanned {
+        let complete = stamp.is_some()
+            && self
+                .completions
+                .as_ref()
+                .is_some_and(|c| c.is_complete(path));
+        if !self.scanned || complete {
+            self.pending.remove(path);
             return true;
         }
         match self.pending.get(path) {
@@ -293,6 +356,19 @@ impl ManifestDir {
                     mentions_policy = text.contains("AuthorizationPolicy");
                     parse(&path, &text)
                 });
+            // Written to while being read: read it again once it settles.
+            let now_stamp = stamp_of(&path).ok();
+            if self.scanned && now_stamp != Some(stamp) {
+                self.pending.insert(
+                    path,
+                    Pending {
+                        stamp: now_stamp,
+                        since: now,
+                    },
+                );
+                rescan.unsettled = true;
+                continue;
+            }
             match result {
                 Ok(objects) => {
                     self.files.insert(
@@ -390,24 +466,39 @@ impl ManifestDir {
     }
 }
 
-/// Watches `dir` and sends a unit on every change (creations, writes, renames,
-/// removals), coalesced: a full channel means a rescan is already pending.
+/// Watches `dir` and sends on every change (creations, writes, renames,
+/// removals) whether it completes a file (see [`Completions`], which it fills),
+/// coalesced: a full channel means a rescan is already pending.
 ///
 /// The returned watcher must be kept alive.
 ///
 /// # Errors
 /// When inotify cannot watch the directory.
-pub fn watch(dir: &Path) -> notify::Result<(notify::RecommendedWatcher, mpsc::Receiver<()>)> {
-    let (tx, rx) = mpsc::channel(1);
+pub fn watch(
+    dir: &Path,
+    completions: Completions,
+) -> notify::Result<(notify::RecommendedWatcher, mpsc::Receiver<bool>)> {
+    let (tx, rx) = mpsc::channel(16);
     let mut watcher = notify::recommended_watcher(move |event: notify::Result<notify::Event>| {
-        // Opening and reading (our own rescans among them) change nothing; waking
-        // on them would make every rescan trigger the next.
-        let changes = match event {
-            Ok(e) => !matches!(e.kind, notify::EventKind::Access(_)),
-            Err(_) => true,
+        let (changes, complete) = match &event {
+            // Not a manifest (an editor's or writer's temporary file, say): its
+            // rename into place is the change.
+            Ok(e) if !e.paths.is_empty() && !e.paths.iter().any(|p| is_manifest(p)) => {
+                (false, false)
+            }
+            Ok(e) => {
+                let complete = completions.record(e);
+                // Opening and reading (our own rescans among them) change nothing;
+                // waking on them would make every rescan trigger the next.
+                (
+                    complete || !matches!(e.kind, notify::EventKind::Access(_)),
+                    complete,
+                )
+            }
+            Err(_) => (true, false),
         };
         if changes {
-            let _ = tx.try_send(());
+            let _ = tx.try_send(complete);
         }
     })?;
     watcher.watch(dir, notify::RecursiveMode::NonRecursive)?;
@@ -531,6 +622,62 @@ mod tests {
         assert!(source.rescan().changed);
         assert_eq!(source.pods().count(), 0);
         assert!(!source.settling());
+    }
+
+    #[tokio::test]
+    async fn changes_inotify_reports_complete_are_read_at_once() {
+        let guard = tempfile::tempdir().unwrap();
+        let dir = guard.path();
+        // Settling would hold any other change for an hour.
+        let completions = Completions::default();
+        let mut source = ManifestDir::with_settle(dir, Duration::from_secs(3600))
+            .unwrap()
+            .with_completions(completions.clone());
+        let (_watcher, mut events) = watch(dir, completions).unwrap();
+        assert!(source.rescan().errors.is_empty());
+        // Waits for the event that completes the change.
+        let mut wait_complete = async || {
+            let deadline = Duration::from_secs(5);
+            loop {
+                let complete = tokio::time::timeout(deadline, events.recv())
+                    .await
+                    .expect("no inotify event")
+                    .unwrap();
+                if complete {
+                    return;
+                }
+            }
+        };
+
+        // Renamed into place (the temporary file's own events wake nobody).
+        fs::write(dir.join(".pod.yaml.tmp"), POD).unwrap();
+        fs::rename(dir.join(".pod.yaml.tmp"), dir.join("pod.yaml")).unwrap();
+        wait_complete().await;
+        let renamed = source.rescan();
+        assert!(renamed.changed && !renamed.unsettled, "{renamed:?}");
+        assert_eq!(source.pods().count(), 1);
+
+        // Rewritten in place and closed.
+        fs::write(dir.join("pod.yaml"), POD.replace("web", "web2")).unwrap();
+        wait_complete().await;
+        assert!(source.rescan().changed);
+        assert_eq!(
+            source.pods().next().unwrap().metadata.name.as_deref(),
+            Some("web2")
+        );
+
+        // Opened for writing and not closed yet: waits to settle, the pod stays.
+        let mut open = fs::OpenOptions::new()
+            .write(true)
+            .truncate(true)
+            .open(dir.join("pod.yaml"))
+            .unwrap();
+        std::io::Write::write_all(&mut open, b"kind: Pod\n").unwrap();
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        let writing = source.rescan();
+        assert!(writing.unsettled && !writing.changed, "{writing:?}");
+        assert_eq!(source.pods().count(), 1);
+        drop(open);
     }
 
     #[test]
