@@ -148,8 +148,12 @@ struct AgentArgs {
     /// and the listeners accept, 503 while starting or draining).
     #[arg(long, default_value = DEFAULT_READINESS_ADDRESS)]
     readiness_address: std::net::SocketAddr,
-    /// On SIGTERM, how long open connections may go on (the listeners close at
-    /// once) before the agent exits, e.g. 5s (Istio's terminationDrainDuration).
+    /// Threads of the proxy's runtime (tokio workers); 0: one per CPU.
+    #[arg(long, env = "PODLINK_WORKER_THREADS", default_value_t = 0)]
+    worker_threads: usize,
+    /// On SIGTERM, how long open connections may go on (the listeners accept the
+    /// handshakes under way and close) before the agent exits, e.g. 5s (Istio's
+    /// terminationDrainDuration).
     #[arg(long, default_value = "5s", value_parser = humantime::parse_duration)]
     drain_grace: Duration,
     /// Namespace whose AuthorizationPolicies apply to the whole mesh.
@@ -238,9 +242,11 @@ fn main() -> Result<()> {
         }
         Command::Agent(args) => {
             let args = *args;
-            let runtime = tokio::runtime::Builder::new_multi_thread()
-                .enable_all()
-                .build()?;
+            let mut runtime = tokio::runtime::Builder::new_multi_thread();
+            if args.worker_threads > 0 {
+                runtime.worker_threads(args.worker_threads);
+            }
+            let runtime = runtime.enable_all().build()?;
             runtime.block_on(agent::run(AgentConfig {
                 node: args.node,
                 manifests: args.manifests,

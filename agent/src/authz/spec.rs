@@ -8,7 +8,7 @@
 
 use std::collections::BTreeMap;
 
-use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
+use crate::workload::k8s::ObjectMeta;
 use serde::Deserialize;
 
 /// An `AuthorizationPolicy` object: metadata and spec.

@@ -9,6 +9,7 @@
 //! enrolls it; `istio.io/dataplane-mode=none` on the pod opts it out; pods with
 //! `hostNetwork: true` are never enrolled.
 
+pub mod k8s;
 pub mod manifests;
 pub mod services;
 
@@ -18,7 +19,7 @@ use std::{
     sync::Arc,
 };
 
-use k8s_openapi::api::core::v1::{Namespace, Pod};
+use k8s::{Namespace, Pod};
 use serde::Serialize;
 
 use crate::identity::SpiffeId;
@@ -432,10 +433,7 @@ mod tests {
     fn a_terminating_pod_gives_its_address_way() {
         let amb = ns("amb", true);
         let mut old = p("old", "amb", "", false, "10.0.0.1", "n1");
-        old.metadata.deletion_timestamp =
-            Some(k8s_openapi::apimachinery::pkg::apis::meta::v1::Time(
-                "2026-01-01T00:00:00Z".parse().unwrap(),
-            ));
+        old.metadata.deletion_timestamp = Some("2026-01-01T00:00:00Z".into());
         let new = p("new", "amb", "", false, "10.0.0.1", "n1");
         let (index, warnings) = WorkloadIndex::build("n1", "cluster.local", [&old, &new], [&amb]);
         assert!(warnings.is_empty(), "{warnings:?}");

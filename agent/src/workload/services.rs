@@ -24,10 +24,7 @@ use std::{
     sync::Arc,
 };
 
-use k8s_openapi::{
-    api::{core::v1::Service, discovery::v1::EndpointSlice},
-    apimachinery::pkg::util::intstr::IntOrString,
-};
+use crate::workload::k8s::{EndpointSlice, IntOrString, Service};
 use serde::Serialize;
 
 /// The label tying an EndpointSlice to its Service.

@@ -26,10 +26,7 @@ use std::{
     time::{Duration, Instant},
 };
 
-use k8s_openapi::api::{
-    core::v1::{Namespace, Pod, Service},
-    discovery::v1::EndpointSlice,
-};
+use crate::workload::k8s::{EndpointSlice, Namespace, Pod, Service};
 use notify::Watcher;
 
 use crate::authz::Policy;

@@ -9,10 +9,7 @@ use std::{
     sync::Arc,
 };
 
-use k8s_openapi::api::{
-    core::v1::{Namespace, Pod, Service},
-    discovery::v1::EndpointSlice,
-};
+use crate::workload::k8s::{EndpointSlice, Namespace, Pod, Service};
 use serde_yaml_ng::Value;
 
 use crate::authz::{Policy, spec::AuthorizationPolicy};
@@ -293,10 +290,7 @@ fn check_namespace(ns: &Namespace) -> Result<(), String> {
 }
 
 /// The object's `namespace/name`, checked as Kubernetes names.
-fn object_name(
-    kind: &str,
-    meta: &k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta,
-) -> Result<String, String> {
+fn object_name(kind: &str, meta: &crate::workload::k8s::ObjectMeta) -> Result<String, String> {
     let name = meta.name.as_deref().unwrap_or("");
     let namespace = meta.namespace.as_deref().unwrap_or("default");
     let who = format!("{kind} {namespace}/{name}");
@@ -341,9 +335,7 @@ fn check_service(service: &Service) -> Result<(), String> {
     }
     for (i, port) in spec.ports.iter().flatten().enumerate() {
         check_port(&who, &format!("spec.ports[{i}].port"), port.port)?;
-        if let Some(k8s_openapi::apimachinery::pkg::util::intstr::IntOrString::Int(n)) =
-            &port.target_port
-        {
+        if let Some(crate::workload::k8s::IntOrString::Int(n)) = &port.target_port {
             check_port(&who, &format!("spec.ports[{i}].targetPort"), *n)?;
         }
     }
