@@ -66,10 +66,20 @@ pub fn install_policy_routing(mark: u32, mask: u32, table: u32, priority: u32) -
 /// value is the maximum of `all` and the interface's. A node with `all` strict is
 /// moved to loose mode (2), which still refuses sources the node cannot route.
 ///
+/// The proxy's source-preserving upstream connections close first (the client's
+/// FIN reaches them first), so their TIME_WAIT sockets stay in the node namespace,
+/// each holding its 4-tuple for 60 s: a pod pair opening connections faster than
+/// about 470 a second (the 28,232 ports of the default range over 60 s) would run
+/// out of source ports. `tcp_tw_reuse=1` lets `connect()` reuse a TIME_WAIT
+/// 4-tuple after a second (RFC 7323 timestamps tell the old segments apart), as
+/// it does by default on loopback only (`tcp_tw_reuse=2`); see
+/// `Documentation/networking/ip-sysctl.rst`.
+///
 /// Each change is recorded in `journal` first, for `podlink uninstall`.
 pub fn apply_node_sysctls(journal: &SysctlJournal) -> Result<()> {
     journal.set("net.ipv4.tcp_early_demux", "0", None)?;
     journal.set("net.ipv4.ip_forward", "1", None)?;
+    journal.set("net.ipv4.tcp_tw_reuse", "1", None)?;
     if journal.read("net.ipv4.conf.all.rp_filter")? == "1" {
         journal.set("net.ipv4.conf.all.rp_filter", "2", None)?;
         tracing::warn!(
