@@ -1386,7 +1386,17 @@ fn main_rows(
         let (first, last) = (r.window_rate(w, false), r.window_rate(w, true));
         (
             last / first,
-            format!("{:.2} ({} -> {}/s)", last / first, num(first), num(last)),
+            format!(
+                "{:.2} ({} -> {}/s{})",
+                last / first,
+                num(first),
+                num(last),
+                if r.failed > 0 {
+                    format!(", {} failed", r.failed)
+                } else {
+                    String::new()
+                }
+            ),
         )
     };
     let (direct_ratio, direct_text) = churn_text(&churn.direct);
