@@ -248,6 +248,9 @@ pub struct Cluster {
     pods: HashMap<String, Pod>,
     agents: HashMap<usize, Child>,
     resources: Vec<Resource>,
+    /// Address ranges a node's pods get once its pod CIDR is used up (see
+    /// [`Cluster::add_pod_range`]), by node index.
+    extra_pod_ranges: HashMap<usize, Vec<String>>,
 }
 
 fn write_atomically(path: &Path, text: &str) -> Result<()> {
@@ -304,6 +307,7 @@ impl Cluster {
             pods: HashMap::new(),
             agents: HashMap::new(),
             resources: Vec::new(),
+            extra_pod_ranges: HashMap::new(),
         };
         cluster.track(Resource::Dir(dir.clone()));
         fs::create_dir_all(&cluster.manifests)?;
@@ -434,6 +438,16 @@ impl Cluster {
         container_id: &str,
         netns_name: &str,
     ) -> Result<Value> {
+        // One range set: host-local takes the pod CIDR first, then the extra ranges.
+        let node_index = self
+            .nodes
+            .iter()
+            .position(|n| n.name == node.name)
+            .context("no such node")?;
+        let mut ranges = vec![serde_json::json!({"subnet": format!("{}/24", node.pod_cidr)})];
+        for range in self.extra_pod_ranges.get(&node_index).into_iter().flatten() {
+            ranges.push(serde_json::json!({ "subnet": range }));
+        }
         let config = serde_json::json!({
             "cniVersion": "1.0.0",
             "name": "podlink-testbed",
@@ -442,7 +456,7 @@ impl Cluster {
             "mtu": 1500,
             "ipam": {
                 "type": "host-local",
-                "ranges": [[{"subnet": format!("{}/24", node.pod_cidr)}]],
+                "ranges": [ranges],
                 "routes": [{"dst": "0.0.0.0/0"}],
                 "dataDir": self.dir.join("cni-ipam").join(&node.name),
             }
@@ -482,6 +496,39 @@ impl Cluster {
 
     /// Creates a pod: its namespace, its veth by the CNI plugins, its manifest.
     pub fn add_pod(&mut self, spec: PodSpec) -> Result<Pod> {
+        let pod = self.add_pod_unlisted(spec)?;
+        self.list_pod(&pod)?;
+        Ok(pod)
+    }
+
+    /// Lets node `node`'s pods take addresses from `cidr` (e.g. `10.245.0.0/21`)
+    /// once its /24 pod CIDR is used up, and routes `cidr` to the node from the
+    /// other nodes. For test beds with more than 253 pods on a node.
+    pub fn add_pod_range(&mut self, node: usize, cidr: &str) -> Result<()> {
+        let via = self.nodes.get(node).context("no such node")?.ip;
+        for other in self.nodes.iter().filter(|n| n.ip != via) {
+            ip(&[
+                "-n",
+                &other.netns,
+                "route",
+                "add",
+                cidr,
+                "via",
+                &via.to_string(),
+            ])?;
+        }
+        self.extra_pod_ranges
+            .entry(node)
+            .or_default()
+            .push(cidr.to_string());
+        Ok(())
+    }
+
+    /// The first half of [`Cluster::add_pod`]: the pod's namespace and its veth
+    /// by the CNI plugins, but no manifest yet, so that no agent knows the pod
+    /// until [`Cluster::list_pod`] writes it (the bench times enrollment from
+    /// there).
+    pub fn add_pod_unlisted(&mut self, spec: PodSpec) -> Result<Pod> {
         let node = self.nodes.get(spec.node).context("no such node")?.clone();
         let netns_name = format!("{}-p-{}", self.id, spec.name);
         self.add_netns(&netns_name)?;
@@ -512,9 +559,14 @@ impl Cluster {
                 .unwrap_or_else(|| "default".into()),
             container_id,
         };
-        self.write_pod_manifest(&pod)?;
         self.pods.insert(pod.name.clone(), pod.clone());
         Ok(pod)
+    }
+
+    /// Writes the manifest of a pod made by [`Cluster::add_pod_unlisted`] (by
+    /// rename, in one step).
+    pub fn list_pod(&self, pod: &Pod) -> Result<()> {
+        self.write_pod_manifest(pod)
     }
 
     fn pod_manifest_path(&self, pod: &Pod) -> PathBuf {

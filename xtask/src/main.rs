@@ -38,14 +38,20 @@ enum Cmd {
         /// Only run tests whose name contains this filter.
         filter: Option<String>,
     },
-    /// Measure podlink against the direct path on the two-node test bed.
+    /// Measure podlink against the direct path on the two-node test bed (the
+    /// figures and targets of issue 6, a scaling table, pod enrollment).
     Bench {
-        /// Repetitions of each measurement (interleaved, median shown).
-        #[arg(long, default_value_t = 5)]
-        repeat: usize,
-        /// Write the table as JSON to this file as well.
+        /// Repetitions of each measurement of the main table (interleaved, median
+        /// shown) [default: 5, 1 with --quick].
+        #[arg(long)]
+        repeat: Option<usize>,
+        /// Write the tables as JSON to this file as well (with every sample).
         #[arg(long)]
         json: Option<PathBuf>,
+        /// Shortened runs for development (1 repetition, 2 s throughput runs,
+        /// 1,000 round trips, 10 s churn, fewer pods and pairs); the output says so.
+        #[arg(long)]
+        quick: bool,
     },
 }
 
@@ -64,9 +70,13 @@ fn main() -> Result<()> {
             build()?;
             test(filter.as_deref())
         }
-        Cmd::Bench { repeat, json } => {
+        Cmd::Bench {
+            repeat,
+            json,
+            quick,
+        } => {
             build()?;
-            bench::run(repeat, json.as_deref())
+            bench::run(repeat, quick, json.as_deref())
         }
     }
 }
