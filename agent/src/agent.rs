@@ -32,7 +32,12 @@ use tokio::signal::unix::{SignalKind, signal};
 use crate::{
     admin,
     authz::PolicySet,
-    dataplane::{CapturedPod, Dataplane, DataplaneConfig, Removal, journal::SysctlJournal, net},
+    dataplane::{
+        CapturedPod, Dataplane, DataplaneConfig, Removal,
+        journal::SysctlJournal,
+        net,
+        netlink::{Netlink, NodeNetwork},
+    },
     identity::{
         CertManager, CertSource,
         istio_ca::{IstioCaClient, IstioCaConfig},
@@ -189,11 +194,16 @@ pub async fn run(cfg: AgentConfig) -> Result<()> {
     .context("installing policy routing")?;
     let journal = SysctlJournal::new(&cfg.state_dir);
     net::apply_node_sysctls(&journal)?;
+    let netlink = Netlink::open()?;
+    let network = netlink
+        .read()
+        .await
+        .context("reading the node's network")?;
     let dataplane = Dataplane::load(&DataplaneConfig {
         pin_dir: cfg.pin_dir.clone(),
         journal,
         config: Config::with_defaults(if cfg.fail_open { CONFIG_FAIL_OPEN } else { 0 }),
-        node_addrs: net::node_ipv4_addrs().context("reading the node's addresses")?,
+        node_addrs: network.addrs.clone(),
         excluded_cidrs: cfg.excluded_cidrs.clone(),
         excluded_ports: cfg.excluded_ports.clone(),
     })?;
@@ -249,6 +259,8 @@ pub async fn run(cfg: AgentConfig) -> Result<()> {
         wanted: Vec::new(),
         waiting: false,
         warned: HashSet::new(),
+        netlink,
+        network,
     };
     reconciler.publish(&mut source);
     reconciler.plan(&state);
@@ -297,7 +309,9 @@ pub async fn run(cfg: AgentConfig) -> Result<()> {
             _ = sigterm.recv() => break,
             _ = sigint.recv() => break,
         }
+        let started = std::time::Instant::now();
         let rescan = reconciler.publish(&mut source);
+        let published = started.elapsed();
         unsettled = rescan.unsettled;
         // Reconcile on a change, on retries, and on resyncs (routes and the node's
         // addresses may have changed).
@@ -306,9 +320,17 @@ pub async fn run(cfg: AgentConfig) -> Result<()> {
             || reconciler.pending_retry.is_some()
             || resync
         {
+            reconciler.read_network().await;
             tokio::task::block_in_place(|| {
                 reconciler.plan(&state);
+                let planned = started.elapsed();
                 reconciler.apply(removal(&source));
+                tracing::debug!(
+                    read_us = published.as_micros() as u64,
+                    plan_us = (planned - published).as_micros() as u64,
+                    apply_us = (started.elapsed() - planned).as_micros() as u64,
+                    "reconciled"
+                );
             });
         }
     }
@@ -421,6 +443,9 @@ struct Reconciler {
     waiting: bool,
     /// Workloads already warned about (warnings are given once).
     warned: HashSet<String>,
+    netlink: Netlink,
+    /// The node's routes, veths and addresses as last read.
+    network: NodeNetwork,
 }
 
 impl Reconciler {
@@ -503,13 +528,7 @@ impl Reconciler {
     /// workloads and those pods' addresses, before anything is attached: a pod's
     /// first connection finds the proxy knowing it.
     fn plan(&mut self, state: &ProxyState) {
-        match self.wanted() {
-            Ok(wanted) => self.wanted = wanted,
-            Err(e) => {
-                tracing::warn!("looking up host veths: {e:#}");
-                self.waiting = true;
-            }
-        }
+        self.wanted = self.wanted();
         let captured: HashSet<IpAddr> = self.wanted.iter().map(|p| IpAddr::V4(p.ipv4)).collect();
         let view = state.view();
         if !Arc::ptr_eq(&view.workloads, &self.index)
@@ -539,13 +558,8 @@ impl Reconciler {
     /// allows; schedules a retry while some pod waits.
     fn apply(&mut self, removal: Removal) {
         let mut retry = std::mem::take(&mut self.waiting);
-        match net::node_ipv4_addrs() {
-            Ok(addrs) => {
-                if let Err(e) = self.dataplane.set_node_addrs(&addrs) {
-                    tracing::warn!("writing node addresses: {e:#}");
-                }
-            }
-            Err(e) => tracing::warn!("reading node addresses: {e:#}"),
+        if let Err(e) = self.dataplane.set_node_addrs(&self.network.addrs) {
+            tracing::warn!("writing node addresses: {e:#}");
         }
         if removal != Removal::All {
             tracing::debug!(?removal, "manifests incomplete for now: detaching less");
@@ -572,10 +586,9 @@ impl Reconciler {
 
     /// The pods to capture: this node's enrolled workloads with an IPv4 address and
     /// a host route to a veth of their own. Sets `waiting` when some have none yet.
-    fn wanted(&mut self) -> Result<Vec<CapturedPod>> {
+    fn wanted(&mut self) -> Vec<CapturedPod> {
         let index = self.index.clone();
-        let routes = net::host_routes()?;
-        let veths = net::veth_names()?;
+        let network = std::mem::take(&mut self.network);
         let mut wanted: Vec<CapturedPod> = Vec::new();
         let mut owners: HashMap<u32, String> = HashMap::new();
         for workload in index.captured() {
@@ -584,17 +597,13 @@ impl Reconciler {
                 self.warn_once(&key, "enrolled pod has no IPv4 address; IPv6 capture is not supported yet (its IPv6 TCP is dropped)");
                 continue;
             };
-            let Some(ifname) = routes.get(&ipv4) else {
+            let Some(&ifindex) = network.host_routes.get(&ipv4) else {
                 tracing::debug!(workload = %key, ip = %ipv4, "no host route to this pod yet");
                 self.waiting = true;
                 continue;
             };
-            if !veths.contains(ifname) {
-                self.warn_once(&key, &format!("the node's host route to {ipv4} leads to {ifname}, which is not a veth; not capturing it"));
-                continue;
-            }
-            let Some(ifindex) = net::ifindex(ifname) else {
-                self.waiting = true;
+            let Some(ifname) = network.veths.get(&ifindex) else {
+                self.warn_once(&key, &format!("the node's host route to {ipv4} leads to interface {ifindex}, which is not a veth; not capturing it"));
                 continue;
             };
             if let Some(other) = owners.get(&ifindex) {
@@ -619,6 +628,19 @@ impl Reconciler {
                 ifindex,
             });
         }
-        Ok(wanted)
+        self.network = network;
+        wanted
+    }
+
+    /// Reads the node's routes, veths and addresses for the next plan; on a
+    /// failure keeps the last ones and retries soon.
+    async fn read_network(&mut self) {
+        match self.netlink.read().await {
+            Ok(network) => self.network = network,
+            Err(e) => {
+                tracing::warn!("reading the node's network: {e:#}");
+                self.waiting = true;
+            }
+        }
     }
 }

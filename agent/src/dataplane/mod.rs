@@ -24,6 +24,7 @@ pub mod inspect;
 pub mod journal;
 mod layout;
 pub mod net;
+pub mod netlink;
 pub mod pins;
 
 use journal::SysctlJournal;

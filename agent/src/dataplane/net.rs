@@ -5,7 +5,7 @@
 //! Kernel documentation: `Documentation/networking/ip-sysctl.rst` (tcp_early_demux,
 //! rp_filter); `ip-rule(8)`, `ip-route(8)`.
 
-use std::{collections::HashMap, net::Ipv4Addr, process::Command};
+use std::{collections::HashMap, process::Command};
 
 use anyhow::{Context, Result, bail};
 use serde::Deserialize;
@@ -162,55 +162,11 @@ pub fn apply_host_veth_sysctls(journal: &SysctlJournal, ifname: &str, ifindex: u
 }
 
 #[derive(Deserialize)]
-struct AddrInfo {
-    local: Option<String>,
-}
-
-#[derive(Deserialize)]
-struct LinkAddrs {
-    #[serde(default)]
-    addr_info: Vec<AddrInfo>,
-}
-
-/// The node's own IPv4 addresses except loopback, sorted and without duplicates.
-pub fn node_ipv4_addrs() -> Result<Vec<std::net::Ipv4Addr>> {
-    let out = ip(&["-j", "-4", "addr", "show"])?;
-    let links: Vec<LinkAddrs> = serde_json::from_str(&out).context("parsing ip -j addr")?;
-    let mut addrs: Vec<std::net::Ipv4Addr> = links
-        .iter()
-        .flat_map(|l| &l.addr_info)
-        .filter_map(|a| a.local.as_deref()?.parse().ok())
-        .filter(|a: &std::net::Ipv4Addr| !a.is_loopback())
-        .collect();
-    addrs.sort();
-    addrs.dedup();
-    Ok(addrs)
-}
-
-#[derive(Deserialize)]
 struct Route {
     dst: String,
     #[serde(rename = "type")]
     kind: Option<String>,
     dev: Option<String>,
-    gateway: Option<String>,
-}
-
-/// The node's host routes (`/32`, direct, unicast) in the main table, by address:
-/// the host veth of each pod a point-to-point CNI plugin (such as `ptp`) wired.
-/// A pod address reached through a subnet route (the uplink's, a bridge's) has
-/// none: its traffic cannot be told apart on a device of its own.
-pub fn host_routes() -> Result<HashMap<Ipv4Addr, String>> {
-    let out = ip(&["-j", "-4", "route", "show", "table", "main"])?;
-    let routes: Vec<Route> = serde_json::from_str(&out).context("parsing ip -j route")?;
-    Ok(routes
-        .into_iter()
-        .filter(|r| r.gateway.is_none() && r.kind.as_deref().is_none_or(|k| k == "unicast"))
-        .filter_map(|r| {
-            let dst = r.dst.strip_suffix("/32").unwrap_or(&r.dst);
-            Some((dst.parse().ok()?, r.dev?))
-        })
-        .collect())
 }
 
 #[derive(Deserialize)]
@@ -223,17 +179,6 @@ struct LinkInfo {
 #[derive(Deserialize)]
 struct LinkKind {
     info_kind: Option<String>,
-}
-
-/// Names of the node's veth interfaces (candidates for host veths).
-pub fn veth_names() -> Result<std::collections::HashSet<String>> {
-    let out = ip(&["-j", "-d", "link", "show"])?;
-    let links: Vec<LinkInfo> = serde_json::from_str(&out).context("parsing ip -j -d link")?;
-    Ok(links
-        .into_iter()
-        .filter(|l| l.linkinfo.as_ref().and_then(|k| k.info_kind.as_deref()) == Some("veth"))
-        .map(|l| l.ifname)
-        .collect())
 }
 
 /// The node's interfaces by index: name, and kind (`veth`, `bridge`, …; `None`
