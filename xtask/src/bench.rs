@@ -6,10 +6,12 @@
 //! Two nodes (network namespaces on one machine, see `podlink_tests`). A pod pair
 //! outside the mesh (namespace `direct`: the direct path) and an enrolled pod pair
 //! (namespace `mesh`: captured at both host veths, HBONE between the nodes), each
-//! with its client on node 1 and its server on node 2. The server pods run the test
-//! bed's echo server and an `iperf3 -s`. Node 1 also holds idle enrolled pods, so
-//! that it has 10 enrolled pods in all. Both client pods get the same port range
-//! and `tcp_tw_reuse`, so that neither measures its own port search.
+//! with its client on node 1 and its server on node 2, and one more such pair per
+//! path for the churn run, idle until then. The server pods run the test bed's
+//! echo server and an `iperf3 -s`. Node 1 also holds idle enrolled pods, so that
+//! it has 10 enrolled pods in all (the two podlink clients among them). All client
+//! pods get the same port range and `tcp_tw_reuse`, so that neither path measures
+//! its own port search.
 //!
 //! # The main table
 //!
@@ -59,11 +61,14 @@
 //!
 //! With 1, 10 and 100 concurrent pod pairs (more pods made after the main table,
 //! each pair its own client and server pod, per path): the sum of single-stream
-//! iperf3 runs of 5 s, all pairs at once, and the connection rate with one client
-//! thread per pair, all at once (3 s). Then the enrollment of the pods above
-//! (one at a time, as before) summarized over the first 10, 100 and 1,000: per-pod
-//! p50 and p99, and the time from the first manifest write to the N-th pod's
-//! links. The 200 pods of the main table are the first 200 of these.
+//! iperf3 runs of 5 s, all pairs at once (with how long the batch took from the
+//! first start to the last exit: on two cores the runs do not all start at once),
+//! and the connection rate with one client thread per pair, all at once (3 s).
+//! Then the enrollment of the pods above (one at a time, as before) summarized
+//! over the first 10, 100 and 1,000: per-pod p50, p99 and max, and the time from
+//! the first manifest write to the N-th pod's links, with the agents' CPU seconds
+//! over it and how long making the pods through the CNI plugins took. The 200
+//! pods of the main table are the first 200 of these.
 //!
 //! # Flags
 //!
