@@ -242,6 +242,7 @@ fn main() -> Result<()> {
         }
         Command::Agent(args) => {
             let args = *args;
+            agent::limit_allocator_arenas();
             let mut runtime = tokio::runtime::Builder::new_multi_thread();
             if args.worker_threads > 0 {
                 runtime.worker_threads(args.worker_threads);
