@@ -195,10 +195,7 @@ pub async fn run(cfg: AgentConfig) -> Result<()> {
     let journal = SysctlJournal::new(&cfg.state_dir);
     net::apply_node_sysctls(&journal)?;
     let netlink = Netlink::open()?;
-    let network = netlink
-        .read()
-        .await
-        .context("reading the node's network")?;
+    let network = netlink.read().await.context("reading the node's network")?;
     let dataplane = Dataplane::load(&DataplaneConfig {
         pin_dir: cfg.pin_dir.clone(),
         journal,

@@ -192,7 +192,10 @@ mod tests {
     async fn reads_what_ip_shows() {
         let net = Netlink::open().unwrap().read().await.unwrap();
         let ip = |args: &[&str]| -> serde_json::Value {
-            let out = std::process::Command::new("ip").args(args).output().unwrap();
+            let out = std::process::Command::new("ip")
+                .args(args)
+                .output()
+                .unwrap();
             serde_json::from_slice(&out.stdout).unwrap()
         };
         let mut addrs: Vec<Ipv4Addr> = ip(&["-j", "-4", "addr", "show"])
