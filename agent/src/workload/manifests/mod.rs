@@ -105,6 +105,17 @@ pub const SETTLE: Duration = Duration::from_millis(100);
 /// How long a change that has not settled may hold up detaching pods.
 pub const MAX_SETTLE_HOLD: Duration = Duration::from_secs(2);
 
+/// Whether a change may be applied: [`ManifestDir::settled_change`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Settle {
+    /// Not yet.
+    Wait,
+    /// It kept the same version for the settling time (or is the first scan).
+    Settled,
+    /// inotify reported it complete.
+    Complete,
+}
+
 /// The manifests directory with the last good objects of each file.
 #[derive(Debug)]
 pub struct ManifestDir {
@@ -243,31 +254,37 @@ impl ManifestDir {
         Ok(seen)
     }
 
-    /// Whether a change to `path` (new version `stamp`) may be applied now; records
-    /// it as pending otherwise.
-    fn settled_change(&mut self, path: &Path, stamp: Option<Stamp>, now: Instant) -> bool {
-        let complete = stamp.is_some()
-            && self
-                .completions
-                .as_ref()
-                .is_some_and(|c| c.is_complete(path));
-        if !self.scanned || complete {
-            self.pending.remove(path);
-            return true;
+    /// Whether a change to `path` (new version `stamp`) may be applied now, and
+    /// why; records it as pending otherwise. A version already pending waits out
+    /// its settling time even if inotify reports it complete (see [`rescan`]).
+    ///
+    /// [`rescan`]: ManifestDir::rescan
+    fn settled_change(&mut self, path: &Path, stamp: Option<Stamp>, now: Instant) -> Settle {
+        if !self.scanned {
+            return Settle::Settled;
         }
         match self.pending.get(path) {
             Some(p) if p.stamp == stamp => {
                 if now.duration_since(p.since) >= self.settle {
                     self.pending.remove(path);
-                    true
+                    Settle::Settled
                 } else {
-                    false
+                    Settle::Wait
                 }
+            }
+            _ if stamp.is_some()
+                && self
+                    .completions
+                    .as_ref()
+                    .is_some_and(|c| c.is_complete(path)) =>
+            {
+                self.pending.remove(path);
+                Settle::Complete
             }
             _ => {
                 self.pending
                     .insert(path.to_path_buf(), Pending { stamp, since: now });
-                false
+                Settle::Wait
             }
         }
     }
@@ -298,7 +315,7 @@ impl ManifestDir {
             .cloned()
             .collect();
         for path in gone {
-            if self.settled_change(&path, None, now) {
+            if self.settled_change(&path, None, now) != Settle::Wait {
                 self.files.remove(&path);
                 rescan.changed = true;
             } else {
@@ -337,7 +354,8 @@ impl ManifestDir {
                 self.pending.remove(&path);
                 continue;
             }
-            if !self.settled_change(&path, Some(stamp), now) {
+            let settle = self.settled_change(&path, Some(stamp), now);
+            if settle == Settle::Wait {
                 rescan.unsettled = true;
                 continue;
             }
@@ -360,6 +378,24 @@ impl ManifestDir {
                     path,
                     Pending {
                         stamp: now_stamp,
+                        since: now,
+                    },
+                );
+                rescan.unsettled = true;
+                continue;
+            }
+            // A complete write that drops objects may be a file emptied before it is
+            // written again (`> file`, then appends): applying it would un-enroll
+            // pods for a moment. Such a change waits to settle; one that adds or
+            // changes objects is applied at once.
+            if settle == Settle::Complete
+                && let Ok(objects) = &result
+                && objects.len() < self.files.get(&path).map_or(0, |f| f.objects.len())
+            {
+                self.pending.insert(
+                    path,
+                    Pending {
+                        stamp: Some(stamp),
                         since: now,
                     },
                 );
@@ -662,6 +698,17 @@ mod tests {
             source.pods().next().unwrap().metadata.name.as_deref(),
             Some("web2")
         );
+
+        // Emptied and closed (`> file`, before it is written again): a complete
+        // change that drops objects waits to settle; the pod stays.
+        fs::write(dir.join("pod.yaml"), "").unwrap();
+        wait_complete().await;
+        let emptied = source.rescan();
+        assert!(emptied.unsettled && !emptied.changed, "{emptied:?}");
+        assert_eq!(source.pods().count(), 1);
+        fs::write(dir.join("pod.yaml"), POD.replace("web", "web2")).unwrap();
+        wait_complete().await;
+        source.rescan();
 
         // Opened for writing and not closed yet: waits to settle, the pod stays.
         let mut open = fs::OpenOptions::new()

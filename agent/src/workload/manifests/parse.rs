@@ -51,6 +51,22 @@ pub struct Objects {
     pub endpoint_slices: Vec<EndpointSlice>,
 }
 
+impl Objects {
+    /// How many objects of every kind.
+    pub fn len(&self) -> usize {
+        self.pods.len()
+            + self.namespaces.len()
+            + self.policies.len()
+            + self.services.len()
+            + self.endpoint_slices.len()
+    }
+
+    /// Whether there are none.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
 /// Splits a YAML stream into documents at `---` lines; returns each document's
 /// first line number (1-based) and text.
 fn documents(text: &str) -> Vec<(usize, String)> {
