@@ -120,6 +120,8 @@ fn raise_nofile_limit() -> u64 {
 
 /// Retry delays for pods that wait for their host veth (or failed to attach):
 /// quick at first, then slower, so a pod that never gets one costs little.
+/// How long one read of the node's routes, links and addresses may take.
+const NETLINK_TIMEOUT: Duration = Duration::from_secs(3);
 const PENDING_RETRY_MIN: Duration = Duration::from_millis(200);
 const PENDING_RETRY_MAX: Duration = Duration::from_secs(5);
 
@@ -195,7 +197,10 @@ pub async fn run(cfg: AgentConfig) -> Result<()> {
     let journal = SysctlJournal::new(&cfg.state_dir);
     net::apply_node_sysctls(&journal)?;
     let netlink = Netlink::open()?;
-    let network = netlink.read().await.context("reading the node's network")?;
+    let network = tokio::time::timeout(NETLINK_TIMEOUT, netlink.read())
+        .await
+        .context("reading the node's network: no complete answer")?
+        .context("reading the node's network")?;
     let dataplane = Dataplane::load(&DataplaneConfig {
         pin_dir: cfg.pin_dir.clone(),
         journal,
@@ -366,14 +371,17 @@ fn release_startup_memory() {
 /// glibc's allocator gives each thread that allocates under contention an arena
 /// of its own (up to eight per core), and freed memory stays in the arena it came
 /// from; buffers of connections handled on different runtime threads then hold
-/// several arenas' worth of resident memory. Two arenas serve two runtime threads
-/// with little contention (mallopt(3), `M_ARENA_MAX`). Call before any thread
-/// starts.
-pub fn limit_allocator_arenas() {
+/// several arenas' worth of resident memory. One arena per runtime thread (at
+/// least two) keeps contention low (mallopt(3), `M_ARENA_MAX`). Call before any
+/// thread starts.
+pub fn limit_allocator_arenas(threads: usize) {
     #[cfg(target_env = "gnu")]
     // SAFETY: mallopt has no preconditions.
     unsafe {
-        libc::mallopt(libc::M_ARENA_MAX, 2);
+        libc::mallopt(
+            libc::M_ARENA_MAX,
+            libc::c_int::try_from(threads.max(2)).unwrap_or(libc::c_int::MAX),
+        );
     }
 }
 
@@ -404,7 +412,7 @@ async fn drain(
         }
         tokio::select! {
             _ = tick.tick() => {}
-            () = tokio::time::sleep_until(deadline) => {
+            () = tokio::time::sleep_until(deadline), if state.listeners_open() == 0 => {
                 tracing::info!(open_connections = open, "grace period over; closing the open connections");
                 return;
             }
@@ -646,12 +654,25 @@ impl Reconciler {
     /// Reads the node's routes, veths and addresses for the next plan; on a
     /// failure keeps the last ones and retries soon.
     async fn read_network(&mut self) {
-        match self.netlink.read().await {
-            Ok(network) => self.network = network,
-            Err(e) => {
-                tracing::warn!("reading the node's network: {e:#}");
-                self.waiting = true;
+        let read = tokio::time::timeout(NETLINK_TIMEOUT, self.netlink.read()).await;
+        let error = match read {
+            Ok(Ok(network)) => {
+                self.network = network;
+                return;
             }
+            Ok(Err(e)) => format!("{e:#}"),
+            Err(_) => format!(
+                "no complete answer within {}",
+                humantime::format_duration(NETLINK_TIMEOUT)
+            ),
+        };
+        tracing::warn!("reading the node's network: {error}; reopening the netlink socket");
+        self.waiting = true;
+        // A reply the library could not decode is dropped, and its request then
+        // never ends: start over on a fresh socket.
+        match Netlink::open() {
+            Ok(netlink) => self.netlink = netlink,
+            Err(e) => tracing::warn!("{e:#}"),
         }
     }
 }

@@ -242,7 +242,11 @@ fn main() -> Result<()> {
         }
         Command::Agent(args) => {
             let args = *args;
-            agent::limit_allocator_arenas();
+            agent::limit_allocator_arenas(if args.worker_threads > 0 {
+                args.worker_threads
+            } else {
+                std::thread::available_parallelism().map_or(2, |n| n.get())
+            });
             let mut runtime = tokio::runtime::Builder::new_multi_thread();
             if args.worker_threads > 0 {
                 runtime.worker_threads(args.worker_threads);

@@ -458,12 +458,13 @@ pub async fn serve(state: Arc<ProxyState>, listeners: Listeners) {
 
 /// How long a draining listener goes on accepting after its last connection:
 /// the handshakes the programs handed it before they stopped ([`CONFIG_DRAINING`])
-/// complete within a round trip.
+/// complete within a round trip, or after one retransmission (TCP's initial
+/// retransmission timeout is 1 s, RFC 6298).
 ///
 /// [`CONFIG_DRAINING`]: podlink_common::CONFIG_DRAINING
-const DRAIN_QUIET: Duration = Duration::from_millis(250);
+const DRAIN_QUIET: Duration = Duration::from_millis(1200);
 /// The longest a draining listener stays open.
-const DRAIN_ACCEPT_MAX: Duration = Duration::from_secs(2);
+const DRAIN_ACCEPT_MAX: Duration = Duration::from_secs(3);
 
 /// Accepts connections on `listener` and hands each to `handle`, until the proxy
 /// drains. The agent has then stopped the programs from handing it new

@@ -133,16 +133,14 @@ pub struct ManifestDir {
 /// writing since (see inotify(7)). Such a change is read at once, without
 /// waiting for [`SETTLE`]. Filled by [`watch`].
 #[derive(Clone, Debug, Default)]
-pub struct Completions(Arc<std::sync::Mutex<HashMap<PathBuf, bool>>>);
+pub struct Completions(Arc<std::sync::Mutex<HashMap<PathBuf, Option<Stamp>>>>);
 
 impl Completions {
-    fn is_complete(&self, path: &Path) -> bool {
-        self.0
-            .lock()
-            .expect("completions lock")
-            .get(path)
-            .copied()
-            .unwrap_or(false)
+    /// Whether `stamp` is the version of `path` that inotify reported complete:
+    /// a later write (even one whose event is still on its way) changes the
+    /// version.
+    fn is_complete(&self, path: &Path, stamp: Stamp) -> bool {
+        self.0.lock().expect("completions lock").get(path) == Some(&Some(stamp))
     }
 
     /// Records an inotify event; returns whether it completes a change.
@@ -151,7 +149,9 @@ impl Completions {
         let complete = match event.kind {
             EventKind::Access(AccessKind::Close(AccessMode::Write))
             | EventKind::Modify(ModifyKind::Name(RenameMode::To | RenameMode::Both)) => true,
-            EventKind::Create(_) | EventKind::Modify(ModifyKind::Data(_)) => false,
+            EventKind::Create(_)
+            | EventKind::Modify(ModifyKind::Data(_))
+            | EventKind::Access(AccessKind::Open(_)) => false,
             EventKind::Remove(_) | EventKind::Modify(ModifyKind::Name(_)) => {
                 let mut files = self.0.lock().expect("completions lock");
                 for path in &event.paths {
@@ -161,12 +161,17 @@ impl Completions {
             }
             _ => return false,
         };
-        let mut files = self.0.lock().expect("completions lock");
         // A rename names the source first: the file now in place is the last path.
-        if let Some(path) = event.paths.last() {
-            files.insert(path.clone(), complete);
-        }
-        complete
+        let Some(path) = event.paths.last() else {
+            return false;
+        };
+        // The version completed, as the next scan will see it.
+        let stamp = complete.then(|| stamp_of(path).ok()).flatten();
+        self.0
+            .lock()
+            .expect("completions lock")
+            .insert(path.clone(), stamp);
+        stamp.is_some()
     }
 }
 
@@ -218,7 +223,8 @@ impl ManifestDir {
     pub fn with_settle(dir: &Path, settle: Duration) -> std::io::Result<Self> {
         fs::read_dir(dir)?;
         Ok(Self {
-            dir: dir.to_path_buf(),
+            // As inotify names the files (see `Completions`).
+            dir: std::path::absolute(dir)?,
             files: BTreeMap::new(),
             pending: BTreeMap::new(),
             settle,
@@ -272,11 +278,11 @@ impl ManifestDir {
                     Settle::Wait
                 }
             }
-            _ if stamp.is_some()
-                && self
-                    .completions
+            _ if stamp.is_some_and(|stamp| {
+                self.completions
                     .as_ref()
-                    .is_some_and(|c| c.is_complete(path)) =>
+                    .is_some_and(|c| c.is_complete(path, stamp))
+            }) =>
             {
                 self.pending.remove(path);
                 Settle::Complete
@@ -514,10 +520,18 @@ pub fn watch(
     let (tx, rx) = mpsc::channel(16);
     let mut watcher = notify::recommended_watcher(move |event: notify::Result<notify::Event>| {
         let (changes, complete) = match &event {
-            // Not a manifest (an editor's or writer's temporary file, say): its
-            // rename into place is the change.
+            // Not a manifest: a writer's temporary file, whose rename into place is
+            // the change, or a ConfigMap volume's `..data` link and dated
+            // directory, whose swap changes every file behind the links.
             Ok(e) if !e.paths.is_empty() && !e.paths.iter().any(|p| is_manifest(p)) => {
-                (false, false)
+                // Kubernetes' atomic writer names these `..data`, `..data_tmp` and
+                // `..<timestamp>`.
+                let swap = e.paths.iter().any(|p| {
+                    p.file_name()
+                        .and_then(|n| n.to_str())
+                        .is_some_and(|n| n.starts_with(".."))
+                }) && !matches!(e.kind, notify::EventKind::Access(_));
+                (swap, false)
             }
             Ok(e) => {
                 let complete = completions.record(e);
@@ -677,6 +691,10 @@ mod tests {
                     .expect("no inotify event")
                     .unwrap();
                 if complete {
+                    // The rest of this change's events (a rename reports "to" and
+                    // "both"), so that the next wait sees only the next change.
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                    while events.try_recv().is_ok() {}
                     return;
                 }
             }

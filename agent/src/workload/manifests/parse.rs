@@ -201,7 +201,21 @@ pub fn parse(file: &Path, text: &str) -> Result<Objects, ManifestError> {
                     .ok_or_else(|| err(start, "List has no items sequence".into()))?;
                 for (i, item) in items.iter().enumerate() {
                     let item_err = |m: String| err(start, format!("List item {i}: {m}"));
-                    match item.get("kind").and_then(Value::as_str) {
+                    let kind = item.get("kind").and_then(Value::as_str);
+                    let expected = match kind {
+                        Some("Pod" | "Namespace" | "Service") => Some("v1"),
+                        Some("EndpointSlice") => Some("discovery.k8s.io/v1"),
+                        _ => None,
+                    };
+                    let version = item.get("apiVersion").and_then(Value::as_str);
+                    if let (Some(kind), Some(expected)) = (kind, expected)
+                        && version != Some(expected)
+                    {
+                        return Err(item_err(format!(
+                            "{kind} has apiVersion {version:?}; podlink reads {expected}"
+                        )));
+                    }
+                    match kind {
                         Some("Pod") => {
                             let pod: Pod = serde_yaml_ng::from_value(item.clone())
                                 .map_err(|e| item_err(e.to_string()))?;
