@@ -585,6 +585,8 @@ impl Reconciler {
         }
         for (pod, error) in self.dataplane.reconcile(&self.wanted, removal) {
             tracing::warn!(workload = %pod.workload, ifname = %pod.ifname, "capture failed: {error:#}");
+            // Its name may have changed: ask again.
+            self.netlink.forget(pod.ifindex);
             retry = true;
         }
         let live: HashSet<String> = self.index.workloads().map(|w| w.key()).collect();
@@ -621,6 +623,10 @@ impl Reconciler {
                 self.waiting = true;
                 continue;
             };
+            if network.unresolved.contains(&ifindex) {
+                self.waiting = true;
+                continue;
+            }
             let Some(ifname) = network.veths.get(&ifindex) else {
                 self.warn_once(&key, &format!("the node's host route to {ipv4} leads to interface {ifindex}, which is not a veth; not capturing it"));
                 continue;

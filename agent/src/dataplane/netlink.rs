@@ -29,6 +29,8 @@ pub struct NodeNetwork {
     pub host_routes: HashMap<Ipv4Addr, u32>,
     /// The interfaces host routes lead to that are veths: index → name.
     pub veths: HashMap<u32, String>,
+    /// Interfaces host routes lead to whose kind could not be read this time.
+    pub unresolved: std::collections::HashSet<u32>,
     /// The node's own IPv4 addresses except loopback, sorted, without duplicates.
     pub addrs: Vec<Ipv4Addr>,
 }
@@ -66,12 +68,19 @@ impl Netlink {
         // One dump at a time: a netlink socket refuses a second one while the
         // first is in progress (EBUSY).
         let host_routes = self.host_routes().await?;
-        let veths = self.veths(&host_routes).await?;
+        let (veths, unresolved) = self.veths(&host_routes).await?;
         Ok(NodeNetwork {
             host_routes,
             veths,
+            unresolved,
             addrs: self.addrs().await?,
         })
+    }
+
+    /// Forgets what interface `index` is, so that it is asked again (after an
+    /// attach by its name failed: it may have been renamed).
+    pub fn forget(&self, index: u32) {
+        self.kinds.lock().expect("kinds lock").remove(&index);
     }
 
     async fn host_routes(&self) -> Result<HashMap<Ipv4Addr, u32>> {
@@ -115,7 +124,10 @@ impl Netlink {
         Ok(out)
     }
 
-    async fn veths(&self, host_routes: &HashMap<Ipv4Addr, u32>) -> Result<HashMap<u32, String>> {
+    async fn veths(
+        &self,
+        host_routes: &HashMap<Ipv4Addr, u32>,
+    ) -> Result<(HashMap<u32, String>, std::collections::HashSet<u32>)> {
         let wanted: std::collections::HashSet<u32> = host_routes.values().copied().collect();
         let unknown: Vec<u32> = {
             let mut kinds = self.kinds.lock().expect("kinds lock");
@@ -126,22 +138,27 @@ impl Netlink {
                 .copied()
                 .collect()
         };
+        let mut unresolved = std::collections::HashSet::new();
         for index in unknown {
             let mut links = self.handle.link().get().match_index(index).execute();
             let kind = match links.try_next().await {
                 Ok(Some(link)) => veth_name(&link),
-                // Gone since the routes were read: asked again if a route still
-                // leads to it next time.
-                Ok(None) | Err(rtnetlink::Error::NetlinkError(_)) => continue,
+                // Gone since the routes were read, or refused: asked again next
+                // time if a route still leads to it.
+                Ok(None) | Err(rtnetlink::Error::NetlinkError(_)) => {
+                    unresolved.insert(index);
+                    continue;
+                }
                 Err(e) => return Err(e).context(format!("reading link {index}")),
             };
             self.kinds.lock().expect("kinds lock").insert(index, kind);
         }
         let kinds = self.kinds.lock().expect("kinds lock");
-        Ok(kinds
+        let veths = kinds
             .iter()
             .filter_map(|(index, name)| Some((*index, name.clone()?)))
-            .collect())
+            .collect();
+        Ok((veths, unresolved))
     }
 
     async fn addrs(&self) -> Result<Vec<Ipv4Addr>> {
