@@ -401,9 +401,38 @@ impl Cluster {
     }
 
     /// Waits until all of `pods` are captured.
+    /// Waits until each pod is captured on its node and every running agent
+    /// knows it (its `/config_dump` lists it), so that no agent takes a new pod for
+    /// a destination outside the mesh.
     pub fn wait_all_captured(&self, pods: &[&Pod]) -> Result<()> {
         pods.iter()
-            .try_for_each(|pod| self.wait_captured(pod, true))
+            .try_for_each(|pod| self.wait_captured(pod, true))?;
+        let deadline = Instant::now() + Duration::from_secs(10);
+        for &node in self.agents.keys() {
+            for pod in pods {
+                while !self.knows(node, pod)? {
+                    if Instant::now() > deadline {
+                        bail!(
+                            "the agent of node {} does not know pod {} after 10 s; its log:\n{}",
+                            node + 1,
+                            pod.name,
+                            self.agent_log(node)
+                        );
+                    }
+                    std::thread::sleep(Duration::from_millis(10));
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Whether node `node`'s agent lists `pod` among its workloads.
+    fn knows(&self, node: usize, pod: &Pod) -> Result<bool> {
+        let dump = self.config_dump(node)?;
+        Ok(dump["workloads"].as_array().into_iter().flatten().any(|w| {
+            w["namespace"].as_str() == Some(pod.namespace.as_str())
+                && w["name"].as_str() == Some(pod.name.as_str())
+        }))
     }
 
     fn track(&mut self, resource: Resource) {

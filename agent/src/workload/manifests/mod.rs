@@ -95,6 +95,8 @@ struct FileState {
 struct Pending {
     stamp: Option<Stamp>,
     since: Instant,
+    /// Held to settle although inotify reported it complete (it drops objects).
+    held: bool,
 }
 
 /// How long a file must keep the same version (size, mtime, inode), or stay gone,
@@ -261,15 +263,25 @@ impl ManifestDir {
     }
 
     /// Whether a change to `path` (new version `stamp`) may be applied now, and
-    /// why; records it as pending otherwise. A version already pending waits out
-    /// its settling time even if inotify reports it complete (see [`rescan`]).
+    /// why; records it as pending otherwise. A version held back although
+    /// complete (see [`rescan`]) waits out its settling time.
     ///
     /// [`rescan`]: ManifestDir::rescan
     fn settled_change(&mut self, path: &Path, stamp: Option<Stamp>, now: Instant) -> Settle {
         if !self.scanned {
             return Settle::Settled;
         }
+        let complete = stamp.is_some_and(|stamp| {
+            self.completions
+                .as_ref()
+                .is_some_and(|c| c.is_complete(path, stamp))
+        });
         match self.pending.get(path) {
+            // Seen by a scan before its completion event came: complete now.
+            Some(p) if p.stamp == stamp && complete && !p.held => {
+                self.pending.remove(path);
+                Settle::Complete
+            }
             Some(p) if p.stamp == stamp => {
                 if now.duration_since(p.since) >= self.settle {
                     self.pending.remove(path);
@@ -278,18 +290,19 @@ impl ManifestDir {
                     Settle::Wait
                 }
             }
-            _ if stamp.is_some_and(|stamp| {
-                self.completions
-                    .as_ref()
-                    .is_some_and(|c| c.is_complete(path, stamp))
-            }) =>
-            {
+            _ if complete => {
                 self.pending.remove(path);
                 Settle::Complete
             }
             _ => {
-                self.pending
-                    .insert(path.to_path_buf(), Pending { stamp, since: now });
+                self.pending.insert(
+                    path.to_path_buf(),
+                    Pending {
+                        stamp,
+                        since: now,
+                        held: false,
+                    },
+                );
                 Settle::Wait
             }
         }
@@ -385,6 +398,7 @@ impl ManifestDir {
                     Pending {
                         stamp: now_stamp,
                         since: now,
+                        held: false,
                     },
                 );
                 rescan.unsettled = true;
@@ -403,6 +417,7 @@ impl ManifestDir {
                     Pending {
                         stamp: Some(stamp),
                         since: now,
+                        held: true,
                     },
                 );
                 rescan.unsettled = true;
@@ -740,6 +755,30 @@ mod tests {
         assert!(writing.unsettled && !writing.changed, "{writing:?}");
         assert_eq!(source.pods().count(), 1);
         drop(open);
+    }
+
+    #[test]
+    fn a_file_seen_before_its_completion_event_is_read_when_the_event_comes() {
+        use notify::event::{AccessKind, AccessMode, EventKind};
+        let guard = tempfile::tempdir().unwrap();
+        let dir = guard.path();
+        let completions = Completions::default();
+        let mut source = ManifestDir::with_settle(dir, Duration::from_secs(3600))
+            .unwrap()
+            .with_completions(completions.clone());
+        source.rescan();
+        let path = std::path::absolute(dir.join("pod.yaml")).unwrap();
+        fs::write(&path, POD).unwrap();
+        // Another file's event made a scan find it first: it waits.
+        assert!(source.rescan().unsettled);
+        assert_eq!(source.pods().count(), 0);
+        // Its own close-after-write then arrives.
+        let closed = notify::Event::new(EventKind::Access(AccessKind::Close(AccessMode::Write)))
+            .add_path(path.clone());
+        assert!(completions.record(&closed));
+        let read = source.rescan();
+        assert!(read.changed && !read.unsettled, "{read:?}");
+        assert_eq!(source.pods().count(), 1);
     }
 
     #[test]
