@@ -322,7 +322,7 @@ fn check_namespace(ns: &Namespace) -> Result<(), String> {
 /// The object's `namespace/name`, checked as Kubernetes names.
 fn object_name(kind: &str, meta: &crate::workload::k8s::ObjectMeta) -> Result<String, String> {
     let name = meta.name.as_deref().unwrap_or("");
-    let namespace = meta.namespace.as_deref().unwrap_or("default");
+    let namespace = meta.namespace_or_default();
     let who = format!("{kind} {namespace}/{name}");
     if name.is_empty() {
         return Err(format!("{kind} has no metadata.name"));
@@ -408,7 +408,7 @@ fn check_pod(pod: &Pod) -> Result<(), String> {
     if name.is_empty() {
         return Err("Pod has no metadata.name".into());
     }
-    let namespace = pod.metadata.namespace.as_deref().unwrap_or("default");
+    let namespace = pod.metadata.namespace_or_default();
     let who = format!("Pod {namespace}/{name}");
     if !is_dns1123_subdomain(name) {
         return Err(format!("{who}: metadata.name is not a DNS-1123 subdomain"));
