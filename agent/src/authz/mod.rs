@@ -619,11 +619,7 @@ impl Policy {
         if name.is_empty() {
             return Err("AuthorizationPolicy has no metadata.name".into());
         }
-        let namespace = p
-            .metadata
-            .namespace
-            .clone()
-            .unwrap_or_else(|| "default".into());
+        let namespace = p.metadata.namespace_or_default().to_string();
         let who = format!("AuthorizationPolicy {namespace}/{name}");
         let spec = &p.spec;
         let mut notes = Vec::new();

@@ -26,6 +26,13 @@ pub struct ObjectMeta {
     pub deletion_timestamp: Option<String>,
 }
 
+impl ObjectMeta {
+    /// `metadata.namespace`, or `default` when unset (as the API server fills it).
+    pub fn namespace_or_default(&self) -> &str {
+        self.namespace.as_deref().unwrap_or("default")
+    }
+}
+
 /// A `v1` Pod.
 #[derive(Clone, Debug, Default, PartialEq, Eq, Deserialize)]
 pub struct Pod {

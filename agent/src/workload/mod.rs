@@ -185,11 +185,7 @@ impl WorkloadIndex {
             if is_finished(pod) {
                 continue;
             }
-            let namespace = pod
-                .metadata
-                .namespace
-                .clone()
-                .unwrap_or_else(|| "default".into());
+            let namespace = pod.metadata.namespace_or_default().to_string();
             let key = format!("{namespace}/{name}");
             if index.workloads.contains_key(&key) {
                 warnings.push(format!(

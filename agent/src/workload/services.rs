@@ -91,11 +91,7 @@ impl ServiceIndex {
     ) -> (Self, Vec<String>) {
         let mut slices_of: BTreeMap<(String, String), Vec<&EndpointSlice>> = BTreeMap::new();
         for slice in slices {
-            let namespace = slice
-                .metadata
-                .namespace
-                .clone()
-                .unwrap_or_else(|| "default".into());
+            let namespace = slice.metadata.namespace_or_default().to_string();
             if let Some(service) = slice
                 .metadata
                 .labels
@@ -113,11 +109,7 @@ impl ServiceIndex {
         let mut index = ServiceIndex::default();
         let mut warnings = Vec::new();
         for service in services {
-            let namespace = service
-                .metadata
-                .namespace
-                .clone()
-                .unwrap_or_else(|| "default".into());
+            let namespace = service.metadata.namespace_or_default().to_string();
             let name = service.metadata.name.clone().unwrap_or_default();
             let Some(spec) = &service.spec else { continue };
             let slices = slices_of.get(&(namespace.clone(), name.clone()));
