@@ -120,8 +120,6 @@ fn raise_nofile_limit() -> u64 {
 
 /// Retry delays for pods that wait for their host veth (or failed to attach):
 /// quick at first, then slower, so a pod that never gets one costs little.
-/// How long one read of the node's routes, links and addresses may take.
-const NETLINK_TIMEOUT: Duration = Duration::from_secs(3);
 const PENDING_RETRY_MIN: Duration = Duration::from_millis(200);
 const PENDING_RETRY_MAX: Duration = Duration::from_secs(5);
 
@@ -197,10 +195,7 @@ pub async fn run(cfg: AgentConfig) -> Result<()> {
     let journal = SysctlJournal::new(&cfg.state_dir);
     net::apply_node_sysctls(&journal)?;
     let netlink = Netlink::open()?;
-    let network = tokio::time::timeout(NETLINK_TIMEOUT, netlink.read())
-        .await
-        .context("reading the node's network: no complete answer")?
-        .context("reading the node's network")?;
+    let network = netlink.read().await.context("reading the node's network")?;
     let dataplane = Dataplane::load(&DataplaneConfig {
         pin_dir: cfg.pin_dir.clone(),
         journal,
@@ -660,22 +655,15 @@ impl Reconciler {
     /// Reads the node's routes, veths and addresses for the next plan; on a
     /// failure keeps the last ones and retries soon.
     async fn read_network(&mut self) {
-        let read = tokio::time::timeout(NETLINK_TIMEOUT, self.netlink.read()).await;
-        let error = match read {
-            Ok(Ok(network)) => {
+        let error = match self.netlink.read().await {
+            Ok(network) => {
                 self.network = network;
                 return;
             }
-            Ok(Err(e)) => format!("{e:#}"),
-            Err(_) => format!(
-                "no complete answer within {}",
-                humantime::format_duration(NETLINK_TIMEOUT)
-            ),
+            Err(e) => e,
         };
-        tracing::warn!("reading the node's network: {error}; reopening the netlink socket");
+        tracing::warn!("reading the node's network: {error:#}; reopening the netlink socket");
         self.waiting = true;
-        // A reply the library could not decode is dropped, and its request then
-        // never ends: start over on a fresh socket.
         match Netlink::open() {
             Ok(netlink) => self.netlink = netlink,
             Err(e) => tracing::warn!("{e:#}"),

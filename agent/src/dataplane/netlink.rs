@@ -20,6 +20,9 @@ use rtnetlink::{
     },
 };
 
+/// How long one [`Netlink::read`] may take.
+pub const READ_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(3);
+
 /// The node's network as one reconcile needs it.
 #[derive(Debug, Default)]
 pub struct NodeNetwork {
@@ -60,11 +63,24 @@ impl Netlink {
         })
     }
 
-    /// Reads routes, links and addresses.
+    /// Reads routes, links and addresses, within [`READ_TIMEOUT`].
     ///
     /// # Errors
-    /// A failed dump, naming what was read.
+    /// A failed dump, naming what was read, or no complete answer in time (a
+    /// reply the library cannot decode is dropped, and its request never ends:
+    /// open a new socket then).
     pub async fn read(&self) -> Result<NodeNetwork> {
+        tokio::time::timeout(READ_TIMEOUT, self.read_all())
+            .await
+            .map_err(|_| {
+                anyhow::anyhow!(
+                    "no complete answer within {}",
+                    humantime::format_duration(READ_TIMEOUT)
+                )
+            })?
+    }
+
+    async fn read_all(&self) -> Result<NodeNetwork> {
         // One dump at a time: a netlink socket refuses a second one while the
         // first is in progress (EBUSY).
         let host_routes = self.host_routes().await?;
