@@ -153,8 +153,8 @@ pub struct ProxyState {
     /// Istio's TCP metrics and the failure counts.
     pub metrics: Arc<Metrics>,
     view: watch::Sender<View>,
-    /// Set once the agent drains: the listeners close, inbound HBONE connections
-    /// are sent GOAWAY.
+    /// Set once the agent drains: the listeners finish their queue and close,
+    /// inbound HBONE connections are sent GOAWAY.
     draining: watch::Sender<bool>,
     /// Listeners not yet closed.
     listeners_open: std::sync::atomic::AtomicUsize,
@@ -235,9 +235,12 @@ impl ProxyState {
         })
     }
 
-    /// Starts draining: the listeners stop accepting (and close), inbound HBONE
-    /// connections are sent GOAWAY so that they close once their streams end.
-    /// Open connections go on.
+    /// Starts draining: the listeners accept what is queued on them and close
+    /// (the programs already hand them nothing new: [`Dataplane::set_draining`]),
+    /// inbound HBONE connections are sent GOAWAY so that they close once their
+    /// streams end. Open connections go on.
+    ///
+    /// [`Dataplane::set_draining`]: crate::dataplane::Dataplane::set_draining
     pub fn drain(&self) {
         self.draining.send_replace(true);
     }
