@@ -60,8 +60,10 @@ use crate::{
 pub struct AgentConfig {
     /// This node's name (`spec.nodeName` of its pods).
     pub node: String,
-    /// Directory of Pod and Namespace manifests, watched for changes.
-    pub manifests: PathBuf,
+    /// Where the workloads come from.
+    pub source: WorkloadSourceConfig,
+    /// The podlink-cni plugin's socket, and whether to install the plugin.
+    pub cni: CniConfig,
     /// Directory holding `ca.crt` and `ca.key` (the local CA; watched, reloaded on
     /// change). Not used with `istio_ca`.
     pub ca_dir: Option<PathBuf>,
@@ -101,6 +103,29 @@ pub struct AgentConfig {
     /// The log filter, changed at run time by the admin endpoint's `/logging`
     /// (`None`: not changeable).
     pub log_control: Option<LogControl>,
+}
+
+/// Where the agent learns about workloads.
+#[derive(Clone, Debug)]
+pub enum WorkloadSourceConfig {
+    /// A directory of manifests (Pods, Namespaces, AuthorizationPolicies,
+    /// Services, EndpointSlices), watched.
+    Manifests(PathBuf),
+    /// The Kubernetes API: watchers of all pods, this node's pods and the
+    /// namespaces.
+    Kubernetes {
+        /// The kubeconfig to use; `None`: the in-cluster configuration.
+        kubeconfig: Option<PathBuf>,
+    },
+}
+
+/// The agent's side of the podlink-cni plugin.
+#[derive(Clone, Debug)]
+pub struct CniConfig {
+    /// The Unix socket the plugin asks (`/var/run/podlink/cni.sock`).
+    pub socket: PathBuf,
+    /// Install the plugin into the node's CNI configuration; `None`: leave it.
+    pub install: Option<crate::cni::Install>,
 }
 
 /// Raises the soft open-file limit to the hard one; returns the limit in force.
@@ -230,17 +255,20 @@ pub async fn run(cfg: AgentConfig) -> Result<()> {
         }
     });
 
+    let WorkloadSourceConfig::Manifests(manifests_dir) = &cfg.source else {
+        anyhow::bail!("the Kubernetes API source is not built yet");
+    };
     let completions = manifests::Completions::default();
-    let mut source = ManifestDir::new(&cfg.manifests)
+    let mut source = ManifestDir::new(manifests_dir)
         .with_context(|| {
             format!(
                 "reading the manifests directory {}",
-                cfg.manifests.display()
+                manifests_dir.display()
             )
         })?
         .with_completions(completions.clone());
-    let (_watcher, mut events) = manifests::watch(&cfg.manifests, completions)
-        .with_context(|| format!("watching {}", cfg.manifests.display()))?;
+    let (_watcher, mut events) = manifests::watch(manifests_dir, completions)
+        .with_context(|| format!("watching {}", manifests_dir.display()))?;
     let mut reconciler = Reconciler {
         node: cfg.node.clone(),
         trust_domain: cfg.trust_domain.clone(),

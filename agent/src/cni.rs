@@ -19,6 +19,22 @@ use serde_json::Value;
 pub const PLUGIN_TYPE: &str = "podlink-cni";
 /// The CNI configuration directory of container runtimes by default.
 pub const DEFAULT_CONF_DIR: &str = "/etc/cni/net.d";
+/// The CNI plugin binary directory of container runtimes by default.
+pub const DEFAULT_BIN_DIR: &str = "/opt/cni/bin";
+/// The Unix socket on which the agent answers podlink-cni by default.
+pub const DEFAULT_SOCKET: &str = "/var/run/podlink/cni.sock";
+
+/// Where to install the podlink-cni plugin.
+#[derive(Clone, Debug)]
+pub struct Install {
+    /// The plugin binary to copy; `None`: `podlink-cni` beside the running
+    /// executable.
+    pub plugin: Option<PathBuf>,
+    /// The runtime's CNI plugin directory (`/opt/cni/bin`).
+    pub bin_dir: PathBuf,
+    /// The runtime's CNI configuration directory (`/etc/cni/net.d`).
+    pub conf_dir: PathBuf,
+}
 
 /// `text` (a conflist) without its `plugins` entries of type [`PLUGIN_TYPE`]; `None`
 /// when it has none. Everything else is kept in its order (`serde_json` with

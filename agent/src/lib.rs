@@ -6,6 +6,7 @@
 pub mod admin;
 pub mod agent;
 pub mod authz;
+pub mod cli;
 pub mod cni;
 pub mod dataplane;
 pub mod identity;

@@ -1,0 +1,330 @@
+//! The command line of `podlink`: the node agent and its operator commands
+//! (clap). It lives in the library so that tests can parse argument lists the
+//! deployment manifests give (`deploy/daemonset.yaml`).
+
+use std::{path::PathBuf, time::Duration};
+
+use crate::{
+    admin::DEFAULT_ADMIN_ADDRESS,
+    agent::{self, AgentConfig, CniConfig, WorkloadSourceConfig},
+    authz::DEFAULT_ROOT_NAMESPACE,
+    cni,
+    dataplane::{DEFAULT_PIN_DIR, DEFAULT_STATE_DIR, inspect},
+    identity::{
+        DEFAULT_TRUST_DOMAIN, ca,
+        istio_ca::{DEFAULT_CLUSTER_ID, DEFAULT_TOKEN_FILE, IstioCaConfig},
+    },
+    telemetry::{
+        logging::{self, LogFormat},
+        metrics::DEFAULT_METRICS_ADDRESS,
+        server::DEFAULT_READINESS_ADDRESS,
+    },
+    uninstall::{self, UninstallConfig},
+};
+use anyhow::Result;
+use clap::{Args, Parser, Subcommand};
+
+/// `podlink`'s command line.
+#[derive(Parser)]
+#[command(
+    name = "podlink",
+    version,
+    about = "eBPF redirection dataplane and HBONE proxy for Kubernetes"
+)]
+pub struct Cli {
+    /// Log filter (tracing EnvFilter syntax); RUST_LOG overrides it. The agent's
+    /// can be changed at run time: POST /logging?level=... on the admin endpoint.
+    #[arg(long, global = true, default_value = "info")]
+    log_level: String,
+    /// Log lines as text, or as JSON objects (one per line).
+    #[arg(long, global = true, value_enum, default_value_t = LogFormat::Text)]
+    log_format: LogFormat,
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Run the node agent in this node's network namespace.
+    Agent(Box<AgentArgs>),
+    /// Certificate authority tools.
+    Ca {
+        #[command(subcommand)]
+        command: CaCommand,
+    },
+    /// Show what is pinned: enrolled pods (interface, addresses, flags), their TCX
+    /// links, their packet counters by outcome and drop reason, and anything
+    /// inconsistent. Reads the pins only, with or without an agent running; run it
+    /// in the node's network namespace.
+    Inspect {
+        /// The agent's pin directory.
+        #[arg(long, default_value = DEFAULT_PIN_DIR)]
+        pin_dir: PathBuf,
+        /// Print a JSON document instead of tables.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Remove everything the agent made on this node: links and pins, the policy
+    /// routing rule and route, the sysctls it changed (restored where they still
+    /// have its value), and podlink-cni from the CNI configuration lists.
+    /// Refuses while an agent runs on the pin directory: stop it first. Run it in
+    /// the node's network namespace; running it again is harmless.
+    Uninstall {
+        /// The agent's pin directory.
+        #[arg(long, default_value = DEFAULT_PIN_DIR)]
+        pin_dir: PathBuf,
+        /// The agent's state directory (the sysctl journal).
+        #[arg(long, default_value = DEFAULT_STATE_DIR)]
+        state_dir: PathBuf,
+        /// The CNI configuration directory (its *.conflist files are edited).
+        #[arg(long, default_value = cni::DEFAULT_CONF_DIR)]
+        cni_conf_dir: PathBuf,
+    },
+}
+
+#[derive(Subcommand)]
+enum CaCommand {
+    /// Write a development CA: DIR/ca.crt and DIR/ca.key (PEM).
+    Init {
+        /// Directory to write into (created if missing; existing files are kept).
+        #[arg(long)]
+        out: PathBuf,
+    },
+}
+
+#[derive(Args)]
+struct AgentArgs {
+    /// This node's name, as in the pods' spec.nodeName (in a DaemonSet: from the
+    /// downward API's spec.nodeName, as the NODE_NAME variable).
+    #[arg(long, env = "NODE_NAME")]
+    node: String,
+    /// Read workloads from this directory of Pod, Namespace, AuthorizationPolicy,
+    /// Service and EndpointSlice manifests (YAML), watched for changes, instead
+    /// of the Kubernetes API.
+    #[arg(long, conflicts_with = "kubeconfig")]
+    manifests: Option<PathBuf>,
+    /// Watch the Kubernetes API with this kubeconfig. Without it and without
+    /// --manifests, the in-cluster configuration (service account token and
+    /// KUBERNETES_SERVICE_HOST) is used.
+    #[arg(long, value_name = "PATH")]
+    kubeconfig: Option<PathBuf>,
+    /// Unix socket on which the agent answers the podlink-cni plugin (enrolls a
+    /// pod before its containers start).
+    #[arg(long, value_name = "PATH", default_value = cni::DEFAULT_SOCKET)]
+    cni_socket: PathBuf,
+    /// Install the podlink-cni plugin: copy it into --cni-bin-dir and add it,
+    /// last, to the node's CNI configuration list in --cni-conf-dir (removed by
+    /// `podlink uninstall`).
+    #[arg(long)]
+    install_cni: bool,
+    /// The podlink-cni binary to install; default: podlink-cni beside this
+    /// executable.
+    #[arg(long, value_name = "PATH", requires = "install_cni")]
+    cni_plugin: Option<PathBuf>,
+    /// Where the container runtime looks for CNI plugin binaries.
+    #[arg(long, default_value = cni::DEFAULT_BIN_DIR)]
+    cni_bin_dir: PathBuf,
+    /// The CNI configuration directory (its first *.conflist gets podlink-cni).
+    #[arg(long, default_value = cni::DEFAULT_CONF_DIR)]
+    cni_conf_dir: PathBuf,
+    /// Directory holding ca.crt (the signing CA certificate first, then further
+    /// trust anchors) and ca.key. Watched: a change is checked and put in force
+    /// (every workload certificate reissued) or refused with an error, the CA in
+    /// force staying.
+    #[arg(
+        long,
+        required_unless_present = "ca_address",
+        conflicts_with = "ca_address"
+    )]
+    ca_dir: Option<PathBuf>,
+    /// Get workload certificates from an Istio CA (istiod) at this https://host:port
+    /// instead: a CSR per local workload identity to
+    /// IstioCertificateService/CreateCertificate.
+    #[arg(long, value_name = "URL", requires = "ca_root_cert")]
+    ca_address: Option<String>,
+    /// With --ca-address: PEM bundle of the mesh's root certificates; verifies the
+    /// CA server and the issued certificates, and is the trust bundle of HBONE.
+    /// Watched and reloaded like ca.crt.
+    #[arg(long, value_name = "PATH", requires = "ca_address")]
+    ca_root_cert: Option<PathBuf>,
+    /// With --ca-address: the node agent's token, sent as a bearer token (read on
+    /// every request).
+    #[arg(long, value_name = "PATH", default_value = DEFAULT_TOKEN_FILE)]
+    ca_token_file: PathBuf,
+    /// The cluster ID: sent to the Istio CA (ClusterID header) with --ca-address,
+    /// and the source_cluster/destination_cluster label of the metrics.
+    #[arg(long, default_value = DEFAULT_CLUSTER_ID)]
+    cluster_id: String,
+    /// Where maps and links are pinned (on a bpffs; one is mounted if needed),
+    /// under vN/, N being the layout version. Locked while the agent runs.
+    #[arg(long, default_value = DEFAULT_PIN_DIR)]
+    pin_dir: PathBuf,
+    /// Where the original values of the sysctls the agent changes are recorded
+    /// (sysctls.json), for `podlink uninstall`. One per node network namespace.
+    #[arg(long, default_value = DEFAULT_STATE_DIR)]
+    state_dir: PathBuf,
+    /// SPIFFE trust domain of the mesh.
+    #[arg(long, default_value = DEFAULT_TRUST_DOMAIN)]
+    trust_domain: String,
+    /// Admin endpoint (GET /config_dump, GET and POST /logging); keep it on
+    /// loopback.
+    #[arg(long, default_value = DEFAULT_ADMIN_ADDRESS)]
+    admin_address: std::net::SocketAddr,
+    /// Prometheus metrics endpoint (GET /metrics).
+    #[arg(long, default_value = DEFAULT_METRICS_ADDRESS)]
+    metrics_address: std::net::SocketAddr,
+    /// Readiness endpoint (GET /healthz/ready: 200 once the programs are attached
+    /// and the listeners accept, 503 while starting or draining).
+    #[arg(long, default_value = DEFAULT_READINESS_ADDRESS)]
+    readiness_address: std::net::SocketAddr,
+    /// Threads of the proxy's runtime (tokio workers); 0: one per CPU.
+    #[arg(long, env = "PODLINK_WORKER_THREADS", default_value_t = 0)]
+    worker_threads: usize,
+    /// On SIGTERM, how long open connections may go on (the listeners accept the
+    /// handshakes under way and close) before the agent exits, e.g. 5s (Istio's
+    /// terminationDrainDuration).
+    #[arg(long, default_value = "5s", value_parser = humantime::parse_duration)]
+    drain_grace: Duration,
+    /// Namespace whose AuthorizationPolicies apply to the whole mesh.
+    #[arg(long, default_value = DEFAULT_ROOT_NAMESPACE)]
+    root_namespace: String,
+    /// Lifetime of workload certificates (renewed in the background at half of
+    /// it), e.g. 24h, 90m; from 10m to 366d.
+    #[arg(long, default_value = "24h", value_parser = parse_cert_lifetime)]
+    cert_lifetime: Duration,
+    /// Time allowed to connect upstream, e.g. 10s.
+    #[arg(long, default_value = "10s", value_parser = humantime::parse_duration)]
+    connect_timeout: Duration,
+    /// When no proxy listens, let enrolled pods' new outbound connections pass
+    /// uncaptured instead of dropping them (default: fail closed).
+    #[arg(long)]
+    fail_open: bool,
+    /// Destination IPv4 prefix that bypasses capture (repeatable).
+    #[arg(long = "exclude-cidr", value_name = "CIDR")]
+    excluded_cidrs: Vec<ipnet::Ipv4Net>,
+    /// Destination port that bypasses capture, both directions (repeatable).
+    #[arg(long = "exclude-port", value_name = "PORT")]
+    excluded_ports: Vec<u16>,
+    /// Connections (and inbound HBONE streams) handled at once; more are refused.
+    /// Default: a third of the open-file limit.
+    #[arg(long)]
+    max_connections: Option<usize>,
+}
+
+/// Certificate lifetimes the agent accepts: long enough that renewal at half of
+/// it cannot spin, short enough to stay within X.509 dates.
+const CERT_LIFETIME_RANGE: (Duration, Duration) = (
+    Duration::from_secs(10 * 60),
+    Duration::from_secs(366 * 24 * 3600),
+);
+
+fn parse_cert_lifetime(s: &str) -> Result<Duration, String> {
+    let d = humantime::parse_duration(s).map_err(|e| e.to_string())?;
+    let (min, max) = CERT_LIFETIME_RANGE;
+    if d < min || d > max {
+        return Err(format!(
+            "{s} is outside {} to {}",
+            humantime::format_duration(min),
+            humantime::format_duration(max)
+        ));
+    }
+    Ok(d)
+}
+
+/// Parses the process's arguments and runs the command.
+///
+/// # Errors
+/// The command's errors.
+pub fn main() -> Result<()> {
+    let cli = Cli::parse();
+    let log_control = logging::init(&cli.log_level, cli.log_format)?;
+    match cli.command {
+        Command::Ca {
+            command: CaCommand::Init { out },
+        } => {
+            let (cert, key) = ca::init(&out)?;
+            println!("wrote {} and {}", cert.display(), key.display());
+            Ok(())
+        }
+        Command::Inspect { pin_dir, json } => {
+            let report = inspect::inspect(&pin_dir)?;
+            if json {
+                println!("{}", serde_json::to_string_pretty(&report)?);
+            } else {
+                print!("{}", report.to_table());
+            }
+            Ok(())
+        }
+        Command::Uninstall {
+            pin_dir,
+            state_dir,
+            cni_conf_dir,
+        } => {
+            let done = uninstall::uninstall(&UninstallConfig {
+                pin_dir,
+                state_dir,
+                cni_conf_dir,
+            })?;
+            for line in &done {
+                println!("{line}");
+            }
+            if done.is_empty() {
+                println!("nothing of podlink's was left on this node");
+            }
+            Ok(())
+        }
+        Command::Agent(args) => {
+            let args = *args;
+            agent::limit_allocator_arenas(if args.worker_threads > 0 {
+                args.worker_threads
+            } else {
+                std::thread::available_parallelism().map_or(2, |n| n.get())
+            });
+            let mut runtime = tokio::runtime::Builder::new_multi_thread();
+            if args.worker_threads > 0 {
+                runtime.worker_threads(args.worker_threads);
+            }
+            let runtime = runtime.enable_all().build()?;
+            runtime.block_on(agent::run(AgentConfig {
+                node: args.node,
+                source: match args.manifests {
+                    Some(dir) => WorkloadSourceConfig::Manifests(dir),
+                    None => WorkloadSourceConfig::Kubernetes {
+                        kubeconfig: args.kubeconfig,
+                    },
+                },
+                cni: CniConfig {
+                    socket: args.cni_socket,
+                    install: args.install_cni.then(|| cni::Install {
+                        plugin: args.cni_plugin,
+                        bin_dir: args.cni_bin_dir,
+                        conf_dir: args.cni_conf_dir,
+                    }),
+                },
+                ca_dir: args.ca_dir,
+                istio_ca: args.ca_address.map(|address| IstioCaConfig {
+                    address,
+                    root_cert: args.ca_root_cert.expect("clap requires --ca-root-cert"),
+                    token_file: args.ca_token_file,
+                    cluster_id: args.cluster_id.clone(),
+                }),
+                pin_dir: args.pin_dir,
+                state_dir: args.state_dir,
+                trust_domain: args.trust_domain,
+                root_namespace: args.root_namespace,
+                admin_address: args.admin_address,
+                cert_lifetime: args.cert_lifetime,
+                fail_open: args.fail_open,
+                excluded_cidrs: args.excluded_cidrs,
+                excluded_ports: args.excluded_ports,
+                connect_timeout: args.connect_timeout,
+                max_connections: args.max_connections,
+                metrics_address: args.metrics_address,
+                readiness_address: args.readiness_address,
+                drain_grace: args.drain_grace,
+                cluster_id: args.cluster_id,
+                log_control: Some(log_control),
+            }))
+        }
+    }
+}
