@@ -50,10 +50,13 @@ use crate::{
     },
     workload::{
         WorkloadIndex,
-        manifests::{self, ManifestDir},
+        manifests::{self},
         services::ServiceIndex,
+        source::Source,
     },
 };
+
+pub use crate::workload::source::WorkloadSourceConfig;
 
 /// Settings of `podlink agent`.
 #[derive(Clone, Debug)]
@@ -103,20 +106,6 @@ pub struct AgentConfig {
     /// The log filter, changed at run time by the admin endpoint's `/logging`
     /// (`None`: not changeable).
     pub log_control: Option<LogControl>,
-}
-
-/// Where the agent learns about workloads.
-#[derive(Clone, Debug)]
-pub enum WorkloadSourceConfig {
-    /// A directory of manifests (Pods, Namespaces, AuthorizationPolicies,
-    /// Services, EndpointSlices), watched.
-    Manifests(PathBuf),
-    /// The Kubernetes API: watchers of all pods, this node's pods and the
-    /// namespaces.
-    Kubernetes {
-        /// The kubeconfig to use; `None`: the in-cluster configuration.
-        kubeconfig: Option<PathBuf>,
-    },
 }
 
 /// The agent's side of the podlink-cni plugin.
@@ -255,20 +244,7 @@ pub async fn run(cfg: AgentConfig) -> Result<()> {
         }
     });
 
-    let WorkloadSourceConfig::Manifests(manifests_dir) = &cfg.source else {
-        anyhow::bail!("the Kubernetes API source is not built yet");
-    };
-    let completions = manifests::Completions::default();
-    let mut source = ManifestDir::new(manifests_dir)
-        .with_context(|| {
-            format!(
-                "reading the manifests directory {}",
-                manifests_dir.display()
-            )
-        })?
-        .with_completions(completions.clone());
-    let (_watcher, mut events) = manifests::watch(manifests_dir, completions)
-        .with_context(|| format!("watching {}", manifests_dir.display()))?;
+    let mut source = Source::open(&cfg.source, &cfg.node).await?;
     let mut reconciler = Reconciler {
         node: cfg.node.clone(),
         trust_domain: cfg.trust_domain.clone(),
@@ -295,7 +271,7 @@ pub async fn run(cfg: AgentConfig) -> Result<()> {
         state.clone(),
         cfg.log_control.clone(),
     ));
-    tokio::task::block_in_place(|| reconciler.apply(removal(&source)));
+    tokio::task::block_in_place(|| reconciler.apply(&mut source));
     release_startup_memory();
     readiness.set(true);
     tracing::info!(
@@ -317,19 +293,7 @@ pub async fn run(cfg: AgentConfig) -> Result<()> {
         };
         let mut resync = false;
         tokio::select! {
-            Some(complete) = events.recv() => {
-                // A file closed after writing or renamed into place is read at
-                // once; other changes wait for the writer's next steps (and, in
-                // the source, to settle).
-                let mut complete = complete;
-                while let Ok(next) = events.try_recv() {
-                    complete |= next;
-                }
-                if !complete {
-                    tokio::time::sleep(manifests::DEBOUNCE).await;
-                    while events.try_recv().is_ok() {}
-                }
-            }
+            () = source.changed() => {}
             () = tokio::time::sleep(wait) => resync = true,
             _ = sigterm.recv() => break,
             _ = sigint.recv() => break,
@@ -349,7 +313,7 @@ pub async fn run(cfg: AgentConfig) -> Result<()> {
             tokio::task::block_in_place(|| {
                 reconciler.plan(&state);
                 let planned = started.elapsed();
-                reconciler.apply(removal(&source));
+                reconciler.apply(&mut source);
                 tracing::debug!(
                     read_us = published.as_micros() as u64,
                     plan_us = (planned - published).as_micros() as u64,
@@ -449,17 +413,6 @@ async fn drain(
     );
 }
 
-/// What may be detached, given how complete the workload source is.
-fn removal(source: &ManifestDir) -> Removal {
-    if source.settling() {
-        Removal::Nothing
-    } else if source.incomplete() {
-        Removal::OwnOnly
-    } else {
-        Removal::All
-    }
-}
-
 struct Reconciler {
     node: String,
     trust_domain: String,
@@ -492,7 +445,7 @@ struct Reconciler {
 
 impl Reconciler {
     /// Rescans the manifests and, if they changed, rebuilds the workload index.
-    fn publish(&mut self, source: &mut ManifestDir) -> manifests::Rescan {
+    fn publish(&mut self, source: &mut Source) -> manifests::Rescan {
         let rescan = source.rescan();
         for error in &rescan.errors {
             tracing::warn!("manifest refused: {error}");
@@ -526,7 +479,7 @@ impl Reconciler {
 
     /// The policies of the manifests; all requests are denied while a broken file
     /// may hold some. Notes on how a policy is enforced at layer 4 are logged once.
-    fn policy_set(&mut self, source: &ManifestDir) -> PolicySet {
+    fn policy_set(&mut self, source: &Source) -> PolicySet {
         let (mut set, warnings) =
             PolicySet::build(&self.root_namespace, source.policies().cloned());
         // Each message is logged once, while it holds.
@@ -596,9 +549,11 @@ impl Reconciler {
         }
     }
 
-    /// Attaches the planned pods and detaches the others as far as `removal`
-    /// allows; schedules a retry while some pod waits.
-    fn apply(&mut self, removal: Removal) {
+    /// Attaches the planned pods and detaches the others as far as the source's
+    /// completeness allows; tells the source which pods are captured; schedules
+    /// a retry while some pod waits.
+    fn apply(&mut self, source: &mut Source) {
+        let removal = source.removal();
         let mut retry = std::mem::take(&mut self.waiting);
         if let Err(e) = self.dataplane.set_node_addrs(&self.network.addrs) {
             tracing::warn!("writing node addresses: {e:#}");
@@ -606,12 +561,16 @@ impl Reconciler {
         if removal != Removal::All {
             tracing::debug!(?removal, "manifests incomplete for now: detaching less");
         }
+        let mut captured: HashSet<String> =
+            self.wanted.iter().map(|p| p.workload.clone()).collect();
         for (pod, error) in self.dataplane.reconcile(&self.wanted, removal) {
             tracing::warn!(workload = %pod.workload, ifname = %pod.ifname, "capture failed: {error:#}");
+            captured.remove(&pod.workload);
             // Its name may have changed: ask again.
             self.netlink.forget(pod.ifindex);
             retry = true;
         }
+        source.captured(&captured);
         let live: HashSet<String> = self.index.workloads().map(|w| w.key()).collect();
         self.workload_ids.retain(|k, _| live.contains(k));
         self.warned.retain(|k| live.contains(k));

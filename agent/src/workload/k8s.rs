@@ -21,6 +21,8 @@ pub struct ObjectMeta {
     pub namespace: Option<String>,
     /// `metadata.labels`.
     pub labels: Option<BTreeMap<String, String>>,
+    /// `metadata.annotations` (from the Kubernetes API, only those podlink reads).
+    pub annotations: Option<BTreeMap<String, String>>,
     /// `metadata.deletionTimestamp` (RFC 3339), set once the object is being
     /// deleted.
     pub deletion_timestamp: Option<String>,

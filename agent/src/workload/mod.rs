@@ -10,8 +10,10 @@
 //! `hostNetwork: true` are never enrolled.
 
 pub mod k8s;
+pub mod kube;
 pub mod manifests;
 pub mod services;
+pub mod source;
 
 use std::{
     collections::{BTreeMap, HashMap},

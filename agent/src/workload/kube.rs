@@ -1,0 +1,439 @@
+//! The Kubernetes API as a workload source: kube-rs watchers and reflector
+//! stores of all pods (destination lookup and identities), this node's pods
+//! (capture) and the namespaces (enrollment labels).
+//!
+//! The watchers list, then watch from the list's `resourceVersion`, and start
+//! over with a new list when the API server answers `410 Gone` (Kubernetes API
+//! concepts, "Efficient detection of changes"); the reflector stores swap in a
+//! new list whole, so a relist never shows a half-listed cluster. Errors (a cut
+//! connection, 401/403, 5xx) are logged with the watch that failed and retried
+//! with kube-rs's default exponential backoff (0.8 s to 30 s); the stores, and
+//! the data path built from them, keep their last state meanwhile.
+//!
+//! Objects are kept in partial form: the metadata podlink reads (managed fields
+//! and every annotation but [`REDIRECTION_ANNOTATION`] are dropped on arrival)
+//! and podlink's own `spec`/`status` types ([`super::k8s`]), not the full ones.
+
+use std::{
+    borrow::Cow,
+    collections::{BTreeMap, HashMap, HashSet},
+    path::Path,
+    sync::{
+        Arc,
+        atomic::{AtomicBool, AtomicU64, Ordering},
+    },
+    time::{Duration, Instant},
+};
+
+use anyhow::{Context, Result};
+use futures_util::StreamExt;
+use k8s_openapi::{
+    ClusterResourceScope, NamespaceResourceScope,
+    apimachinery::pkg::apis::meta::v1::ObjectMeta as ApiObjectMeta,
+};
+use kube::{
+    Api, Client, Resource,
+    api::{Patch, PatchParams},
+    runtime::{
+        WatchStreamExt,
+        reflector::{self, Store},
+        watcher,
+    },
+};
+use serde::Deserialize;
+use tokio::sync::Notify;
+
+use super::k8s::{self, Namespace, Pod};
+
+/// The annotation ztunnel's node agent sets on a pod whose traffic it captures
+/// (Istio ambient, `ambient.istio.io/redirection: enabled`); podlink sets it when
+/// a pod's links are in place and removes it when it stops capturing the pod.
+pub const REDIRECTION_ANNOTATION: &str = "ambient.istio.io/redirection";
+/// The value of [`REDIRECTION_ANNOTATION`] on a captured pod.
+pub const REDIRECTION_ENABLED: &str = "enabled";
+
+/// How long a patch of [`REDIRECTION_ANNOTATION`] that has not shown up in the
+/// watched pod is waited for before it is sent again.
+const PATCH_RETRY: Duration = Duration::from_secs(10);
+
+/// A pod as watched: API metadata, podlink's partial spec and status.
+#[derive(Clone, Debug, Deserialize)]
+struct ApiPod {
+    metadata: ApiObjectMeta,
+    spec: Option<k8s::PodSpec>,
+    status: Option<k8s::PodStatus>,
+}
+
+/// A namespace as watched: its metadata only.
+#[derive(Clone, Debug, Deserialize)]
+struct ApiNamespace {
+    metadata: ApiObjectMeta,
+}
+
+impl Resource for ApiPod {
+    type DynamicType = ();
+    type Scope = NamespaceResourceScope;
+    fn kind(_: &()) -> Cow<'_, str> {
+        "Pod".into()
+    }
+    fn group(_: &()) -> Cow<'_, str> {
+        "".into()
+    }
+    fn version(_: &()) -> Cow<'_, str> {
+        "v1".into()
+    }
+    fn plural(_: &()) -> Cow<'_, str> {
+        "pods".into()
+    }
+    fn meta(&self) -> &ApiObjectMeta {
+        &self.metadata
+    }
+    fn meta_mut(&mut self) -> &mut ApiObjectMeta {
+        &mut self.metadata
+    }
+}
+
+impl Resource for ApiNamespace {
+    type DynamicType = ();
+    type Scope = ClusterResourceScope;
+    fn kind(_: &()) -> Cow<'_, str> {
+        "Namespace".into()
+    }
+    fn group(_: &()) -> Cow<'_, str> {
+        "".into()
+    }
+    fn version(_: &()) -> Cow<'_, str> {
+        "v1".into()
+    }
+    fn plural(_: &()) -> Cow<'_, str> {
+        "namespaces".into()
+    }
+    fn meta(&self) -> &ApiObjectMeta {
+        &self.metadata
+    }
+    fn meta_mut(&mut self) -> &mut ApiObjectMeta {
+        &mut self.metadata
+    }
+}
+
+/// Keeps of an object's metadata what podlink reads.
+fn trim(meta: &mut ApiObjectMeta) {
+    meta.managed_fields = None;
+    meta.owner_references = None;
+    meta.finalizers = None;
+    if let Some(annotations) = meta.annotations.as_mut() {
+        annotations.retain(|k, _| k == REDIRECTION_ANNOTATION);
+        if annotations.is_empty() {
+            meta.annotations = None;
+        }
+    }
+}
+
+fn meta_of(meta: &ApiObjectMeta) -> k8s::ObjectMeta {
+    k8s::ObjectMeta {
+        name: meta.name.clone(),
+        namespace: meta.namespace.clone(),
+        labels: meta.labels.clone(),
+        annotations: meta.annotations.clone(),
+        deletion_timestamp: meta.deletion_timestamp.as_ref().map(|t| t.0.to_string()),
+    }
+}
+
+/// One watch and its store.
+struct Watch<K: Resource<DynamicType = ()> + Clone + 'static> {
+    store: Store<K>,
+    /// The first list has been stored.
+    ready: Arc<AtomicBool>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl<K: Resource<DynamicType = ()> + Clone + 'static> Drop for Watch<K> {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+/// Starts watching `api` into a reflector store; each change to the store bumps
+/// `generation` and wakes `changes`.
+fn watch<K>(
+    what: &'static str,
+    api: Api<K>,
+    config: watcher::Config,
+    modify: fn(&mut K),
+    generation: Arc<AtomicU64>,
+    changes: Arc<Notify>,
+) -> Watch<K>
+where
+    K: Resource<DynamicType = ()>
+        + Clone
+        + std::fmt::Debug
+        + serde::de::DeserializeOwned
+        + Send
+        + Sync
+        + 'static,
+{
+    let (store, writer) = reflector::store();
+    let ready = Arc::new(AtomicBool::new(false));
+    let task = tokio::spawn({
+        let ready = ready.clone();
+        async move {
+            let stream = reflector::reflector(
+                writer,
+                watcher(api, config)
+                    .default_backoff()
+                    .map(|event| event.map(|e| e.modify(modify))),
+            );
+            let mut stream = std::pin::pin!(stream);
+            let mut failing = false;
+            while let Some(event) = stream.next().await {
+                let changed = match event {
+                    Ok(watcher::Event::InitDone) => {
+                        if !ready.swap(true, Ordering::Relaxed) {
+                            tracing::info!(watch = what, "listed");
+                        }
+                        true
+                    }
+                    Ok(watcher::Event::Apply(_) | watcher::Event::Delete(_)) => true,
+                    Ok(watcher::Event::Init | watcher::Event::InitApply(_)) => false,
+                    Err(e) => {
+                        // The backoff spaces the retries; the store keeps its state.
+                        tracing::warn!(
+                            watch = what,
+                            "watching the Kubernetes API failed: {e}; retrying with backoff, the data path keeps its state"
+                        );
+                        failing = true;
+                        false
+                    }
+                };
+                if changed {
+                    if std::mem::take(&mut failing) {
+                        tracing::info!(watch = what, "watching again");
+                    }
+                    generation.fetch_add(1, Ordering::Relaxed);
+                    changes.notify_one();
+                }
+            }
+        }
+    });
+    Watch { store, ready, task }
+}
+
+/// The Kubernetes API as a workload source.
+pub struct KubeSource {
+    client: Client,
+    node: String,
+    all_pods: Watch<ApiPod>,
+    local_pods: Watch<ApiPod>,
+    namespaces: Watch<ApiNamespace>,
+    generation: Arc<AtomicU64>,
+    seen: u64,
+    changes: Arc<Notify>,
+    pods: Vec<Pod>,
+    namespace_list: Vec<Namespace>,
+    /// Annotation patches sent: pod → (wanted, when), until the watch shows them.
+    patched: HashMap<String, (bool, Instant)>,
+}
+
+impl KubeSource {
+    /// Connects with `kubeconfig`, or the in-cluster configuration (the service
+    /// account's token and CA, `KUBERNETES_SERVICE_HOST`/`_PORT`) when `None`, and
+    /// starts the watchers. Does not wait for the first lists ([`Self::ready`]).
+    ///
+    /// # Errors
+    /// A kubeconfig that cannot be read or used, or no in-cluster configuration.
+    pub async fn start(kubeconfig: Option<&Path>, node: &str) -> Result<Self> {
+        let config = match kubeconfig {
+            Some(path) => {
+                let kubeconfig = kube::config::Kubeconfig::read_from(path)
+                    .with_context(|| format!("reading the kubeconfig {}", path.display()))?;
+                kube::Config::from_custom_kubeconfig(kubeconfig, &Default::default())
+                    .await
+                    .with_context(|| format!("using the kubeconfig {}", path.display()))?
+            }
+            None => kube::Config::incluster().context(
+                "no --manifests or --kubeconfig given, and no in-cluster configuration (KUBERNETES_SERVICE_HOST and the service account) found",
+            )?,
+        };
+        let cluster = config.cluster_url.to_string();
+        let client = Client::try_from(config).context("making the Kubernetes client")?;
+        tracing::info!(api = %cluster, node, "watching the Kubernetes API");
+        let generation = Arc::new(AtomicU64::new(0));
+        let changes = Arc::new(Notify::new());
+        let pod_modify: fn(&mut ApiPod) = |p| trim(&mut p.metadata);
+        let ns_modify: fn(&mut ApiNamespace) = |n| trim(&mut n.metadata);
+        let all_pods = watch(
+            "pods (all)",
+            Api::all(client.clone()),
+            watcher::Config::default(),
+            pod_modify,
+            generation.clone(),
+            changes.clone(),
+        );
+        let local_pods = watch(
+            "pods (this node)",
+            Api::all(client.clone()),
+            watcher::Config::default().fields(&format!("spec.nodeName={node}")),
+            pod_modify,
+            generation.clone(),
+            changes.clone(),
+        );
+        let namespaces = watch(
+            "namespaces",
+            Api::all(client.clone()),
+            watcher::Config::default(),
+            ns_modify,
+            generation.clone(),
+            changes.clone(),
+        );
+        Ok(KubeSource {
+            client,
+            node: node.to_string(),
+            all_pods,
+            local_pods,
+            namespaces,
+            generation,
+            seen: u64::MAX,
+            changes,
+            pods: Vec::new(),
+            namespace_list: Vec::new(),
+            patched: HashMap::new(),
+        })
+    }
+
+    /// Whether this node's pods and the namespaces have been listed: only then
+    /// may pods missing from the source be taken as deleted.
+    pub fn ready(&self) -> bool {
+        self.local_pods.ready.load(Ordering::Relaxed)
+            && self.namespaces.ready.load(Ordering::Relaxed)
+    }
+
+    /// Waits until [`Self::ready`] or `timeout` has passed; returns whether ready.
+    pub async fn wait_ready(&self, timeout: Duration) -> bool {
+        let deadline = tokio::time::Instant::now() + timeout;
+        while !self.ready() {
+            if tokio::time::timeout_at(deadline, self.changes.notified())
+                .await
+                .is_err()
+            {
+                return self.ready();
+            }
+        }
+        true
+    }
+
+    /// Waits for the next change of a store.
+    pub async fn changed(&self) {
+        self.changes.notified().await;
+    }
+
+    /// Takes the stores' current state if it changed; returns whether it did.
+    pub fn refresh(&mut self) -> bool {
+        let generation = self.generation.load(Ordering::Relaxed);
+        if generation == self.seen {
+            return false;
+        }
+        self.seen = generation;
+        // This node's pods come from their own watch too (it may be ahead of, or
+        // working while, the cluster-wide one); one object per namespace/name.
+        let mut pods: BTreeMap<(String, String), Pod> = BTreeMap::new();
+        for pod in self
+            .all_pods
+            .store
+            .state()
+            .into_iter()
+            .chain(self.local_pods.store.state())
+        {
+            let (Some(ns), Some(name)) = (&pod.metadata.namespace, &pod.metadata.name) else {
+                continue;
+            };
+            pods.insert(
+                (ns.clone(), name.clone()),
+                Pod {
+                    metadata: meta_of(&pod.metadata),
+                    spec: pod.spec.clone(),
+                    status: pod.status.clone(),
+                },
+            );
+        }
+        self.pods = pods.into_values().collect();
+        self.namespace_list = self
+            .namespaces
+            .store
+            .state()
+            .iter()
+            .map(|ns| Namespace {
+                metadata: meta_of(&ns.metadata),
+            })
+            .collect();
+        true
+    }
+
+    /// The pods as last refreshed.
+    pub fn pods(&self) -> &[Pod] {
+        &self.pods
+    }
+
+    /// The namespaces as last refreshed.
+    pub fn namespaces(&self) -> &[Namespace] {
+        &self.namespace_list
+    }
+
+    /// Sets [`REDIRECTION_ANNOTATION`] on this node's pods in `captured`
+    /// (`namespace/name`) and removes it from its other pods, by JSON merge patch
+    /// (RFC 7386), in the background. A patch is sent again if the watch does not
+    /// show it after [`PATCH_RETRY`]; failures are logged.
+    pub fn annotate(&mut self, captured: &HashSet<String>) {
+        let now = Instant::now();
+        let mut seen = HashSet::new();
+        for pod in &self.pods {
+            if pod.spec.as_ref().and_then(|s| s.node_name.as_deref()) != Some(self.node.as_str()) {
+                continue;
+            }
+            let (Some(ns), Some(name)) = (&pod.metadata.namespace, &pod.metadata.name) else {
+                continue;
+            };
+            let key = format!("{ns}/{name}");
+            let has = pod
+                .metadata
+                .annotations
+                .as_ref()
+                .and_then(|a| a.get(REDIRECTION_ANNOTATION))
+                .is_some_and(|v| v == REDIRECTION_ENABLED);
+            let want = captured.contains(&key) && pod.metadata.deletion_timestamp.is_none();
+            if has == want {
+                self.patched.remove(&key);
+                continue;
+            }
+            seen.insert(key.clone());
+            if self
+                .patched
+                .get(&key)
+                .is_some_and(|&(w, at)| w == want && now.duration_since(at) < PATCH_RETRY)
+            {
+                continue;
+            }
+            self.patched.insert(key.clone(), (want, now));
+            let api: Api<ApiPod> = Api::namespaced(self.client.clone(), ns);
+            let name = name.clone();
+            let patch = serde_json::json!({
+                "metadata": {"annotations": {REDIRECTION_ANNOTATION: want.then_some(REDIRECTION_ENABLED)}}
+            });
+            tokio::spawn(async move {
+                match api
+                    .patch(&name, &PatchParams::default(), &Patch::Merge(&patch))
+                    .await
+                {
+                    Ok(_) => {
+                        tracing::debug!(pod = %key, enabled = want, "redirection annotation patched")
+                    }
+                    Err(e) => tracing::warn!(
+                        pod = %key,
+                        "patching the {REDIRECTION_ANNOTATION} annotation failed: {e}; retrying in {}s",
+                        PATCH_RETRY.as_secs()
+                    ),
+                }
+            });
+        }
+        self.patched.retain(|k, _| seen.contains(k));
+    }
+}

@@ -1,0 +1,187 @@
+//! The agent's workload source behind one interface: a manifests directory or
+//! the Kubernetes API. Both feed the same enrollment code
+//! ([`super::WorkloadIndex::build`] and the agent's reconciler).
+
+use std::{collections::HashSet, path::PathBuf, sync::Arc, time::Duration};
+
+use anyhow::{Context, Result};
+use tokio::sync::mpsc;
+
+use super::{
+    k8s::{EndpointSlice, Namespace, Pod, Service},
+    kube::KubeSource,
+    manifests::{self, ManifestDir, ManifestError, Rescan},
+};
+use crate::{authz::Policy, dataplane::Removal};
+
+/// Where the agent learns about workloads.
+#[derive(Clone, Debug)]
+pub enum WorkloadSourceConfig {
+    /// A directory of manifests (Pods, Namespaces, AuthorizationPolicies,
+    /// Services, EndpointSlices), watched.
+    Manifests(PathBuf),
+    /// The Kubernetes API: watchers of all pods, this node's pods and the
+    /// namespaces.
+    Kubernetes {
+        /// The kubeconfig to use; `None`: the in-cluster configuration.
+        kubeconfig: Option<PathBuf>,
+    },
+}
+
+/// How long the agent waits at start for the Kubernetes API's first lists before
+/// it serves with what it has (pinned pods stay captured meanwhile).
+pub const FIRST_LIST_WAIT: Duration = Duration::from_secs(10);
+
+/// A workload source, opened.
+pub enum Source {
+    /// A watched manifests directory.
+    Manifests {
+        /// The files and their last good objects.
+        dir: ManifestDir,
+        /// Change notifications (whether the change completes a file).
+        events: mpsc::Receiver<bool>,
+        /// Keeps the inotify watch alive.
+        _watcher: notify::RecommendedWatcher,
+    },
+    /// The Kubernetes API.
+    Kubernetes(Box<KubeSource>),
+}
+
+impl Source {
+    /// Opens the source `config` names, for node `node`.
+    ///
+    /// # Errors
+    /// A manifests directory that cannot be read or watched; a Kubernetes
+    /// configuration that cannot be loaded.
+    pub async fn open(config: &WorkloadSourceConfig, node: &str) -> Result<Self> {
+        match config {
+            WorkloadSourceConfig::Manifests(path) => {
+                let completions = manifests::Completions::default();
+                let dir = ManifestDir::new(path)
+                    .with_context(|| format!("reading the manifests directory {}", path.display()))?
+                    .with_completions(completions.clone());
+                let (watcher, events) = manifests::watch(dir.dir(), completions)
+                    .with_context(|| format!("watching {}", path.display()))?;
+                Ok(Source::Manifests {
+                    dir,
+                    events,
+                    _watcher: watcher,
+                })
+            }
+            WorkloadSourceConfig::Kubernetes { kubeconfig } => {
+                let source = KubeSource::start(kubeconfig.as_deref(), node).await?;
+                if !source.wait_ready(FIRST_LIST_WAIT).await {
+                    tracing::warn!(
+                        "the Kubernetes API has not listed this node's pods and the namespaces within {}s; serving with what is known, nothing is detached until it has",
+                        FIRST_LIST_WAIT.as_secs()
+                    );
+                }
+                Ok(Source::Kubernetes(Box::new(source)))
+            }
+        }
+    }
+
+    /// Waits for the next change (for manifests, with the writer's related
+    /// changes coalesced).
+    pub async fn changed(&mut self) {
+        match self {
+            Source::Manifests { events, .. } => {
+                let Some(mut complete) = events.recv().await else {
+                    return std::future::pending().await;
+                };
+                // A file closed after writing or renamed into place is read at
+                // once; other changes wait for the writer's next steps (and, in
+                // the source, to settle).
+                while let Ok(next) = events.try_recv() {
+                    complete |= next;
+                }
+                if !complete {
+                    tokio::time::sleep(manifests::DEBOUNCE).await;
+                    while events.try_recv().is_ok() {}
+                }
+            }
+            Source::Kubernetes(kube) => kube.changed().await,
+        }
+    }
+
+    /// Reads what changed since the last call.
+    pub fn rescan(&mut self) -> Rescan {
+        match self {
+            Source::Manifests { dir, .. } => dir.rescan(),
+            Source::Kubernetes(kube) => Rescan {
+                changed: kube.refresh(),
+                ..Rescan::default()
+            },
+        }
+    }
+
+    /// All pods.
+    pub fn pods(&self) -> Box<dyn Iterator<Item = &Pod> + '_> {
+        match self {
+            Source::Manifests { dir, .. } => Box::new(dir.pods()),
+            Source::Kubernetes(kube) => Box::new(kube.pods().iter()),
+        }
+    }
+
+    /// All namespaces.
+    pub fn namespaces(&self) -> Box<dyn Iterator<Item = &Namespace> + '_> {
+        match self {
+            Source::Manifests { dir, .. } => Box::new(dir.namespaces()),
+            Source::Kubernetes(kube) => Box::new(kube.namespaces().iter()),
+        }
+    }
+
+    /// All Services (the Kubernetes source does not watch them yet).
+    pub fn services(&self) -> Box<dyn Iterator<Item = &Service> + '_> {
+        match self {
+            Source::Manifests { dir, .. } => Box::new(dir.services()),
+            Source::Kubernetes(_) => Box::new(std::iter::empty()),
+        }
+    }
+
+    /// All EndpointSlices (the Kubernetes source does not watch them yet).
+    pub fn endpoint_slices(&self) -> Box<dyn Iterator<Item = &EndpointSlice> + '_> {
+        match self {
+            Source::Manifests { dir, .. } => Box::new(dir.endpoint_slices()),
+            Source::Kubernetes(_) => Box::new(std::iter::empty()),
+        }
+    }
+
+    /// All authorization policies (the Kubernetes source does not watch them yet).
+    pub fn policies(&self) -> Box<dyn Iterator<Item = &Arc<Policy>> + '_> {
+        match self {
+            Source::Manifests { dir, .. } => Box::new(dir.policies()),
+            Source::Kubernetes(_) => Box::new(std::iter::empty()),
+        }
+    }
+
+    /// A broken manifest that may hold policies (see
+    /// [`ManifestDir::policies_unknown`]).
+    pub fn policies_unknown(&self) -> Option<&ManifestError> {
+        match self {
+            Source::Manifests { dir, .. } => dir.policies_unknown(),
+            Source::Kubernetes(_) => None,
+        }
+    }
+
+    /// What may be detached, given how complete the source is: nothing while a
+    /// manifest settles or the API has not listed yet; only this agent's own
+    /// attachments while a manifest is broken since start-up.
+    pub fn removal(&self) -> Removal {
+        match self {
+            Source::Manifests { dir, .. } if dir.settling() => Removal::Nothing,
+            Source::Manifests { dir, .. } if dir.incomplete() => Removal::OwnOnly,
+            Source::Manifests { .. } => Removal::All,
+            Source::Kubernetes(kube) if !kube.ready() => Removal::Nothing,
+            Source::Kubernetes(_) => Removal::All,
+        }
+    }
+
+    /// Tells the source which of this node's pods are captured now
+    /// (`namespace/name`): the Kubernetes source annotates them.
+    pub fn captured(&mut self, captured: &HashSet<String>) {
+        if let Source::Kubernetes(kube) = self {
+            kube.annotate(captured);
+        }
+    }
+}
