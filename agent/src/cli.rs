@@ -295,7 +295,7 @@ pub fn main() -> Result<()> {
                 },
                 cni: CniConfig {
                     socket: args.cni_socket,
-                    install: args.install_cni.then(|| cni::Install {
+                    install: args.install_cni.then_some(cni::Install {
                         plugin: args.cni_plugin,
                         bin_dir: args.cni_bin_dir,
                         conf_dir: args.cni_conf_dir,
