@@ -752,7 +752,11 @@ status:
     /// Deletes a pod: manifest, CNI DEL, namespace.
     pub fn remove_pod(&mut self, name: &str) -> Result<()> {
         let pod = self.pods.remove(name).context("no such pod")?;
-        fs::remove_file(self.pod_manifest_path(&pod))?;
+        // A pod an API server double lists has no manifest.
+        match fs::remove_file(self.pod_manifest_path(&pod)) {
+            Err(e) if e.kind() != std::io::ErrorKind::NotFound => return Err(e.into()),
+            _ => {}
+        }
         let node = self.nodes[pod.node].clone();
         self.cni("DEL", &node, &pod.container_id, &pod.netns)?;
         let r = Resource::Netns(pod.netns.clone());
@@ -848,8 +852,13 @@ status:
                 "--node",
                 &n.name,
             ])
-            .arg("--manifests")
-            .arg(&self.manifests)
+            // The manifests directory, unless the agent is to watch an API server.
+            .args(
+                (!extra.contains(&"--kubeconfig"))
+                    .then(|| ["--manifests".as_ref(), self.manifests.as_os_str()])
+                    .into_iter()
+                    .flatten(),
+            )
             .arg("--pin-dir")
             .arg(&n.pin_dir)
             .arg("--state-dir")
