@@ -437,3 +437,67 @@ impl KubeSource {
         self.patched.retain(|k, _| seen.contains(k));
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn api_pod(json: serde_json::Value) -> ApiPod {
+        serde_json::from_value(json).unwrap()
+    }
+
+    #[test]
+    fn a_watched_pod_keeps_only_what_podlink_reads() {
+        let mut pod = api_pod(serde_json::json!({
+            "metadata": {
+                "name": "web-1", "namespace": "shop", "uid": "u-1", "resourceVersion": "42",
+                "labels": {"app": "web", "istio.io/dataplane-mode": "ambient"},
+                "annotations": {REDIRECTION_ANNOTATION: "enabled", "kubectl.kubernetes.io/last-applied-configuration": "{...}"},
+                "managedFields": [{"manager": "kubectl", "operation": "Update"}],
+                "ownerReferences": [{"apiVersion": "apps/v1", "kind": "ReplicaSet", "name": "web", "uid": "u-0"}],
+                "deletionTimestamp": "2026-11-30T18:00:00Z",
+            },
+            "spec": {"nodeName": "node1", "serviceAccountName": "web", "containers": [{"name": "app", "image": "x"}]},
+            "status": {"phase": "Running", "podIP": "10.0.0.5", "podIPs": [{"ip": "10.0.0.5"}], "conditions": []},
+        }));
+        trim(&mut pod.metadata);
+        assert!(pod.metadata.managed_fields.is_none());
+        assert!(pod.metadata.owner_references.is_none());
+        let meta = meta_of(&pod.metadata);
+        assert_eq!(meta.name.as_deref(), Some("web-1"));
+        assert_eq!(meta.namespace.as_deref(), Some("shop"));
+        assert_eq!(meta.labels.as_ref().unwrap()["app"], "web");
+        assert_eq!(
+            meta.annotations,
+            Some([(REDIRECTION_ANNOTATION.to_string(), "enabled".to_string())].into())
+        );
+        assert!(
+            meta.deletion_timestamp
+                .as_deref()
+                .unwrap()
+                .starts_with("2026-11-30")
+        );
+        let spec = pod.spec.unwrap();
+        assert_eq!(spec.node_name.as_deref(), Some("node1"));
+        assert_eq!(spec.service_account_name.as_deref(), Some("web"));
+        assert_eq!(pod.status.unwrap().pod_ip.as_deref(), Some("10.0.0.5"));
+    }
+
+    #[test]
+    fn other_annotations_alone_leave_none() {
+        let mut pod = api_pod(serde_json::json!({
+            "metadata": {"name": "a", "namespace": "b", "annotations": {"other": "x"}},
+        }));
+        trim(&mut pod.metadata);
+        assert_eq!(meta_of(&pod.metadata).annotations, None);
+    }
+
+    #[test]
+    fn resources_name_the_core_v1_api() {
+        assert_eq!(
+            ApiPod::url_path(&(), Some("shop")),
+            "/api/v1/namespaces/shop/pods"
+        );
+        assert_eq!(ApiNamespace::url_path(&(), None), "/api/v1/namespaces");
+    }
+}
