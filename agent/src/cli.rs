@@ -328,3 +328,242 @@ pub fn main() -> Result<()> {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    //! The deployment's arguments (`deploy/daemonset.yaml`, and the uninstall pod)
+    //! parsed by the agent's own command line, as the kubelet would pass them.
+
+    use std::{collections::HashMap, path::Path};
+
+    use clap::Parser;
+    use serde_yaml_ng::Value;
+
+    use super::{Cli, Command};
+
+    fn deploy_file(name: &str) -> Value {
+        let path = Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../deploy")
+            .join(name);
+        let text = std::fs::read_to_string(&path)
+            .unwrap_or_else(|e| panic!("reading {}: {e}", path.display()));
+        serde_yaml_ng::from_str(&text).unwrap_or_else(|e| panic!("parsing {}: {e}", path.display()))
+    }
+
+    fn str_of<'a>(v: &'a Value, what: &str) -> &'a str {
+        v.as_str()
+            .unwrap_or_else(|| panic!("{what} is not a string: {v:?}"))
+    }
+
+    /// The pod spec's container `name`.
+    fn container<'a>(pod_spec: &'a Value, name: &str) -> &'a Value {
+        pod_spec["containers"]
+            .as_sequence()
+            .expect("containers")
+            .iter()
+            .find(|c| c["name"].as_str() == Some(name))
+            .unwrap_or_else(|| panic!("no container {name}"))
+    }
+
+    /// The container's environment as the kubelet would set it: literal values,
+    /// the downward API's fields as placeholders, ConfigMap keys from
+    /// deploy/configmap.yaml.
+    fn container_env(container: &Value) -> HashMap<String, String> {
+        let configmap = deploy_file("configmap.yaml");
+        let configmap_name = str_of(&configmap["metadata"]["name"], "ConfigMap name");
+        let mut env = HashMap::new();
+        for var in container["env"].as_sequence().into_iter().flatten() {
+            let name = str_of(&var["name"], "env name").to_string();
+            let value = if let Some(value) = var.get("value") {
+                str_of(value, &name).to_string()
+            } else if let Some(field) = var["valueFrom"].get("fieldRef") {
+                match str_of(&field["fieldPath"], &name) {
+                    "spec.nodeName" => "node-1".to_string(),
+                    "metadata.name" => "podlink-x7k2p".to_string(),
+                    "metadata.namespace" => "podlink".to_string(),
+                    "status.podIP" | "status.hostIP" => "10.0.0.11".to_string(),
+                    other => panic!("{name}: no placeholder for fieldPath {other}"),
+                }
+            } else if let Some(key_ref) = var["valueFrom"].get("configMapKeyRef") {
+                assert_eq!(
+                    str_of(&key_ref["name"], &name),
+                    configmap_name,
+                    "{name} refers to another ConfigMap"
+                );
+                let key = str_of(&key_ref["key"], &name);
+                str_of(
+                    configmap["data"]
+                        .get(key)
+                        .unwrap_or_else(|| panic!("{name}: the ConfigMap has no key {key}")),
+                    key,
+                )
+                .to_string()
+            } else {
+                panic!("{name}: neither value, fieldRef nor configMapKeyRef");
+            };
+            env.insert(name, value);
+        }
+        env
+    }
+
+    /// `arg` with `$(VAR)` replaced by the variable's value and `$$` by `$`, as
+    /// the kubelet expands command and args. A reference to a variable the
+    /// container does not define would reach the agent unexpanded: a failure here.
+    fn expand(arg: &str, env: &HashMap<String, String>) -> String {
+        let mut out = String::new();
+        let mut rest = arg;
+        while let Some(i) = rest.find('$') {
+            out.push_str(&rest[..i]);
+            rest = &rest[i..];
+            if let Some(after) = rest.strip_prefix("$$") {
+                out.push('$');
+                rest = after;
+            } else if let Some(after) = rest.strip_prefix("$(") {
+                let end = after
+                    .find(')')
+                    .unwrap_or_else(|| panic!("unclosed $( in {arg}"));
+                let name = &after[..end];
+                let value = env
+                    .get(name)
+                    .unwrap_or_else(|| panic!("{arg}: the container defines no {name}"));
+                out.push_str(value);
+                rest = &after[end + 1..];
+            } else {
+                out.push('$');
+                rest = &rest[1..];
+            }
+        }
+        out.push_str(rest);
+        out
+    }
+
+    /// The container's command and args, expanded.
+    fn argv(container: &Value) -> Vec<String> {
+        let env = container_env(container);
+        container["command"]
+            .as_sequence()
+            .expect("the container names its command")
+            .iter()
+            .chain(container["args"].as_sequence().into_iter().flatten())
+            .map(|a| expand(str_of(a, "argument"), &env))
+            .collect()
+    }
+
+    /// Whether `path` is inside one of the container's volume mounts.
+    fn mounted(container: &Value, path: &Path) -> bool {
+        container["volumeMounts"]
+            .as_sequence()
+            .into_iter()
+            .flatten()
+            .any(|m| path.starts_with(str_of(&m["mountPath"], "mountPath")))
+    }
+
+    #[test]
+    fn daemonset_arguments_parse_as_the_agent_on_kubernetes() {
+        let daemonset = deploy_file("daemonset.yaml");
+        let pod_spec = &daemonset["spec"]["template"]["spec"];
+        let container = container(pod_spec, "podlink");
+        let argv = argv(container);
+        assert_eq!(argv[0], "/usr/local/bin/podlink");
+
+        let cli = Cli::try_parse_from(&argv)
+            .unwrap_or_else(|e| panic!("the DaemonSet's arguments {argv:?} do not parse:\n{e}"));
+        let Command::Agent(args) = cli.command else {
+            panic!("the DaemonSet does not run `podlink agent`");
+        };
+        assert_eq!(args.node, "node-1", "--node from the downward API");
+        // No --manifests and no --kubeconfig: the Kubernetes API, in-cluster.
+        assert!(args.manifests.is_none());
+        assert!(args.kubeconfig.is_none());
+        assert!(args.install_cni, "--install-cni");
+        // The Istio CA, with its root certificate and token from volumes.
+        assert!(args.ca_dir.is_none());
+        let ca_address = args.ca_address.as_deref().expect("--ca-address");
+        assert!(ca_address.starts_with("https://"), "{ca_address}");
+        let root_cert = args.ca_root_cert.as_deref().expect("--ca-root-cert");
+        for path in [
+            root_cert,
+            &args.ca_token_file,
+            &args.cni_socket,
+            &args.cni_bin_dir,
+            &args.cni_conf_dir,
+            &args.pin_dir,
+            &args.state_dir,
+        ] {
+            assert!(
+                mounted(container, path),
+                "{} is on no volume mount of the container",
+                path.display()
+            );
+        }
+        // The readiness probe asks the agent's readiness endpoint.
+        let probe_port = container["readinessProbe"]["httpGet"]["port"]
+            .as_u64()
+            .expect("readinessProbe.httpGet.port");
+        assert_eq!(u64::from(args.readiness_address.port()), probe_port);
+        // The kubelet waits longer than the drain (and the listeners' close).
+        let grace = pod_spec["terminationGracePeriodSeconds"]
+            .as_u64()
+            .expect("terminationGracePeriodSeconds");
+        assert!(
+            args.drain_grace.as_secs() + 3 < grace,
+            "--drain-grace {:?} leaves no room in terminationGracePeriodSeconds {grace}",
+            args.drain_grace
+        );
+
+        // The test parses for real: one misspelt flag, or an unexpanded
+        // variable, fails.
+        let misspelt: Vec<String> = argv
+            .iter()
+            .map(|a| a.replace("--install-cni", "--instal-cni"))
+            .collect();
+        assert_ne!(misspelt, argv);
+        assert!(Cli::try_parse_from(&misspelt).is_err());
+        let unexpanded: Vec<String> = argv
+            .iter()
+            .map(|a| {
+                if a.starts_with("--drain-grace=") {
+                    "--drain-grace=$(DRAIN_GRACE)".to_string()
+                } else {
+                    a.clone()
+                }
+            })
+            .collect();
+        assert!(Cli::try_parse_from(&unexpanded).is_err());
+    }
+
+    #[test]
+    fn uninstall_pod_arguments_parse_and_match_the_daemonset() {
+        let pod = deploy_file("uninstall/uninstall-pod.yaml");
+        let uninstall = container(&pod["spec"], "uninstall");
+        let uninstall_argv = argv(uninstall);
+        let cli = Cli::try_parse_from(&uninstall_argv).unwrap_or_else(|e| {
+            panic!("the uninstall pod's arguments {uninstall_argv:?} do not parse:\n{e}")
+        });
+        let Command::Uninstall {
+            pin_dir,
+            state_dir,
+            cni_conf_dir,
+        } = cli.command
+        else {
+            panic!("the uninstall pod does not run `podlink uninstall`");
+        };
+        for path in [&pin_dir, &state_dir, &cni_conf_dir] {
+            assert!(
+                mounted(uninstall, path),
+                "{} is not mounted",
+                path.display()
+            );
+        }
+
+        let daemonset = deploy_file("daemonset.yaml");
+        let agent_argv = argv(container(&daemonset["spec"]["template"]["spec"], "podlink"));
+        let Command::Agent(agent) = Cli::try_parse_from(&agent_argv).expect("parses").command
+        else {
+            panic!("not the agent");
+        };
+        assert_eq!(pin_dir, agent.pin_dir);
+        assert_eq!(state_dir, agent.state_dir);
+        assert_eq!(cni_conf_dir, agent.cni_conf_dir);
+    }
+}

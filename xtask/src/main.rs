@@ -4,6 +4,7 @@
 
 mod bench;
 mod demo;
+mod deploy;
 mod setup;
 
 use std::{
@@ -32,8 +33,11 @@ enum Cmd {
     Build,
     /// Build a two-node cluster of network namespaces and show podlink at work.
     Demo,
-    /// Run unit tests, then the end-to-end tests (root) on the network-namespace
-    /// test bed.
+    /// Validate the Kubernetes manifests of deploy/ (their schemas, and that
+    /// kustomization.yaml lists them all).
+    ValidateDeploy,
+    /// Validate deploy/, run unit tests, then the end-to-end tests (root) on the
+    /// network-namespace test bed.
     Test {
         /// Only run tests whose name contains this filter.
         filter: Option<String>,
@@ -66,9 +70,17 @@ fn main() -> Result<()> {
             build()?;
             demo::run()
         }
+        Cmd::ValidateDeploy => deploy::validate(),
         Cmd::Test { filter } => {
+            // First (seconds), but its failure does not keep the tests from
+            // running: both are reported, and either fails the command.
+            let deploy = deploy::validate();
+            if let Err(e) = &deploy {
+                eprintln!("validate-deploy failed: {e:#}");
+            }
             build()?;
-            test(filter.as_deref())
+            let tests = test(filter.as_deref());
+            tests.and(deploy.context("validate-deploy"))
         }
         Cmd::Bench {
             repeat,

@@ -3,6 +3,8 @@
 //! * Debian packages the data path, the test bed and the benchmark use.
 //! * The nightly toolchain's `rust-src` component (the eBPF crate builds `core`).
 //! * `bpf-linker` 0.13, built against the nightly's own LLVM into `.tools/`.
+//! * `kubernetes-validate` (PyPI), in a Python venv under `.tools/`, for
+//!   `validate-deploy`.
 
 use std::{
     fs,
@@ -21,15 +23,25 @@ const PACKAGES: &[(&str, &str)] = &[
     ("containernetworking-plugins", "/usr/lib/cni/ptp"),
     ("iperf3", "/usr/bin/iperf3"),
     ("tcpdump", "/usr/bin/tcpdump"),
+    // `python3 -m venv` of Debian's python3 (for kubernetes-validate).
+    ("python3-venv", "/usr/share/doc/python3-venv"),
 ];
 
 /// The bpf-linker release line that builds with the installed toolchains.
 const BPF_LINKER_VERSION: &str = "~0.13";
 
+/// The kubernetes-validate release installed (it bundles the Kubernetes JSON
+/// schemas, 1.25 to 1.37, so validating needs no network).
+pub const KUBERNETES_VALIDATE_VERSION: &str = "1.37.0";
+
+/// The Python that gets the venv: Debian's, which python3-venv completes.
+const PYTHON: &str = "/usr/bin/python3";
+
 pub fn setup() -> Result<()> {
     install_packages()?;
     install_rust_src()?;
     install_bpf_linker()?;
+    install_kubernetes_validate()?;
     Ok(())
 }
 
@@ -155,4 +167,41 @@ fn nightly_llvm() -> Result<(String, PathBuf)> {
         })
         .with_context(|| format!("no libLLVM.so.* in {}/lib", sysroot.display()))?;
     Ok((major, lib))
+}
+
+/// The venv holding kubernetes-validate.
+fn kubernetes_validate_venv() -> PathBuf {
+    tools_dir().join("kubernetes-validate")
+}
+
+/// Path of the project-local kubernetes-validate.
+pub fn kubernetes_validate_bin() -> PathBuf {
+    kubernetes_validate_venv().join("bin/kubernetes-validate")
+}
+
+fn install_kubernetes_validate() -> Result<()> {
+    if let Ok(out) = Command::new(kubernetes_validate_bin())
+        .arg("--version")
+        .output()
+        && out.status.success()
+        && String::from_utf8_lossy(&out.stdout).trim() == KUBERNETES_VALIDATE_VERSION
+    {
+        return Ok(());
+    }
+    let venv = kubernetes_validate_venv();
+    eprintln!(
+        "setup: installing kubernetes-validate {KUBERNETES_VALIDATE_VERSION} into {}",
+        venv.display()
+    );
+    // --clear: a venv left half made, or of an earlier version, starts afresh.
+    run(Command::new(PYTHON)
+        .args(["-m", "venv", "--clear"])
+        .arg(&venv))
+    .context("making the kubernetes-validate venv")?;
+    run(Command::new(venv.join("bin/pip"))
+        .args(["install", "--quiet", "--disable-pip-version-check"])
+        .arg(format!(
+            "kubernetes-validate=={KUBERNETES_VALIDATE_VERSION}"
+        )))
+    .context("pip install kubernetes-validate")
 }
