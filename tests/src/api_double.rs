@@ -305,7 +305,10 @@ impl State {
             },
         };
         meta.insert("uid".into(), uid.into());
-        let created = match existing.as_ref().map(|o| &o["metadata"]["creationTimestamp"]) {
+        let created = match existing
+            .as_ref()
+            .map(|o| &o["metadata"]["creationTimestamp"])
+        {
             Some(Value::String(t)) => t.clone(),
             _ => match meta.get("creationTimestamp").and_then(Value::as_str) {
                 Some(t) if !t.is_empty() => t.to_string(),
@@ -844,13 +847,11 @@ fn route(path: &str) -> Option<Target> {
             kind: Kind::Pods,
             namespace: Some(s(ns)),
         },
-        ["namespaces", ns, "pods", name] if !ns.is_empty() && !name.is_empty() => {
-            Target::Object {
-                kind: Kind::Pods,
-                namespace: Some(s(ns)),
-                name: s(name),
-            }
-        }
+        ["namespaces", ns, "pods", name] if !ns.is_empty() && !name.is_empty() => Target::Object {
+            kind: Kind::Pods,
+            namespace: Some(s(ns)),
+            name: s(name),
+        },
         _ => return None,
     })
 }
@@ -1029,7 +1030,17 @@ async fn respond(
             }
         }
         ("patch", Some(name)) => {
-            patch(shared, kind, ns_key, name, &q, content_type, body, patch_body).await
+            patch(
+                shared,
+                kind,
+                ns_key,
+                name,
+                &q,
+                content_type,
+                body,
+                patch_body,
+            )
+            .await
         }
         _ => method_not_allowed(),
     }
@@ -1224,7 +1235,9 @@ fn parse_field_selector(kind: Kind, s: &str) -> Result<Vec<FieldReq>, String> {
             } else if let Some((k, v)) = term.split_once("==").or_else(|| term.split_once('=')) {
                 (k, v, true)
             } else {
-                return Err(format!("invalid selector: '{s}'; can't understand '{term}'"));
+                return Err(format!(
+                    "invalid selector: '{s}'; can't understand '{term}'"
+                ));
             };
             let path = path.trim();
             if !kind.fields().contains(&path) {
@@ -1338,7 +1351,11 @@ fn list(
         Ok(f) => f,
         Err(e) => return bad_request(&e),
     };
-    let limit = match q.get("limit").filter(|l| !l.is_empty()).map(str::parse::<usize>) {
+    let limit = match q
+        .get("limit")
+        .filter(|l| !l.is_empty())
+        .map(str::parse::<usize>)
+    {
         None => None,
         Some(Ok(0)) => None,
         Some(Ok(n)) => Some(n),
@@ -1348,7 +1365,11 @@ fn list(
     let (rv, after) = match q.get("continue").filter(|c| !c.is_empty()) {
         None => (st.rv, None),
         Some(token) => match decode_continue(token) {
-            None => return bad_request("continue key is not valid: incorrect encoded start resourceVersion (version meta.k8s.io/v1)"),
+            None => {
+                return bad_request(
+                    "continue key is not valid: incorrect encoded start resourceVersion (version meta.k8s.io/v1)",
+                );
+            }
             Some((rv, _)) if rv < st.oldest => {
                 return error(
                     410,
@@ -1482,7 +1503,8 @@ async fn patch(
         let Some(old) = st.store(kind).objects.get(&key).cloned() else {
             return object_not_found(kind, &name);
         };
-        if let Some(Value::String(wanted)) = doc.get("metadata").and_then(|m| m.get("resourceVersion"))
+        if let Some(Value::String(wanted)) =
+            doc.get("metadata").and_then(|m| m.get("resourceVersion"))
             && wanted != old["metadata"]["resourceVersion"].as_str().unwrap_or("")
         {
             return error(
@@ -1536,8 +1558,8 @@ async fn patch(
 // responses", "Streaming lists")
 
 fn event_line(kind: EventType, object: &Value) -> Bytes {
-    let mut line = serde_json::to_vec(&json!({"type": kind.as_str(), "object": object}))
-        .unwrap_or_default();
+    let mut line =
+        serde_json::to_vec(&json!({"type": kind.as_str(), "object": object})).unwrap_or_default();
     line.push(b'\n');
     line.into()
 }
@@ -1611,14 +1633,20 @@ fn start_watch(
             return error(
                 422,
                 "Invalid",
-                &format!("ListOptions.meta.k8s.io \"\" is invalid: {}", causes.join(", ")),
+                &format!(
+                    "ListOptions.meta.k8s.io \"\" is invalid: {}",
+                    causes.join(", ")
+                ),
                 Some(json!({"kind": "ListOptions", "group": "meta.k8s.io"})),
             );
         }
     }
     let (tx, rx) = mpsc::unbounded_channel();
     let mut st = shared.lock();
-    let (initial, cursor) = match q.get("resourceVersion").filter(|v| !v.is_empty() && *v != "0") {
+    let (initial, cursor) = match q
+        .get("resourceVersion")
+        .filter(|v| !v.is_empty() && *v != "0")
+    {
         None => (send_initial != Some(false), st.rv),
         Some(rv) => {
             let Ok(n) = rv.parse::<u64>() else {
@@ -1679,8 +1707,8 @@ fn start_watch(
 }
 
 fn event_line_error(status: &Value) -> Bytes {
-    let mut line = serde_json::to_vec(&json!({"type": "ERROR", "object": status}))
-        .unwrap_or_default();
+    let mut line =
+        serde_json::to_vec(&json!({"type": "ERROR", "object": status})).unwrap_or_default();
     line.push(b'\n');
     line.into()
 }
@@ -1821,7 +1849,10 @@ mod tests {
 
     #[test]
     fn percent_decoding_and_queries() {
-        assert_eq!(percent_decode("spec.nodeName%3Dnode1"), "spec.nodeName=node1");
+        assert_eq!(
+            percent_decode("spec.nodeName%3Dnode1"),
+            "spec.nodeName=node1"
+        );
         assert_eq!(percent_decode("a+b%2"), "a b%2");
         let q = parse_query("&watch=true&fieldSelector=spec.nodeName%3Dn&x");
         assert_eq!(q[0], ("watch".into(), "true".into()));
@@ -1834,7 +1865,11 @@ mod tests {
         let pod = json!({"metadata": {"name": "a", "namespace": "ns", "labels": {"app": "web", "tier": "1"}},
                           "spec": {"nodeName": "node1"}});
         let q = |s: &str| Query(parse_query(s));
-        let f = |s: &str| Filter::parse(Kind::Pods, None, &q(s)).unwrap().matches(&pod);
+        let f = |s: &str| {
+            Filter::parse(Kind::Pods, None, &q(s))
+                .unwrap()
+                .matches(&pod)
+        };
         assert!(f("fieldSelector=spec.nodeName%3Dnode1"));
         assert!(!f("fieldSelector=spec.nodeName%3Dnode2"));
         assert!(f("fieldSelector=spec.nodeName!%3Dnode2,metadata.name%3Da"));

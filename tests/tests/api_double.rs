@@ -116,10 +116,18 @@ where
                     watcher::Event::InitApply(o) => format!("init-apply {}", id(o)),
                     watcher::Event::InitDone => "init-done".to_string(),
                     watcher::Event::Apply(o) => {
-                        format!("apply {} {}", id(o), o.resource_version().unwrap_or_default())
+                        format!(
+                            "apply {} {}",
+                            id(o),
+                            o.resource_version().unwrap_or_default()
+                        )
                     }
                     watcher::Event::Delete(o) => {
-                        format!("delete {} {}", id(o), o.resource_version().unwrap_or_default())
+                        format!(
+                            "delete {} {}",
+                            id(o),
+                            o.resource_version().unwrap_or_default()
+                        )
                     }
                 }),
                 Err(err) => e.lock().unwrap().push(format!("{err} | {err:?}")),
@@ -161,14 +169,17 @@ impl<K: kube::Resource<DynamicType = ()> + Clone + 'static> Watched<K> {
     async fn wait_names(&self, names: &[&str]) {
         let mut want: Vec<String> = names.iter().map(|n| n.to_string()).collect();
         want.sort();
-        eventually(|| self.names() == want, || {
-            format!(
-                "store {:?}, wanted {want:?}; log {:?}; errors {:?}",
-                self.names(),
-                self.log(),
-                self.errors()
-            )
-        })
+        eventually(
+            || self.names() == want,
+            || {
+                format!(
+                    "store {:?}, wanted {want:?}; log {:?}; errors {:?}",
+                    self.names(),
+                    self.log(),
+                    self.errors()
+                )
+            },
+        )
         .await;
     }
 }
@@ -202,13 +213,22 @@ fn lists_of(api: &ApiServer, path: &str) -> Vec<podlink_tests::api_double::Reque
 async fn the_reflector_lists_then_follows_added_modified_deleted() {
     let (api, client) = start().await;
     api.apply_namespace(namespace("a", json!({}))).unwrap();
-    api.apply_pod(pod("a", "one", Some("node1"), json!({"app": "web"}))).unwrap();
-    api.apply_pod(pod("a", "two", Some("node1"), json!({}))).unwrap();
-    api.apply_pod(pod("b", "three", Some("node2"), json!({}))).unwrap();
+    api.apply_pod(pod("a", "one", Some("node1"), json!({"app": "web"})))
+        .unwrap();
+    api.apply_pod(pod("a", "two", Some("node1"), json!({})))
+        .unwrap();
+    api.apply_pod(pod("b", "three", Some("node2"), json!({})))
+        .unwrap();
 
     let pods = watch(Api::<Pod>::all(client.clone()), watcher::Config::default());
-    let in_b = watch(Api::<Pod>::namespaced(client.clone(), "b"), watcher::Config::default());
-    let namespaces = watch(Api::<Namespace>::all(client.clone()), watcher::Config::default());
+    let in_b = watch(
+        Api::<Pod>::namespaced(client.clone(), "b"),
+        watcher::Config::default(),
+    );
+    let namespaces = watch(
+        Api::<Namespace>::all(client.clone()),
+        watcher::Config::default(),
+    );
     pods.wait_names(&["a/one", "a/two", "b/three"]).await;
     in_b.wait_names(&["b/three"]).await;
     namespaces.wait_names(&["/a"]).await;
@@ -221,11 +241,18 @@ async fn the_reflector_lists_then_follows_added_modified_deleted() {
     assert_eq!(list.param("limit").as_deref(), Some("500"), "{list:?}");
     assert_eq!(list.param("resourceVersion"), None, "{list:?}");
     let w = &watches_of(&api, "/api/v1/pods")[0];
-    assert_eq!(w.param("allowWatchBookmarks").as_deref(), Some("true"), "{w:?}");
+    assert_eq!(
+        w.param("allowWatchBookmarks").as_deref(),
+        Some("true"),
+        "{w:?}"
+    );
     assert_eq!(w.param("timeoutSeconds").as_deref(), Some("290"), "{w:?}");
     assert_eq!(w.param("sendInitialEvents"), None, "{w:?}");
     assert_eq!(w.param("resourceVersion").as_deref(), Some("5"), "{w:?}");
-    assert_eq!(w.authorization.as_deref(), Some(format!("Bearer {TOKEN}").as_str()));
+    assert_eq!(
+        w.authorization.as_deref(),
+        Some(format!("Bearer {TOKEN}").as_str())
+    );
     // kube 5 sets no User-Agent of its own (a client adds one through
     // Config::headers if it wants to be told apart).
     assert_eq!(w.user_agent, "", "{w:?}");
@@ -233,11 +260,18 @@ async fn the_reflector_lists_then_follows_added_modified_deleted() {
 
     // ADDED.
     let rv = api.apply_pod(pod("b", "four", None, json!({}))).unwrap();
-    pods.wait_names(&["a/one", "a/two", "b/four", "b/three"]).await;
+    pods.wait_names(&["a/one", "a/two", "b/four", "b/three"])
+        .await;
     in_b.wait_names(&["b/four", "b/three"]).await;
-    assert!(pods.log().contains(&format!("apply b/four {rv}")), "{:?}", pods.log());
+    assert!(
+        pods.log().contains(&format!("apply b/four {rv}")),
+        "{:?}",
+        pods.log()
+    );
     // MODIFIED.
-    let rv = api.apply_pod(pod("a", "one", Some("node1"), json!({"app": "db"}))).unwrap();
+    let rv = api
+        .apply_pod(pod("a", "one", Some("node1"), json!({"app": "db"})))
+        .unwrap();
     eventually(
         || {
             pods.object("a", "one")
@@ -247,22 +281,33 @@ async fn the_reflector_lists_then_follows_added_modified_deleted() {
     )
     .await;
     assert!(pods.log().contains(&format!("apply a/one {rv}")));
-    assert_eq!(pods.object("a", "one").unwrap().resource_version(), Some(rv));
+    assert_eq!(
+        pods.object("a", "one").unwrap().resource_version(),
+        Some(rv)
+    );
     // DELETED.
     let rv = api.delete_pod("b", "three").unwrap();
     pods.wait_names(&["a/one", "a/two", "b/four"]).await;
     in_b.wait_names(&["b/four"]).await;
     assert!(pods.log().contains(&format!("delete b/three {rv}")));
     // Namespaces too (the server labels each with its name).
-    api.apply_namespace(namespace("a", json!({"istio.io/dataplane-mode": "ambient"})))
-        .unwrap();
+    api.apply_namespace(namespace(
+        "a",
+        json!({"istio.io/dataplane-mode": "ambient"}),
+    ))
+    .unwrap();
     api.apply_namespace(namespace("b", json!({}))).unwrap();
     namespaces.wait_names(&["/a", "/b"]).await;
     eventually(
         || {
             namespaces.object("", "a").is_some_and(|n| {
-                n.labels().get("istio.io/dataplane-mode").map(String::as_str) == Some("ambient")
-                    && n.labels().get("kubernetes.io/metadata.name").map(String::as_str)
+                n.labels()
+                    .get("istio.io/dataplane-mode")
+                    .map(String::as_str)
+                    == Some("ambient")
+                    && n.labels()
+                        .get("kubernetes.io/metadata.name")
+                        .map(String::as_str)
                         == Some("a")
             })
         },
@@ -279,9 +324,12 @@ async fn the_reflector_lists_then_follows_added_modified_deleted() {
 #[tokio::test]
 async fn selectors_pick_this_nodes_pods_as_they_move_in_and_out() {
     let (api, client) = start().await;
-    api.apply_pod(pod("a", "p1", Some("node1"), json!({"app": "web"}))).unwrap();
-    api.apply_pod(pod("a", "p2", Some("node2"), json!({"app": "web"}))).unwrap();
-    api.apply_pod(pod("a", "p3", None, json!({"app": "db"}))).unwrap();
+    api.apply_pod(pod("a", "p1", Some("node1"), json!({"app": "web"})))
+        .unwrap();
+    api.apply_pod(pod("a", "p2", Some("node2"), json!({"app": "web"})))
+        .unwrap();
+    api.apply_pod(pod("a", "p3", None, json!({"app": "db"})))
+        .unwrap();
 
     let mine = watch(
         Api::<Pod>::all(client.clone()),
@@ -298,17 +346,32 @@ async fn selectors_pick_this_nodes_pods_as_they_move_in_and_out() {
         .iter()
         .filter_map(|r| r.param("fieldSelector"))
         .collect();
-    assert!(selectors.iter().all(|s| s == "spec.nodeName=node1"), "{selectors:?}");
-    assert_eq!(selectors.len(), 2, "a list and a watch: {:?}", api.requests());
+    assert!(
+        selectors.iter().all(|s| s == "spec.nodeName=node1"),
+        "{selectors:?}"
+    );
+    assert_eq!(
+        selectors.len(),
+        2,
+        "a list and a watch: {:?}",
+        api.requests()
+    );
 
     // Scheduled onto node1: the filtered watch gets ADDED.
-    api.apply_pod(pod("a", "p3", Some("node1"), json!({"app": "db"}))).unwrap();
+    api.apply_pod(pod("a", "p3", Some("node1"), json!({"app": "db"})))
+        .unwrap();
     mine.wait_names(&["a/p1", "a/p3"]).await;
     // Out of the selection (a label, a node): DELETED for those watchers.
-    api.apply_pod(pod("a", "p2", Some("node2"), json!({"app": "web", "tier": "db"})))
-        .unwrap();
+    api.apply_pod(pod(
+        "a",
+        "p2",
+        Some("node2"),
+        json!({"app": "web", "tier": "db"}),
+    ))
+    .unwrap();
     web.wait_names(&["a/p1"]).await;
-    api.apply_pod(pod("a", "p1", Some("node2"), json!({"app": "web"}))).unwrap();
+    api.apply_pod(pod("a", "p1", Some("node2"), json!({"app": "web"})))
+        .unwrap();
     mine.wait_names(&["a/p3"]).await;
     assert!(
         mine.log().iter().any(|l| l.starts_with("delete a/p1 ")),
@@ -390,9 +453,9 @@ async fn a_compacted_history_makes_the_cut_watcher_relist_and_stay_right() {
     assert_eq!(watches_of(&api, "/api/v1/pods")[1].status, 200);
     let errors = pods.errors();
     assert!(
-        errors.iter().any(|e| e.contains(&format!(
-            "too old resource version: {delete_rv} ({oldest})"
-        )) && e.contains("410")
+        errors.iter().any(|e| e
+            .contains(&format!("too old resource version: {delete_rv} ({oldest})"))
+            && e.contains("410")
             && e.contains("Expired")),
         "{errors:?}"
     );
@@ -402,7 +465,9 @@ async fn a_compacted_history_makes_the_cut_watcher_relist_and_stay_right() {
         || format!("{:?}", api.requests()),
     )
     .await;
-    let resumed = watches_of(&api, "/api/v1/pods")[2].param("resourceVersion").unwrap();
+    let resumed = watches_of(&api, "/api/v1/pods")[2]
+        .param("resourceVersion")
+        .unwrap();
     assert!(resumed.parse::<u64>().unwrap() >= oldest.parse().unwrap());
     api.apply_pod(pod("a", "four", None, json!({}))).unwrap();
     pods.wait_names(&["a/four", "a/three", "a/two"]).await;
@@ -418,7 +483,10 @@ async fn a_forbidden_api_is_reported_and_the_watcher_recovers_after_heal() {
     let pods = watch(Api::<Pod>::all(client), watcher::Config::default());
     eventually(|| !pods.errors().is_empty(), || format!("{api:?}")).await;
     let first = &pods.errors()[0];
-    assert!(first.contains("failed to perform initial object list"), "{first}");
+    assert!(
+        first.contains("failed to perform initial object list"),
+        "{first}"
+    );
     assert!(
         first.contains(&format!(
             "pods is forbidden: User \\\"{USER}\\\" cannot list resource \\\"pods\\\" in API group \\\"\\\" at the cluster scope"
@@ -436,7 +504,11 @@ async fn a_forbidden_api_is_reported_and_the_watcher_recovers_after_heal() {
     api.fail("pods", 403);
     api.cut_watches();
     eventually(
-        || pods.errors().iter().any(|e| e.contains("failed to start watching")),
+        || {
+            pods.errors()
+                .iter()
+                .any(|e| e.contains("failed to start watching"))
+        },
         || format!("{:?}", pods.errors()),
     )
     .await;
@@ -456,17 +528,28 @@ async fn a_forbidden_api_is_reported_and_the_watcher_recovers_after_heal() {
     assert!(forbidden >= 1);
     api.delete_pod("a", "one").unwrap();
     api.apply_pod(pod("a", "two", None, json!({}))).unwrap();
-    assert_eq!(pods.names(), ["a/one"], "nothing reaches a forbidden watcher");
+    assert_eq!(
+        pods.names(),
+        ["a/one"],
+        "nothing reaches a forbidden watcher"
+    );
     api.heal("pods");
     // Resumed from where it was: the events made meanwhile, without a relist.
     pods.wait_names(&["a/two"]).await;
-    assert_eq!(lists_of(&api, "/api/v1/pods").iter().filter(|r| r.status == 200).count(), 1);
+    assert_eq!(
+        lists_of(&api, "/api/v1/pods")
+            .iter()
+            .filter(|r| r.status == 200)
+            .count(),
+        1
+    );
 }
 
 #[tokio::test]
 async fn a_merge_patch_of_an_annotation_is_stored_and_watched() {
     let (api, client) = start().await;
-    api.apply_pod(pod("mesh", "p", Some("node1"), json!({"app": "web"}))).unwrap();
+    api.apply_pod(pod("mesh", "p", Some("node1"), json!({"app": "web"})))
+        .unwrap();
     let pods = watch(Api::<Pod>::all(client.clone()), watcher::Config::default());
     pods.wait_names(&["mesh/p"]).await;
     let before = api.resource_version();
@@ -497,7 +580,11 @@ async fn a_merge_patch_of_an_annotation_is_stored_and_watched() {
     )
     .await;
     assert_eq!(
-        pods.object("mesh", "p").unwrap().annotations().get(ANNOTATION).map(String::as_str),
+        pods.object("mesh", "p")
+            .unwrap()
+            .annotations()
+            .get(ANNOTATION)
+            .map(String::as_str),
         Some("enabled")
     );
     let patches = api.patches();
@@ -505,7 +592,10 @@ async fn a_merge_patch_of_an_annotation_is_stored_and_watched() {
     assert_eq!(patches[0].path, "/api/v1/namespaces/mesh/pods/p");
     assert_eq!(patches[0].content_type, "application/merge-patch+json");
     assert_eq!(patches[0].status, 200);
-    assert_eq!(patches[0].body["metadata"]["annotations"][ANNOTATION], "enabled");
+    assert_eq!(
+        patches[0].body["metadata"]["annotations"][ANNOTATION],
+        "enabled"
+    );
 
     // The same patch again changes nothing (no new resourceVersion).
     let again = mesh
@@ -545,12 +635,18 @@ async fn a_merge_patch_of_an_annotation_is_stored_and_watched() {
         )
         .await
         .unwrap_err();
-    assert!(matches!(&conflict, kube::Error::Api(s) if s.code == 409), "{conflict:?}");
+    assert!(
+        matches!(&conflict, kube::Error::Api(s) if s.code == 409),
+        "{conflict:?}"
+    );
     let missing = mesh
         .patch("nope", &PatchParams::default(), &Patch::Merge(json!({})))
         .await
         .unwrap_err();
-    assert!(matches!(&missing, kube::Error::Api(s) if s.code == 404 && s.reason == "NotFound"), "{missing:?}");
+    assert!(
+        matches!(&missing, kube::Error::Api(s) if s.code == 404 && s.reason == "NotFound"),
+        "{missing:?}"
+    );
     let apply = mesh
         .patch(
             "p",
@@ -559,11 +655,20 @@ async fn a_merge_patch_of_an_annotation_is_stored_and_watched() {
         )
         .await
         .unwrap_err();
-    assert!(matches!(&apply, kube::Error::Api(s) if s.code == 415), "{apply:?}");
+    assert!(
+        matches!(&apply, kube::Error::Api(s) if s.code == 415),
+        "{apply:?}"
+    );
     // Single-object GET.
-    assert_eq!(mesh.get("p").await.unwrap().resource_version(), removed.resource_version());
+    assert_eq!(
+        mesh.get("p").await.unwrap().resource_version(),
+        removed.resource_version()
+    );
     let gone = mesh.get("nope").await.unwrap_err();
-    assert!(matches!(&gone, kube::Error::Api(s) if s.code == 404), "{gone:?}");
+    assert!(
+        matches!(&gone, kube::Error::Api(s) if s.code == 404),
+        "{gone:?}"
+    );
     assert!(pods.errors().is_empty(), "{:?}", pods.errors());
 }
 
@@ -574,12 +679,25 @@ async fn paged_lists_and_streaming_lists_fill_the_store() {
     for name in ["a", "b", "c"] {
         api.apply_pod(pod("x", name, None, json!({}))).unwrap();
     }
-    let paged = watch(Api::<Pod>::all(client), watcher::Config::default().page_size(1));
+    let paged = watch(
+        Api::<Pod>::all(client),
+        watcher::Config::default().page_size(1),
+    );
     paged.wait_names(&["x/a", "x/b", "x/c"]).await;
     let lists = lists_of(&api, "/api/v1/pods");
     assert_eq!(lists.len(), 3, "{lists:?}");
-    assert!(lists.iter().all(|l| l.param("limit").as_deref() == Some("1")));
-    assert_eq!(lists.iter().filter(|l| l.param("continue").is_some()).count(), 2);
+    assert!(
+        lists
+            .iter()
+            .all(|l| l.param("limit").as_deref() == Some("1"))
+    );
+    assert_eq!(
+        lists
+            .iter()
+            .filter(|l| l.param("continue").is_some())
+            .count(),
+        2
+    );
     api.apply_pod(pod("x", "d", None, json!({}))).unwrap();
     paged.wait_names(&["x/a", "x/b", "x/c", "x/d"]).await;
 
@@ -588,7 +706,10 @@ async fn paged_lists_and_streaming_lists_fill_the_store() {
     for name in ["a", "b"] {
         api.apply_pod(pod("x", name, None, json!({}))).unwrap();
     }
-    let streamed = watch(Api::<Pod>::all(client), watcher::Config::default().streaming_lists());
+    let streamed = watch(
+        Api::<Pod>::all(client),
+        watcher::Config::default().streaming_lists(),
+    );
     streamed.wait_names(&["x/a", "x/b"]).await;
     eventually(
         || streamed.log().contains(&"init-done".to_string()),
@@ -596,8 +717,15 @@ async fn paged_lists_and_streaming_lists_fill_the_store() {
     )
     .await;
     let w = &watches_of(&api, "/api/v1/pods")[0];
-    assert_eq!(w.param("sendInitialEvents").as_deref(), Some("true"), "{w:?}");
-    assert_eq!(w.param("resourceVersionMatch").as_deref(), Some("NotOlderThan"));
+    assert_eq!(
+        w.param("sendInitialEvents").as_deref(),
+        Some("true"),
+        "{w:?}"
+    );
+    assert_eq!(
+        w.param("resourceVersionMatch").as_deref(),
+        Some("NotOlderThan")
+    );
     assert!(lists_of(&api, "/api/v1/pods").is_empty());
     api.delete_pod("x", "a").unwrap();
     streamed.wait_names(&["x/b"]).await;
@@ -612,7 +740,9 @@ async fn paged_lists_and_streaming_lists_fill_the_store() {
 /// until the server closes.
 fn raw(addr: SocketAddr, method: &str, target: &str, token: bool, extra: &str) -> (u16, String) {
     let mut stream = TcpStream::connect(addr).unwrap();
-    stream.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    stream
+        .set_read_timeout(Some(Duration::from_secs(10)))
+        .unwrap();
     let auth = if token {
         format!("Authorization: Bearer {TOKEN}\r\n")
     } else {
@@ -628,7 +758,11 @@ fn raw(addr: SocketAddr, method: &str, target: &str, token: bool, extra: &str) -
     let _ = stream.read_to_end(&mut response);
     let response = String::from_utf8_lossy(&response).into_owned();
     let (head, body) = response.split_once("\r\n\r\n").unwrap_or((&response, ""));
-    let status = head.split(' ').nth(1).and_then(|s| s.parse().ok()).unwrap_or(0);
+    let status = head
+        .split(' ')
+        .nth(1)
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(0);
     (status, body.to_string())
 }
 
@@ -637,21 +771,26 @@ fn lines(chunked: &str) -> Vec<Value> {
     let mut data = String::new();
     let mut rest = chunked;
     while let Some((size, tail)) = rest.split_once("\r\n") {
-        let Ok(size) = usize::from_str_radix(size.trim(), 16) else { break };
+        let Ok(size) = usize::from_str_radix(size.trim(), 16) else {
+            break;
+        };
         if size == 0 || tail.len() < size {
             break;
         }
         data.push_str(&tail[..size]);
         rest = tail[size..].strip_prefix("\r\n").unwrap_or(&tail[size..]);
     }
-    data.lines().map(|l| serde_json::from_str(l).unwrap()).collect()
+    data.lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect()
 }
 
 #[test]
 fn the_wire_protocol() {
     let api = ApiServer::start().unwrap();
     let addr = api.listen_local().unwrap();
-    api.apply_pod(pod("a", "p", Some("node1"), json!({}))).unwrap();
+    api.apply_pod(pod("a", "p", Some("node1"), json!({})))
+        .unwrap();
 
     // Unknown token: 401 Status.
     let (code, body) = raw(addr, "GET", "/api/v1/pods", false, "");
@@ -667,7 +806,10 @@ fn the_wire_protocol() {
     let list: Value = serde_json::from_str(&body).unwrap();
     assert_eq!(list["kind"], "PodList");
     assert_eq!(list["apiVersion"], "v1");
-    assert_eq!(list["metadata"]["resourceVersion"], api.resource_version().to_string());
+    assert_eq!(
+        list["metadata"]["resourceVersion"],
+        api.resource_version().to_string()
+    );
     assert_eq!(list["items"][0]["metadata"]["name"], "p");
     assert!(list["items"][0].get("kind").is_none());
     let meta = &list["items"][0]["metadata"];
@@ -681,34 +823,66 @@ fn the_wire_protocol() {
     let status: Value = serde_json::from_str(&body).unwrap();
     assert_eq!(status["message"], "pods \"nope\" not found");
     assert_eq!(status["reason"], "NotFound");
-    assert_eq!(raw(addr, "GET", "/apis/apps/v1/deployments", true, "").0, 404);
     assert_eq!(
-        raw(addr, "GET", "/api/v1/pods?fieldSelector=spec.bogus%3Dx", true, "").0,
+        raw(addr, "GET", "/apis/apps/v1/deployments", true, "").0,
+        404
+    );
+    assert_eq!(
+        raw(
+            addr,
+            "GET",
+            "/api/v1/pods?fieldSelector=spec.bogus%3Dx",
+            true,
+            ""
+        )
+        .0,
         400
     );
 
     // Injected faults.
-    for (code, reason) in [(403, "Forbidden"), (500, "InternalError"), (503, "ServiceUnavailable"), (401, "Unauthorized")] {
+    for (code, reason) in [
+        (403, "Forbidden"),
+        (500, "InternalError"),
+        (503, "ServiceUnavailable"),
+        (401, "Unauthorized"),
+    ] {
         api.fail("pods", code);
-        let (got, body) = raw(addr, "GET", "/api/v1/namespaces/a/pods?watch=true", true, "");
+        let (got, body) = raw(
+            addr,
+            "GET",
+            "/api/v1/namespaces/a/pods?watch=true",
+            true,
+            "",
+        );
         assert_eq!(got, code);
         let status: Value = serde_json::from_str(&body).unwrap();
         assert_eq!(status["reason"], reason, "{body}");
         if code == 403 {
             assert_eq!(
                 status["message"],
-                format!("pods is forbidden: User \"{USER}\" cannot watch resource \"pods\" in API group \"\" in the namespace \"a\"")
+                format!(
+                    "pods is forbidden: User \"{USER}\" cannot watch resource \"pods\" in API group \"\" in the namespace \"a\""
+                )
             );
         }
     }
     api.heal("pods");
-    assert_eq!(raw(addr, "GET", "/api/v1/namespaces/a/pods/p", true, "").0, 200);
+    assert_eq!(
+        raw(addr, "GET", "/api/v1/namespaces/a/pods/p", true, "").0,
+        200
+    );
 
     // A watch from before a compaction: HTTP 200, one ERROR event (410
     // Expired), then a clean end of the body.
     let before = api.resource_version();
     let oldest = api.compact();
-    let (code, body) = raw(addr, "GET", &format!("/api/v1/pods?watch=1&resourceVersion={before}"), true, "");
+    let (code, body) = raw(
+        addr,
+        "GET",
+        &format!("/api/v1/pods?watch=1&resourceVersion={before}"),
+        true,
+        "",
+    );
     assert_eq!(code, 200);
     assert!(body.ends_with("0\r\n\r\n"), "{body:?}");
     let events = lines(&body);
@@ -724,9 +898,18 @@ fn the_wire_protocol() {
     // A watch with timeoutSeconds ends cleanly; from resourceVersion 0 it starts
     // with synthetic ADDED events, and the bookmark follows the events.
     let watcher = std::thread::spawn(move || {
-        raw(addr, "GET", "/api/v1/pods?watch=true&resourceVersion=0&allowWatchBookmarks=true&timeoutSeconds=3", true, "")
+        raw(
+            addr,
+            "GET",
+            "/api/v1/pods?watch=true&resourceVersion=0&allowWatchBookmarks=true&timeoutSeconds=3",
+            true,
+            "",
+        )
     });
-    api.wait_for("a watch", Duration::from_secs(10), |a| a.open_watches("pods") == 1).unwrap();
+    api.wait_for("a watch", Duration::from_secs(10), |a| {
+        a.open_watches("pods") == 1
+    })
+    .unwrap();
     let rv = api.apply_pod(pod("a", "q", None, json!({}))).unwrap();
     api.bookmark();
     let (code, body) = watcher.join().unwrap();
@@ -744,9 +927,18 @@ fn the_wire_protocol() {
 
     // A cut watch: the events, then the connection closes with no terminator.
     let watcher = std::thread::spawn(move || {
-        raw(addr, "GET", &format!("/api/v1/namespaces/a/pods?watch=true&resourceVersion={rv}"), true, "")
+        raw(
+            addr,
+            "GET",
+            &format!("/api/v1/namespaces/a/pods?watch=true&resourceVersion={rv}"),
+            true,
+            "",
+        )
     });
-    api.wait_for("a watch", Duration::from_secs(10), |a| a.open_watches("pods") == 1).unwrap();
+    api.wait_for("a watch", Duration::from_secs(10), |a| {
+        a.open_watches("pods") == 1
+    })
+    .unwrap();
     api.delete_pod("a", "q").unwrap();
     api.cut_watches();
     assert_eq!(api.open_watches("pods"), 0);
