@@ -957,3 +957,39 @@ fn the_wire_protocol() {
     assert_eq!(requests[0].status, 401);
     assert!(requests.iter().skip(1).all(|r| r.authorization.is_some()));
 }
+
+/// `listen_in`: the socket lives in the given network namespace (as an agent in
+/// a node namespace sees it on its own loopback), not in the test's. Needs root
+/// (it makes a namespace), like the test bed.
+#[test]
+fn it_listens_inside_a_network_namespace() {
+    use podlink_tests::netns::{self, Resource};
+    // SAFETY: geteuid has no preconditions.
+    assert_eq!(
+        unsafe { libc::geteuid() },
+        0,
+        "this test makes a network namespace: run it as root"
+    );
+    let ns = format!("plt{}api", std::process::id());
+    netns::ip(&["netns", "add", &ns]).unwrap();
+    netns::register(Resource::Netns(ns.clone()));
+    netns::ip(&["-n", &ns, "link", "set", "lo", "up"]).unwrap();
+
+    let api = ApiServer::start().unwrap();
+    api.apply_pod(pod("a", "p", Some("node1"), json!({})))
+        .unwrap();
+    let addr = api.listen_in(&ns).unwrap();
+    assert!(addr.ip().is_loopback());
+    let (code, body) = netns::in_netns(&ns, move || {
+        Ok(raw(addr, "GET", "/api/v1/namespaces/a/pods/p", true, ""))
+    })
+    .unwrap();
+    assert_eq!(code, 200, "{body}");
+    assert!(body.contains("\"name\":\"p\""), "{body}");
+    assert!(
+        TcpStream::connect(addr).is_err(),
+        "the port is open in the test's own namespace"
+    );
+    drop(api);
+    netns::remove(&Resource::Netns(ns));
+}
