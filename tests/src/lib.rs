@@ -15,6 +15,7 @@
 //! Every name carries the process id and a counter, so test beds run side by side;
 //! everything is removed on drop, and by [`netns::cleanup`] on a signal.
 
+pub mod api_double;
 pub mod app;
 pub mod ca_double;
 mod capture;
