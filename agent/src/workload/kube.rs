@@ -242,7 +242,7 @@ impl KubeSource {
     /// # Errors
     /// A kubeconfig that cannot be read or used, or no in-cluster configuration.
     pub async fn start(kubeconfig: Option<&Path>, node: &str) -> Result<Self> {
-        let config = match kubeconfig {
+        let mut config = match kubeconfig {
             Some(path) => {
                 let kubeconfig = kube::config::Kubeconfig::read_from(path)
                     .with_context(|| format!("reading the kubeconfig {}", path.display()))?;
@@ -254,6 +254,12 @@ impl KubeSource {
                 "no --manifests or --kubeconfig given, and no in-cluster configuration (KUBERNETES_SERVICE_HOST and the service account) found",
             )?,
         };
+        // kube-rs takes a proxy from the kubeconfig or the environment
+        // (HTTPS_PROXY), but this build has no proxy support and would refuse the
+        // configuration: the agent talks to the API server directly.
+        if let Some(proxy) = config.proxy_url.take() {
+            tracing::warn!(%proxy, "ignoring the proxy for the Kubernetes API: the agent connects directly");
+        }
         let cluster = config.cluster_url.to_string();
         let client = Client::try_from(config).context("making the Kubernetes client")?;
         tracing::info!(api = %cluster, node, "watching the Kubernetes API");
