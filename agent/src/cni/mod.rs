@@ -1,5 +1,9 @@
-//! The CNI side of podlink. For now: taking the chained plugin `podlink-cni` out of
-//! a node's CNI network configuration lists, for `podlink uninstall`.
+//! The CNI side of podlink: the chained plugin `podlink-cni` ([`plugin`]), the
+//! protocol it speaks with the agent ([`protocol`]), the agent's socket and
+//! enrollment-on-ADD ([`server`]), the enrollment snapshot the plugin reads while
+//! the agent is down ([`snapshot`]), installing the plugin ([`install`]), and
+//! taking it out of a node's CNI network configuration lists, for `podlink
+//! uninstall` (here).
 //!
 //! A network configuration list (CNI spec 1.0, "Network Configuration Lists") is a
 //! JSON object whose `plugins` array holds one object per plugin, each with a
@@ -14,6 +18,12 @@ use std::{
 
 use anyhow::{Context, Result, bail};
 use serde_json::Value;
+
+pub mod install;
+pub mod plugin;
+pub mod protocol;
+pub mod server;
+pub mod snapshot;
 
 /// The `type` of podlink's chained plugin in a conflist.
 pub const PLUGIN_TYPE: &str = "podlink-cni";
@@ -67,7 +77,7 @@ pub fn without_plugin(text: &str) -> Result<Option<String>> {
 
 /// Replaces `path` by a file holding `text`, by rename (never half written),
 /// keeping its permissions.
-fn write_atomically(path: &Path, text: &str) -> Result<()> {
+pub(crate) fn write_atomically(path: &Path, text: &str) -> Result<()> {
     let name = path.file_name().context("a file name")?.to_string_lossy();
     // Not `*.conflist`: a runtime reading the directory meanwhile ignores it.
     let tmp = path.with_file_name(format!(".{name}.podlink-partial"));

@@ -1,0 +1,310 @@
+//! Installing podlink-cni on a node (`podlink agent --install-cni`): the binary
+//! into the runtime's CNI plugin directory, and an entry, last in `plugins`, in
+//! the node's network configuration list: the first `*.conflist` of the CNI
+//! configuration directory in lexical order, the one runtimes use (CNI spec 1.0,
+//! "Section 1: Network configuration format"; libcni's `ConfFiles` sorts them).
+//!
+//! Both steps are idempotent and atomic (a temporary file renamed into place), and
+//! the agent repeats them periodically ([`CHECK_INTERVAL`]): the primary CNI
+//! plugin may rewrite its conflist and drop podlink's entry.
+
+use std::{
+    fs,
+    io::{self, Read as _},
+    os::unix::fs::PermissionsExt as _,
+    path::{Path, PathBuf},
+    time::Duration,
+};
+
+use anyhow::{Context, Result, bail};
+use serde_json::{Value, json};
+
+use super::{DEFAULT_SOCKET, Install, PLUGIN_TYPE, write_atomically};
+
+/// How often the agent re-checks its installation.
+pub const CHECK_INTERVAL: Duration = Duration::from_secs(2);
+
+/// `text` (a conflist) with podlink-cni's entry last in `plugins`, naming the
+/// agent's socket `socket` (`"socket"`, left out when it is
+/// [`DEFAULT_SOCKET`]); `None` when it already has exactly that. Earlier
+/// podlink-cni entries are removed; every other key and plugin is kept, in its
+/// order.
+///
+/// # Errors
+/// When `text` is not a JSON object with a `plugins` array.
+pub fn with_plugin(text: &str, socket: &Path) -> Result<Option<String>> {
+    let mut conf: Value = serde_json::from_str(text).context("not JSON")?;
+    let Some(object) = conf.as_object_mut() else {
+        bail!("not a JSON object");
+    };
+    let Some(plugins) = object.get_mut("plugins").and_then(Value::as_array_mut) else {
+        bail!("no `plugins` array");
+    };
+    let mut entry = json!({ "type": PLUGIN_TYPE });
+    if socket != Path::new(DEFAULT_SOCKET) {
+        entry["socket"] = json!(socket);
+    }
+    let ours = |p: &Value| p.get("type").and_then(Value::as_str) == Some(PLUGIN_TYPE);
+    if plugins.last() == Some(&entry) && plugins.iter().filter(|p| ours(p)).count() == 1 {
+        return Ok(None);
+    }
+    plugins.retain(|p| !ours(p));
+    plugins.push(entry);
+    let mut out = serde_json::to_string_pretty(&conf)?;
+    if text.ends_with('\n') {
+        out.push('\n');
+    }
+    Ok(Some(out))
+}
+
+/// The conflist runtimes use: the first `*.conflist` of `conf_dir` in lexical
+/// order.
+///
+/// # Errors
+/// When the directory cannot be read or holds none (the primary CNI plugin has
+/// not written its configuration yet).
+pub fn first_conflist(conf_dir: &Path) -> Result<PathBuf> {
+    let entries =
+        fs::read_dir(conf_dir).with_context(|| format!("reading {}", conf_dir.display()))?;
+    let mut files: Vec<PathBuf> = entries
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter(|p| p.extension().is_some_and(|x| x == "conflist") && p.is_file())
+        .collect();
+    files.sort();
+    files.into_iter().next().with_context(|| {
+        format!(
+            "no *.conflist in {}: podlink-cni chains after the node's primary CNI plugin, whose configuration list is not there (yet)",
+            conf_dir.display()
+        )
+    })
+}
+
+/// Makes sure the first conflist of `conf_dir` ends with podlink-cni's entry.
+/// Returns the file when it was changed.
+///
+/// # Errors
+/// No conflist, or one that cannot be read, parsed or written (named).
+pub fn ensure_conflist(conf_dir: &Path, socket: &Path) -> Result<Option<PathBuf>> {
+    let path = first_conflist(conf_dir)?;
+    let text = fs::read_to_string(&path).with_context(|| format!("reading {}", path.display()))?;
+    let new = with_plugin(&text, socket)
+        .with_context(|| format!("{} is not a CNI network configuration list", path.display()))?;
+    match new {
+        Some(new) => {
+            write_atomically(&path, &new)?;
+            Ok(Some(path))
+        }
+        None => Ok(None),
+    }
+}
+
+/// The plugin binary to install: `install.plugin`, else `podlink-cni` beside
+/// the running executable.
+///
+/// # Errors
+/// When the running executable cannot be found.
+pub fn plugin_source(install: &Install) -> Result<PathBuf> {
+    match &install.plugin {
+        Some(p) => Ok(p.clone()),
+        None => Ok(std::env::current_exe()
+            .context("finding the running executable")?
+            .with_file_name(PLUGIN_TYPE)),
+    }
+}
+
+fn same_contents(a: &Path, b: &Path) -> io::Result<bool> {
+    let (ma, mb) = (fs::metadata(a)?, fs::metadata(b)?);
+    if ma.len() != mb.len() {
+        return Ok(false);
+    }
+    let (mut fa, mut fb) = (fs::File::open(a)?, fs::File::open(b)?);
+    let (mut ba, mut bb) = (vec![0; 64 * 1024], vec![0; 64 * 1024]);
+    loop {
+        let n = fa.read(&mut ba)?;
+        if n == 0 {
+            return Ok(true);
+        }
+        fb.read_exact(&mut bb[..n])?;
+        if ba[..n] != bb[..n] {
+            return Ok(false);
+        }
+    }
+}
+
+/// Copies the plugin binary into `bin_dir` as `podlink-cni` (mode 0755), by
+/// rename, unless an identical file is there. Returns whether it copied.
+///
+/// # Errors
+/// A source that cannot be read, a directory that cannot be written (named).
+pub fn ensure_binary(source: &Path, bin_dir: &Path) -> Result<bool> {
+    let target = bin_dir.join(PLUGIN_TYPE);
+    if !source.is_file() {
+        bail!(
+            "the podlink-cni binary {} is missing (give --cni-plugin)",
+            source.display()
+        );
+    }
+    if target.is_file() && same_contents(source, &target).unwrap_or(false) {
+        return Ok(false);
+    }
+    fs::create_dir_all(bin_dir).with_context(|| format!("creating {}", bin_dir.display()))?;
+    // A name no runtime runs, in the same directory (same file system).
+    let tmp = bin_dir.join(format!(".{PLUGIN_TYPE}.podlink-partial"));
+    fs::copy(source, &tmp)
+        .with_context(|| format!("copying {} to {}", source.display(), tmp.display()))?;
+    fs::set_permissions(&tmp, fs::Permissions::from_mode(0o755))
+        .with_context(|| format!("making {} executable", tmp.display()))?;
+    fs::File::open(&tmp).and_then(|f| f.sync_all()).ok();
+    fs::rename(&tmp, &target).with_context(|| format!("replacing {}", target.display()))?;
+    Ok(true)
+}
+
+/// Installs podlink-cni: the binary, then the conflist entry (so a runtime never
+/// finds the entry without the binary). Returns what was done, a line each.
+///
+/// # Errors
+/// The first step that failed, named.
+pub fn install(install: &Install, socket: &Path) -> Result<Vec<String>> {
+    let mut done = Vec::new();
+    let source = plugin_source(install)?;
+    if ensure_binary(&source, &install.bin_dir)? {
+        done.push(format!(
+            "installed {} as {}",
+            source.display(),
+            install.bin_dir.join(PLUGIN_TYPE).display()
+        ));
+    }
+    if let Some(path) = ensure_conflist(&install.conf_dir, socket)? {
+        done.push(format!("added {PLUGIN_TYPE} to {}", path.display()));
+    }
+    Ok(done)
+}
+
+/// Removes the installed binary `bin_dir/podlink-cni` (for `podlink uninstall`);
+/// `Ok(None)` when there is none.
+///
+/// # Errors
+/// When it exists and cannot be removed.
+pub fn remove_binary(bin_dir: &Path) -> Result<Option<PathBuf>> {
+    let target = bin_dir.join(PLUGIN_TYPE);
+    match fs::remove_file(&target) {
+        Ok(()) => Ok(Some(target)),
+        Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(None),
+        Err(e) => Err(e).with_context(|| format!("removing {}", target.display())),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const CONFLIST: &str = r#"{
+  "cniVersion": "1.0.0",
+  "name": "k8s-pod-network",
+  "plugins": [
+    {
+      "type": "ptp",
+      "ipam": {
+        "type": "host-local",
+        "subnet": "10.244.1.0/24"
+      }
+    },
+    {
+      "type": "portmap",
+      "capabilities": {
+        "portMappings": true
+      }
+    }
+  ]
+}
+"#;
+
+    #[test]
+    fn the_entry_goes_last_and_everything_else_stays() {
+        let socket = Path::new("/run/x/cni.sock");
+        let out = with_plugin(CONFLIST, socket).unwrap().unwrap();
+        let expected = CONFLIST.replace(
+            "        \"portMappings\": true\n      }\n    }\n  ]",
+            "        \"portMappings\": true\n      }\n    },\n    {\n      \"type\": \"podlink-cni\",\n      \"socket\": \"/run/x/cni.sock\"\n    }\n  ]",
+        );
+        assert_eq!(out, expected);
+        // Idempotent.
+        assert_eq!(with_plugin(&out, socket).unwrap(), None);
+        // Removing it gives the original back.
+        assert_eq!(super::super::without_plugin(&out).unwrap().unwrap(), CONFLIST);
+        // The default socket is not written; another socket replaces the entry.
+        let default = with_plugin(CONFLIST, Path::new(DEFAULT_SOCKET)).unwrap().unwrap();
+        assert!(!default.contains("socket"), "{default}");
+        let moved = with_plugin(&out, Path::new("/other.sock")).unwrap().unwrap();
+        assert_eq!(moved.matches("podlink-cni").count(), 1);
+        assert!(moved.contains("/other.sock"));
+        // An entry not last is moved last.
+        let v: Value = serde_json::from_str(&out).unwrap();
+        let mut plugins = v["plugins"].as_array().unwrap().clone();
+        plugins.rotate_right(1);
+        let mut first = v.clone();
+        first["plugins"] = Value::Array(plugins);
+        let fixed = with_plugin(&first.to_string(), socket).unwrap().unwrap();
+        let fixed: Value = serde_json::from_str(&fixed).unwrap();
+        assert_eq!(fixed, v);
+    }
+
+    #[test]
+    fn bad_conflists_are_refused() {
+        let s = Path::new(DEFAULT_SOCKET);
+        assert!(format!("{:#}", with_plugin("{", s).unwrap_err()).contains("not JSON"));
+        assert!(format!("{:#}", with_plugin("[]", s).unwrap_err()).contains("not a JSON object"));
+        assert!(
+            format!("{:#}", with_plugin(r#"{"type":"ptp"}"#, s).unwrap_err())
+                .contains("no `plugins` array")
+        );
+    }
+
+    #[test]
+    fn installs_into_the_first_conflist_and_copies_the_binary() {
+        let dir = tempfile::tempdir().unwrap();
+        let conf = dir.path().join("net.d");
+        let bin = dir.path().join("bin");
+        fs::create_dir_all(&conf).unwrap();
+        let socket = dir.path().join("cni.sock");
+        let plugin = dir.path().join("podlink-cni-build");
+        fs::write(&plugin, b"#!/bin/true\n").unwrap();
+        let install_cfg = Install {
+            plugin: Some(plugin.clone()),
+            bin_dir: bin.clone(),
+            conf_dir: conf.clone(),
+        };
+        // No conflist: a clear error (after the binary is in place).
+        let error = format!("{:#}", install(&install_cfg, &socket).unwrap_err());
+        assert!(error.contains("no *.conflist"), "{error}");
+        assert!(bin.join(PLUGIN_TYPE).is_file());
+        let mode = fs::metadata(bin.join(PLUGIN_TYPE)).unwrap().permissions().mode();
+        assert_eq!(mode & 0o777, 0o755);
+
+        fs::write(conf.join("20-b.conflist"), CONFLIST).unwrap();
+        fs::write(conf.join("10-a.conflist"), CONFLIST).unwrap();
+        fs::write(conf.join("05-c.conf"), r#"{"type":"bridge"}"#).unwrap();
+        let done = install(&install_cfg, &socket).unwrap();
+        assert_eq!(done.len(), 1, "{done:?}");
+        assert!(done[0].contains("10-a.conflist"), "{done:?}");
+        assert!(fs::read_to_string(conf.join("10-a.conflist")).unwrap().contains(PLUGIN_TYPE));
+        assert_eq!(fs::read_to_string(conf.join("20-b.conflist")).unwrap(), CONFLIST);
+        assert!(install(&install_cfg, &socket).unwrap().is_empty());
+        // Only the conflists and the binary are there: no temporary files left.
+        assert_eq!(fs::read_dir(&conf).unwrap().count(), 3);
+        assert_eq!(fs::read_dir(&bin).unwrap().count(), 1);
+        // A new build is copied again.
+        fs::write(&plugin, b"#!/bin/false\n").unwrap();
+        assert_eq!(install(&install_cfg, &socket).unwrap().len(), 1);
+        assert_eq!(fs::read(bin.join(PLUGIN_TYPE)).unwrap(), b"#!/bin/false\n");
+        // A primary plugin rewriting its file drops the entry; it comes back.
+        fs::write(conf.join("10-a.conflist"), CONFLIST).unwrap();
+        assert_eq!(install(&install_cfg, &socket).unwrap().len(), 1);
+        // A broken conflist is named.
+        fs::write(conf.join("10-a.conflist"), "{").unwrap();
+        let error = format!("{:#}", install(&install_cfg, &socket).unwrap_err());
+        assert!(error.contains("10-a.conflist"), "{error}");
+        assert_eq!(remove_binary(&bin).unwrap(), Some(bin.join(PLUGIN_TYPE)));
+        assert_eq!(remove_binary(&bin).unwrap(), None);
+    }
+}

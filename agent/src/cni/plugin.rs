@@ -1,0 +1,609 @@
+//! The `podlink-cni` plugin: a chained CNI plugin (CNI spec 1.0, "Section 2:
+//! Execution Protocol" and "Section 4: Plugin Delegation"), run by the container
+//! runtime after the plugin that made the pod's interface.
+//!
+//! * `ADD` reads the pod's addresses and host interface from `prevResult`
+//!   ("Section 5: Result Types") and the pod's name from `CNI_ARGS`
+//!   (`K8S_POD_NAMESPACE`, `K8S_POD_NAME`, as kubelet's runtimes set them), asks
+//!   the agent on its socket ([`super::protocol`]) to enroll the pod, and prints
+//!   `prevResult` unchanged once the agent answered that the pod is attached or
+//!   needs nothing.
+//! * When the agent cannot be reached, the plugin decides from the agent's
+//!   enrollment snapshot ([`super::snapshot`]): a pod to be enrolled fails (fail
+//!   closed, error code 11: the runtime tries again); a pod that needs nothing
+//!   passes untouched; without a snapshot every pod fails.
+//! * `DEL` tells the agent and always succeeds (idempotent: the agent forgets
+//!   the pod's reported addresses; an unreachable agent has nothing to undo).
+//! * `CHECK` asks the agent whether a pod to be enrolled is attached.
+//! * `VERSION` lists [`SUPPORTED_VERSIONS`].
+//!
+//! Errors are printed on stdout as the spec's error object ("Section 6: Error
+//! codes"): `{"cniVersion", "code", "msg", "details"}`, with a non-zero exit.
+//!
+//! The plugin's configuration (its entry of the conflist) may carry `"socket"`:
+//! the agent's socket, [`super::DEFAULT_SOCKET`] otherwise.
+
+use std::{
+    collections::HashMap,
+    io::{Read, Write},
+    net::IpAddr,
+    os::unix::net::UnixStream,
+    path::{Path, PathBuf},
+};
+
+use serde::Serialize;
+use serde_json::{Value, json};
+
+use super::{
+    DEFAULT_SOCKET,
+    protocol::{self, Command, Reply, Request},
+    snapshot::Snapshot,
+};
+
+/// The CNI versions whose configurations and results podlink-cni reads (CNI spec
+/// 1.0 and the 0.3/0.4 results of the same shape).
+pub const SUPPORTED_VERSIONS: &[&str] = &["0.3.0", "0.3.1", "0.4.0", "1.0.0"];
+
+/// CNI error code 1: incompatible CNI version.
+pub const INCOMPATIBLE_VERSION: u32 = 1;
+/// CNI error code 2: unsupported field in the network configuration.
+pub const UNSUPPORTED_FIELD: u32 = 2;
+/// CNI error code 4: invalid necessary environment variables.
+pub const INVALID_ENVIRONMENT: u32 = 4;
+/// CNI error code 5: I/O failure (reading stdin).
+pub const IO_FAILURE: u32 = 5;
+/// CNI error code 6: failed to decode content.
+pub const DECODING_FAILURE: u32 = 6;
+/// CNI error code 7: invalid network configuration.
+pub const INVALID_NETWORK_CONFIG: u32 = 7;
+/// CNI error code 11: try again later (the agent cannot be reached, or has not
+/// seen the pod yet, and the pod is to be enrolled).
+pub const TRY_AGAIN_LATER: u32 = 11;
+/// podlink-cni's own code (CNI spec: codes of 100 and more are the plugin's):
+/// the agent refused to enroll the pod (e.g. attaching failed).
+pub const AGENT_REFUSED: u32 = 999;
+
+/// The largest configuration read on stdin, in bytes.
+pub const MAX_STDIN: usize = 1 << 20;
+
+/// A CNI error ("Section 6: Error codes"): printed on stdout as
+/// `{"cniVersion": …, "code": …, "msg": …, "details": …}`.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct CniError {
+    /// The configuration's `cniVersion` when supported, else `1.0.0`.
+    #[serde(rename = "cniVersion")]
+    pub cni_version: String,
+    /// The error code (see the constants of this module).
+    pub code: u32,
+    /// A short message.
+    pub msg: String,
+    /// More on it (may be empty).
+    #[serde(skip_serializing_if = "String::is_empty")]
+    pub details: String,
+}
+
+impl CniError {
+    fn new(code: u32, msg: impl Into<String>) -> Self {
+        CniError {
+            cni_version: "1.0.0".into(),
+            code,
+            msg: msg.into(),
+            details: String::new(),
+        }
+    }
+
+    fn details(mut self, details: impl Into<String>) -> Self {
+        self.details = details.into();
+        self
+    }
+}
+
+/// What the plugin found in its environment and configuration.
+#[derive(Clone, Debug, PartialEq, Eq)]
+struct Invocation {
+    command: Command,
+    container_id: String,
+    socket: PathBuf,
+    /// `(namespace, name)` from `CNI_ARGS`; `None`: not a Kubernetes pod.
+    pod: Option<(String, String)>,
+    /// `prevResult` as given (printed back by ADD).
+    prev_result: Option<Value>,
+}
+
+/// Runs the plugin: `env` looks up environment variables, `stdin` is the
+/// configuration. Returns what to print on stdout on success (nothing for DEL
+/// and CHECK).
+///
+/// # Errors
+/// The CNI error to print (with a non-zero exit).
+pub fn run(env: &dyn Fn(&str) -> Option<String>, stdin: &[u8]) -> Result<String, CniError> {
+    let Some(command) = env("CNI_COMMAND") else {
+        return Err(CniError::new(INVALID_ENVIRONMENT, "CNI_COMMAND is not set"));
+    };
+    let command = match command.as_str() {
+        "VERSION" => return Ok(version(stdin)),
+        "ADD" => Command::Add,
+        "DEL" => Command::Del,
+        "CHECK" => Command::Check,
+        other => {
+            return Err(CniError::new(
+                INVALID_ENVIRONMENT,
+                format!("unknown CNI_COMMAND {other:?}: podlink-cni supports ADD, DEL, CHECK and VERSION"),
+            ));
+        }
+    };
+    let config: Value = serde_json::from_slice(stdin).map_err(|e| {
+        CniError::new(DECODING_FAILURE, "the network configuration on stdin is not JSON")
+            .details(e.to_string())
+    })?;
+    let Some(config) = config.as_object() else {
+        return Err(CniError::new(
+            DECODING_FAILURE,
+            "the network configuration on stdin is not a JSON object",
+        ));
+    };
+    let cni_version = match config.get("cniVersion") {
+        Some(Value::String(v)) => v.clone(),
+        Some(_) => {
+            return Err(CniError::new(INVALID_NETWORK_CONFIG, "`cniVersion` is not a string"));
+        }
+        None => {
+            return Err(CniError::new(
+                INVALID_NETWORK_CONFIG,
+                "the network configuration has no `cniVersion`",
+            ));
+        }
+    };
+    if !SUPPORTED_VERSIONS.contains(&cni_version.as_str()) {
+        return Err(CniError::new(
+            INCOMPATIBLE_VERSION,
+            format!(
+                "CNI version {cni_version} is not supported: podlink-cni supports {}",
+                SUPPORTED_VERSIONS.join(", ")
+            ),
+        ));
+    }
+    let invocation = invocation(command, env, config).map_err(|mut e| {
+        e.cni_version.clone_from(&cni_version);
+        e
+    })?;
+    execute(&invocation).map_err(|mut e| {
+        e.cni_version = cni_version;
+        e
+    })
+}
+
+/// The `VERSION` answer ("Section 2: VERSION"): the versions supported, with
+/// the `cniVersion` of the input when it gives one.
+fn version(stdin: &[u8]) -> String {
+    let asked = serde_json::from_slice::<Value>(stdin)
+        .ok()
+        .and_then(|v| v.get("cniVersion").and_then(Value::as_str).map(String::from))
+        .unwrap_or_else(|| "1.0.0".into());
+    json!({"cniVersion": asked, "supportedVersions": SUPPORTED_VERSIONS}).to_string()
+}
+
+/// Reads `CNI_ARGS`: `KEY=VALUE` pairs separated by `;` ("Section 2: Parameters").
+fn cni_args(args: &str) -> Result<HashMap<String, String>, CniError> {
+    let mut map = HashMap::new();
+    for pair in args.split(';').filter(|p| !p.is_empty()) {
+        let Some((key, value)) = pair.split_once('=') else {
+            return Err(CniError::new(
+                INVALID_ENVIRONMENT,
+                format!("CNI_ARGS has {pair:?}, not KEY=VALUE"),
+            ));
+        };
+        map.insert(key.to_string(), value.to_string());
+    }
+    Ok(map)
+}
+
+fn invocation(
+    command: Command,
+    env: &dyn Fn(&str) -> Option<String>,
+    config: &serde_json::Map<String, Value>,
+) -> Result<Invocation, CniError> {
+    // "Section 2: Parameters": which variables each operation requires.
+    let required: &[&str] = match command {
+        Command::Add | Command::Check => &["CNI_CONTAINERID", "CNI_NETNS", "CNI_IFNAME"],
+        Command::Del => &["CNI_CONTAINERID", "CNI_IFNAME"],
+    };
+    for name in required {
+        if env(name).is_none_or(|v| v.is_empty()) {
+            return Err(CniError::new(
+                INVALID_ENVIRONMENT,
+                format!("{name} is not set (required for {command:?})"),
+            ));
+        }
+    }
+    let container_id = env("CNI_CONTAINERID").unwrap_or_default();
+    let args = cni_args(&env("CNI_ARGS").unwrap_or_default())?;
+    let pod = match (args.get("K8S_POD_NAMESPACE"), args.get("K8S_POD_NAME")) {
+        (Some(ns), Some(name)) if !ns.is_empty() && !name.is_empty() => {
+            Some((ns.clone(), name.clone()))
+        }
+        _ => None,
+    };
+    let socket = match config.get("socket") {
+        None => PathBuf::from(DEFAULT_SOCKET),
+        Some(Value::String(s)) if !s.is_empty() => PathBuf::from(s),
+        Some(_) => {
+            return Err(CniError::new(
+                INVALID_NETWORK_CONFIG,
+                "`socket` of podlink-cni's configuration must be a non-empty string (a path)",
+            ));
+        }
+    };
+    let prev_result = config.get("prevResult").cloned();
+    if command == Command::Add && prev_result.is_none() {
+        return Err(CniError::new(
+            INVALID_NETWORK_CONFIG,
+            "no `prevResult`: podlink-cni is a chained plugin and must come after the plugin that makes the pod's interface",
+        ));
+    }
+    Ok(Invocation {
+        command,
+        container_id,
+        socket,
+        pod,
+        prev_result,
+    })
+}
+
+/// The pod's addresses (without prefix lengths) and host interface (the
+/// interface without `sandbox`) in a result ("Section 5: Result Types").
+fn addresses(result: &Value) -> Result<(Vec<IpAddr>, Option<String>), CniError> {
+    let invalid = |what: String| CniError::new(INVALID_NETWORK_CONFIG, what);
+    let mut ips = Vec::new();
+    if let Some(list) = result.get("ips") {
+        let list = list
+            .as_array()
+            .ok_or_else(|| invalid("prevResult.ips is not an array".into()))?;
+        for (i, entry) in list.iter().enumerate() {
+            let address = entry
+                .get("address")
+                .and_then(Value::as_str)
+                .ok_or_else(|| invalid(format!("prevResult.ips[{i}] has no address")))?;
+            let ip = address
+                .split('/')
+                .next()
+                .and_then(|a| a.parse::<IpAddr>().ok())
+                .ok_or_else(|| {
+                    invalid(format!("prevResult.ips[{i}].address {address:?} is not an address"))
+                })?;
+            ips.push(ip);
+        }
+    }
+    let host_interface = result
+        .get("interfaces")
+        .and_then(Value::as_array)
+        .into_iter()
+        .flatten()
+        .find(|i| i.get("sandbox").and_then(Value::as_str).unwrap_or("").is_empty())
+        .and_then(|i| i.get("name").and_then(Value::as_str))
+        .map(String::from);
+    Ok((ips, host_interface))
+}
+
+fn execute(inv: &Invocation) -> Result<String, CniError> {
+    let passthrough = || {
+        inv.prev_result
+            .as_ref()
+            .map(Value::to_string)
+            .unwrap_or_default()
+    };
+    let Some((namespace, name)) = inv.pod.clone() else {
+        // Not a Kubernetes pod: nothing of podlink's to do.
+        return Ok(if inv.command == Command::Add {
+            passthrough()
+        } else {
+            String::new()
+        });
+    };
+    let (ips, host_interface) = match &inv.prev_result {
+        Some(result) => addresses(result)?,
+        None => (Vec::new(), None),
+    };
+    let request = Request {
+        version: protocol::PROTOCOL_VERSION,
+        command: inv.command,
+        container_id: inv.container_id.clone(),
+        namespace: namespace.clone(),
+        name: name.clone(),
+        ips,
+        host_interface,
+    };
+    let key = request.key();
+    match ask(&inv.socket, &request) {
+        Ok(Reply::Enrolled { .. } | Reply::NotEnrolled { .. } | Reply::Removed) => {
+            Ok(if inv.command == Command::Add {
+                passthrough()
+            } else {
+                String::new()
+            })
+        }
+        Ok(Reply::Error { message, retry }) => Err(CniError::new(
+            if retry { TRY_AGAIN_LATER } else { AGENT_REFUSED },
+            format!("podlink agent: pod {key}: {message}"),
+        )),
+        Err(unreachable) if inv.command == Command::Del => {
+            // Nothing to undo without the agent: it forgets the pod by itself.
+            eprintln!("podlink-cni: DEL of {key}: {unreachable}; nothing to undo");
+            Ok(String::new())
+        }
+        Err(unreachable) => {
+            let snapshot_path = Snapshot::path_for(&inv.socket);
+            match Snapshot::read(&snapshot_path) {
+                Ok(Some(snapshot)) => match snapshot.enrolls(&namespace, &name) {
+                    None => {
+                        eprintln!(
+                            "podlink-cni: {unreachable}; pod {key} is not enrolled by the agent's last snapshot ({}): leaving it untouched",
+                            snapshot_path.display()
+                        );
+                        Ok(if inv.command == Command::Add {
+                            passthrough()
+                        } else {
+                            String::new()
+                        })
+                    }
+                    Some(reason) => Err(CniError::new(
+                        TRY_AGAIN_LATER,
+                        format!(
+                            "pod {key} is to be enrolled ({reason}) but the podlink agent cannot be reached on {}: failing closed until it is back",
+                            inv.socket.display()
+                        ),
+                    )
+                    .details(unreachable)),
+                },
+                Ok(None) => Err(CniError::new(
+                    TRY_AGAIN_LATER,
+                    format!(
+                        "the podlink agent cannot be reached on {} and left no enrollment snapshot ({}): failing closed for pod {key}, whose enrollment cannot be known",
+                        inv.socket.display(),
+                        snapshot_path.display()
+                    ),
+                )
+                .details(unreachable)),
+                Err(e) => Err(CniError::new(
+                    TRY_AGAIN_LATER,
+                    format!(
+                        "the podlink agent cannot be reached on {} and its enrollment snapshot is unreadable: failing closed for pod {key}",
+                        inv.socket.display()
+                    ),
+                )
+                .details(format!("{unreachable}; {e:#}"))),
+            }
+        }
+    }
+}
+
+/// One exchange with the agent; `Err` says why it could not be had (the agent
+/// is then taken as unreachable).
+fn ask(socket: &Path, request: &Request) -> Result<Reply, String> {
+    let mut stream = UnixStream::connect(socket)
+        .map_err(|e| format!("connecting to {}: {e}", socket.display()))?;
+    let io = |e: std::io::Error| format!("talking to the agent on {}: {e}", socket.display());
+    stream
+        .set_read_timeout(Some(protocol::REPLY_TIMEOUT))
+        .map_err(io)?;
+    stream
+        .set_write_timeout(Some(protocol::REQUEST_TIMEOUT))
+        .map_err(io)?;
+    let mut line = serde_json::to_vec(request).map_err(|e| e.to_string())?;
+    line.push(b'\n');
+    stream.write_all(&line).map_err(io)?;
+    stream.shutdown(std::net::Shutdown::Write).map_err(io)?;
+    let mut reply = Vec::new();
+    stream
+        .take(protocol::MAX_MESSAGE as u64 + 1)
+        .read_to_end(&mut reply)
+        .map_err(io)?;
+    if reply.len() > protocol::MAX_MESSAGE {
+        return Err(format!("the agent's reply is over {} bytes", protocol::MAX_MESSAGE));
+    }
+    Reply::parse(&reply)
+}
+
+/// The plugin's `main`: reads stdin and the environment, prints the result or
+/// the error object on stdout; returns the exit code (0 on success, 1 on error).
+pub fn main() -> std::process::ExitCode {
+    let mut stdin = Vec::new();
+    let result = match std::io::stdin()
+        .take(MAX_STDIN as u64 + 1)
+        .read_to_end(&mut stdin)
+    {
+        Err(e) => Err(CniError::new(IO_FAILURE, format!("reading stdin: {e}"))),
+        Ok(_) if stdin.len() > MAX_STDIN => Err(CniError::new(
+            DECODING_FAILURE,
+            format!("the network configuration is over {MAX_STDIN} bytes"),
+        )),
+        Ok(_) => run(&|name| std::env::var(name).ok(), &stdin),
+    };
+    let mut out = std::io::stdout().lock();
+    match result {
+        Ok(text) => {
+            let _ = out.write_all(text.as_bytes());
+            let _ = out.flush();
+            std::process::ExitCode::SUCCESS
+        }
+        Err(error) => {
+            let text = serde_json::to_string(&error).unwrap_or_default();
+            let _ = out.write_all(text.as_bytes());
+            let _ = out.flush();
+            eprintln!("podlink-cni: {} (code {})", error.msg, error.code);
+            std::process::ExitCode::FAILURE
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::{collections::BTreeMap, os::unix::net::UnixListener};
+
+    use super::*;
+
+    fn env_of(pairs: &[(&str, &str)]) -> impl Fn(&str) -> Option<String> {
+        let map: BTreeMap<String, String> = pairs
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect();
+        move |name| map.get(name).cloned()
+    }
+
+    const PREV: &str = r#"{"cniVersion":"1.0.0","interfaces":[{"name":"veth1234","mac":"aa:bb:cc:dd:ee:ff"},{"name":"eth0","mac":"11:22:33:44:55:66","sandbox":"/run/netns/p"}],"ips":[{"address":"10.244.1.7/24","gateway":"10.244.1.1","interface":1}]}"#;
+
+    fn config(socket: &Path) -> String {
+        format!(
+            r#"{{"cniVersion":"1.0.0","name":"k8s","type":"podlink-cni","socket":{},"prevResult":{PREV}}}"#,
+            serde_json::to_string(socket).unwrap()
+        )
+    }
+
+    fn pod_env(command: &str) -> Vec<(&str, &str)> {
+        vec![
+            ("CNI_COMMAND", command),
+            ("CNI_CONTAINERID", "c1"),
+            ("CNI_NETNS", "/run/netns/p"),
+            ("CNI_IFNAME", "eth0"),
+            (
+                "CNI_ARGS",
+                "IgnoreUnknown=1;K8S_POD_NAMESPACE=apps;K8S_POD_NAME=web",
+            ),
+        ]
+    }
+
+    #[test]
+    fn version_lists_the_supported_versions() {
+        let out = run(&env_of(&[("CNI_COMMAND", "VERSION")]), br#"{"cniVersion":"0.4.0"}"#).unwrap();
+        let v: Value = serde_json::from_str(&out).unwrap();
+        assert_eq!(v["cniVersion"], "0.4.0");
+        assert_eq!(v["supportedVersions"][3], "1.0.0");
+        assert!(run(&env_of(&[("CNI_COMMAND", "VERSION")]), b"").is_ok());
+    }
+
+    #[test]
+    fn bad_input_gets_the_right_error_code() {
+        let dir = tempfile::tempdir().unwrap();
+        let good = config(&dir.path().join("cni.sock"));
+        let code = |env: &[(&str, &str)], stdin: &str| run(&env_of(env), stdin.as_bytes()).unwrap_err();
+        assert_eq!(code(&[], &good).code, INVALID_ENVIRONMENT);
+        assert_eq!(code(&[("CNI_COMMAND", "GC")], &good).code, INVALID_ENVIRONMENT);
+        let e = code(&pod_env("ADD"), "{not json");
+        assert_eq!((e.code, e.cni_version.as_str()), (DECODING_FAILURE, "1.0.0"));
+        assert_eq!(code(&pod_env("ADD"), "[1]").code, DECODING_FAILURE);
+        assert_eq!(code(&pod_env("ADD"), r#"{"name":"x"}"#).code, INVALID_NETWORK_CONFIG);
+        let e = code(&pod_env("ADD"), &good.replace("\"1.0.0\",\"name\"", "\"9.9.9\",\"name\""));
+        assert_eq!(e.code, INCOMPATIBLE_VERSION);
+        assert!(e.msg.contains("9.9.9"), "{e:?}");
+        let mut missing = pod_env("ADD");
+        missing.retain(|(k, _)| *k != "CNI_NETNS");
+        let e = code(&missing, &good);
+        assert_eq!(e.code, INVALID_ENVIRONMENT);
+        assert!(e.msg.contains("CNI_NETNS"), "{e:?}");
+        let mut bad_args = pod_env("ADD");
+        bad_args[4].1 = "K8S_POD_NAME";
+        assert_eq!(code(&bad_args, &good).code, INVALID_ENVIRONMENT);
+        let no_prev = r#"{"cniVersion":"1.0.0","name":"k8s","type":"podlink-cni"}"#;
+        let e = code(&pod_env("ADD"), no_prev);
+        assert!(e.msg.contains("prevResult"), "{e:?}");
+        assert_eq!(e.code, INVALID_NETWORK_CONFIG);
+        let e = code(&pod_env("ADD"), &good.replace(r#""socket":"#, r#""socket":7,"x":"#));
+        assert_eq!(e.code, INVALID_NETWORK_CONFIG);
+        let e = code(&pod_env("ADD"), &good.replace("10.244.1.7/24", "ten"));
+        assert!(e.msg.contains("prevResult.ips[0]"), "{e:?}");
+        // The error object's shape (spec "Error codes").
+        let printed: Value = serde_json::to_value(&e).unwrap();
+        assert_eq!(printed["cniVersion"], "1.0.0");
+        assert_eq!(printed["code"], 7);
+        assert!(printed["msg"].is_string());
+    }
+
+    #[test]
+    fn prev_result_addresses_and_host_interface() {
+        let (ips, host) = addresses(&serde_json::from_str(PREV).unwrap()).unwrap();
+        assert_eq!(ips, vec!["10.244.1.7".parse::<IpAddr>().unwrap()]);
+        assert_eq!(host.as_deref(), Some("veth1234"));
+    }
+
+    /// A fake agent answering `reply` to one request; returns what it received.
+    fn fake_agent(socket: &Path, reply: Reply) -> std::thread::JoinHandle<Request> {
+        let listener = UnixListener::bind(socket).unwrap();
+        std::thread::spawn(move || {
+            let (mut stream, _) = listener.accept().unwrap();
+            let mut buf = Vec::new();
+            stream.read_to_end(&mut buf).unwrap();
+            stream.write_all(reply.to_line().as_bytes()).unwrap();
+            Request::parse(&buf).unwrap()
+        })
+    }
+
+    #[test]
+    fn add_asks_the_agent_and_returns_prev_result_unchanged() {
+        let dir = tempfile::tempdir().unwrap();
+        let socket = dir.path().join("cni.sock");
+        let agent = fake_agent(
+            &socket,
+            Reply::Enrolled {
+                interface: "veth1234".into(),
+            },
+        );
+        let out = run(&env_of(&pod_env("ADD")), config(&socket).as_bytes()).unwrap();
+        assert_eq!(
+            serde_json::from_str::<Value>(&out).unwrap(),
+            serde_json::from_str::<Value>(PREV).unwrap()
+        );
+        let request = agent.join().unwrap();
+        assert_eq!(request.key(), "apps/web");
+        assert_eq!(request.container_id, "c1");
+        assert_eq!(request.host_interface.as_deref(), Some("veth1234"));
+        assert_eq!(request.ips.len(), 1);
+
+        std::fs::remove_file(&socket).unwrap();
+        let agent = fake_agent(
+            &socket,
+            Reply::Error {
+                message: "not found in time".into(),
+                retry: true,
+            },
+        );
+        let e = run(&env_of(&pod_env("ADD")), config(&socket).as_bytes()).unwrap_err();
+        assert_eq!(e.code, TRY_AGAIN_LATER);
+        assert!(e.msg.contains("not found in time"), "{e:?}");
+        agent.join().unwrap();
+    }
+
+    #[test]
+    fn an_unreachable_agent_fails_closed_for_pods_to_enroll() {
+        let dir = tempfile::tempdir().unwrap();
+        let socket = dir.path().join("cni.sock");
+        let cfg = config(&socket);
+        // No snapshot: every pod fails.
+        let e = run(&env_of(&pod_env("ADD")), cfg.as_bytes()).unwrap_err();
+        assert_eq!(e.code, TRY_AGAIN_LATER);
+        assert!(e.msg.contains("no enrollment snapshot"), "{e:?}");
+        // DEL always succeeds.
+        assert_eq!(run(&env_of(&pod_env("DEL")), cfg.as_bytes()).unwrap(), "");
+        let snapshot = Snapshot {
+            version: 1,
+            node: "n1".into(),
+            ambient_namespaces: ["apps".to_string()].into(),
+            ..Snapshot::default()
+        };
+        snapshot.write(&Snapshot::path_for(&socket)).unwrap();
+        let e = run(&env_of(&pod_env("ADD")), cfg.as_bytes()).unwrap_err();
+        assert_eq!(e.code, TRY_AGAIN_LATER);
+        assert!(e.msg.contains("namespace apps"), "{e:?}");
+        assert!(e.msg.contains(&socket.display().to_string()), "{e:?}");
+        let mut other = pod_env("ADD");
+        other[4].1 = "K8S_POD_NAMESPACE=plain;K8S_POD_NAME=web";
+        let out = run(&env_of(&other), cfg.as_bytes()).unwrap();
+        assert_eq!(
+            serde_json::from_str::<Value>(&out).unwrap(),
+            serde_json::from_str::<Value>(PREV).unwrap()
+        );
+        // Not a Kubernetes pod: untouched.
+        let mut bare = pod_env("ADD");
+        bare.pop();
+        assert!(run(&env_of(&bare), cfg.as_bytes()).is_ok());
+    }
+}

@@ -1,0 +1,235 @@
+//! What podlink-cni and the agent say to each other on the agent's Unix socket
+//! (`--cni-socket`, [`super::DEFAULT_SOCKET`] by default).
+//!
+//! One connection carries one exchange: the plugin writes one [`Request`] as a
+//! JSON object (at most [`MAX_MESSAGE`] bytes, ended by a newline or by shutting
+//! down its writing side), the agent writes one [`Reply`] as a JSON object and a
+//! newline, and closes. Both carry `"version": 1` ([`PROTOCOL_VERSION`]); a peer
+//! refuses other versions with an error naming them. This protocol is podlink's
+//! own: the CNI specification only defines how the runtime runs the plugin.
+
+use std::{net::IpAddr, time::Duration};
+
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
+
+/// The protocol version both sides put in `version`.
+pub const PROTOCOL_VERSION: u32 = 1;
+/// The largest request or reply, in bytes.
+pub const MAX_MESSAGE: usize = 64 * 1024;
+/// How long the agent waits for a connection's request before it answers with an
+/// error and closes.
+pub const REQUEST_TIMEOUT: Duration = Duration::from_secs(5);
+/// How long the agent waits, on ADD, for the pod's object to reach its workload
+/// source and for the pod's links to be attached.
+pub const ENROLL_WAIT: Duration = Duration::from_secs(5);
+/// How long the plugin waits for the agent's reply (more than [`ENROLL_WAIT`]:
+/// the agent answers every ADD by then).
+pub const REPLY_TIMEOUT: Duration = Duration::from_secs(20);
+
+/// The CNI operation the plugin runs (CNI spec 1.0, "CNI Operations").
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "UPPERCASE")]
+pub enum Command {
+    /// `ADD`: enroll the pod if it should be; answered once its links exist.
+    Add,
+    /// `DEL`: forget what ADD reported (idempotent; an unknown pod is fine).
+    Del,
+    /// `CHECK`: whether a pod that should be enrolled is attached.
+    Check,
+}
+
+/// A request of the plugin, for one pod.
+///
+/// ```json
+/// {"version": 1, "command": "ADD", "containerId": "c0ffee", "namespace": "apps",
+///  "name": "web-0", "ips": ["10.244.1.7"], "hostInterface": "veth1a2b3c4d"}
+/// ```
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Request {
+    /// [`PROTOCOL_VERSION`].
+    pub version: u32,
+    /// `ADD`, `DEL` or `CHECK`.
+    pub command: Command,
+    /// `CNI_CONTAINERID`: the pod sandbox; DEL forgets only what this sandbox's
+    /// ADD reported.
+    pub container_id: String,
+    /// The pod's namespace (`K8S_POD_NAMESPACE` of `CNI_ARGS`).
+    pub namespace: String,
+    /// The pod's name (`K8S_POD_NAME` of `CNI_ARGS`).
+    pub name: String,
+    /// The pod's addresses from `prevResult.ips` (without prefix lengths).
+    #[serde(default)]
+    pub ips: Vec<IpAddr>,
+    /// The host side of the pod's interface: the `prevResult.interfaces` entry
+    /// without a `sandbox`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub host_interface: Option<String>,
+}
+
+impl Request {
+    /// `namespace/name`.
+    pub fn key(&self) -> String {
+        format!("{}/{}", self.namespace, self.name)
+    }
+
+    /// Parses a request, with a message naming what is wrong: not JSON, no or
+    /// another `version`, a missing or mistyped field.
+    ///
+    /// # Errors
+    /// The message to send back in a [`Reply::Error`].
+    pub fn parse(bytes: &[u8]) -> Result<Request, String> {
+        let value: Value =
+            serde_json::from_slice(bytes).map_err(|e| format!("the request is not JSON: {e}"))?;
+        if !value.is_object() {
+            return Err("the request is not a JSON object".into());
+        }
+        match value.get("version").map(Value::as_u64) {
+            None => return Err("the request has no `version`".into()),
+            Some(Some(v)) if v == u64::from(PROTOCOL_VERSION) => {}
+            Some(_) => {
+                return Err(format!(
+                    "protocol version {} is not supported (this agent speaks version {PROTOCOL_VERSION})",
+                    value["version"]
+                ));
+            }
+        }
+        serde_json::from_value(value).map_err(|e| format!("malformed request: {e}"))
+    }
+}
+
+/// The agent's answer.
+///
+/// ```json
+/// {"version": 1, "status": "enrolled", "interface": "veth1a2b3c4d"}
+/// {"version": 1, "status": "not_enrolled", "reason": "pod opted out"}
+/// {"version": 1, "status": "removed"}
+/// {"version": 1, "status": "error", "message": "…", "retry": true}
+/// ```
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "status", rename_all = "snake_case")]
+pub enum Reply {
+    /// ADD: the pod's map entry and both links exist (on this host interface).
+    /// CHECK: they still do.
+    Enrolled {
+        /// The host veth the programs are attached to.
+        interface: String,
+    },
+    /// The pod is not to be enrolled: nothing was done.
+    NotEnrolled {
+        /// Why (e.g. `pod opted out`).
+        reason: String,
+    },
+    /// DEL: done (also when the pod was unknown).
+    Removed,
+    /// The request failed; `retry`: the condition may pass (the runtime should
+    /// try again later, CNI error code 11).
+    Error {
+        /// What went wrong.
+        message: String,
+        /// Whether trying again later may succeed.
+        #[serde(default)]
+        retry: bool,
+    },
+}
+
+/// A [`Reply`] as sent: with `version`.
+#[derive(Debug, Serialize, Deserialize)]
+pub struct ReplyMessage {
+    /// [`PROTOCOL_VERSION`].
+    pub version: u32,
+    /// The reply.
+    #[serde(flatten)]
+    pub reply: Reply,
+}
+
+impl Reply {
+    /// The reply's JSON line (with `version`, ending in a newline).
+    pub fn to_line(&self) -> String {
+        let mut line = serde_json::to_string(&ReplyMessage {
+            version: PROTOCOL_VERSION,
+            reply: self.clone(),
+        })
+        .unwrap_or_else(|_| r#"{"version":1,"status":"error","message":"unprintable"}"#.into());
+        line.push('\n');
+        line
+    }
+
+    /// Parses a reply line.
+    ///
+    /// # Errors
+    /// Not JSON, another protocol version, or an unknown `status`.
+    pub fn parse(bytes: &[u8]) -> Result<Reply, String> {
+        let value: Value =
+            serde_json::from_slice(bytes).map_err(|e| format!("the reply is not JSON: {e}"))?;
+        if value.get("version").and_then(Value::as_u64) != Some(u64::from(PROTOCOL_VERSION)) {
+            return Err(format!(
+                "the agent speaks protocol version {}, this plugin {PROTOCOL_VERSION}",
+                value.get("version").unwrap_or(&Value::Null)
+            ));
+        }
+        let message: ReplyMessage =
+            serde_json::from_value(value).map_err(|e| format!("malformed reply: {e}"))?;
+        Ok(message.reply)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn requests_round_trip_and_bad_ones_are_named() {
+        let request = Request {
+            version: 1,
+            command: Command::Add,
+            container_id: "c1".into(),
+            namespace: "apps".into(),
+            name: "web".into(),
+            ips: vec!["10.244.1.7".parse().unwrap()],
+            host_interface: Some("veth0".into()),
+        };
+        let text = serde_json::to_string(&request).unwrap();
+        assert!(text.contains(r#""command":"ADD""#), "{text}");
+        assert!(text.contains(r#""containerId":"c1""#), "{text}");
+        assert_eq!(Request::parse(text.as_bytes()).unwrap(), request);
+        let err = |s: &str| Request::parse(s.as_bytes()).unwrap_err();
+        assert!(err("{").contains("not JSON"));
+        assert!(err("[]").contains("not a JSON object"));
+        assert!(err(r#"{"command":"ADD"}"#).contains("no `version`"));
+        assert!(err(r#"{"version":2}"#).contains("protocol version 2"));
+        assert!(err(r#"{"version":1,"command":"ADD"}"#).contains("containerId"));
+        assert!(
+            err(r#"{"version":1,"command":"NUKE","containerId":"c","namespace":"n","name":"p"}"#)
+                .contains("NUKE")
+        );
+    }
+
+    #[test]
+    fn replies_round_trip() {
+        for reply in [
+            Reply::Enrolled {
+                interface: "veth0".into(),
+            },
+            Reply::NotEnrolled {
+                reason: "pod opted out".into(),
+            },
+            Reply::Removed,
+            Reply::Error {
+                message: "no".into(),
+                retry: true,
+            },
+        ] {
+            let line = reply.to_line();
+            assert!(line.starts_with(r#"{"version":1,"status":"#), "{line}");
+            assert!(line.ends_with('\n'));
+            assert_eq!(Reply::parse(line.as_bytes()).unwrap(), reply);
+        }
+        assert!(
+            Reply::parse(br#"{"version":7,"status":"removed"}"#)
+                .unwrap_err()
+                .contains("version 7")
+        );
+    }
+}
