@@ -32,6 +32,10 @@ use tokio::signal::unix::{SignalKind, signal};
 use crate::{
     admin,
     authz::PolicySet,
+    cni::{
+        self,
+        server::{Attached, Enroller},
+    },
     dataplane::{
         CapturedPod, Dataplane, DataplaneConfig, Removal,
         journal::SysctlJournal,
@@ -244,6 +248,10 @@ pub async fn run(cfg: AgentConfig) -> Result<()> {
         }
     });
 
+    // Bound before the source is opened: the plugin's requests wait for the
+    // run loop rather than finding no agent.
+    let (cni_socket, mut cni_requests) = cni::server::listen(&cfg.cni.socket)
+        .context("serving the podlink-cni plugin's socket")?;
     let mut source = Source::open(&cfg.source, &cfg.node).await?;
     let mut reconciler = Reconciler {
         node: cfg.node.clone(),
@@ -262,6 +270,9 @@ pub async fn run(cfg: AgentConfig) -> Result<()> {
         warned: HashSet::new(),
         netlink,
         network,
+        cni: Enroller::new(&cfg.node, &cfg.cni.socket),
+        attached: HashSet::new(),
+        attach_errors: HashMap::new(),
     };
     reconciler.publish(&mut source);
     reconciler.plan(&state);
@@ -272,6 +283,13 @@ pub async fn run(cfg: AgentConfig) -> Result<()> {
         cfg.log_control.clone(),
     ));
     tokio::task::block_in_place(|| reconciler.apply(&mut source));
+    let cni_install = match &cfg.cni.install {
+        Some(install) => Some(
+            cni::install::start(install.clone(), cfg.cni.socket.clone())
+                .context("installing the podlink-cni plugin")?,
+        ),
+        None => None,
+    };
     release_startup_memory();
     readiness.set(true);
     tracing::info!(
@@ -291,9 +309,19 @@ pub async fn run(cfg: AgentConfig) -> Result<()> {
         } else {
             reconciler.pending_retry.unwrap_or(manifests::RESYNC)
         };
+        // CNI requests time out.
+        let wait = reconciler.cni.next_deadline().map_or(wait, |d| {
+            wait.min(d.saturating_duration_since(std::time::Instant::now()))
+        });
         let mut resync = false;
         tokio::select! {
             () = source.changed() => {}
+            Some(incoming) = cni_requests.recv() => {
+                reconciler.cni.receive(incoming);
+                while let Ok(more) = cni_requests.try_recv() {
+                    reconciler.cni.receive(more);
+                }
+            }
             () = tokio::time::sleep(wait) => resync = true,
             _ = sigterm.recv() => break,
             _ = sigint.recv() => break,
@@ -308,6 +336,7 @@ pub async fn run(cfg: AgentConfig) -> Result<()> {
             || !rescan.errors.is_empty()
             || reconciler.pending_retry.is_some()
             || resync
+            || reconciler.cni.has_pending()
         {
             reconciler.read_network().await;
             tokio::task::block_in_place(|| {
@@ -321,7 +350,15 @@ pub async fn run(cfg: AgentConfig) -> Result<()> {
                     "reconciled"
                 );
             });
+            reconciler.answer_cni();
         }
+    }
+    // The plugin now finds no agent and decides by the enrollment snapshot.
+    reconciler.cni.stop();
+    drop(cni_socket);
+    drop(cni_requests);
+    if let Some(task) = cni_install {
+        task.abort();
     }
     readiness.set(false);
     // First stop the programs from handing the listeners new connections, so
@@ -441,20 +478,36 @@ struct Reconciler {
     netlink: Netlink,
     /// The node's routes, veths and addresses as last read.
     network: NodeNetwork,
+    /// The pods podlink-cni told about: their reported addresses, the requests
+    /// waiting for an answer, the enrollment snapshot.
+    cni: Enroller,
+    /// The planned pods attached by the last apply (`namespace/name`).
+    attached: HashSet<String>,
+    /// The planned pods whose attach failed in the last apply, with the error.
+    attach_errors: HashMap<String, String>,
 }
 
 impl Reconciler {
     /// Rescans the manifests and, if they changed, rebuilds the workload index.
     fn publish(&mut self, source: &mut Source) -> manifests::Rescan {
-        let rescan = source.rescan();
+        let mut rescan = source.rescan();
         for error in &rescan.errors {
             tracing::warn!("manifest refused: {error}");
         }
         let first = self.index.node().is_empty();
+        // Addresses podlink-cni reported stand in for those of pods whose
+        // object has none yet.
+        rescan.changed |= self.cni.take_changed();
         if rescan.changed || first {
+            let pods = self.cni.pods(source.pods());
             let (index, warnings) = WorkloadIndex::build(
                 &self.node,
                 &self.trust_domain,
+                pods.iter().map(|p| &**p),
+                source.namespaces(),
+            );
+            self.cni.update_snapshot(
+                source.removal() == Removal::All,
                 source.pods(),
                 source.namespaces(),
             );
@@ -563,14 +616,18 @@ impl Reconciler {
         }
         let mut captured: HashSet<String> =
             self.wanted.iter().map(|p| p.workload.clone()).collect();
+        self.attach_errors.clear();
         for (pod, error) in self.dataplane.reconcile(&self.wanted, removal) {
             tracing::warn!(workload = %pod.workload, ifname = %pod.ifname, "capture failed: {error:#}");
             captured.remove(&pod.workload);
+            self.attach_errors
+                .insert(pod.workload.clone(), format!("{error:#}"));
             // Its name may have changed: ask again.
             self.netlink.forget(pod.ifindex);
             retry = true;
         }
         source.captured(&captured);
+        self.attached = captured;
         let live: HashSet<String> = self.index.workloads().map(|w| w.key()).collect();
         self.workload_ids.retain(|k, _| live.contains(k));
         self.warned.retain(|k| live.contains(k));
@@ -578,6 +635,18 @@ impl Reconciler {
             self.pending_retry
                 .map_or(PENDING_RETRY_MIN, |d| (d * 2).min(PENDING_RETRY_MAX))
         });
+    }
+
+    /// Answers the podlink-cni requests the last apply settled.
+    fn answer_cni(&mut self) {
+        self.cni.answer(
+            &self.index,
+            Attached {
+                wanted: &self.wanted,
+                captured: &self.attached,
+                errors: &self.attach_errors,
+            },
+        );
     }
 
     /// Warns once per workload.

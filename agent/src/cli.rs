@@ -79,6 +79,11 @@ enum Command {
         /// The CNI configuration directory (its *.conflist files are edited).
         #[arg(long, default_value = cni::DEFAULT_CONF_DIR)]
         cni_conf_dir: PathBuf,
+        /// The CNI plugin directory the agent installed podlink-cni into
+        /// (`--install-cni`): its podlink-cni binary is removed. Without it the
+        /// binary is left in place.
+        #[arg(long, value_name = "DIR")]
+        cni_bin_dir: Option<PathBuf>,
     },
 }
 
@@ -259,11 +264,13 @@ pub fn main() -> Result<()> {
             pin_dir,
             state_dir,
             cni_conf_dir,
+            cni_bin_dir,
         } => {
             let done = uninstall::uninstall(&UninstallConfig {
                 pin_dir,
                 state_dir,
                 cni_conf_dir,
+                cni_bin_dir,
             })?;
             for line in &done {
                 println!("{line}");

@@ -34,6 +34,9 @@ pub struct UninstallConfig {
     /// The CNI configuration directory whose `*.conflist` files may name
     /// `podlink-cni`.
     pub cni_conf_dir: PathBuf,
+    /// The CNI plugin directory podlink-cni was installed into; `None`: the
+    /// binary is left in place.
+    pub cni_bin_dir: Option<PathBuf>,
 }
 
 /// Removes podlink from this node (run in the node's network namespace). Returns
@@ -101,6 +104,16 @@ pub fn uninstall(cfg: &UninstallConfig) -> Result<Vec<String>> {
                 .map(|p| format!("removed {} from {}", cni::PLUGIN_TYPE, p.display())),
         ),
         Err(e) => failures.push(format!("editing the CNI configuration: {e:#}")),
+    }
+    // The binary only after the entries naming it are gone.
+    if let Some(bin_dir) = &cfg.cni_bin_dir
+        && failures.is_empty()
+    {
+        match cni::install::remove_binary(bin_dir) {
+            Ok(Some(path)) => done.push(format!("removed {}", path.display())),
+            Ok(None) => {}
+            Err(e) => failures.push(format!("removing the CNI plugin: {e:#}")),
+        }
     }
     if !failures.is_empty() {
         bail!(

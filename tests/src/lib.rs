@@ -19,6 +19,7 @@ pub mod api_double;
 pub mod app;
 pub mod ca_double;
 mod capture;
+pub mod cni_runtime;
 pub mod netns;
 
 pub use capture::{Capture, contains_bytes};
@@ -125,6 +126,14 @@ pub fn podlink_bin() -> PathBuf {
         .unwrap_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join("../target/release/podlink"))
 }
 
+/// The `podlink-cni` plugin under test: `$PODLINK_CNI_BIN`, else `podlink-cni`
+/// beside [`podlink_bin`] (both are built by `cargo xtask build`).
+pub fn podlink_cni_bin() -> PathBuf {
+    std::env::var_os("PODLINK_CNI_BIN")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| podlink_bin().with_file_name("podlink-cni"))
+}
+
 /// Fails (never skips) when the test bed cannot run here.
 pub fn require_root() {
     // SAFETY: geteuid has no preconditions.
@@ -168,6 +177,9 @@ pub struct Node {
     pub pin_dir: PathBuf,
     /// The agent's state directory (its sysctl journal).
     pub state_dir: PathBuf,
+    /// The agent's podlink-cni socket (`--cni-socket`): one per node, since the
+    /// test bed's agents share one file system.
+    pub cni_socket: PathBuf,
 }
 
 impl Node {
@@ -192,7 +204,8 @@ pub struct Pod {
     pub host_veth: String,
     pub labels: BTreeMap<String, String>,
     pub service_account: String,
-    container_id: String,
+    /// The sandbox id the CNI plugins were given (`CNI_CONTAINERID`).
+    pub container_id: String,
 }
 
 impl Pod {
@@ -366,6 +379,7 @@ impl Cluster {
                 pod_cidr: Ipv4Addr::new(10, 244, k as u8, 0),
                 pin_dir: bpffs.join("podlink"),
                 state_dir: dir.join(format!("node{k}/state")),
+                cni_socket: dir.join(format!("node{k}/cni/cni.sock")),
             });
         }
         for node in &cluster.nodes {
@@ -439,6 +453,15 @@ impl Cluster {
     fn track(&mut self, resource: Resource) {
         register(resource.clone());
         self.resources.push(resource);
+    }
+
+    /// Creates a network namespace for a pod wired by the test itself (e.g.
+    /// through a conflist, see [`cni_runtime`]): `<cluster id>-p-<name>`, removed
+    /// with the cluster. Returns its name.
+    pub fn add_pod_netns(&mut self, name: &str) -> Result<String> {
+        let netns_name = format!("{}-p-{name}", self.id);
+        self.add_netns(&netns_name)?;
+        Ok(netns_name)
     }
 
     fn add_netns(&mut self, name: &str) -> Result<()> {
@@ -599,38 +622,39 @@ impl Cluster {
         self.write_pod_manifest(pod)
     }
 
+    /// Writes the manifest of a pod that has no address yet (`Pending`, no
+    /// `status.podIP`), as the API server holds a pod scheduled to a node
+    /// before the runtime ran its CNI plugins.
+    pub fn list_pending(&self, spec: &PodSpec) -> Result<()> {
+        let text = pod_manifest(
+            &spec.name,
+            &spec.namespace,
+            &spec.labels,
+            &self.nodes[spec.node].name,
+            spec.service_account.as_deref().unwrap_or("default"),
+            None,
+        );
+        write_atomically(
+            &self
+                .manifests
+                .join(format!("pod-{}-{}.yaml", spec.namespace, spec.name)),
+            &text,
+        )
+    }
+
     fn pod_manifest_path(&self, pod: &Pod) -> PathBuf {
         self.manifests
             .join(format!("pod-{}-{}.yaml", pod.namespace, pod.name))
     }
 
     fn write_pod_manifest(&self, pod: &Pod) -> Result<()> {
-        let node = &self.nodes[pod.node];
-        let text = format!(
-            "apiVersion: v1
-kind: Pod
-metadata:
-  name: {name}
-  namespace: {ns}
-  labels: {labels}
-spec:
-  nodeName: {node}
-  serviceAccountName: {sa}
-  containers:
-  - name: app
-    image: registry.example/app:1
-status:
-  phase: Running
-  podIP: {ip}
-  podIPs:
-  - ip: {ip}
-",
-            name = pod.name,
-            ns = pod.namespace,
-            labels = yaml_labels(&pod.labels),
-            node = node.name,
-            sa = pod.service_account,
-            ip = pod.ip,
+        let text = pod_manifest(
+            &pod.name,
+            &pod.namespace,
+            &pod.labels,
+            &self.nodes[pod.node].name,
+            &pod.service_account,
+            Some(pod.ip),
         );
         write_atomically(&self.pod_manifest_path(pod), &text)
     }
@@ -871,6 +895,13 @@ status:
                     .into_iter()
                     .flatten(),
             )
+            // A socket of its own, unless given one.
+            .args(
+                (!extra.contains(&"--cni-socket"))
+                    .then(|| ["--cni-socket".as_ref(), n.cni_socket.as_os_str()])
+                    .into_iter()
+                    .flatten(),
+            )
             .args(extra)
             .stdout(log.try_clone()?)
             .stderr(log)
@@ -1096,6 +1127,38 @@ status:
         }
         Ok(sums)
     }
+}
+
+/// A Pod manifest; without `ip`, `Pending` with no address.
+fn pod_manifest(
+    name: &str,
+    ns: &str,
+    labels: &BTreeMap<String, String>,
+    node: &str,
+    sa: &str,
+    ip: Option<Ipv4Addr>,
+) -> String {
+    let status = match ip {
+        Some(ip) => format!("  phase: Running\n  podIP: {ip}\n  podIPs:\n  - ip: {ip}\n"),
+        None => "  phase: Pending\n".into(),
+    };
+    format!(
+        "apiVersion: v1
+kind: Pod
+metadata:
+  name: {name}
+  namespace: {ns}
+  labels: {labels}
+spec:
+  nodeName: {node}
+  serviceAccountName: {sa}
+  containers:
+  - name: app
+    image: registry.example/app:1
+status:
+{status}",
+        labels = yaml_labels(labels),
+    )
 }
 
 fn truncate_ifname(name: &str) -> String {

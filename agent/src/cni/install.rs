@@ -194,6 +194,66 @@ pub fn remove_binary(bin_dir: &Path) -> Result<Option<PathBuf>> {
     }
 }
 
+/// Installs podlink-cni (see [`install`]) and keeps it installed: re-checked
+/// every [`CHECK_INTERVAL`] in a task (a new binary beside the agent is copied
+/// again by the next agent start; the task restores a missing or truncated one
+/// and the conflist entry). Call within a tokio runtime.
+///
+/// # Errors
+/// When the binary cannot be installed. A missing or broken conflist is logged
+/// and retried: the primary CNI plugin may write it later.
+pub fn start(install: Install, socket: PathBuf) -> Result<tokio::task::JoinHandle<()>> {
+    let source = plugin_source(&install)?;
+    if ensure_binary(&source, &install.bin_dir)? {
+        tracing::info!(
+            from = %source.display(),
+            to = %install.bin_dir.join(PLUGIN_TYPE).display(),
+            "installed the CNI plugin"
+        );
+    }
+    let mut last_error = None;
+    check_conflist(&install.conf_dir, &socket, &mut last_error);
+    Ok(tokio::spawn(async move {
+        let mut tick = tokio::time::interval(CHECK_INTERVAL);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        tick.tick().await;
+        loop {
+            tick.tick().await;
+            let target = install.bin_dir.join(PLUGIN_TYPE);
+            let intact = match (fs::metadata(&source), fs::metadata(&target)) {
+                (Ok(a), Ok(b)) => a.len() == b.len(),
+                _ => false,
+            };
+            if !intact {
+                match ensure_binary(&source, &install.bin_dir) {
+                    Ok(_) => tracing::info!(to = %target.display(), "reinstalled the CNI plugin"),
+                    Err(e) => note(&mut last_error, format!("{e:#}")),
+                }
+            }
+            check_conflist(&install.conf_dir, &socket, &mut last_error);
+        }
+    }))
+}
+
+/// Logs an installation problem once while it lasts.
+fn note(last: &mut Option<String>, message: String) {
+    if last.as_deref() != Some(message.as_str()) {
+        tracing::warn!("CNI plugin installation: {message}; retrying every {} s", CHECK_INTERVAL.as_secs());
+        *last = Some(message);
+    }
+}
+
+fn check_conflist(conf_dir: &Path, socket: &Path, last_error: &mut Option<String>) {
+    match ensure_conflist(conf_dir, socket) {
+        Ok(Some(path)) => {
+            tracing::info!(conflist = %path.display(), "added podlink-cni to the CNI configuration");
+            *last_error = None;
+        }
+        Ok(None) => *last_error = None,
+        Err(e) => note(last_error, format!("{e:#}")),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
