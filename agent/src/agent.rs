@@ -250,8 +250,8 @@ pub async fn run(cfg: AgentConfig) -> Result<()> {
 
     // Bound before the source is opened: the plugin's requests wait for the
     // run loop rather than finding no agent.
-    let (cni_socket, mut cni_requests) = cni::server::listen(&cfg.cni.socket)
-        .context("serving the podlink-cni plugin's socket")?;
+    let (cni_socket, mut cni_requests) =
+        cni::server::listen(&cfg.cni.socket).context("serving the podlink-cni plugin's socket")?;
     let mut source = Source::open(&cfg.source, &cfg.node).await?;
     let mut reconciler = Reconciler {
         node: cfg.node.clone(),

@@ -95,7 +95,12 @@ pub struct PluginFailure {
 pub type Results = Vec<Value>;
 
 /// Runs `plugin` (found in `CNI_PATH`) with `config` on stdin.
-pub fn exec_plugin(sandbox: &Sandbox, command: &str, plugin: &str, config: &Value) -> Result<Output> {
+pub fn exec_plugin(
+    sandbox: &Sandbox,
+    command: &str,
+    plugin: &str,
+    config: &Value,
+) -> Result<Output> {
     let binary = sandbox
         .cni_path
         .iter()

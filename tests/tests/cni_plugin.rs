@@ -176,7 +176,10 @@ fn wait_no_map_entry(c: &Cluster, ifindex: u32) {
         {
             return;
         }
-        assert!(Instant::now() < deadline, "entry for {ifindex} left: {pods}");
+        assert!(
+            Instant::now() < deadline,
+            "entry for {ifindex} left: {pods}"
+        );
         std::thread::sleep(Duration::from_millis(20));
     }
 }
@@ -208,10 +211,9 @@ fn add_captures_the_first_syn_and_leaves_other_pods_untouched() {
         fs::metadata(&installed).unwrap().permissions().mode() & 0o777,
         0o755
     );
-    let snapshot: Value = serde_json::from_slice(
-        &fs::read(socket.with_file_name("enrollment.json")).unwrap(),
-    )
-    .unwrap();
+    let snapshot: Value =
+        serde_json::from_slice(&fs::read(socket.with_file_name("enrollment.json")).unwrap())
+            .unwrap();
     assert_eq!(snapshot["ambientNamespaces"], json!(["mesh"]), "{snapshot}");
 
     // An enrolled server on the same node (made the test bed's way).
@@ -221,13 +223,15 @@ fn add_captures_the_first_syn_and_leaves_other_pods_untouched() {
 
     // The client's object is known (scheduled, no address yet) when the runtime
     // runs the list; ADD returns once the pod is captured.
-    bed.c.list_pending(&PodSpec::new("client", "mesh", 0)).unwrap();
+    bed.c
+        .list_pending(&PodSpec::new("client", "mesh", 0))
+        .unwrap();
     let (sandbox, netns) = bed.sandbox("client", "mesh");
     let list = bed.list();
     let started = Instant::now();
-    let results = cni_runtime::add(&list, &sandbox).unwrap().unwrap_or_else(|(_, f)| {
-        panic!("ADD failed: {f:?}\n{}", bed.c.agent_log(0))
-    });
+    let results = cni_runtime::add(&list, &sandbox)
+        .unwrap()
+        .unwrap_or_else(|(_, f)| panic!("ADD failed: {f:?}\n{}", bed.c.agent_log(0)));
     eprintln!("ADD of an enrolled pod took {:?}", started.elapsed());
     // podlink-cni hands prevResult on unchanged.
     assert_eq!(results.len(), 2);
@@ -259,7 +263,9 @@ fn add_captures_the_first_syn_and_leaves_other_pods_untouched() {
         move || cni_runtime::add(&list, &sandbox)
     });
     std::thread::sleep(Duration::from_millis(500));
-    bed.c.list_pending(&PodSpec::new("late", "mesh", 0)).unwrap();
+    bed.c
+        .list_pending(&PodSpec::new("late", "mesh", 0))
+        .unwrap();
     let late_results = late_add
         .join()
         .unwrap()
@@ -303,7 +309,10 @@ fn add_captures_the_first_syn_and_leaves_other_pods_untouched() {
     let (ok, error) = run_plugin(b"{not json", "");
     assert!(!ok);
     assert_eq!(error["code"], 6, "{error}");
-    assert!(error["msg"].as_str().unwrap().contains("not JSON"), "{error}");
+    assert!(
+        error["msg"].as_str().unwrap().contains("not JSON"),
+        "{error}"
+    );
     let config = |version: &str| {
         json!({"cniVersion": version, "name": "n", "type": "podlink-cni",
                "socket": socket, "prevResult": results[0]})
@@ -315,7 +324,10 @@ fn add_captures_the_first_syn_and_leaves_other_pods_untouched() {
     let (ok, error) = run_plugin(config("1.0.0").as_bytes(), "CNI_NETNS");
     assert!(!ok);
     assert_eq!(error["code"], 4, "{error}");
-    assert!(error["msg"].as_str().unwrap().contains("CNI_NETNS"), "{error}");
+    assert!(
+        error["msg"].as_str().unwrap().contains("CNI_NETNS"),
+        "{error}"
+    );
     // VERSION.
     let mut version = Command::new(podlink_cni_bin())
         .env("CNI_COMMAND", "VERSION")

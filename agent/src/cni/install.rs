@@ -238,7 +238,10 @@ pub fn start(install: Install, socket: PathBuf) -> Result<tokio::task::JoinHandl
 /// Logs an installation problem once while it lasts.
 fn note(last: &mut Option<String>, message: String) {
     if last.as_deref() != Some(message.as_str()) {
-        tracing::warn!("CNI plugin installation: {message}; retrying every {} s", CHECK_INTERVAL.as_secs());
+        tracing::warn!(
+            "CNI plugin installation: {message}; retrying every {} s",
+            CHECK_INTERVAL.as_secs()
+        );
         *last = Some(message);
     }
 }
@@ -291,11 +294,18 @@ mod tests {
         // Idempotent.
         assert_eq!(with_plugin(&out, socket).unwrap(), None);
         // Removing it gives the original back.
-        assert_eq!(super::super::without_plugin(&out).unwrap().unwrap(), CONFLIST);
+        assert_eq!(
+            super::super::without_plugin(&out).unwrap().unwrap(),
+            CONFLIST
+        );
         // The default socket is not written; another socket replaces the entry.
-        let default = with_plugin(CONFLIST, Path::new(DEFAULT_SOCKET)).unwrap().unwrap();
+        let default = with_plugin(CONFLIST, Path::new(DEFAULT_SOCKET))
+            .unwrap()
+            .unwrap();
         assert!(!default.contains("socket"), "{default}");
-        let moved = with_plugin(&out, Path::new("/other.sock")).unwrap().unwrap();
+        let moved = with_plugin(&out, Path::new("/other.sock"))
+            .unwrap()
+            .unwrap();
         assert_eq!(moved.matches("podlink-cni").count(), 1);
         assert!(moved.contains("/other.sock"));
         // An entry not last is moved last.
@@ -338,7 +348,10 @@ mod tests {
         let error = format!("{:#}", install(&install_cfg, &socket).unwrap_err());
         assert!(error.contains("no *.conflist"), "{error}");
         assert!(bin.join(PLUGIN_TYPE).is_file());
-        let mode = fs::metadata(bin.join(PLUGIN_TYPE)).unwrap().permissions().mode();
+        let mode = fs::metadata(bin.join(PLUGIN_TYPE))
+            .unwrap()
+            .permissions()
+            .mode();
         assert_eq!(mode & 0o777, 0o755);
 
         fs::write(conf.join("20-b.conflist"), CONFLIST).unwrap();
@@ -347,8 +360,15 @@ mod tests {
         let done = install(&install_cfg, &socket).unwrap();
         assert_eq!(done.len(), 1, "{done:?}");
         assert!(done[0].contains("10-a.conflist"), "{done:?}");
-        assert!(fs::read_to_string(conf.join("10-a.conflist")).unwrap().contains(PLUGIN_TYPE));
-        assert_eq!(fs::read_to_string(conf.join("20-b.conflist")).unwrap(), CONFLIST);
+        assert!(
+            fs::read_to_string(conf.join("10-a.conflist"))
+                .unwrap()
+                .contains(PLUGIN_TYPE)
+        );
+        assert_eq!(
+            fs::read_to_string(conf.join("20-b.conflist")).unwrap(),
+            CONFLIST
+        );
         assert!(install(&install_cfg, &socket).unwrap().is_empty());
         // Only the conflists and the binary are there: no temporary files left.
         assert_eq!(fs::read_dir(&conf).unwrap().count(), 3);

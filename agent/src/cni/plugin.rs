@@ -128,13 +128,18 @@ pub fn run(env: &dyn Fn(&str) -> Option<String>, stdin: &[u8]) -> Result<String,
         other => {
             return Err(CniError::new(
                 INVALID_ENVIRONMENT,
-                format!("unknown CNI_COMMAND {other:?}: podlink-cni supports ADD, DEL, CHECK and VERSION"),
+                format!(
+                    "unknown CNI_COMMAND {other:?}: podlink-cni supports ADD, DEL, CHECK and VERSION"
+                ),
             ));
         }
     };
     let config: Value = serde_json::from_slice(stdin).map_err(|e| {
-        CniError::new(DECODING_FAILURE, "the network configuration on stdin is not JSON")
-            .details(e.to_string())
+        CniError::new(
+            DECODING_FAILURE,
+            "the network configuration on stdin is not JSON",
+        )
+        .details(e.to_string())
     })?;
     let Some(config) = config.as_object() else {
         return Err(CniError::new(
@@ -145,7 +150,10 @@ pub fn run(env: &dyn Fn(&str) -> Option<String>, stdin: &[u8]) -> Result<String,
     let cni_version = match config.get("cniVersion") {
         Some(Value::String(v)) => v.clone(),
         Some(_) => {
-            return Err(CniError::new(INVALID_NETWORK_CONFIG, "`cniVersion` is not a string"));
+            return Err(CniError::new(
+                INVALID_NETWORK_CONFIG,
+                "`cniVersion` is not a string",
+            ));
         }
         None => {
             return Err(CniError::new(
@@ -178,7 +186,11 @@ pub fn run(env: &dyn Fn(&str) -> Option<String>, stdin: &[u8]) -> Result<String,
 fn version(stdin: &[u8]) -> String {
     let asked = serde_json::from_slice::<Value>(stdin)
         .ok()
-        .and_then(|v| v.get("cniVersion").and_then(Value::as_str).map(String::from))
+        .and_then(|v| {
+            v.get("cniVersion")
+                .and_then(Value::as_str)
+                .map(String::from)
+        })
         .unwrap_or_else(|| "1.0.0".into());
     json!({"cniVersion": asked, "supportedVersions": SUPPORTED_VERSIONS}).to_string()
 }
@@ -269,7 +281,9 @@ fn addresses(result: &Value) -> Result<(Vec<IpAddr>, Option<String>), CniError> 
                 .next()
                 .and_then(|a| a.parse::<IpAddr>().ok())
                 .ok_or_else(|| {
-                    invalid(format!("prevResult.ips[{i}].address {address:?} is not an address"))
+                    invalid(format!(
+                        "prevResult.ips[{i}].address {address:?} is not an address"
+                    ))
                 })?;
             ips.push(ip);
         }
@@ -279,7 +293,12 @@ fn addresses(result: &Value) -> Result<(Vec<IpAddr>, Option<String>), CniError> 
         .and_then(Value::as_array)
         .into_iter()
         .flatten()
-        .find(|i| i.get("sandbox").and_then(Value::as_str).unwrap_or("").is_empty())
+        .find(|i| {
+            i.get("sandbox")
+                .and_then(Value::as_str)
+                .unwrap_or("")
+                .is_empty()
+        })
         .and_then(|i| i.get("name").and_then(Value::as_str))
         .map(String::from);
     Ok((ips, host_interface))
@@ -323,7 +342,11 @@ fn execute(inv: &Invocation) -> Result<String, CniError> {
             })
         }
         Ok(Reply::Error { message, retry }) => Err(CniError::new(
-            if retry { TRY_AGAIN_LATER } else { AGENT_REFUSED },
+            if retry {
+                TRY_AGAIN_LATER
+            } else {
+                AGENT_REFUSED
+            },
             format!("podlink agent: pod {key}: {message}"),
         )),
         Err(unreachable) if inv.command == Command::Del => {
@@ -399,7 +422,10 @@ fn ask(socket: &Path, request: &Request) -> Result<Reply, String> {
         .read_to_end(&mut reply)
         .map_err(io)?;
     if reply.len() > protocol::MAX_MESSAGE {
-        return Err(format!("the agent's reply is over {} bytes", protocol::MAX_MESSAGE));
+        return Err(format!(
+            "the agent's reply is over {} bytes",
+            protocol::MAX_MESSAGE
+        ));
     }
     Reply::parse(&reply)
 }
@@ -474,7 +500,11 @@ mod tests {
 
     #[test]
     fn version_lists_the_supported_versions() {
-        let out = run(&env_of(&[("CNI_COMMAND", "VERSION")]), br#"{"cniVersion":"0.4.0"}"#).unwrap();
+        let out = run(
+            &env_of(&[("CNI_COMMAND", "VERSION")]),
+            br#"{"cniVersion":"0.4.0"}"#,
+        )
+        .unwrap();
         let v: Value = serde_json::from_str(&out).unwrap();
         assert_eq!(v["cniVersion"], "0.4.0");
         assert_eq!(v["supportedVersions"][3], "1.0.0");
@@ -485,14 +515,27 @@ mod tests {
     fn bad_input_gets_the_right_error_code() {
         let dir = tempfile::tempdir().unwrap();
         let good = config(&dir.path().join("cni.sock"));
-        let code = |env: &[(&str, &str)], stdin: &str| run(&env_of(env), stdin.as_bytes()).unwrap_err();
+        let code =
+            |env: &[(&str, &str)], stdin: &str| run(&env_of(env), stdin.as_bytes()).unwrap_err();
         assert_eq!(code(&[], &good).code, INVALID_ENVIRONMENT);
-        assert_eq!(code(&[("CNI_COMMAND", "GC")], &good).code, INVALID_ENVIRONMENT);
+        assert_eq!(
+            code(&[("CNI_COMMAND", "GC")], &good).code,
+            INVALID_ENVIRONMENT
+        );
         let e = code(&pod_env("ADD"), "{not json");
-        assert_eq!((e.code, e.cni_version.as_str()), (DECODING_FAILURE, "1.0.0"));
+        assert_eq!(
+            (e.code, e.cni_version.as_str()),
+            (DECODING_FAILURE, "1.0.0")
+        );
         assert_eq!(code(&pod_env("ADD"), "[1]").code, DECODING_FAILURE);
-        assert_eq!(code(&pod_env("ADD"), r#"{"name":"x"}"#).code, INVALID_NETWORK_CONFIG);
-        let e = code(&pod_env("ADD"), &good.replace("\"1.0.0\",\"name\"", "\"9.9.9\",\"name\""));
+        assert_eq!(
+            code(&pod_env("ADD"), r#"{"name":"x"}"#).code,
+            INVALID_NETWORK_CONFIG
+        );
+        let e = code(
+            &pod_env("ADD"),
+            &good.replace("\"1.0.0\",\"name\"", "\"9.9.9\",\"name\""),
+        );
         assert_eq!(e.code, INCOMPATIBLE_VERSION);
         assert!(e.msg.contains("9.9.9"), "{e:?}");
         let mut missing = pod_env("ADD");
@@ -507,7 +550,10 @@ mod tests {
         let e = code(&pod_env("ADD"), no_prev);
         assert!(e.msg.contains("prevResult"), "{e:?}");
         assert_eq!(e.code, INVALID_NETWORK_CONFIG);
-        let e = code(&pod_env("ADD"), &good.replace(r#""socket":"#, r#""socket":7,"x":"#));
+        let e = code(
+            &pod_env("ADD"),
+            &good.replace(r#""socket":"#, r#""socket":7,"x":"#),
+        );
         assert_eq!(e.code, INVALID_NETWORK_CONFIG);
         let e = code(&pod_env("ADD"), &good.replace("10.244.1.7/24", "ten"));
         assert!(e.msg.contains("prevResult.ips[0]"), "{e:?}");

@@ -167,10 +167,7 @@ async fn connection(mut stream: UnixStream, requests: mpsc::Sender<Incoming>) {
     };
     let reply = match tokio::time::timeout(REQUEST_TIMEOUT, read_request(&mut stream)).await {
         Err(_) => Reply::Error {
-            message: format!(
-                "no complete request within {} s",
-                REQUEST_TIMEOUT.as_secs()
-            ),
+            message: format!("no complete request within {} s", REQUEST_TIMEOUT.as_secs()),
             retry: false,
         },
         Ok(Err(message)) => {
@@ -182,7 +179,11 @@ async fn connection(mut stream: UnixStream, requests: mpsc::Sender<Incoming>) {
         }
         Ok(Ok(request)) => {
             let (tx, rx) = oneshot::channel();
-            if requests.send(Incoming { request, reply: tx }).await.is_err() {
+            if requests
+                .send(Incoming { request, reply: tx })
+                .await
+                .is_err()
+            {
                 stopping()
             } else {
                 rx.await.unwrap_or_else(|_| stopping())
@@ -414,7 +415,9 @@ impl Enroller {
                                 };
                                 Some(Reply::Error {
                                     message: if p.request.command == Command::Check {
-                                        format!("pod {key} is to be enrolled but is not attached: {why}")
+                                        format!(
+                                            "pod {key} is to be enrolled but is not attached: {why}"
+                                        )
                                     } else {
                                         format!(
                                             "pod {key} is to be enrolled but was not attached within {} s: {why}",
@@ -523,9 +526,10 @@ mod tests {
     fn the_overlay_gives_addresses_and_answers_follow_the_reconcile() {
         let dir = tempfile::tempdir().unwrap();
         let mut e = Enroller::new("n1", &dir.path().join("cni.sock"));
-        let ns: Namespace =
-            serde_yaml_ng::from_str("metadata: {name: amb, labels: {istio.io/dataplane-mode: ambient}}")
-                .unwrap();
+        let ns: Namespace = serde_yaml_ng::from_str(
+            "metadata: {name: amb, labels: {istio.io/dataplane-mode: ambient}}",
+        )
+        .unwrap();
         let new = pod("metadata: {name: new, namespace: amb}\nspec: {nodeName: n1}");
         let out = pod(
             "metadata: {name: out, namespace: amb, labels: {istio.io/dataplane-mode: none}}\nspec: {nodeName: n1}",
@@ -537,8 +541,12 @@ mod tests {
         assert!(!e.take_changed());
         let pods = e.pods([&new, &out].into_iter());
         assert!(matches!(pods[0], Cow::Owned(_)));
-        let (index, _) =
-            WorkloadIndex::build("n1", "cluster.local", pods.iter().map(|p| p.as_ref()), [&ns]);
+        let (index, _) = WorkloadIndex::build(
+            "n1",
+            "cluster.local",
+            pods.iter().map(|p| p.as_ref()),
+            [&ns],
+        );
         let w = index.workloads().find(|w| w.name == "new").unwrap();
         assert_eq!(w.ips, vec!["10.244.1.9".parse::<IpAddr>().unwrap()]);
 
@@ -585,20 +593,27 @@ mod tests {
         );
         // DEL of another sandbox keeps the overlay; of this one drops it; twice is fine.
         assert_eq!(
-            send(&mut e, request(Command::Del, "new", "old")).try_recv().unwrap(),
+            send(&mut e, request(Command::Del, "new", "old"))
+                .try_recv()
+                .unwrap(),
             Reply::Removed
         );
         assert!(!e.take_changed());
         for _ in 0..2 {
             assert_eq!(
-                send(&mut e, request(Command::Del, "new", "c1")).try_recv().unwrap(),
+                send(&mut e, request(Command::Del, "new", "c1"))
+                    .try_recv()
+                    .unwrap(),
                 Reply::Removed
             );
         }
         assert!(e.take_changed());
         assert!(matches!(e.pods([&new].into_iter())[0], Cow::Borrowed(_)));
         e.stop();
-        assert!(matches!(add_unknown.try_recv(), Ok(Reply::Error { retry: true, .. })));
+        assert!(matches!(
+            add_unknown.try_recv(),
+            Ok(Reply::Error { retry: true, .. })
+        ));
     }
 
     #[tokio::test]
@@ -621,7 +636,9 @@ mod tests {
                 Reply::parse(&out).unwrap()
             })
         };
-        let bad = exchange(b"{\"version\": 1, \"command\": \"ADD\"}\n").await.unwrap();
+        let bad = exchange(b"{\"version\": 1, \"command\": \"ADD\"}\n")
+            .await
+            .unwrap();
         assert!(matches!(bad, Reply::Error { message, .. } if message.contains("containerId")));
         let garbage = exchange(b"\x00\x01").await.unwrap();
         assert!(matches!(garbage, Reply::Error { message, .. } if message.contains("not JSON")));

@@ -106,7 +106,9 @@ impl Snapshot {
         if self.opted_out.contains(&key) {
             None
         } else if self.opted_in.contains(&key) {
-            Some(format!("pod {key} is labelled {DATAPLANE_MODE_LABEL}={DATAPLANE_MODE_AMBIENT}"))
+            Some(format!(
+                "pod {key} is labelled {DATAPLANE_MODE_LABEL}={DATAPLANE_MODE_AMBIENT}"
+            ))
         } else if self.ambient_namespaces.contains(namespace) {
             Some(format!(
                 "namespace {namespace} is labelled {DATAPLANE_MODE_LABEL}={DATAPLANE_MODE_AMBIENT}"
