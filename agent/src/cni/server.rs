@@ -391,6 +391,9 @@ impl Enroller {
                             }
                             _ if !expired => None,
                             _ => {
+                                // An attach that failed is podlink's error (999);
+                                // a pod still waiting for its route may pass (11).
+                                let retry = !attached.errors.contains_key(&key);
                                 let why = match (attached.errors.get(&key), planned) {
                                     (Some(error), _) => format!("attaching failed: {error}"),
                                     (None, Some(pod)) => {
@@ -424,7 +427,7 @@ impl Enroller {
                                             ENROLL_WAIT.as_secs()
                                         )
                                     },
-                                    retry: true,
+                                    retry,
                                 })
                             }
                         }
