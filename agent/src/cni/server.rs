@@ -361,10 +361,14 @@ impl Enroller {
             let reply = match workload {
                 None if !expired => None,
                 None => Some(Reply::Error {
-                    message: format!(
-                        "pod {key} is not known to the agent's workload source after {} s",
-                        ENROLL_WAIT.as_secs()
-                    ),
+                    message: if p.request.command == Command::Check {
+                        format!("pod {key} is not known to the agent's workload source")
+                    } else {
+                        format!(
+                            "pod {key} is not known to the agent's workload source after {} s",
+                            ENROLL_WAIT.as_secs()
+                        )
+                    },
                     retry: true,
                 }),
                 Some(w) => match w.enrollment {
