@@ -551,11 +551,15 @@ mod tests {
             pin_dir,
             state_dir,
             cni_conf_dir,
+            cni_bin_dir,
         } = cli.command
         else {
             panic!("the uninstall pod does not run `podlink uninstall`");
         };
-        for path in [&pin_dir, &state_dir, &cni_conf_dir] {
+        for path in [&pin_dir, &state_dir, &cni_conf_dir]
+            .into_iter()
+            .chain(cni_bin_dir.as_ref())
+        {
             assert!(
                 mounted(uninstall, path),
                 "{} is not mounted",
@@ -572,5 +576,8 @@ mod tests {
         assert_eq!(pin_dir, agent.pin_dir);
         assert_eq!(state_dir, agent.state_dir);
         assert_eq!(cni_conf_dir, agent.cni_conf_dir);
+        if let Some(dir) = cni_bin_dir {
+            assert_eq!(dir, agent.cni_bin_dir);
+        }
     }
 }

@@ -350,6 +350,21 @@ fn add_captures_the_first_syn_and_leaves_other_pods_untouched() {
             .unwrap()
             .contains(&json!("1.0.0"))
     );
+    // The primary plugin rewrites its conflist without podlink-cni: the agent
+    // adds itself again.
+    let (path, _) = cni_runtime::load_conflist(&bed.conf).unwrap();
+    let original = json!({"cniVersion": "1.0.0", "name": "podlink-testbed", "plugins": [bed.ptp]});
+    fs::write(&path, original.to_string()).unwrap();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while bed.list()["plugins"].as_array().unwrap().len() != 2 {
+        assert!(
+            Instant::now() < deadline,
+            "podlink-cni not added again:\n{}",
+            bed.c.agent_log(0)
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    assert_eq!(bed.list()["plugins"][1]["type"], "podlink-cni");
 }
 
 #[test]
