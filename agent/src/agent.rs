@@ -34,7 +34,7 @@ use crate::{
     authz::PolicySet,
     cni::{
         self,
-        server::{Attached, Enroller},
+        server::{Attached, Enroller, SourceView},
     },
     dataplane::{
         CapturedPod, Dataplane, DataplaneConfig, Removal,
@@ -350,7 +350,7 @@ pub async fn run(cfg: AgentConfig) -> Result<()> {
                     "reconciled"
                 );
             });
-            reconciler.answer_cni();
+            reconciler.answer_cni(&source);
         }
     }
     // The plugin now finds no agent and decides by the enrollment snapshot.
@@ -638,13 +638,17 @@ impl Reconciler {
     }
 
     /// Answers the podlink-cni requests the last apply settled.
-    fn answer_cni(&mut self) {
+    fn answer_cni(&mut self, source: &Source) {
         self.cni.answer(
             &self.index,
             Attached {
                 wanted: &self.wanted,
                 captured: &self.attached,
                 errors: &self.attach_errors,
+            },
+            SourceView {
+                complete: source.removal() == Removal::All,
+                knows_namespace: &|ns| source.knows_namespace(ns),
             },
         );
     }

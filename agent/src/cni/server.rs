@@ -222,6 +222,17 @@ pub struct Enroller {
     pending: Vec<Pending>,
 }
 
+/// How complete the agent's workload source is, for answers that depend on
+/// what it does not know.
+#[derive(Clone, Copy)]
+pub struct SourceView<'a> {
+    /// Everything is listed (nothing settling, the API's first lists done).
+    pub complete: bool,
+    /// Whether the source has a Namespace object of this name (a manifests
+    /// directory need not have one: always true there).
+    pub knows_namespace: &'a dyn Fn(&str) -> bool,
+}
+
 /// The outcome of an attach attempt the reconciler reports for a pod it planned.
 #[derive(Clone, Copy, Debug)]
 pub struct Attached<'a> {
@@ -314,11 +325,12 @@ impl Enroller {
         self.pending.iter().map(|p| p.deadline).min()
     }
 
-    /// `pods`, those without an address given the addresses the plugin reported
-    /// for them.
+    /// `pods`, those the plugin reported given the addresses it reported: the
+    /// live sandbox's addresses win over the object's, which may still be those
+    /// of an earlier sandbox (until the kubelet updates the status) or none yet.
     pub fn pods<'a>(&self, pods: impl Iterator<Item = &'a Pod>) -> Vec<Cow<'a, Pod>> {
         pods.map(|pod| {
-            if self.overlay.is_empty() || has_address(pod) {
+            if self.overlay.is_empty() {
                 return Cow::Borrowed(pod);
             }
             let Some(name) = &pod.metadata.name else {
@@ -326,7 +338,9 @@ impl Enroller {
             };
             let key = format!("{}/{name}", pod.metadata.namespace_or_default());
             match self.overlay.get(&key) {
-                Some(reported) if !reported.ips.is_empty() => {
+                Some(reported)
+                    if !reported.ips.is_empty() && !has_addresses(pod, &reported.ips) =>
+                {
                     let mut pod = pod.clone();
                     let status = pod.status.get_or_insert_with(PodStatus::default);
                     status.pod_ip = Some(reported.ips[0].to_string());
@@ -348,7 +362,7 @@ impl Enroller {
     /// Answers the waiting requests that can be answered after a reconcile:
     /// pods not to be enrolled, pods attached, and those whose time is up (with
     /// the reason).
-    pub fn answer(&mut self, index: &WorkloadIndex, attached: Attached<'_>) {
+    pub fn answer(&mut self, index: &WorkloadIndex, attached: Attached<'_>, view: SourceView<'_>) {
         if self.pending.is_empty() {
             return;
         }
@@ -372,6 +386,20 @@ impl Enroller {
                     retry: true,
                 }),
                 Some(w) => match w.enrollment {
+                    // Not enrolled as far as the agent knows: with a view still
+                    // incomplete (the namespace's labels unknown), wait rather
+                    // than let a pod that should be captured start uncaptured.
+                    crate::workload::Enrollment::NotEnrolled(_)
+                        if !view.complete || !(view.knows_namespace)(&p.request.namespace) =>
+                    {
+                        expired.then(|| Reply::Error {
+                            message: format!(
+                                "the agent does not know namespace {} or has not listed every workload yet, so it cannot tell whether pod {key} is to be enrolled",
+                                p.request.namespace
+                            ),
+                            retry: true,
+                        })
+                    }
                     crate::workload::Enrollment::NotEnrolled(reason) => Some(Reply::NotEnrolled {
                         reason: reason.to_string(),
                     }),
@@ -387,8 +415,18 @@ impl Enroller {
                     }
                     crate::workload::Enrollment::Enrolled => {
                         let planned = attached.wanted.iter().find(|c| c.workload == key);
+                        // Attached where the plugin says the pod is: its host
+                        // interface and one of its addresses.
+                        let here = |pod: &CapturedPod| {
+                            p.request
+                                .host_interface
+                                .as_ref()
+                                .is_none_or(|i| *i == pod.ifname)
+                                && (p.request.ips.is_empty()
+                                    || p.request.ips.contains(&IpAddr::V4(pod.ipv4)))
+                        };
                         match planned {
-                            Some(pod) if attached.captured.contains(&key) => {
+                            Some(pod) if attached.captured.contains(&key) && here(pod) => {
                                 Some(Reply::Enrolled {
                                     interface: pod.ifname.clone(),
                                 })
@@ -400,6 +438,18 @@ impl Enroller {
                                 let retry = !attached.errors.contains_key(&key);
                                 let why = match (attached.errors.get(&key), planned) {
                                     (Some(error), _) => format!("attaching failed: {error}"),
+                                    (None, Some(pod)) if !here(pod) => format!(
+                                        "its address {} leads to {}, not to what the plugin reported ({} {})",
+                                        pod.ipv4,
+                                        pod.ifname,
+                                        p.request.host_interface.as_deref().unwrap_or("-"),
+                                        p.request
+                                            .ips
+                                            .iter()
+                                            .map(ToString::to_string)
+                                            .collect::<Vec<_>>()
+                                            .join(", ")
+                                    ),
                                     (None, Some(pod)) => {
                                         format!("not attached to {}", pod.ifname)
                                     }
@@ -493,11 +543,22 @@ impl Enroller {
     }
 }
 
-fn has_address(pod: &Pod) -> bool {
-    pod.status.as_ref().is_some_and(|s| {
-        s.pod_ip.as_deref().is_some_and(|ip| !ip.is_empty())
-            || s.pod_ips.as_ref().is_some_and(|ips| !ips.is_empty())
-    })
+/// Whether the pod's object lists exactly `ips` (`status.podIPs`, else
+/// `status.podIP`).
+fn has_addresses(pod: &Pod, ips: &[IpAddr]) -> bool {
+    let Some(status) = pod.status.as_ref() else {
+        return false;
+    };
+    let listed: Vec<IpAddr> = match status.pod_ips.as_deref() {
+        Some(list) if !list.is_empty() => list.iter().filter_map(|p| p.ip.parse().ok()).collect(),
+        _ => status
+            .pod_ip
+            .as_deref()
+            .and_then(|ip| ip.parse().ok())
+            .into_iter()
+            .collect(),
+    };
+    listed == ips
 }
 
 #[cfg(test)]
@@ -527,6 +588,27 @@ mod tests {
             reply: tx,
         });
         rx
+    }
+
+    #[test]
+    fn the_live_sandbox_addresses_win_over_a_stale_object() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut e = Enroller::new("n1", &dir.path().join("cni.sock"));
+        let stale = pod(
+            "metadata: {name: web, namespace: amb}\nspec: {nodeName: n1}\nstatus: {podIP: 10.244.1.8, podIPs: [{ip: 10.244.1.8}]}",
+        );
+        let _add = send(&mut e, request(Command::Add, "web", "c1"));
+        let pods = e.pods([&stale].into_iter());
+        let status = pods[0].status.as_ref().unwrap();
+        assert_eq!(status.pod_ip.as_deref(), Some("10.244.1.9"));
+        // Once the object lists the same addresses, it is used as it is.
+        let current = pod(
+            "metadata: {name: web, namespace: amb}\nspec: {nodeName: n1}\nstatus: {podIP: 10.244.1.9}",
+        );
+        assert!(matches!(
+            e.pods([&current].into_iter())[0],
+            Cow::Borrowed(_)
+        ));
     }
 
     #[test]
@@ -565,7 +647,32 @@ mod tests {
             captured: &none,
             errors: &errors,
         };
-        e.answer(&index, nothing);
+        // While the view is incomplete, not even the opted-out pod is answered.
+        let known = |_: &str| true;
+        let full = SourceView {
+            complete: true,
+            knows_namespace: &known,
+        };
+        e.answer(
+            &index,
+            nothing,
+            SourceView {
+                complete: false,
+                ..full
+            },
+        );
+        assert!(add_out.try_recv().is_err());
+        let unknown = |_: &str| false;
+        e.answer(
+            &index,
+            nothing,
+            SourceView {
+                knows_namespace: &unknown,
+                ..full
+            },
+        );
+        assert!(add_out.try_recv().is_err());
+        e.answer(&index, nothing, full);
         assert!(matches!(add_out.try_recv(), Ok(Reply::NotEnrolled { .. })));
         assert!(add.try_recv().is_err());
         let wanted = [CapturedPod {
@@ -576,6 +683,22 @@ mod tests {
             ifindex: 9,
         }];
         let captured = HashSet::from(["amb/new".to_string()]);
+        // Attached, but on another interface than the plugin reported: not
+        // answered as enrolled.
+        let elsewhere = [CapturedPod {
+            ifname: "veth8".into(),
+            ..wanted[0].clone()
+        }];
+        e.answer(
+            &index,
+            Attached {
+                wanted: &elsewhere,
+                captured: &captured,
+                errors: &errors,
+            },
+            full,
+        );
+        assert!(add.try_recv().is_err());
         e.answer(
             &index,
             Attached {
@@ -583,6 +706,7 @@ mod tests {
                 captured: &captured,
                 errors: &errors,
             },
+            full,
         );
         assert_eq!(
             add.try_recv().unwrap(),
@@ -594,7 +718,7 @@ mod tests {
         assert_eq!(e.next_deadline().is_some(), e.has_pending());
         // A CHECK of an unattached enrolled pod is answered at once.
         let mut check = send(&mut e, request(Command::Check, "new", "c1"));
-        e.answer(&index, nothing);
+        e.answer(&index, nothing, full);
         assert!(
             matches!(check.try_recv(), Ok(Reply::Error { message, .. }) if message.contains("not attached"))
         );

@@ -48,7 +48,7 @@ pub struct Pod {
 }
 
 /// `Pod.spec`.
-#[derive(Clone, Debug, Default, PartialEq, Eq, Deserialize)]
+#[derive(Clone, Debug, Default, PartialEq, Eq, Hash, Deserialize)]
 #[serde(rename_all = "camelCase")]
 pub struct PodSpec {
     /// `spec.nodeName`: the node the pod is scheduled on.
@@ -60,7 +60,7 @@ pub struct PodSpec {
 }
 
 /// `Pod.status`.
-#[derive(Clone, Debug, Default, PartialEq, Eq, Deserialize)]
+#[derive(Clone, Debug, Default, PartialEq, Eq, Hash, Deserialize)]
 pub struct PodStatus {
     /// `status.phase`: `Pending`, `Running`, `Succeeded`, `Failed` or `Unknown`.
     pub phase: Option<String>,
@@ -73,7 +73,7 @@ pub struct PodStatus {
 }
 
 /// An entry of `status.podIPs`.
-#[derive(Clone, Debug, Default, PartialEq, Eq, Deserialize)]
+#[derive(Clone, Debug, Default, PartialEq, Eq, Hash, Deserialize)]
 pub struct PodIP {
     /// The address.
     pub ip: String,

@@ -17,6 +17,7 @@
 use std::{
     borrow::Cow,
     collections::{BTreeMap, HashMap, HashSet},
+    hash::{Hash, Hasher},
     path::Path,
     sync::{
         Arc,
@@ -116,6 +117,62 @@ impl Resource for ApiNamespace {
     }
 }
 
+/// What podlink reads of a watched object, as a fingerprint: an event that
+/// changes none of it (status conditions, container statuses, a resourceVersion
+/// bump) does not make the agent rebuild its view.
+trait Projection {
+    fn projection(&self) -> u64;
+}
+
+fn fingerprint(meta: &ApiObjectMeta, rest: impl Hash) -> u64 {
+    let mut h = std::collections::hash_map::DefaultHasher::new();
+    meta.labels.hash(&mut h);
+    meta.annotations.hash(&mut h);
+    meta.deletion_timestamp
+        .as_ref()
+        .map(|t| t.0.to_string())
+        .hash(&mut h);
+    rest.hash(&mut h);
+    h.finish()
+}
+
+impl Projection for ApiPod {
+    fn projection(&self) -> u64 {
+        fingerprint(&self.metadata, (&self.spec, &self.status))
+    }
+}
+
+impl Projection for ApiNamespace {
+    fn projection(&self) -> u64 {
+        fingerprint(&self.metadata, ())
+    }
+}
+
+/// kube-runtime's default backoff (0.8 s doubling to 30 s, with jitter), started
+/// over only once a watch has delivered something since the last failure. The
+/// watcher emits an `Init` marker before every list attempt, on which
+/// `StreamBackoff` would otherwise reset it: a failing list would be retried
+/// about once a second for as long as it fails, from every node.
+struct ProgressBackoff {
+    inner: watcher::DefaultBackoff,
+    progressed: Arc<AtomicBool>,
+}
+
+impl Iterator for ProgressBackoff {
+    type Item = Duration;
+
+    fn next(&mut self) -> Option<Duration> {
+        if self.progressed.swap(false, Ordering::Relaxed) {
+            kube::runtime::utils::Backoff::reset(&mut self.inner);
+        }
+        self.inner.next()
+    }
+}
+
+impl kube::runtime::utils::Backoff for ProgressBackoff {
+    fn reset(&mut self) {}
+}
+
 /// Keeps of an object's metadata what podlink reads.
 fn trim(meta: &mut ApiObjectMeta) {
     meta.managed_fields = None;
@@ -153,8 +210,8 @@ impl<K: Resource<DynamicType = ()> + Clone + 'static> Drop for Watch<K> {
     }
 }
 
-/// Starts watching `api` into a reflector store; each change to the store bumps
-/// `generation` and wakes `changes`.
+/// Starts watching `api` into a reflector store; each change to the store that
+/// podlink reads ([`Projection`]) bumps `generation` and wakes `changes`.
 fn watch<K>(
     what: &'static str,
     api: Api<K>,
@@ -165,6 +222,7 @@ fn watch<K>(
 ) -> Watch<K>
 where
     K: Resource<DynamicType = ()>
+        + Projection
         + Clone
         + std::fmt::Debug
         + serde::de::DeserializeOwned
@@ -177,24 +235,52 @@ where
     let task = tokio::spawn({
         let ready = ready.clone();
         async move {
+            let progressed = Arc::new(AtomicBool::new(false));
             let stream = reflector::reflector(
                 writer,
                 watcher(api, config)
-                    .default_backoff()
+                    .backoff(ProgressBackoff {
+                        inner: watcher::DefaultBackoff::default(),
+                        progressed: progressed.clone(),
+                    })
                     .map(|event| event.map(|e| e.modify(modify))),
             );
             let mut stream = std::pin::pin!(stream);
             let mut failing = false;
+            // The fingerprints of the stored objects, and of a list under way.
+            let mut seen: HashMap<String, u64> = HashMap::new();
+            let mut listing: HashMap<String, u64> = HashMap::new();
+            let key = |o: &K| {
+                format!(
+                    "{}/{}",
+                    o.meta().namespace.as_deref().unwrap_or(""),
+                    o.meta().name.as_deref().unwrap_or("")
+                )
+            };
             while let Some(event) = stream.next().await {
                 let changed = match event {
+                    Ok(watcher::Event::Init) => {
+                        listing.clear();
+                        false
+                    }
+                    Ok(watcher::Event::InitApply(o)) => {
+                        listing.insert(key(&o), o.projection());
+                        false
+                    }
                     Ok(watcher::Event::InitDone) => {
                         if !ready.swap(true, Ordering::Relaxed) {
                             tracing::info!(watch = what, "listed");
                         }
+                        seen = std::mem::take(&mut listing);
                         true
                     }
-                    Ok(watcher::Event::Apply(_) | watcher::Event::Delete(_)) => true,
-                    Ok(watcher::Event::Init | watcher::Event::InitApply(_)) => false,
+                    Ok(watcher::Event::Apply(o)) => {
+                        seen.insert(key(&o), o.projection()) != Some(o.projection())
+                    }
+                    Ok(watcher::Event::Delete(o)) => {
+                        seen.remove(&key(&o));
+                        true
+                    }
                     Err(e) => {
                         // The backoff spaces the retries; the store keeps its state.
                         tracing::warn!(
@@ -202,13 +288,14 @@ where
                             "watching the Kubernetes API failed: {e}; retrying with backoff, the data path keeps its state"
                         );
                         failing = true;
-                        false
+                        continue;
                     }
                 };
+                progressed.store(true, Ordering::Relaxed);
+                if std::mem::take(&mut failing) {
+                    tracing::info!(watch = what, "watching again");
+                }
                 if changed {
-                    if std::mem::take(&mut failing) {
-                        tracing::info!(watch = what, "watching again");
-                    }
                     generation.fetch_add(1, Ordering::Relaxed);
                     changes.notify_one();
                 }
@@ -389,6 +476,11 @@ impl KubeSource {
     /// (RFC 7386), in the background. A patch is sent again if the watch does not
     /// show it after [`PATCH_RETRY`]; failures are logged.
     pub fn annotate(&mut self, captured: &HashSet<String>) {
+        // Before the first lists nothing is detached, and pods the agent
+        // does not know yet may still be captured: their annotation stays.
+        if !self.ready() {
+            return;
+        }
         let now = Instant::now();
         let mut seen = HashSet::new();
         for pod in &self.pods {
@@ -496,6 +588,39 @@ mod tests {
         }));
         trim(&mut pod.metadata);
         assert_eq!(meta_of(&pod.metadata).annotations, None);
+    }
+
+    #[test]
+    fn the_backoff_grows_until_a_watch_delivers() {
+        let progressed = Arc::new(AtomicBool::new(false));
+        let mut backoff = ProgressBackoff {
+            inner: watcher::DefaultBackoff::default(),
+            progressed: progressed.clone(),
+        };
+        // Resets from StreamBackoff (on the watcher's Init markers) change nothing.
+        let mut last = Duration::ZERO;
+        for _ in 0..6 {
+            kube::runtime::utils::Backoff::reset(&mut backoff);
+            last = backoff.next().unwrap();
+        }
+        assert!(last >= Duration::from_secs(25), "{last:?}");
+        // Something delivered: the next failure starts over.
+        progressed.store(true, Ordering::Relaxed);
+        assert!(backoff.next().unwrap() < Duration::from_secs(2));
+    }
+
+    #[test]
+    fn only_what_podlink_reads_changes_the_fingerprint() {
+        let pod = |rv: &str, ready: bool, phase: &str| {
+            api_pod(serde_json::json!({
+                "metadata": {"name": "a", "namespace": "b", "resourceVersion": rv},
+                "spec": {"nodeName": "n1"},
+                "status": {"phase": phase, "podIP": "10.0.0.1", "conditions": [{"type": "Ready", "status": ready.to_string()}]},
+            }))
+        };
+        let base = pod("1", false, "Running").projection();
+        assert_eq!(pod("2", true, "Running").projection(), base);
+        assert_ne!(pod("3", true, "Succeeded").projection(), base);
     }
 
     #[test]

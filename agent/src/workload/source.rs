@@ -177,6 +177,19 @@ impl Source {
         }
     }
 
+    /// Whether the source has a Namespace object named `name`. A manifests
+    /// directory need not hold one for every namespace its pods use: always
+    /// true there.
+    pub fn knows_namespace(&self, name: &str) -> bool {
+        match self {
+            Source::Manifests { .. } => true,
+            Source::Kubernetes(kube) => kube
+                .namespaces()
+                .iter()
+                .any(|ns| ns.metadata.name.as_deref() == Some(name)),
+        }
+    }
+
     /// Tells the source which of this node's pods are captured now
     /// (`namespace/name`): the Kubernetes source annotates them.
     pub fn captured(&mut self, captured: &HashSet<String>) {
