@@ -16,6 +16,7 @@ use std::{
     net::IpAddr,
     os::unix::fs::{DirBuilderExt as _, FileTypeExt as _, MetadataExt as _, PermissionsExt as _},
     path::{Path, PathBuf},
+    sync::Arc,
     time::Instant,
 };
 
@@ -109,11 +110,22 @@ pub fn listen(path: &Path) -> Result<(CniSocket, mpsc::Receiver<Incoming>)> {
         .with_context(|| format!("restricting {}", path.display()))?;
     let meta = fs::symlink_metadata(path)?;
     let (tx, rx) = mpsc::channel(256);
+    // Connections served at once; more wait in the listen backlog, so that a
+    // flood of plugin connections cannot take the descriptors the proxy's
+    // connections need.
+    let slots = Arc::new(tokio::sync::Semaphore::new(MAX_CONNECTIONS));
     let accept = tokio::spawn(async move {
         loop {
+            let Ok(slot) = slots.clone().acquire_owned().await else {
+                return;
+            };
             match listener.accept().await {
                 Ok((stream, _)) => {
-                    tokio::spawn(connection(stream, tx.clone()));
+                    let tx = tx.clone();
+                    tokio::spawn(async move {
+                        connection(stream, tx).await;
+                        drop(slot);
+                    });
                 }
                 Err(e) => {
                     tracing::warn!("accepting on the CNI socket: {e}");
@@ -131,6 +143,10 @@ pub fn listen(path: &Path) -> Result<(CniSocket, mpsc::Receiver<Incoming>)> {
         rx,
     ))
 }
+
+/// Plugin connections the agent serves at once (a node starts a few pods at a
+/// time; each connection lives until its pod is attached, at most a few seconds).
+pub const MAX_CONNECTIONS: usize = 256;
 
 /// Reads a request: up to a newline or the end of the plugin's writing, at
 /// most [`MAX_MESSAGE`] bytes.
@@ -371,7 +387,7 @@ impl Enroller {
         for p in std::mem::take(&mut self.pending) {
             let key = p.request.key();
             let expired = now >= p.deadline;
-            let workload = index.workloads().find(|w| w.key() == key);
+            let workload = index.get(&key);
             let reply = match workload {
                 None if !expired => None,
                 None => Some(Reply::Error {

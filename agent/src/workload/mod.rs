@@ -245,6 +245,11 @@ impl WorkloadIndex {
         (index, warnings)
     }
 
+    /// The workload `namespace/name`.
+    pub fn get(&self, key: &str) -> Option<&Arc<Workload>> {
+        self.workloads.get(key)
+    }
+
     /// The node this index was built for.
     pub fn node(&self) -> &str {
         &self.node
