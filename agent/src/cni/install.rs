@@ -31,12 +31,24 @@ pub const CHECK_INTERVAL: Duration = Duration::from_secs(2);
 /// order.
 ///
 /// # Errors
-/// When `text` is not a JSON object with a `plugins` array.
+/// When `text` is not a JSON object with a `plugins` array, or its
+/// `cniVersion` is one podlink-cni does not speak (every ADD and DEL on the
+/// node would then fail).
 pub fn with_plugin(text: &str, socket: &Path) -> Result<Option<String>> {
     let mut conf: Value = serde_json::from_str(text).context("not JSON")?;
     let Some(object) = conf.as_object_mut() else {
         bail!("not a JSON object");
     };
+    let version = object
+        .get("cniVersion")
+        .and_then(Value::as_str)
+        .unwrap_or("");
+    if !super::plugin::SUPPORTED_VERSIONS.contains(&version) {
+        bail!(
+            "its cniVersion {version:?} is not one podlink-cni supports ({}): not adding podlink-cni",
+            super::plugin::SUPPORTED_VERSIONS.join(", ")
+        );
+    }
     let Some(plugins) = object.get_mut("plugins").and_then(Value::as_array_mut) else {
         bail!("no `plugins` array");
     };
@@ -57,26 +69,39 @@ pub fn with_plugin(text: &str, socket: &Path) -> Result<Option<String>> {
     Ok(Some(out))
 }
 
-/// The conflist runtimes use: the first `*.conflist` of `conf_dir` in lexical
-/// order.
+/// The configuration runtimes use: the first file of `conf_dir` in lexical
+/// order among `*.conf`, `*.conflist` and `*.json` together (libcni's
+/// `ConfFiles`, as containerd and CRI-O call it). podlink-cni can chain only
+/// into a configuration list.
 ///
 /// # Errors
-/// When the directory cannot be read or holds none (the primary CNI plugin has
-/// not written its configuration yet).
+/// When the directory cannot be read, holds no configuration (the primary CNI
+/// plugin has not written it yet), or its first one is not a `*.conflist`.
 pub fn first_conflist(conf_dir: &Path) -> Result<PathBuf> {
     let entries =
         fs::read_dir(conf_dir).with_context(|| format!("reading {}", conf_dir.display()))?;
     let mut files: Vec<PathBuf> = entries
         .filter_map(|e| e.ok().map(|e| e.path()))
-        .filter(|p| p.extension().is_some_and(|x| x == "conflist") && p.is_file())
+        .filter(|p| {
+            p.extension()
+                .is_some_and(|x| x == "conflist" || x == "conf" || x == "json")
+                && p.is_file()
+        })
         .collect();
     files.sort();
-    files.into_iter().next().with_context(|| {
+    let first = files.into_iter().next().with_context(|| {
         format!(
-            "no *.conflist in {}: podlink-cni chains after the node's primary CNI plugin, whose configuration list is not there (yet)",
+            "no CNI configuration in {}: podlink-cni chains after the node's primary CNI plugin, whose configuration list is not there (yet)",
             conf_dir.display()
         )
-    })
+    })?;
+    if first.extension().is_some_and(|x| x != "conflist") {
+        bail!(
+            "the node's CNI configuration {} (the first one, which runtimes use) is a single-plugin configuration: podlink-cni can only be chained into a configuration list (*.conflist); not installing",
+            first.display()
+        );
+    }
+    Ok(first)
 }
 
 /// Makes sure the first conflist of `conf_dir` ends with podlink-cni's entry.
@@ -325,8 +350,49 @@ mod tests {
         assert!(format!("{:#}", with_plugin("{", s).unwrap_err()).contains("not JSON"));
         assert!(format!("{:#}", with_plugin("[]", s).unwrap_err()).contains("not a JSON object"));
         assert!(
-            format!("{:#}", with_plugin(r#"{"type":"ptp"}"#, s).unwrap_err())
-                .contains("no `plugins` array")
+            format!(
+                "{:#}",
+                with_plugin(r#"{"cniVersion":"1.0.0","type":"ptp"}"#, s).unwrap_err()
+            )
+            .contains("no `plugins` array")
+        );
+        // A version the plugin would refuse on every ADD and DEL.
+        assert!(
+            format!(
+                "{:#}",
+                with_plugin(r#"{"cniVersion":"2.0.0","plugins":[]}"#, s).unwrap_err()
+            )
+            .contains("not one podlink-cni supports")
+        );
+    }
+
+    #[test]
+    fn a_single_plugin_configuration_first_is_refused_and_links_are_followed() {
+        let dir = tempfile::tempdir().unwrap();
+        fs::write(dir.path().join("05-a.conf"), r#"{"type":"bridge"}"#).unwrap();
+        fs::write(dir.path().join("10-b.conflist"), CONFLIST).unwrap();
+        let error = format!("{:#}", first_conflist(dir.path()).unwrap_err());
+        assert!(
+            error.contains("05-a.conf") && error.contains("single-plugin"),
+            "{error}"
+        );
+        // A conflist that is a link: its target gets the entry, the link stays.
+        fs::remove_file(dir.path().join("05-a.conf")).unwrap();
+        let target = dir.path().join("real.json.txt");
+        fs::write(&target, CONFLIST).unwrap();
+        std::os::unix::fs::symlink(&target, dir.path().join("01-net.conflist")).unwrap();
+        let changed = ensure_conflist(dir.path(), Path::new(DEFAULT_SOCKET)).unwrap();
+        assert_eq!(changed, Some(dir.path().join("01-net.conflist")));
+        assert!(
+            fs::symlink_metadata(dir.path().join("01-net.conflist"))
+                .unwrap()
+                .file_type()
+                .is_symlink()
+        );
+        assert!(fs::read_to_string(&target).unwrap().contains(PLUGIN_TYPE));
+        assert_eq!(
+            fs::read_to_string(dir.path().join("10-b.conflist")).unwrap(),
+            CONFLIST
         );
     }
 
@@ -346,7 +412,7 @@ mod tests {
         };
         // No conflist: a clear error (after the binary is in place).
         let error = format!("{:#}", install(&install_cfg, &socket).unwrap_err());
-        assert!(error.contains("no *.conflist"), "{error}");
+        assert!(error.contains("no CNI configuration"), "{error}");
         assert!(bin.join(PLUGIN_TYPE).is_file());
         let mode = fs::metadata(bin.join(PLUGIN_TYPE))
             .unwrap()
@@ -356,7 +422,7 @@ mod tests {
 
         fs::write(conf.join("20-b.conflist"), CONFLIST).unwrap();
         fs::write(conf.join("10-a.conflist"), CONFLIST).unwrap();
-        fs::write(conf.join("05-c.conf"), r#"{"type":"bridge"}"#).unwrap();
+        fs::write(conf.join("30-c.conf"), r#"{"type":"bridge"}"#).unwrap();
         let done = install(&install_cfg, &socket).unwrap();
         assert_eq!(done.len(), 1, "{done:?}");
         assert!(done[0].contains("10-a.conflist"), "{done:?}");

@@ -76,8 +76,17 @@ pub fn without_plugin(text: &str) -> Result<Option<String>> {
 }
 
 /// Replaces `path` by a file holding `text`, by rename (never half written),
-/// keeping its permissions.
+/// keeping its permissions. A symbolic link is followed: its target is
+/// replaced, the link stays.
 pub(crate) fn write_atomically(path: &Path, text: &str) -> Result<()> {
+    let resolved;
+    let path = if fs::symlink_metadata(path).is_ok_and(|m| m.file_type().is_symlink()) {
+        resolved = fs::canonicalize(path)
+            .with_context(|| format!("following the link {}", path.display()))?;
+        resolved.as_path()
+    } else {
+        path
+    };
     let name = path.file_name().context("a file name")?.to_string_lossy();
     // Not `*.conflist`: a runtime reading the directory meanwhile ignores it.
     let tmp = path.with_file_name(format!(".{name}.podlink-partial"));

@@ -42,7 +42,7 @@ use super::{
 
 /// The CNI versions whose configurations and results podlink-cni reads (CNI spec
 /// 1.0 and the 0.3/0.4 results of the same shape).
-pub const SUPPORTED_VERSIONS: &[&str] = &["0.3.0", "0.3.1", "0.4.0", "1.0.0"];
+pub const SUPPORTED_VERSIONS: &[&str] = &["0.3.0", "0.3.1", "0.4.0", "1.0.0", "1.1.0"];
 
 /// CNI error code 1: incompatible CNI version.
 pub const INCOMPATIBLE_VERSION: u32 = 1;
@@ -122,6 +122,9 @@ pub fn run(env: &dyn Fn(&str) -> Option<String>, stdin: &[u8]) -> Result<String,
     };
     let command = match command.as_str() {
         "VERSION" => return Ok(version(stdin)),
+        // CNI 1.1: podlink-cni holds no resources a runtime could collect, and
+        // is ready whenever it can run (the agent's absence is decided per ADD).
+        "STATUS" | "GC" => return Ok(String::new()),
         "ADD" => Command::Add,
         "DEL" => Command::Del,
         "CHECK" => Command::Check,
@@ -129,11 +132,31 @@ pub fn run(env: &dyn Fn(&str) -> Option<String>, stdin: &[u8]) -> Result<String,
             return Err(CniError::new(
                 INVALID_ENVIRONMENT,
                 format!(
-                    "unknown CNI_COMMAND {other:?}: podlink-cni supports ADD, DEL, CHECK and VERSION"
+                    "unknown CNI_COMMAND {other:?}: podlink-cni supports ADD, DEL, CHECK, VERSION, STATUS and GC"
                 ),
             ));
         }
     };
+    let result = configured(command, env, stdin);
+    match result {
+        // A failing DEL blocks the sandbox's teardown: it is best effort.
+        Err(e) if command == Command::Del => {
+            eprintln!(
+                "podlink-cni: DEL: {} ({}); nothing undone",
+                e.msg, e.details
+            );
+            Ok(String::new())
+        }
+        other => other,
+    }
+}
+
+/// [`run`] past the command: the configuration, then the operation.
+fn configured(
+    command: Command,
+    env: &dyn Fn(&str) -> Option<String>,
+    stdin: &[u8],
+) -> Result<String, CniError> {
     let config: Value = serde_json::from_slice(stdin).map_err(|e| {
         CniError::new(
             DECODING_FAILURE,
@@ -191,6 +214,7 @@ fn version(stdin: &[u8]) -> String {
                 .and_then(Value::as_str)
                 .map(String::from)
         })
+        .filter(|v| SUPPORTED_VERSIONS.contains(&v.as_str()))
         .unwrap_or_else(|| "1.0.0".into());
     json!({"cniVersion": asked, "supportedVersions": SUPPORTED_VERSIONS}).to_string()
 }
@@ -247,6 +271,12 @@ fn invocation(
         }
     };
     let prev_result = config.get("prevResult").cloned();
+    if command != Command::Del && prev_result.as_ref().is_some_and(|r| !r.is_object()) {
+        return Err(CniError::new(
+            INVALID_NETWORK_CONFIG,
+            "`prevResult` is not a JSON object (a CNI result)",
+        ));
+    }
     if command == Command::Add && prev_result.is_none() {
         return Err(CniError::new(
             INVALID_NETWORK_CONFIG,
@@ -320,6 +350,8 @@ fn execute(inv: &Invocation) -> Result<String, CniError> {
         });
     };
     let (ips, host_interface) = match &inv.prev_result {
+        // DEL needs no addresses (the agent forgets the pod by its sandbox).
+        Some(_) if inv.command == Command::Del => (Vec::new(), None),
         Some(result) => addresses(result)?,
         None => (Vec::new(), None),
     };
@@ -400,11 +432,21 @@ fn execute(inv: &Invocation) -> Result<String, CniError> {
     }
 }
 
+/// How long connecting to the agent's socket may take.
+pub const CONNECT_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(2);
+
 /// One exchange with the agent; `Err` says why it could not be had (the agent
 /// is then taken as unreachable).
 fn ask(socket: &Path, request: &Request) -> Result<Reply, String> {
-    let mut stream = UnixStream::connect(socket)
-        .map_err(|e| format!("connecting to {}: {e}", socket.display()))?;
+    // Not a plain connect: with the agent wedged and its listen backlog full it
+    // would block for ever. A full backlog fails at once (EAGAIN) this way.
+    let connect = || -> std::io::Result<UnixStream> {
+        let s = socket2::Socket::new(socket2::Domain::UNIX, socket2::Type::STREAM, None)?;
+        s.connect_timeout(&socket2::SockAddr::unix(socket)?, CONNECT_TIMEOUT)?;
+        s.set_nonblocking(false)?;
+        Ok(UnixStream::from(std::os::fd::OwnedFd::from(s)))
+    };
+    let mut stream = connect().map_err(|e| format!("connecting to {}: {e}", socket.display()))?;
     let io = |e: std::io::Error| format!("talking to the agent on {}: {e}", socket.display());
     stream
         .set_read_timeout(Some(protocol::REPLY_TIMEOUT))
@@ -519,9 +561,52 @@ mod tests {
             |env: &[(&str, &str)], stdin: &str| run(&env_of(env), stdin.as_bytes()).unwrap_err();
         assert_eq!(code(&[], &good).code, INVALID_ENVIRONMENT);
         assert_eq!(
-            code(&[("CNI_COMMAND", "GC")], &good).code,
+            code(&[("CNI_COMMAND", "FROB")], &good).code,
             INVALID_ENVIRONMENT
         );
+        // CNI 1.1's STATUS and GC succeed; 1.1.0 configurations are spoken.
+        for command in ["STATUS", "GC"] {
+            assert_eq!(
+                run(&env_of(&[("CNI_COMMAND", command)]), b"{}"),
+                Ok(String::new())
+            );
+        }
+        assert_eq!(
+            code(
+                &pod_env("ADD"),
+                &good.replace("\"1.0.0\",\"name\"", "\"1.1.0\",\"name\"")
+            )
+            .code,
+            TRY_AGAIN_LATER,
+            "1.1.0 is refused"
+        );
+        // DEL never fails: a version it does not know, a broken prevResult.
+        for stdin in [
+            good.replace("\"1.0.0\",\"name\"", "\"9.9.9\",\"name\""),
+            good.replace(r#""ips":["#, r#""ips":7,"x":["#),
+            "{not json".to_string(),
+        ] {
+            assert_eq!(
+                run(&env_of(&pod_env("DEL")), stdin.as_bytes()),
+                Ok(String::new())
+            );
+        }
+        // A prevResult that is not a result.
+        let e = code(
+            &pod_env("ADD"),
+            r#"{"cniVersion":"1.0.0","name":"k8s","type":"podlink-cni","prevResult":"x"}"#,
+        );
+        assert_eq!(e.code, INVALID_NETWORK_CONFIG);
+        // VERSION answers in a version it speaks.
+        let v: Value = serde_json::from_str(
+            &run(
+                &env_of(&[("CNI_COMMAND", "VERSION")]),
+                br#"{"cniVersion":"garbage"}"#,
+            )
+            .unwrap(),
+        )
+        .unwrap();
+        assert_eq!(v["cniVersion"], "1.0.0");
         let e = code(&pod_env("ADD"), "{not json");
         assert_eq!(
             (e.code, e.cni_version.as_str()),
