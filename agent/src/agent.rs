@@ -12,7 +12,8 @@
 //!
 //! At run time a workload is known to the proxy before its host veth is attached,
 //! and a pod is detached only once the workload source is complete (no manifest
-//! waiting to settle, none broken without a good version).
+//! waiting to settle, none broken without a good version; the Kubernetes API's
+//! first lists done).
 
 use std::{
     collections::{HashMap, HashSet},
@@ -467,7 +468,7 @@ struct Reconciler {
     /// Some enrolled pod is not attached yet (no host veth, or an error): retry
     /// after this long.
     pending_retry: Option<Duration>,
-    /// The workloads of the manifests as last read.
+    /// The workloads of the source as last read.
     index: Arc<WorkloadIndex>,
     /// The pods to capture, as last planned.
     wanted: Vec<CapturedPod>,
@@ -488,7 +489,7 @@ struct Reconciler {
 }
 
 impl Reconciler {
-    /// Rescans the manifests and, if they changed, rebuilds the workload index.
+    /// Rescans the workload source and, if it changed, rebuilds the workload index.
     fn publish(&mut self, source: &mut Source) -> manifests::Rescan {
         let mut rescan = source.rescan();
         for error in &rescan.errors {
@@ -530,7 +531,7 @@ impl Reconciler {
         rescan
     }
 
-    /// The policies of the manifests; all requests are denied while a broken file
+    /// The policies of the source; all requests are denied while a broken file
     /// may hold some. Notes on how a policy is enforced at layer 4 are logged once.
     fn policy_set(&mut self, source: &Source) -> PolicySet {
         let (mut set, warnings) =
@@ -612,7 +613,10 @@ impl Reconciler {
             tracing::warn!("writing node addresses: {e:#}");
         }
         if removal != Removal::All {
-            tracing::debug!(?removal, "manifests incomplete for now: detaching less");
+            tracing::debug!(
+                ?removal,
+                "workload source incomplete for now: detaching less"
+            );
         }
         let mut captured: HashSet<String> =
             self.wanted.iter().map(|p| p.workload.clone()).collect();

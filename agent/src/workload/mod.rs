@@ -1,8 +1,9 @@
 //! Workloads (pods) and the enrollment decision.
 //!
-//! Both workload sources (a manifests directory now, the Kubernetes API later)
-//! produce `k8s-openapi` Pods and Namespaces; [`WorkloadIndex::build`] turns them
-//! into the proxy's and the dataplane's view.
+//! Both workload sources ([`source::Source`]: a manifests directory, or the
+//! Kubernetes API's watchers) produce podlink's partial Pods and Namespaces
+//! ([`k8s`]); [`WorkloadIndex::build`] turns them into the proxy's and the
+//! dataplane's view.
 //!
 //! Enrollment follows Istio ambient ("Ambient mode" → "Add workloads to the mesh"):
 //! the label `istio.io/dataplane-mode=ambient` on the pod's namespace or on the pod
