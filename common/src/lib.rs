@@ -202,12 +202,19 @@ pub struct PodCounters {
     pub captured_inbound_hbone: u64,
     /// SYNs to the pod assigned to the inbound plaintext listener.
     pub captured_inbound_plaintext: u64,
-    /// Packets assigned to an existing proxy socket.
+    /// Packets assigned to an existing proxy socket after a socket lookup: flows
+    /// the proxy opened itself (until the captured-flows map knows them), flows
+    /// whose map entry was evicted, any proxy flow while the proxy drains. Later
+    /// packets of flows in the captured-flows map take the fast path and are not
+    /// counted (the proxy counts their bytes).
     pub assigned_established: u64,
-    /// Packets to the pod bounced to the host veth's ingress for assignment.
+    /// Packets to the pod bounced to the host veth's ingress for assignment: new
+    /// connections, and packets of proxy flows found by a socket lookup (those on
+    /// the fast path are not counted).
     pub bounced: u64,
-    /// Packets passed untouched (flows from before enrollment, proxy and node traffic,
-    /// excluded destinations, non-TCP).
+    /// Packets passed untouched (flows from before enrollment, node traffic,
+    /// excluded destinations, non-TCP), and the SYN of each connection the proxy
+    /// opens into the pod (its later packets are not counted).
     pub passed: u64,
     /// Dropped: a new connection while no proxy listener exists (fail closed).
     pub dropped_no_listener: u64,

@@ -23,7 +23,7 @@ use aya_ebpf::{
     macros::classifier,
     programs::TcContext,
 };
-use podlink_common::{CONFIG_DRAINING, CONFIG_FAIL_OPEN, Config, PodCounters, PodInfo};
+use podlink_common::{CONFIG_DRAINING, CONFIG_FAIL_OPEN, Config, PodInfo};
 
 use crate::{
     maps::{count, is_excluded, is_node_addr},
@@ -43,24 +43,24 @@ const DROP: i32 = 2;
 
 /// Counts and returns the verdict for a packet that is not readable IPv4 TCP.
 #[inline(always)]
-fn not_tcp4(packet: Packet, counters: Option<*mut PodCounters>) -> i32 {
+fn not_tcp4(packet: Packet, ifindex: u32) -> i32 {
     match packet {
         Packet::Other | Packet::Ipv4Other { .. } => {
-            count(counters, |c| &mut c.passed);
+            count(ifindex, |c| &mut c.passed);
             PASS
         }
         // Capture cannot steer what it cannot read: drop rather than let it pass
         // around the proxy.
         Packet::Fragment => {
-            count(counters, |c| &mut c.dropped_fragment);
+            count(ifindex, |c| &mut c.dropped_fragment);
             DROP
         }
         Packet::Unparsable => {
-            count(counters, |c| &mut c.dropped_unparsable);
+            count(ifindex, |c| &mut c.dropped_unparsable);
             DROP
         }
         Packet::Ipv6 => {
-            count(counters, |c| &mut c.dropped_ipv6);
+            count(ifindex, |c| &mut c.dropped_ipv6);
             DROP
         }
         Packet::Tcp4(_) => PASS,
@@ -77,7 +77,6 @@ pub fn from_pod(ctx: TcContext) -> i32 {
     let Some(cfg) = maps::config() else {
         return PASS;
     };
-    let counters = maps::counters(ifindex);
     let packet = parse::parse(&ctx);
     // What leaves an enrolled pod carries its own address (the node accepts local
     // source addresses on host veths, for the node's replies bounced back in, so it
@@ -90,12 +89,12 @@ pub fn from_pod(ctx: TcContext) -> i32 {
         _ => false,
     };
     if spoofed {
-        count(counters, |c| &mut c.dropped_spoofed);
+        count(ifindex, |c| &mut c.dropped_spoofed);
         return DROP;
     }
     match packet {
-        Packet::Tcp4(pkt) => from_pod_tcp4(&ctx, pod, cfg, counters, &pkt),
-        other => not_tcp4(other, counters),
+        Packet::Tcp4(pkt) => from_pod_tcp4(&ctx, pod, cfg, ifindex, &pkt),
+        other => not_tcp4(other, ifindex),
     }
 }
 
@@ -104,48 +103,72 @@ fn from_pod_tcp4(
     ctx: &TcContext,
     pod: &PodInfo,
     cfg: &Config,
-    counters: Option<*mut PodCounters>,
+    ifindex: u32,
     pkt: &Tcp4,
 ) -> i32 {
     // A packet addressed to the pod itself was bounced in by `to_pod`: it is
     // inbound. Anything else comes from the pod: outbound.
     let bounced = parse::is_pod_ipv4(pod, pkt.daddr);
+    let syn = pkt.is_syn();
+    // Whether the proxy has (or had) this 4-tuple: the captured-flows map, filled
+    // when a flow's SYN is assigned, and when a socket lookup below finds the
+    // proxy's socket.
+    let known = maps::is_captured_flow(pkt);
 
-    // 1. A proxy socket (or any socket of this netns) already owns this 4-tuple:
-    //    replies to the proxy's upstream connections and later packets of captured
-    //    flows. A SYN that meets a TIME_WAIT socket opens a new connection instead.
-    if let Lookup::Found(sk) = socket::lookup_established(ctx, pkt) {
+    // 1. Fast path, one hash lookup per packet: a later packet of a flow the proxy
+    //    took over is only marked for local delivery; the kernel's own socket
+    //    lookup (tcp_v4_rcv) then finds the proxy's socket, as it does for TPROXY.
+    //    Were the socket gone, the packet would end in the local stack, never on
+    //    the network. It is not counted: the proxy counts the flow's bytes. A
+    //    draining or stopped proxy takes the slow path, which tells such packets
+    //    apart and counts them.
+    if known && !syn && cfg.flags & CONFIG_DRAINING == 0 {
+        socket::deliver_locally(ctx, cfg);
+        return OK;
+    }
+
+    // 2. Slow path: a proxy socket (or any socket of this netns) owns this
+    //    4-tuple: replies to connections the proxy opened itself, flows whose map
+    //    entry was evicted, any packet while draining. A SYN looks only when the
+    //    proxy had its 4-tuple (a SYN meeting a TIME_WAIT socket opens a new
+    //    connection); a fresh one goes straight to the listener.
+    if (!syn || known)
+        && let Lookup::Found(sk) = socket::lookup_established(ctx, pkt)
+    {
         return match socket::assign(ctx, sk, cfg) {
             Ok(()) => {
-                count(counters, |c| &mut c.assigned_established);
+                if !known {
+                    maps::remember_flow(pkt);
+                }
+                count(ifindex, |c| &mut c.assigned_established);
                 OK
             }
             Err(()) => {
-                count(counters, |c| &mut c.dropped_assign_failed);
+                count(ifindex, |c| &mut c.dropped_assign_failed);
                 DROP
             }
         };
     }
 
-    if !pkt.is_syn() {
+    if !syn {
         if bounced {
-            // `to_pod` saw a proxy socket that is gone now; passing the packet
-            // would route it back out of this veth and bounce it again.
-            count(counters, |c| &mut c.dropped_bounce_miss);
+            // `to_pod` saw a proxy flow whose socket is gone now; passing the
+            // packet would route it back out of this veth and bounce it again.
+            count(ifindex, |c| &mut c.dropped_bounce_miss);
             return DROP;
         }
-        if maps::is_captured_flow(pkt) {
+        if known {
             // The proxy had this flow and its socket is gone (the agent stopped,
             // or the connection was reset): never let its bytes out in plain text.
-            count(counters, |c| &mut c.dropped_flow_gone);
+            count(ifindex, |c| &mut c.dropped_flow_gone);
             return DROP;
         }
         // A flow from before enrollment: leave it alone.
-        count(counters, |c| &mut c.passed);
+        count(ifindex, |c| &mut c.passed);
         return PASS;
     }
 
-    // 2. A new connection: to the transparent listener for its direction.
+    // 3. A new connection: to the transparent listener for its direction.
     let listener_port = if bounced {
         if pkt.dport == cfg.hbone_port {
             cfg.hbone_port
@@ -154,7 +177,11 @@ fn from_pod_tcp4(
         }
     } else {
         if is_excluded(pkt.daddr, pkt.dport) {
-            count(counters, |c| &mut c.passed);
+            // An earlier captured flow of the same 4-tuple must not steer this one.
+            if known {
+                maps::forget_flow(pkt);
+            }
+            count(ifindex, |c| &mut c.passed);
             return PASS;
         }
         cfg.outbound_port
@@ -168,28 +195,33 @@ fn from_pod_tcp4(
     };
     let Some(sk) = listener else {
         if cfg.flags & CONFIG_FAIL_OPEN != 0 && !bounced {
-            count(counters, |c| &mut c.passed);
+            if known {
+                maps::forget_flow(pkt);
+            }
+            count(ifindex, |c| &mut c.passed);
             return PASS;
         }
         // Fail closed: no byte of an enrolled pod leaves in plain text while the
         // proxy is away. The client's SYN retry succeeds once it is back.
-        count(counters, |c| &mut c.dropped_no_listener);
+        count(ifindex, |c| &mut c.dropped_no_listener);
         return DROP;
     };
     match socket::assign(ctx, sk, cfg) {
         Ok(()) => {
-            maps::remember_flow(pkt);
+            if !known {
+                maps::remember_flow(pkt);
+            }
             if !bounced {
-                count(counters, |c| &mut c.captured_outbound);
+                count(ifindex, |c| &mut c.captured_outbound);
             } else if listener_port == cfg.hbone_port {
-                count(counters, |c| &mut c.captured_inbound_hbone);
+                count(ifindex, |c| &mut c.captured_inbound_hbone);
             } else {
-                count(counters, |c| &mut c.captured_inbound_plaintext);
+                count(ifindex, |c| &mut c.captured_inbound_plaintext);
             }
             OK
         }
         Err(()) => {
-            count(counters, |c| &mut c.dropped_assign_failed);
+            count(ifindex, |c| &mut c.dropped_assign_failed);
             DROP
         }
     }
@@ -209,42 +241,64 @@ pub fn to_pod(ctx: TcContext) -> i32 {
     let Some(cfg) = maps::config() else {
         return PASS;
     };
-    let counters = maps::counters(ifindex);
     let packet = parse::parse(&ctx);
+    // SAFETY: reading the context's mark.
     let mark = unsafe { (*ctx.skb.skb).mark };
     if mark & cfg.proxy_mark_mask == cfg.proxy_mark {
         // The proxy's own connection to the pod. Remember it, so that the pod's
-        // replies are never passed in plain text once the proxy's socket is gone.
+        // replies take `from_pod`'s fast path and are never passed in plain text
+        // once the proxy's socket is gone. Counted once, at its SYN: the proxy
+        // counts the flow's bytes.
         if let Packet::Tcp4(pkt) = &packet
             && pkt.is_syn()
         {
             maps::remember_reply_flow(pkt);
+            count(ifindex, |c| &mut c.passed);
         }
-        count(counters, |c| &mut c.passed);
         return PASS;
     }
     let pkt = match packet {
         Packet::Tcp4(pkt) => pkt,
-        other => return not_tcp4(other, counters),
+        other => return not_tcp4(other, ifindex),
     };
     if !parse::is_pod_ipv4(pod, pkt.daddr) {
-        count(counters, |c| &mut c.passed);
+        count(ifindex, |c| &mut c.passed);
         return PASS;
     }
     let bounce = if pkt.is_syn() {
         // New connections from the node itself (kubelet probes) and to excluded
         // ports are not captured.
-        !is_node_addr(cfg, pkt.saddr) && !maps::is_excluded_port(pkt.dport)
-    } else {
+        let capture = !is_node_addr(cfg, pkt.saddr) && !maps::is_excluded_port(pkt.dport);
+        if !capture {
+            // An earlier captured flow of the same 4-tuple must not steer this one.
+            maps::forget_flow(&pkt);
+        }
+        capture
+    } else if maps::is_captured_flow(&pkt) {
+        // Fast path: a flow the proxy took over (keyed as `from_pod` sees the
+        // bounced packet). Not counted: the proxy counts the flow's bytes.
+        return redirect_to_ingress(ifindex);
+    } else if socket::proxy_socket_exists(&ctx, &pkt) {
         // Packets of the proxy's flows, from anywhere (the node's own replies to a
-        // proxied connection included); anything else predates enrollment.
-        socket::proxy_socket_exists(&ctx, &pkt)
+        // connection the proxy opened); later ones take the fast path.
+        maps::remember_flow(&pkt);
+        true
+    } else {
+        // Anything else predates enrollment.
+        false
     };
     if !bounce {
-        count(counters, |c| &mut c.passed);
+        count(ifindex, |c| &mut c.passed);
         return PASS;
     }
-    count(counters, |c| &mut c.bounced);
+    count(ifindex, |c| &mut c.bounced);
+    redirect_to_ingress(ifindex)
+}
+
+/// Bounces the packet into the ingress of host veth `ifindex`, where `from_pod`
+/// assigns it (`bpf_redirect` with `BPF_F_INGRESS`).
+#[inline(always)]
+fn redirect_to_ingress(ifindex: u32) -> i32 {
     // SAFETY: a helper call with a scalar ifindex and flags.
     unsafe { bpf_redirect(ifindex, BPF_F_INGRESS as u64) as i32 }
 }

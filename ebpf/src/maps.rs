@@ -53,12 +53,24 @@ pub fn remember_flow(pkt: &Tcp4) {
     let _ = CAPTURED_FLOWS.insert(key, 1, 0);
 }
 
+/// Forgets the flow of `pkt` (a SYN that is not captured), so that an earlier
+/// captured flow of the same 4-tuple cannot steer it.
+#[inline(always)]
+pub fn forget_flow(pkt: &Tcp4) {
+    let key = flow_key(pkt.saddr, pkt.daddr, pkt.sport, pkt.dport);
+    let _ = CAPTURED_FLOWS.remove(key);
+}
+
 /// Records the flow of the proxy's own connection into the pod (a SYN seen by
 /// `to_pod`), keyed as `from_pod` will see the pod's replies.
 #[inline(always)]
 pub fn remember_reply_flow(pkt: &Tcp4) {
     let key = flow_key(pkt.daddr, pkt.saddr, pkt.dport, pkt.sport);
-    let _ = CAPTURED_FLOWS.insert(key, 1, 0);
+    // SAFETY: only the presence is read. An update of a present key would
+    // replace its element: looking first is cheaper when 4-tuples are reused.
+    if unsafe { CAPTURED_FLOWS.get(key) }.is_none() {
+        let _ = CAPTURED_FLOWS.insert(key, 1, 0);
+    }
 }
 
 /// Whether the flow of `pkt` (as `from_pod` sees it) was taken over by the proxy.
@@ -81,15 +93,12 @@ pub fn config() -> Option<&'static Config> {
     CONFIG.get(0)
 }
 
+/// Adds one to a counter of this CPU's slot of the pod behind host veth `ifindex`,
+/// if it has counters. The lookup is made here, on the one path that counts, so
+/// that paths which count nothing do not pay for it.
 #[inline(always)]
-pub fn counters(ifindex: u32) -> Option<*mut PodCounters> {
-    COUNTERS.get_ptr_mut(ifindex)
-}
-
-/// Adds one to a counter of this CPU's slot, if the pod has counters.
-#[inline(always)]
-pub fn count(counters: Option<*mut PodCounters>, field: impl FnOnce(&mut PodCounters) -> &mut u64) {
-    if let Some(c) = counters {
+pub fn count(ifindex: u32, field: impl FnOnce(&mut PodCounters) -> &mut u64) {
+    if let Some(c) = COUNTERS.get_ptr_mut(ifindex) {
         // SAFETY: a per-CPU slot: only this program invocation writes it now.
         unsafe { *field(&mut *c) += 1 };
     }

@@ -120,9 +120,21 @@ pub fn assign(ctx: &TcContext, sk: *mut bpf_sock, cfg: &Config) -> Result<(), ()
     if ret != 0 {
         return Err(());
     }
+    deliver_locally(ctx, cfg);
+    Ok(())
+}
+
+/// Marks the packet for local delivery (the policy rule on the redirect mark
+/// routes it to the `local` table) and makes it addressed to this host (a bounced
+/// packet still carries the pod's MAC). Without an assigned socket, the kernel's
+/// own lookup picks the socket of the packet's 4-tuple.
+#[inline(always)]
+pub fn deliver_locally(ctx: &TcContext, cfg: &Config) {
     // SAFETY: reading the context's mark.
     let mark = unsafe { (*ctx.skb.skb).mark };
     ctx.set_mark((mark & !cfg.redirect_mark_mask) | cfg.redirect_mark);
-    let _ = ctx.change_type(PACKET_HOST);
-    Ok(())
+    // SAFETY: reading the context's packet type.
+    if unsafe { (*ctx.skb.skb).pkt_type } != PACKET_HOST {
+        let _ = ctx.change_type(PACKET_HOST);
+    }
 }

@@ -20,6 +20,7 @@ use podlink_common::{
 use podlink_tests::netns;
 
 const PASS: u32 = u32::MAX; // TC_ACT_UNSPEC (-1)
+const OK: u32 = 0; // TC_ACT_OK
 const DROP: u32 = 2; // TC_ACT_SHOT
 const REDIRECT: u32 = 7; // TC_ACT_REDIRECT
 
@@ -146,6 +147,7 @@ impl Programs {
         let values = counters.get(&IFINDEX, 0).unwrap();
         values.iter().fold(PodCounters::default(), |mut sum, c| {
             sum.captured_outbound += c.captured_outbound;
+            sum.assigned_established += c.assigned_established;
             sum.passed += c.passed;
             sum.bounced += c.bounced;
             sum.dropped_no_listener += c.dropped_no_listener;
@@ -164,7 +166,9 @@ impl Programs {
 /// Runs `f` in a fresh network namespace (so no listener of the machine is seen).
 fn in_fresh_netns(f: impl FnOnce() + Send + 'static) {
     podlink_tests::require_root();
-    let name = format!("plt{}-progs", std::process::id());
+    static NEXT: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+    let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let name = format!("plt{}-progs{n}", std::process::id());
     netns::ip(&["netns", "add", &name]).unwrap();
     netns::register(netns::Resource::Netns(name.clone()));
     netns::ip(&["-n", &name, "link", "set", "lo", "up"]).unwrap();
@@ -258,8 +262,9 @@ fn decisions_on_crafted_packets() {
             before.dropped_bounce_miss + 1
         );
 
-        // Data of a flow the proxy had taken over, whose socket is gone: dropped,
-        // not passed in plain text.
+        // Data of a flow the proxy took over: the fast path marks it for local
+        // delivery (OK, no socket lookup), where the kernel's own lookup finds the
+        // proxy's socket; it counts nothing (the proxy counts the bytes).
         let flow = FlowKey {
             saddr: ipv4_mapped(POD.octets()),
             daddr: ipv4_mapped(PEER.octets()),
@@ -267,8 +272,25 @@ fn decisions_on_crafted_packets() {
             dport: 80,
         };
         p.flows().insert(flow, 1, 0).unwrap();
+        let counted = p.counters();
+        assert_eq!(p.run("from_pod", &tcp(POD, PEER, 1234, 80, ACK), 0), OK);
+        assert_eq!(p.counters(), counted);
+        // Under a draining (or stopped) proxy the slow path runs: its socket is
+        // gone, so the packet is dropped, not passed in plain text.
+        p.set_flag(CONFIG_DRAINING, true);
         assert_eq!(p.run("from_pod", &tcp(POD, PEER, 1234, 80, ACK), 0), DROP);
         assert_eq!(p.counters().dropped_flow_gone, before.dropped_flow_gone + 1);
+        p.set_flag(CONFIG_DRAINING, false);
+        // A SYN of the same 4-tuple that is not captured (an excluded port here)
+        // forgets the earlier flow, so that its packets are not steered.
+        let excluded_flow = FlowKey { dport: 22, ..flow };
+        p.flows().insert(excluded_flow, 1, 0).unwrap();
+        assert_eq!(p.run("from_pod", &tcp(POD, PEER, 1234, 22, SYN), 0), PASS);
+        assert!(
+            p.flows().get(&excluded_flow, 0).is_err(),
+            "flow not forgotten"
+        );
+        assert_eq!(p.run("from_pod", &tcp(POD, PEER, 1234, 22, ACK), 0), PASS);
 
         // With the outbound listener present the SYN reaches it (assignment itself
         // is refused under test runs).
@@ -314,8 +336,19 @@ fn decisions_on_crafted_packets() {
             p.flows().get(&reply, 0).is_ok(),
             "proxy flow not remembered"
         );
-        assert_eq!(p.run("from_pod", &tcp(POD, PEER, 80, 1000, ACK), 0), DROP);
+        // The pod's replies to it take the fast path.
+        assert_eq!(p.run("from_pod", &tcp(POD, PEER, 80, 1000, ACK), 0), OK);
+        // A connection from the node is not captured, and forgets an earlier
+        // captured flow of its 4-tuple.
+        let from_node = FlowKey {
+            saddr: ipv4_mapped(NODE.octets()),
+            daddr: ipv4_mapped(POD.octets()),
+            sport: 1000,
+            dport: 80,
+        };
+        p.flows().insert(from_node, 1, 0).unwrap();
         assert_eq!(p.run("to_pod", &tcp(NODE, POD, 1000, 80, SYN), 0), PASS);
+        assert!(p.flows().get(&from_node, 0).is_err(), "flow not forgotten");
         assert_eq!(p.run("to_pod", &tcp(PEER, POD, 1000, 80, ACK), 0), PASS);
         assert_eq!(p.run("to_pod", &tcp(PEER, POD, 1000, 22, SYN), 0), PASS);
         assert_eq!(
@@ -334,6 +367,22 @@ fn decisions_on_crafted_packets() {
             p.run("to_pod", &tcp(PEER, POD, 1000, 80, SYN | ACK), 0),
             PASS
         );
+        // Data of a flow the proxy took over (keyed as from_pod sees the bounced
+        // packet) is bounced without a socket lookup.
+        let inbound = FlowKey {
+            saddr: ipv4_mapped(PEER.octets()),
+            daddr: ipv4_mapped(POD.octets()),
+            sport: 1000,
+            dport: 8080,
+        };
+        p.flows().insert(inbound, 1, 0).unwrap();
+        assert_eq!(
+            p.run("to_pod", &tcp(PEER, POD, 1000, 8080, ACK), 0),
+            REDIRECT
+        );
+        assert_eq!(p.counters().bounced, bounced + 1);
+        // ... and its bounced packet is delivered locally by from_pod.
+        assert_eq!(p.run("from_pod", &tcp(PEER, POD, 1000, 8080, ACK), 0), OK);
 
         // Fail open (a flag, off by default): with no listener, an outbound SYN
         // passes; an inbound one is still dropped.
@@ -341,5 +390,69 @@ fn decisions_on_crafted_packets() {
         p.set_flag(CONFIG_FAIL_OPEN, true);
         assert_eq!(p.run("from_pod", &tcp(POD, PEER, 1002, 80, SYN), 0), PASS);
         assert_eq!(p.run("from_pod", &tcp(PEER, POD, 1002, 80, SYN), 0), DROP);
+    });
+}
+
+/// Per-path cost of the programs in a `BPF_PROG_TEST_RUN` loop (hot caches, no
+/// `bpf_stats`), for profiling; ignored by default, run with
+/// `cargo test --release -p podlink-tests --test programs -- --ignored --nocapture`.
+/// Each path's verdict is checked; the times are printed, not judged.
+#[test]
+#[ignore]
+fn cost_per_path() {
+    in_fresh_netns(|| {
+        let mut p = Programs::load();
+        let flow = FlowKey {
+            saddr: ipv4_mapped(POD.octets()),
+            daddr: ipv4_mapped(PEER.octets()),
+            sport: 1234,
+            dport: 80,
+        };
+        p.flows().insert(flow, 1, 0).unwrap();
+        let mut udp = tcp(POD, PEER, 1000, 53, 0);
+        udp[23] = 17;
+        let paths = [
+            (
+                "from_pod, a captured flow (fast path)",
+                "from_pod",
+                tcp(POD, PEER, 1234, 80, ACK),
+                0,
+                OK,
+            ),
+            (
+                "from_pod, a flow from before enrollment",
+                "from_pod",
+                tcp(POD, PEER, 1235, 80, ACK),
+                0,
+                PASS,
+            ),
+            ("from_pod, UDP", "from_pod", udp, 0, PASS),
+            (
+                "to_pod, the proxy's own packet",
+                "to_pod",
+                tcp(PEER, POD, 80, 1234, ACK),
+                PROXY_MARK,
+                PASS,
+            ),
+            (
+                "to_pod, a flow from before enrollment",
+                "to_pod",
+                tcp(PEER, POD, 80, 1234, ACK),
+                0,
+                PASS,
+            ),
+        ];
+        for (name, program, packet, mark, verdict) in paths {
+            let ctx_in = ctx(mark);
+            let prog: &mut SchedClassifier =
+                p.ebpf.program_mut(program).unwrap().try_into().unwrap();
+            let mut opts = TestRunOptions::new();
+            opts.data_in = Some(&packet);
+            opts.ctx_in = Some(&ctx_in);
+            opts.repeat = 1_000_000;
+            let run = prog.test_run(opts).unwrap();
+            assert_eq!(run.return_value, verdict, "{name}");
+            eprintln!("{name}: {:?} per run", run.duration);
+        }
     });
 }
