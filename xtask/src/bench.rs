@@ -767,6 +767,64 @@ fn program_counters(c: &Cluster, pods: [&Pod; 2]) -> Result<Vec<ProgCounters>> {
         .collect()
 }
 
+/// The eBPF counters over each kind of podlink run, for profiling: which
+/// workload the per-packet cost comes from.
+#[derive(Debug, Default, Serialize)]
+struct EbpfByWorkload {
+    /// (workload, program, run_time_ns, run_cnt), summed over nodes and runs.
+    runs: Vec<(String, String, u64, u64)>,
+}
+
+impl EbpfByWorkload {
+    /// Adds the change of the counters from `before` to `after` to `workload`.
+    fn add(&mut self, workload: &str, before: &[ProgCounters], after: &[ProgCounters]) {
+        for d in counters_delta(before, after) {
+            match self
+                .runs
+                .iter_mut()
+                .find(|r| r.0 == workload && r.1 == d.name)
+            {
+                Some(r) => {
+                    r.2 += d.run_time_ns;
+                    r.3 += d.run_cnt;
+                }
+                None => self
+                    .runs
+                    .push((workload.into(), d.name, d.run_time_ns, d.run_cnt)),
+            }
+        }
+    }
+
+    /// "workload: from_pod N ns (runs), to_pod N ns (runs)" lines.
+    fn lines(&self) -> Vec<String> {
+        let mut workloads: Vec<&str> = Vec::new();
+        for r in &self.runs {
+            if !workloads.contains(&r.0.as_str()) {
+                workloads.push(&r.0);
+            }
+        }
+        workloads
+            .into_iter()
+            .map(|w| {
+                let parts: Vec<String> = self
+                    .runs
+                    .iter()
+                    .filter(|r| r.0 == w)
+                    .map(|r| {
+                        let ns = if r.3 > 0 {
+                            r.2 as f64 / r.3 as f64
+                        } else {
+                            0.0
+                        };
+                        format!("{} {} ns ({} runs)", r.1, num(ns), r.3)
+                    })
+                    .collect();
+                format!("{w}: {}", parts.join(", "))
+            })
+            .collect()
+    }
+}
+
 /// The counters' change from `before` to `after`.
 fn counters_delta(before: &[ProgCounters], after: &[ProgCounters]) -> Vec<ProgCounters> {
     after
@@ -1095,6 +1153,8 @@ struct Report {
     memory: Memory,
     /// Each program instance's counters over the measured span.
     ebpf: Vec<ProgCounters>,
+    /// The same counters by kind of run.
+    ebpf_by_workload: EbpfByWorkload,
     enrollment: Enrollment,
     scaling: Scaling,
     timings: Timings,
@@ -1136,6 +1196,19 @@ fn bench(s: Settings, json: Option<&Path>) -> Result<()> {
     let stats_on = BpfStatsOn::enable()?;
     let prog_pods = [&bed.pair(Path2::Podlink).0, &bed.pair(Path2::Podlink).1];
     let counters_before = program_counters(&bed.cluster, prog_pods)?;
+    let mut ebpf_by_workload = EbpfByWorkload::default();
+    // Runs `run` and adds the eBPF counters' change over it to `workload` (podlink
+    // runs only: the direct path runs no program).
+    let mut measure_ebpf = |workload: &str, path: Path2, run: &mut dyn FnMut() -> Result<()>| {
+        if path != Path2::Podlink {
+            return run();
+        }
+        let before = program_counters(&bed.cluster, prog_pods)?;
+        run()?;
+        let after = program_counters(&bed.cluster, prog_pods)?;
+        ebpf_by_workload.add(workload, &before, &after);
+        Ok(())
+    };
     let mut throughput_max_kib = vec![0; idle_kib.len()];
     let mut t1 = Series::default();
     let mut t4 = Series::default();
@@ -1156,7 +1229,16 @@ fn bench(s: Settings, json: Option<&Path>) -> Result<()> {
                 let (client, server) = bed.pair(path);
                 let sampler = (path == Path2::Podlink).then(|| RssSampler::start(pids.clone()));
                 let cpu = agents_cpu(&bed.cluster);
-                let v = throughput(client, server, s.throughput_seconds, streams)?;
+                let mut v = 0.0;
+                let workload = if streams == 1 {
+                    "single-stream throughput"
+                } else {
+                    "4-stream throughput"
+                };
+                measure_ebpf(workload, path, &mut || {
+                    v = throughput(client, server, s.throughput_seconds, streams)?;
+                    Ok(())
+                })?;
                 series.push(path, v, agents_cpu(&bed.cluster) - cpu);
                 if let Some(sampler) = sampler {
                     for (m, v) in throughput_max_kib.iter_mut().zip(sampler.stop()) {
@@ -1169,7 +1251,12 @@ fn bench(s: Settings, json: Option<&Path>) -> Result<()> {
             for path in order {
                 let (client, server) = bed.pair(path);
                 let cpu = agents_cpu(&bed.cluster);
-                let [p50, p99] = latency(client, server.addr(ECHO_PORT), size, s.round_trips)?;
+                let mut p = [0.0; 2];
+                measure_ebpf("request/response", path, &mut || {
+                    p = latency(client, server.addr(ECHO_PORT), size, s.round_trips)?;
+                    Ok(())
+                })?;
+                let [p50, p99] = p;
                 let cpu = agents_cpu(&bed.cluster) - cpu;
                 rr[2 * i].push(path, p50, cpu);
                 rr[2 * i + 1].push(path, p99, cpu);
@@ -1179,12 +1266,17 @@ fn bench(s: Settings, json: Option<&Path>) -> Result<()> {
             for path in order {
                 let (client, server) = bed.pair(path);
                 let cpu = agents_cpu(&bed.cluster);
-                let run = run_clients(
-                    &[(client, server.addr(ECHO_PORT))],
-                    clients,
-                    s.connect_seconds,
-                )?;
-                series.push(path, run.rate(), agents_cpu(&bed.cluster) - cpu);
+                let mut rate = 0.0;
+                measure_ebpf("new connections", path, &mut || {
+                    rate = run_clients(
+                        &[(client, server.addr(ECHO_PORT))],
+                        clients,
+                        s.connect_seconds,
+                    )?
+                    .rate();
+                    Ok(())
+                })?;
+                series.push(path, rate, agents_cpu(&bed.cluster) - cpu);
             }
         }
     }
@@ -1203,7 +1295,12 @@ fn bench(s: Settings, json: Option<&Path>) -> Result<()> {
     };
     let direct_churn = churn_run(Path2::Direct)?;
     let cpu = agents_cpu(&bed.cluster);
-    let podlink_churn = churn_run(Path2::Podlink)?;
+    let mut podlink_churn = None;
+    measure_ebpf("churn", Path2::Podlink, &mut || {
+        podlink_churn = Some(churn_run(Path2::Podlink)?);
+        Ok(())
+    })?;
+    let podlink_churn = podlink_churn.context("the churn run measured nothing")?;
     let churn = Churn {
         direct: direct_churn,
         podlink: podlink_churn,
@@ -1261,6 +1358,7 @@ fn bench(s: Settings, json: Option<&Path>) -> Result<()> {
         churn,
         memory,
         ebpf,
+        ebpf_by_workload,
         enrollment,
         scaling,
         timings,
@@ -1589,6 +1687,12 @@ fn print_report(r: &Report) {
         ],
         &rows,
     );
+
+    println!();
+    println!("eBPF cost per packet by kind of podlink run (for profiling):");
+    for line in r.ebpf_by_workload.lines() {
+        println!("  {line}");
+    }
 
     println!();
     println!(
