@@ -35,9 +35,11 @@ impl Completions {
         let complete = match event.kind {
             EventKind::Access(AccessKind::Close(AccessMode::Write))
             | EventKind::Modify(ModifyKind::Name(RenameMode::To | RenameMode::Both)) => true,
-            EventKind::Create(_)
-            | EventKind::Modify(ModifyKind::Data(_))
-            | EventKind::Access(AccessKind::Open(_)) => false,
+            // Opening reads nothing into the file: another reader (a second
+            // agent on the same directory, a backup tool) must not undo a
+            // completion. A write after the open reports a data change.
+            EventKind::Access(AccessKind::Open(_)) => return false,
+            EventKind::Create(_) | EventKind::Modify(ModifyKind::Data(_)) => false,
             EventKind::Remove(_) | EventKind::Modify(ModifyKind::Name(_)) => {
                 let mut files = self.0.lock().expect("completions lock");
                 for path in &event.paths {
