@@ -4,10 +4,21 @@
 //! path of `build-ebpf`. Without it, an empty placeholder is embedded so that host
 //! builds, `cargo clippy` and unit tests work on stable alone; such a binary
 //! refuses to start the agent and says how to build it properly.
+//!
+//! On Linux with glibc the binaries are linked with packed relative relocations
+//! (`-z pack-relative-relocs`, DT_RELR, glibc 2.36+): the position-independent
+//! executable's 37,000 relative relocations take a few kilobytes instead of 900 KB
+//! of `.rela.dyn`, which the dynamic loader reads whole at start and which then
+//! stays resident.
 
 use std::{env, fs, path::PathBuf};
 
 fn main() {
+    if env::var("CARGO_CFG_TARGET_OS").as_deref() == Ok("linux")
+        && env::var("CARGO_CFG_TARGET_ENV").as_deref() == Ok("gnu")
+    {
+        println!("cargo:rustc-link-arg-bins=-Wl,-z,pack-relative-relocs");
+    }
     let manifest_dir = PathBuf::from(env::var("CARGO_MANIFEST_DIR").unwrap());
     let default = manifest_dir.join("../ebpf/target/bpfel-unknown-none/release/podlink-ebpf");
     let object = env::var_os("PODLINK_EBPF_OBJECT")
