@@ -119,11 +119,12 @@ pub const CNI_BIN_DIR: &str = "/usr/lib/cni";
 
 static NEXT_CLUSTER: AtomicU32 = AtomicU32::new(0);
 
-/// The `podlink` binary under test: `$PODLINK_BIN`, else the release build.
+/// The `podlink` binary under test: `$PODLINK_BIN`, else the one `cargo xtask build`
+/// makes (the `dist` profile).
 pub fn podlink_bin() -> PathBuf {
     std::env::var_os("PODLINK_BIN")
         .map(PathBuf::from)
-        .unwrap_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join("../target/release/podlink"))
+        .unwrap_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join("../target/dist/podlink"))
 }
 
 /// The `podlink-cni` plugin under test: `$PODLINK_CNI_BIN`, else `podlink-cni`

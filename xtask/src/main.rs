@@ -29,7 +29,7 @@ enum Cmd {
     Setup,
     /// Build the eBPF object (with BTF) with the nightly toolchain.
     BuildEbpf,
-    /// Build everything: the eBPF object, then the agent that embeds it (release).
+    /// Build everything: the eBPF object, then the agent that embeds it (`dist` profile).
     Build,
     /// Build a two-node cluster of network namespaces and show podlink at work.
     Demo,
@@ -111,9 +111,10 @@ pub fn ebpf_object() -> PathBuf {
     project_root().join("ebpf/target/bpfel-unknown-none/release/podlink-ebpf")
 }
 
-/// Path of a release binary of the workspace.
-pub fn release_bin(name: &str) -> PathBuf {
-    project_root().join("target/release").join(name)
+/// Path of a shipped binary of the workspace: built by [`build`] with the `dist`
+/// profile (release with whole-program optimisation, see Cargo.toml).
+pub fn dist_bin(name: &str) -> PathBuf {
+    project_root().join("target/dist").join(name)
 }
 
 /// Runs a command, failing with its name and status.
@@ -167,13 +168,20 @@ fn build_ebpf() -> Result<()> {
 fn build() -> Result<()> {
     build_ebpf()?;
     let mut cmd = host_cargo();
-    cmd.args(["build", "--release", "--package", "podlink-agent", "--bins"])
-        .env("PODLINK_EBPF_OBJECT", ebpf_object());
+    cmd.args([
+        "build",
+        "--profile",
+        "dist",
+        "--package",
+        "podlink-agent",
+        "--bins",
+    ])
+    .env("PODLINK_EBPF_OBJECT", ebpf_object());
     run(&mut cmd).context("building the agent")
 }
 
 /// Unit tests of every crate and the end-to-end tests, in one release build (the
-/// end-to-end tests run the release agent that `build` made). All tests run even
+/// end-to-end tests run the shipped agent that `build` made, `dist` profile). All tests run even
 /// when one fails.
 fn test(filter: Option<&str>) -> Result<()> {
     // SAFETY: geteuid has no preconditions.
@@ -185,7 +193,7 @@ fn test(filter: Option<&str>) -> Result<()> {
     let mut cmd = host_cargo();
     cmd.args(["test", "--release", "--workspace", "--no-fail-fast"])
         .env("PODLINK_EBPF_OBJECT", ebpf_object())
-        .env("PODLINK_BIN", release_bin("podlink"));
+        .env("PODLINK_BIN", dist_bin("podlink"));
     if let Some(f) = filter {
         cmd.arg(f);
     }
