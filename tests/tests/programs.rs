@@ -51,6 +51,16 @@ fn tcp(src: Ipv4Addr, dst: Ipv4Addr, sport: u16, dport: u16, flags: u8) -> Vec<u
     p
 }
 
+/// The captured-flows key of a flow as `from_pod` sees its packets.
+fn flow(src: Ipv4Addr, dst: Ipv4Addr, sport: u16, dport: u16) -> FlowKey {
+    FlowKey {
+        saddr: ipv4_mapped(src.octets()),
+        daddr: ipv4_mapped(dst.octets()),
+        sport,
+        dport,
+    }
+}
+
 /// `struct __sk_buff` input: ifindex (offset 40) and mark (offset 8).
 fn ctx(mark: u32) -> Vec<u8> {
     let mut c = vec![0u8; 192];
@@ -265,13 +275,8 @@ fn decisions_on_crafted_packets() {
         // Data of a flow the proxy took over: the fast path marks it for local
         // delivery (OK, no socket lookup), where the kernel's own lookup finds the
         // proxy's socket; it counts nothing (the proxy counts the bytes).
-        let flow = FlowKey {
-            saddr: ipv4_mapped(POD.octets()),
-            daddr: ipv4_mapped(PEER.octets()),
-            sport: 1234,
-            dport: 80,
-        };
-        p.flows().insert(flow, 1, 0).unwrap();
+        let taken = flow(POD, PEER, 1234, 80);
+        p.flows().insert(taken, 1, 0).unwrap();
         let counted = p.counters();
         assert_eq!(p.run("from_pod", &tcp(POD, PEER, 1234, 80, ACK), 0), OK);
         assert_eq!(p.counters(), counted);
@@ -283,7 +288,7 @@ fn decisions_on_crafted_packets() {
         p.set_flag(CONFIG_DRAINING, false);
         // A SYN of the same 4-tuple that is not captured (an excluded port here)
         // forgets the earlier flow, so that its packets are not steered.
-        let excluded_flow = FlowKey { dport: 22, ..flow };
+        let excluded_flow = FlowKey { dport: 22, ..taken };
         p.flows().insert(excluded_flow, 1, 0).unwrap();
         assert_eq!(p.run("from_pod", &tcp(POD, PEER, 1234, 22, SYN), 0), PASS);
         assert!(
@@ -326,12 +331,7 @@ fn decisions_on_crafted_packets() {
         );
         // ... and the proxy's connection is remembered as the pod's replies will
         // look to from_pod.
-        let reply = FlowKey {
-            saddr: ipv4_mapped(POD.octets()),
-            daddr: ipv4_mapped(PEER.octets()),
-            sport: 80,
-            dport: 1000,
-        };
+        let reply = flow(POD, PEER, 80, 1000);
         assert!(
             p.flows().get(&reply, 0).is_ok(),
             "proxy flow not remembered"
@@ -340,12 +340,7 @@ fn decisions_on_crafted_packets() {
         assert_eq!(p.run("from_pod", &tcp(POD, PEER, 80, 1000, ACK), 0), OK);
         // A connection from the node is not captured, and forgets an earlier
         // captured flow of its 4-tuple.
-        let from_node = FlowKey {
-            saddr: ipv4_mapped(NODE.octets()),
-            daddr: ipv4_mapped(POD.octets()),
-            sport: 1000,
-            dport: 80,
-        };
+        let from_node = flow(NODE, POD, 1000, 80);
         p.flows().insert(from_node, 1, 0).unwrap();
         assert_eq!(p.run("to_pod", &tcp(NODE, POD, 1000, 80, SYN), 0), PASS);
         assert!(p.flows().get(&from_node, 0).is_err(), "flow not forgotten");
@@ -369,12 +364,7 @@ fn decisions_on_crafted_packets() {
         );
         // Data of a flow the proxy took over (keyed as from_pod sees the bounced
         // packet) is bounced without a socket lookup.
-        let inbound = FlowKey {
-            saddr: ipv4_mapped(PEER.octets()),
-            daddr: ipv4_mapped(POD.octets()),
-            sport: 1000,
-            dport: 8080,
-        };
+        let inbound = flow(PEER, POD, 1000, 8080);
         p.flows().insert(inbound, 1, 0).unwrap();
         assert_eq!(
             p.run("to_pod", &tcp(PEER, POD, 1000, 8080, ACK), 0),
@@ -402,13 +392,8 @@ fn decisions_on_crafted_packets() {
 fn cost_per_path() {
     in_fresh_netns(|| {
         let mut p = Programs::load();
-        let flow = FlowKey {
-            saddr: ipv4_mapped(POD.octets()),
-            daddr: ipv4_mapped(PEER.octets()),
-            sport: 1234,
-            dport: 80,
-        };
-        p.flows().insert(flow, 1, 0).unwrap();
+        let taken = flow(POD, PEER, 1234, 80);
+        p.flows().insert(taken, 1, 0).unwrap();
         let mut udp = tcp(POD, PEER, 1000, 53, 0);
         udp[23] = 17;
         let paths = [
