@@ -660,11 +660,10 @@ mod tests {
         drop(open);
     }
 
-    #[test]
-    fn a_file_seen_before_its_completion_event_is_read_when_the_event_comes() {
-        use notify::event::{AccessKind, AccessMode, EventKind};
-        let guard = tempfile::tempdir().unwrap();
-        let dir = guard.path();
+    /// A source for `dir` fed by `completions` (no watcher: the tests record the
+    /// events), scanned once, and then a pod manifest written at `path`. Settling
+    /// would hold any change not reported complete for an hour.
+    fn scanned_with_a_new_pod_file(dir: &Path) -> (ManifestDir, Completions, PathBuf) {
         let completions = Completions::default();
         let mut source = ManifestDir::with_settle(dir, Duration::from_secs(3600))
             .unwrap()
@@ -672,6 +671,14 @@ mod tests {
         source.rescan();
         let path = std::path::absolute(dir.join("pod.yaml")).unwrap();
         fs::write(&path, POD).unwrap();
+        (source, completions, path)
+    }
+
+    #[test]
+    fn a_file_seen_before_its_completion_event_is_read_when_the_event_comes() {
+        use notify::event::{AccessKind, AccessMode, EventKind};
+        let guard = tempfile::tempdir().unwrap();
+        let (mut source, completions, path) = scanned_with_a_new_pod_file(guard.path());
         // Another file's event made a scan find it first: it waits.
         assert!(source.rescan().unsettled);
         assert_eq!(source.pods().count(), 0);
@@ -688,14 +695,7 @@ mod tests {
     fn another_reader_opening_a_completed_file_does_not_hold_it_back() {
         use notify::event::{AccessKind, AccessMode, EventKind, ModifyKind, RenameMode};
         let guard = tempfile::tempdir().unwrap();
-        let dir = guard.path();
-        let completions = Completions::default();
-        let mut source = ManifestDir::with_settle(dir, Duration::from_secs(3600))
-            .unwrap()
-            .with_completions(completions.clone());
-        source.rescan();
-        let path = std::path::absolute(dir.join("pod.yaml")).unwrap();
-        fs::write(&path, POD).unwrap();
+        let (mut source, completions, path) = scanned_with_a_new_pod_file(guard.path());
         let renamed = notify::Event::new(EventKind::Modify(ModifyKind::Name(RenameMode::To)))
             .add_path(path.clone());
         assert!(completions.record(&renamed));
