@@ -771,36 +771,62 @@ fn program_counters(c: &Cluster, pods: [&Pod; 2]) -> Result<Vec<ProgCounters>> {
 /// workload the per-packet cost comes from.
 #[derive(Debug, Default, Serialize)]
 struct EbpfByWorkload {
-    /// (workload, program, run_time_ns, run_cnt), summed over nodes and runs.
-    runs: Vec<(String, String, u64, u64)>,
+    /// Per kind of run and program, summed over nodes and runs.
+    runs: Vec<WorkloadCounters>,
+}
+
+#[derive(Debug, Serialize)]
+struct WorkloadCounters {
+    workload: String,
+    program: String,
+    run_time_ns: u64,
+    run_cnt: u64,
 }
 
 impl EbpfByWorkload {
-    /// Adds the change of the counters from `before` to `after` to `workload`.
-    fn add(&mut self, workload: &str, before: &[ProgCounters], after: &[ProgCounters]) {
-        for d in counters_delta(before, after) {
+    /// Runs `run`; for a podlink run, adds the change of the counters of the
+    /// programs `pods` use over it to `workload` (the direct path runs none).
+    fn measure<T>(
+        &mut self,
+        c: &Cluster,
+        pods: [&Pod; 2],
+        workload: &str,
+        path: Path2,
+        run: impl FnOnce() -> Result<T>,
+    ) -> Result<T> {
+        if path != Path2::Podlink {
+            return run();
+        }
+        let before = program_counters(c, pods)?;
+        let value = run()?;
+        let after = program_counters(c, pods)?;
+        for d in counters_delta(&before, &after) {
             match self
                 .runs
                 .iter_mut()
-                .find(|r| r.0 == workload && r.1 == d.name)
+                .find(|r| r.workload == workload && r.program == d.name)
             {
                 Some(r) => {
-                    r.2 += d.run_time_ns;
-                    r.3 += d.run_cnt;
+                    r.run_time_ns += d.run_time_ns;
+                    r.run_cnt += d.run_cnt;
                 }
-                None => self
-                    .runs
-                    .push((workload.into(), d.name, d.run_time_ns, d.run_cnt)),
+                None => self.runs.push(WorkloadCounters {
+                    workload: workload.into(),
+                    program: d.name,
+                    run_time_ns: d.run_time_ns,
+                    run_cnt: d.run_cnt,
+                }),
             }
         }
+        Ok(value)
     }
 
     /// "workload: from_pod N ns (runs), to_pod N ns (runs)" lines.
     fn lines(&self) -> Vec<String> {
         let mut workloads: Vec<&str> = Vec::new();
         for r in &self.runs {
-            if !workloads.contains(&r.0.as_str()) {
-                workloads.push(&r.0);
+            if !workloads.contains(&r.workload.as_str()) {
+                workloads.push(&r.workload);
             }
         }
         workloads
@@ -809,14 +835,14 @@ impl EbpfByWorkload {
                 let parts: Vec<String> = self
                     .runs
                     .iter()
-                    .filter(|r| r.0 == w)
+                    .filter(|r| r.workload == w)
                     .map(|r| {
-                        let ns = if r.3 > 0 {
-                            r.2 as f64 / r.3 as f64
+                        let ns = if r.run_cnt > 0 {
+                            r.run_time_ns as f64 / r.run_cnt as f64
                         } else {
                             0.0
                         };
-                        format!("{} {} ns ({} runs)", r.1, num(ns), r.3)
+                        format!("{} {} ns ({} runs)", r.program, num(ns), r.run_cnt)
                     })
                     .collect();
                 format!("{w}: {}", parts.join(", "))
@@ -1197,18 +1223,6 @@ fn bench(s: Settings, json: Option<&Path>) -> Result<()> {
     let prog_pods = [&bed.pair(Path2::Podlink).0, &bed.pair(Path2::Podlink).1];
     let counters_before = program_counters(&bed.cluster, prog_pods)?;
     let mut ebpf_by_workload = EbpfByWorkload::default();
-    // Runs `run` and adds the eBPF counters' change over it to `workload` (podlink
-    // runs only: the direct path runs no program).
-    let mut measure_ebpf = |workload: &str, path: Path2, run: &mut dyn FnMut() -> Result<()>| {
-        if path != Path2::Podlink {
-            return run();
-        }
-        let before = program_counters(&bed.cluster, prog_pods)?;
-        run()?;
-        let after = program_counters(&bed.cluster, prog_pods)?;
-        ebpf_by_workload.add(workload, &before, &after);
-        Ok(())
-    };
     let mut throughput_max_kib = vec![0; idle_kib.len()];
     let mut t1 = Series::default();
     let mut t4 = Series::default();
@@ -1229,16 +1243,15 @@ fn bench(s: Settings, json: Option<&Path>) -> Result<()> {
                 let (client, server) = bed.pair(path);
                 let sampler = (path == Path2::Podlink).then(|| RssSampler::start(pids.clone()));
                 let cpu = agents_cpu(&bed.cluster);
-                let mut v = 0.0;
                 let workload = if streams == 1 {
                     "single-stream throughput"
                 } else {
                     "4-stream throughput"
                 };
-                measure_ebpf(workload, path, &mut || {
-                    v = throughput(client, server, s.throughput_seconds, streams)?;
-                    Ok(())
-                })?;
+                let v =
+                    ebpf_by_workload.measure(&bed.cluster, prog_pods, workload, path, || {
+                        throughput(client, server, s.throughput_seconds, streams)
+                    })?;
                 series.push(path, v, agents_cpu(&bed.cluster) - cpu);
                 if let Some(sampler) = sampler {
                     for (m, v) in throughput_max_kib.iter_mut().zip(sampler.stop()) {
@@ -1251,12 +1264,13 @@ fn bench(s: Settings, json: Option<&Path>) -> Result<()> {
             for path in order {
                 let (client, server) = bed.pair(path);
                 let cpu = agents_cpu(&bed.cluster);
-                let mut p = [0.0; 2];
-                measure_ebpf("request/response", path, &mut || {
-                    p = latency(client, server.addr(ECHO_PORT), size, s.round_trips)?;
-                    Ok(())
-                })?;
-                let [p50, p99] = p;
+                let [p50, p99] = ebpf_by_workload.measure(
+                    &bed.cluster,
+                    prog_pods,
+                    "request/response",
+                    path,
+                    || latency(client, server.addr(ECHO_PORT), size, s.round_trips),
+                )?;
                 let cpu = agents_cpu(&bed.cluster) - cpu;
                 rr[2 * i].push(path, p50, cpu);
                 rr[2 * i + 1].push(path, p99, cpu);
@@ -1266,17 +1280,20 @@ fn bench(s: Settings, json: Option<&Path>) -> Result<()> {
             for path in order {
                 let (client, server) = bed.pair(path);
                 let cpu = agents_cpu(&bed.cluster);
-                let mut rate = 0.0;
-                measure_ebpf("new connections", path, &mut || {
-                    rate = run_clients(
-                        &[(client, server.addr(ECHO_PORT))],
-                        clients,
-                        s.connect_seconds,
-                    )?
-                    .rate();
-                    Ok(())
-                })?;
-                series.push(path, rate, agents_cpu(&bed.cluster) - cpu);
+                let run = ebpf_by_workload.measure(
+                    &bed.cluster,
+                    prog_pods,
+                    "new connections",
+                    path,
+                    || {
+                        run_clients(
+                            &[(client, server.addr(ECHO_PORT))],
+                            clients,
+                            s.connect_seconds,
+                        )
+                    },
+                )?;
+                series.push(path, run.rate(), agents_cpu(&bed.cluster) - cpu);
             }
         }
     }
@@ -1295,12 +1312,10 @@ fn bench(s: Settings, json: Option<&Path>) -> Result<()> {
     };
     let direct_churn = churn_run(Path2::Direct)?;
     let cpu = agents_cpu(&bed.cluster);
-    let mut podlink_churn = None;
-    measure_ebpf("churn", Path2::Podlink, &mut || {
-        podlink_churn = Some(churn_run(Path2::Podlink)?);
-        Ok(())
-    })?;
-    let podlink_churn = podlink_churn.context("the churn run measured nothing")?;
+    let podlink_churn =
+        ebpf_by_workload.measure(&bed.cluster, prog_pods, "churn", Path2::Podlink, || {
+            churn_run(Path2::Podlink)
+        })?;
     let churn = Churn {
         direct: direct_churn,
         podlink: podlink_churn,
