@@ -5,6 +5,7 @@
 mod bench;
 mod demo;
 mod deploy;
+mod layout;
 mod setup;
 
 use std::{
@@ -42,6 +43,9 @@ enum Cmd {
         /// Only run tests whose name contains this filter.
         filter: Option<String>,
     },
+    /// Regenerate agent/symbol-order.txt, the linker's layout of the agent's code
+    /// (what the agent runs, read from the test bed), then build with it (root).
+    Layout,
     /// Measure podlink against the direct path on the two-node test bed (the
     /// figures and targets of issue 6, a scaling table, pod enrollment).
     Bench {
@@ -82,6 +86,7 @@ fn main() -> Result<()> {
             let tests = test(filter.as_deref());
             tests.and(deploy.context("validate-deploy"))
         }
+        Cmd::Layout => layout::layout(),
         Cmd::Bench {
             repeat,
             json,
