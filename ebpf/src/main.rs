@@ -235,9 +235,6 @@ fn from_pod_tcp4(
 #[classifier]
 pub fn to_pod(ctx: TcContext) -> i32 {
     let ifindex = unsafe { (*ctx.skb.skb).ifindex };
-    let Some(pod) = maps::pod(ifindex) else {
-        return PASS;
-    };
     let Some(cfg) = maps::config() else {
         return PASS;
     };
@@ -245,10 +242,11 @@ pub fn to_pod(ctx: TcContext) -> i32 {
     // SAFETY: reading the context's mark.
     let mark = unsafe { (*ctx.skb.skb).mark };
     if mark & cfg.proxy_mark_mask == cfg.proxy_mark {
-        // The proxy's own connection to the pod. Remember it, so that the pod's
-        // replies take `from_pod`'s fast path and are never passed in plain text
-        // once the proxy's socket is gone. Counted once, at its SYN: the proxy
-        // counts the flow's bytes.
+        // The proxy's own connection to the pod: most of what enters a pod, so
+        // checked before the pod's entry is looked up (the verdict does not depend
+        // on it). Remember it, so that the pod's replies take `from_pod`'s fast
+        // path and are never passed in plain text once the proxy's socket is gone.
+        // Counted once, at its SYN: the proxy counts the flow's bytes.
         if let Packet::Tcp4(pkt) = &packet
             && pkt.is_syn()
         {
@@ -257,6 +255,9 @@ pub fn to_pod(ctx: TcContext) -> i32 {
         }
         return PASS;
     }
+    let Some(pod) = maps::pod(ifindex) else {
+        return PASS;
+    };
     let pkt = match packet {
         Packet::Tcp4(pkt) => pkt,
         other => return not_tcp4(other, ifindex),

@@ -230,9 +230,19 @@ fn symbols_on(binary: &Path, pages: &BTreeSet<u64>) -> Result<Vec<Symbol>> {
             String::from_utf8_lossy(&out.stderr)
         );
     }
+    Ok(symbols_on_pages(
+        &String::from_utf8_lossy(&out.stdout),
+        pages,
+    ))
+}
+
+/// The symbols of `nm -S` output (`address size kind name`, hexadecimal) with a
+/// byte on any of `pages`, in address order, each name once. Lines without a size
+/// (absolute and undefined symbols) are skipped.
+fn symbols_on_pages(nm: &str, pages: &BTreeSet<u64>) -> Vec<Symbol> {
     let mut by_address = BTreeMap::new();
     let mut seen = HashSet::new();
-    for line in String::from_utf8_lossy(&out.stdout).lines() {
+    for line in nm.lines() {
         let fields: Vec<&str> = line.split_whitespace().collect();
         let [address, size, kind, name] = fields[..] else {
             continue;
@@ -248,9 +258,9 @@ fn symbols_on(binary: &Path, pages: &BTreeSet<u64>) -> Result<Vec<Symbol>> {
         }
         let first = address / PAGE * PAGE;
         let touched = pages.range(first..address + size).next().is_some();
-        if touched && seen.insert(name.to_string()) {
+        if touched && seen.insert(name) {
             by_address.insert(
-                (address, name.to_string()),
+                (address, name),
                 Symbol {
                     name: name.to_string(),
                     size,
@@ -259,5 +269,30 @@ fn symbols_on(binary: &Path, pages: &BTreeSet<u64>) -> Result<Vec<Symbol>> {
             );
         }
     }
-    Ok(by_address.into_values().collect())
+    by_address.into_values().collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn symbols_are_those_on_touched_pages_in_address_order() {
+        let nm = "\
+0000000000003000 0000000000000010 t cold_fn
+0000000000002ff0 0000000000000020 t spans_into_page_3
+0000000000001000 0000000000000100 T hot_fn
+0000000000001800 0000000000000008 r hot_data
+0000000000004000 0000000000000000 t no_size
+0000000000005000 0000000000000010 t hot_fn
+                 w weak_undefined
+";
+        // Pages 0x1000 and 0x2000 were touched; 0x3000 and 0x4000 were not.
+        let pages = BTreeSet::from([0x1000, 0x2000]);
+        let symbols = symbols_on_pages(nm, &pages);
+        let names: Vec<&str> = symbols.iter().map(|s| s.name.as_str()).collect();
+        assert_eq!(names, ["hot_fn", "hot_data", "spans_into_page_3"]);
+        assert!(symbols[0].code && !symbols[1].code);
+        assert_eq!(symbols[2].size, 0x20);
+    }
 }
