@@ -244,9 +244,11 @@ pub fn to_pod(ctx: TcContext) -> i32 {
     if mark & cfg.proxy_mark_mask == cfg.proxy_mark {
         // The proxy's own connection to the pod: most of what enters a pod, so
         // checked before the pod's entry is looked up (the verdict does not depend
-        // on it). Remember it, so that the pod's replies take `from_pod`'s fast
-        // path and are never passed in plain text once the proxy's socket is gone.
-        // Counted once, at its SYN: the proxy counts the flow's bytes.
+        // on it; a veth without one only has links pinned by an agent that is
+        // gone, and a flow remembered there is harmless). Remember it, so that
+        // the pod's replies take `from_pod`'s fast path and are never passed in
+        // plain text once the proxy's socket is gone. Counted once, at its SYN:
+        // the proxy counts the flow's bytes.
         if let Packet::Tcp4(pkt) = &packet
             && pkt.is_syn()
         {

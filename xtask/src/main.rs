@@ -181,7 +181,9 @@ fn build() -> Result<()> {
         "podlink-agent",
         "--bins",
     ])
-    .env("PODLINK_EBPF_OBJECT", ebpf_object());
+    .env("PODLINK_EBPF_OBJECT", ebpf_object())
+    // The code layout of agent/symbol-order.txt (see agent/build.rs).
+    .env("PODLINK_SYMBOL_ORDER", "1");
     run(&mut cmd).context("building the agent")
 }
 
