@@ -191,6 +191,19 @@ pub struct FlowKey {
     pub dport: u16,
 }
 
+impl FlowKey {
+    /// The key of an IPv4 flow: addresses as four octets in network order, ports
+    /// in host byte order.
+    pub const fn ipv4(saddr: [u8; 4], daddr: [u8; 4], sport: u16, dport: u16) -> Self {
+        Self {
+            saddr: ipv4_mapped(saddr),
+            daddr: ipv4_mapped(daddr),
+            sport,
+            dport,
+        }
+    }
+}
+
 /// Value of the per-CPU counters map: packets seen on one pod's host veth, by outcome.
 /// Sum over CPUs for totals.
 #[repr(C)]

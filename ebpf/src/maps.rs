@@ -38,12 +38,7 @@ static CAPTURED_FLOWS: LruHashMap<FlowKey, u8, { MAX_CAPTURED_FLOWS as usize }> 
 
 #[inline(always)]
 fn flow_key(saddr: u32, daddr: u32, sport: u16, dport: u16) -> FlowKey {
-    FlowKey {
-        saddr: ipv4_mapped(saddr.to_ne_bytes()),
-        daddr: ipv4_mapped(daddr.to_ne_bytes()),
-        sport,
-        dport,
-    }
+    FlowKey::ipv4(saddr.to_ne_bytes(), daddr.to_ne_bytes(), sport, dport)
 }
 
 /// Records that the flow of `pkt` (a SYN seen by `from_pod`) is the proxy's.
@@ -112,7 +107,7 @@ pub fn is_excluded(daddr: u32, dport: u16) -> bool {
         return true;
     }
     let b = daddr.to_ne_bytes();
-    let key = Key::new(128, podlink_common::ipv4_mapped(b));
+    let key = Key::new(128, ipv4_mapped(b));
     EXCLUDED_CIDRS.get(&key).is_some()
 }
 

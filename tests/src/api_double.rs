@@ -53,7 +53,7 @@ use hyper::body::{Body, Frame, Incoming, SizeHint};
 use serde_json::{Map, Value, json};
 use tokio::sync::{mpsc, watch};
 
-use crate::netns::in_netns;
+use crate::{Cluster, Pod, netns::in_netns};
 
 /// The bearer token of the user in the kubeconfig the double writes; requests
 /// without it are answered 401 Unauthorized.
@@ -1841,6 +1841,40 @@ fn now_rfc3339() -> String {
         rem % 3600 / 60,
         rem % 60
     )
+}
+
+/// The Pod object the API server holds for a test bed pod (scheduled, running,
+/// with its address).
+pub fn pod_object(c: &Cluster, pod: &Pod) -> Value {
+    json!({
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {
+            "name": pod.name,
+            "namespace": pod.namespace,
+            "labels": pod.labels,
+        },
+        "spec": {
+            "nodeName": c.nodes[pod.node].name,
+            "serviceAccountName": pod.service_account,
+            "containers": [{"name": "app", "image": "registry.example/app:1"}],
+        },
+        "status": {
+            "phase": "Running",
+            "podIP": pod.ip.to_string(),
+            "podIPs": [{"ip": pod.ip.to_string()}],
+        },
+    })
+}
+
+/// A Namespace object, labelled into the mesh (ambient) when `ambient`.
+pub fn namespace_object(name: &str, ambient: bool) -> Value {
+    let labels = if ambient {
+        json!({"istio.io/dataplane-mode": "ambient"})
+    } else {
+        json!({})
+    };
+    json!({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": name, "labels": labels}})
 }
 
 #[cfg(test)]

@@ -11,43 +11,14 @@ use std::{
     time::{Duration, Instant},
 };
 
-use podlink_tests::{Cluster, Pod, PodSpec, api_double::ApiServer, app};
-use serde_json::{Value, json};
+use podlink_tests::{
+    Cluster, Pod, PodSpec,
+    api_double::{ApiServer, namespace_object, pod_object},
+    app,
+};
+use serde_json::json;
 
 const ANNOTATION: &str = "ambient.istio.io/redirection";
-
-/// The Pod object the API server holds for a test bed pod (scheduled, running,
-/// with its address).
-fn pod_object(c: &Cluster, pod: &Pod) -> Value {
-    json!({
-        "apiVersion": "v1",
-        "kind": "Pod",
-        "metadata": {
-            "name": pod.name,
-            "namespace": pod.namespace,
-            "labels": pod.labels,
-        },
-        "spec": {
-            "nodeName": c.nodes[pod.node].name,
-            "serviceAccountName": pod.service_account,
-            "containers": [{"name": "app", "image": "registry.example/app:1"}],
-        },
-        "status": {
-            "phase": "Running",
-            "podIP": pod.ip.to_string(),
-            "podIPs": [{"ip": pod.ip.to_string()}],
-        },
-    })
-}
-
-fn namespace_object(name: &str, ambient: bool) -> Value {
-    let labels = if ambient {
-        json!({"istio.io/dataplane-mode": "ambient"})
-    } else {
-        json!({})
-    };
-    json!({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": name, "labels": labels}})
-}
 
 /// A test bed whose agents watch `api` (one listener in each node's namespace).
 struct KubeBed {

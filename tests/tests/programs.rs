@@ -53,12 +53,7 @@ fn tcp(src: Ipv4Addr, dst: Ipv4Addr, sport: u16, dport: u16, flags: u8) -> Vec<u
 
 /// The captured-flows key of a flow as `from_pod` sees its packets.
 fn flow(src: Ipv4Addr, dst: Ipv4Addr, sport: u16, dport: u16) -> FlowKey {
-    FlowKey {
-        saddr: ipv4_mapped(src.octets()),
-        daddr: ipv4_mapped(dst.octets()),
-        sport,
-        dport,
-    }
+    FlowKey::ipv4(src.octets(), dst.octets(), sport, dport)
 }
 
 /// `struct __sk_buff` input: ifindex (offset 40) and mark (offset 8).

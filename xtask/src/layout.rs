@@ -40,8 +40,11 @@ use std::{
 };
 
 use anyhow::{Context, Result, bail, ensure};
-use podlink_tests::{Cluster, PodSpec, api_double::ApiServer, app, netns};
-use serde_json::json;
+use podlink_tests::{
+    Cluster, PodSpec,
+    api_double::{ApiServer, namespace_object, pod_object},
+    app, netns,
+};
 
 use crate::{bench, build, dist_bin, ebpf_object, host_cargo, project_root, run};
 
@@ -168,20 +171,11 @@ fn exercise_kubernetes(inspect: impl FnOnce(&[u32]) -> Result<()>) -> Result<()>
             api.write_kubeconfig(addr, &kubeconfig)?;
             c.start_agent_with(node, &["--kubeconfig", &kubeconfig.to_string_lossy()])?;
         }
-        api.apply_namespace(json!({
-            "apiVersion": "v1", "kind": "Namespace",
-            "metadata": {"name": "mesh", "labels": {"istio.io/dataplane-mode": "ambient"}},
-        }))?;
+        api.apply_namespace(namespace_object("mesh", true))?;
         let mut pods = Vec::new();
         for (name, node) in [("client", 0), ("server", 1)] {
             let pod = c.add_pod_unlisted(PodSpec::new(name, "mesh", node))?;
-            api.apply_pod(json!({
-                "apiVersion": "v1", "kind": "Pod",
-                "metadata": {"name": pod.name, "namespace": pod.namespace, "labels": pod.labels},
-                "spec": {"nodeName": c.nodes[node].name, "serviceAccountName": pod.service_account},
-                "status": {"phase": "Running", "podIP": pod.ip.to_string(),
-                           "podIPs": [{"ip": pod.ip.to_string()}]},
-            }))?;
+            api.apply_pod(pod_object(&c, &pod))?;
             pods.push(pod);
         }
         let (client, server) = (&pods[0], &pods[1]);
