@@ -92,6 +92,9 @@ pub struct AgentConfig {
     pub cert_lifetime: Duration,
     /// Let enrolled pods' outbound connections pass uncaptured while no proxy listens.
     pub fail_open: bool,
+    /// Attach and detach TCX links with expedited RCU grace periods
+    /// ([`crate::dataplane::rcu`]).
+    pub expedite_attach: bool,
     /// Destination IPv4 prefixes that bypass capture.
     pub excluded_cidrs: Vec<ipnet::Ipv4Net>,
     /// Destination ports that bypass capture (both directions).
@@ -222,6 +225,7 @@ pub async fn run(cfg: AgentConfig) -> Result<()> {
         node_addrs: network.addrs.clone(),
         excluded_cidrs: cfg.excluded_cidrs.clone(),
         excluded_ports: cfg.excluded_ports.clone(),
+        expedite_attach: cfg.expedite_attach,
     })?;
     let state = Arc::new(ProxyState::new(proxy_config, certs));
     let maps = match DataplaneMaps::new(&dataplane) {

@@ -204,6 +204,11 @@ struct AgentArgs {
     /// uncaptured instead of dropping them (default: fail closed).
     #[arg(long)]
     fail_open: bool,
+    /// Attach pods' TCX links with the kernel's normal RCU grace periods (8-16 ms
+    /// per link) instead of setting /sys/kernel/rcu_expedited to 1 for the moment
+    /// of each attachment (about 0.1 ms).
+    #[arg(long)]
+    no_expedite_attach: bool,
     /// Destination IPv4 prefix that bypasses capture (repeatable).
     #[arg(long = "exclude-cidr", value_name = "CIDR")]
     excluded_cidrs: Vec<ipnet::Ipv4Net>,
@@ -322,6 +327,7 @@ pub fn main() -> Result<()> {
                 admin_address: args.admin_address,
                 cert_lifetime: args.cert_lifetime,
                 fail_open: args.fail_open,
+                expedite_attach: !args.no_expedite_attach,
                 excluded_cidrs: args.excluded_cidrs,
                 excluded_ports: args.excluded_ports,
                 connect_timeout: args.connect_timeout,

@@ -3,8 +3,9 @@
 //!
 //! In order: every link pin (which detaches the TCX links), map pin and layout
 //! directory under the pin directory; the policy routing rule and the route of
-//! podlink's table; the sysctls recorded in the state directory's journal
-//! (restored where they still have podlink's value); the `podlink-cni` entries of
+//! podlink's table; `/sys/kernel/rcu_expedited` if an agent was killed while it
+//! had it at 1; the sysctls recorded in the state directory's journal (restored
+//! where they still have podlink's value); the `podlink-cni` entries of
 //! the CNI configuration lists. Every step runs even when an earlier one fails;
 //! running it again finishes what is left and otherwise does nothing.
 //!
@@ -21,6 +22,7 @@ use crate::{
     dataplane::{
         journal::{Restored, SysctlJournal},
         net, pins,
+        rcu::{self, ExpeditedAttach},
     },
 };
 
@@ -69,6 +71,12 @@ pub fn uninstall(cfg: &UninstallConfig) -> Result<Vec<String>> {
     ) {
         Ok(removed) => done.extend(removed.into_iter().map(|r| format!("removed {r}"))),
         Err(e) => failures.push(format!("removing policy routing: {e:#}")),
+    }
+    // An agent killed while it had the RCU knob at 1 left a marker.
+    match ExpeditedAttach::new(&cfg.state_dir, true).recover() {
+        Ok(true) => done.push(format!("restored {}=0", rcu::KNOB)),
+        Ok(false) => {}
+        Err(e) => failures.push(format!("restoring {}: {e:#}", rcu::KNOB)),
     }
     let journal = SysctlJournal::new(&cfg.state_dir);
     match journal.restore() {

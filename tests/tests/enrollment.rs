@@ -54,8 +54,22 @@ fn a_flow_established_before_enrollment_survives_it() {
     assert!(c.counters(&client).unwrap()["passed"] >= 5);
 }
 
+/// `/sys/kernel/rcu_expedited`, read under its lock: agents hold the lock while
+/// they have it at 1 around an attachment, so this is the value between those.
+fn rcu_knob() -> String {
+    let out = std::process::Command::new("flock")
+        .args([KNOB, "cat", KNOB])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{out:?}");
+    String::from_utf8(out.stdout).unwrap().trim().to_string()
+}
+
+const KNOB: &str = "/sys/kernel/rcu_expedited";
+
 #[test]
 fn pods_are_attached_on_creation_and_detached_on_deletion() {
+    let knob_before = rcu_knob();
     let mut c = Cluster::with_namespaces(1, &[("mesh", true)]).unwrap();
     c.start_agent(0).unwrap();
 
@@ -102,6 +116,15 @@ fn pods_are_attached_on_creation_and_detached_on_deletion() {
         );
         std::thread::sleep(Duration::from_millis(20));
     }
+    // Attaching and detaching with expedited grace periods put the RCU knob back
+    // and left no marker.
+    assert_eq!(rcu_knob(), knob_before);
+    assert!(!c.nodes[0].state_dir.join("rcu_expedited.set").exists());
+    assert!(
+        !c.agent_log(0).contains("cannot be used"),
+        "{}",
+        c.agent_log(0)
+    );
 }
 
 #[test]

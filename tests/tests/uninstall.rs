@@ -118,6 +118,9 @@ fn uninstall_removes_every_trace_and_pods_talk_directly() {
 
     c.stop_agent(0).unwrap();
     c.stop_agent(1).unwrap();
+    // The marker an agent killed inside an expedited-RCU window leaves: removed
+    // (the knob is only written back when it is still 1).
+    fs::write(node.state_dir.join("rcu_expedited.set"), "left\n").unwrap();
     let no_cni = c.dir.join("node2-cni");
     for (n, dir) in [(0, &cni_dir), (1, &no_cni)] {
         let out = uninstall(&c, n, dir);

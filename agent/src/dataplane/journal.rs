@@ -3,7 +3,7 @@
 //!
 //! The file is `<state-dir>/sysctls.json` (default state directory
 //! `/run/podlink`, one per node network namespace), rewritten by rename on every
-//! new entry:
+//! new entry (or batch of entries):
 //!
 //! ```json
 //! {
@@ -25,6 +25,7 @@
 use std::{
     fs, io,
     path::{Path, PathBuf},
+    sync::{Arc, Mutex},
 };
 
 use anyhow::{Context, Result, bail};
@@ -58,10 +59,28 @@ pub struct SysctlChange {
     pub interface: Option<Interface>,
 }
 
-#[derive(Debug, Default, Serialize, Deserialize)]
+#[derive(Debug, Default, Deserialize)]
 struct JournalFile {
     version: u32,
     sysctls: Vec<SysctlChange>,
+}
+
+#[derive(Serialize)]
+struct JournalFileRef<'a> {
+    version: u32,
+    sysctls: &'a [SysctlChange],
+}
+
+/// Entries below which gone interfaces are not looked for.
+const PRUNE_MIN_ENTRIES: usize = 64;
+
+/// What this process knows of the file.
+#[derive(Debug, Default)]
+struct Cache {
+    /// The file's entries, once read.
+    entries: Option<Vec<SysctlChange>>,
+    /// How many entries were left by the last pass over gone interfaces.
+    len_after_prune: usize,
 }
 
 /// What restoring did with one entry.
@@ -85,6 +104,8 @@ pub enum Restored {
 pub struct SysctlJournal {
     path: PathBuf,
     proc_sys: PathBuf,
+    /// Shared by the clones, which all write the same file.
+    cache: Arc<Mutex<Cache>>,
 }
 
 impl SysctlJournal {
@@ -94,6 +115,7 @@ impl SysctlJournal {
         Self {
             path: state_dir.join(JOURNAL_FILE),
             proc_sys: PathBuf::from("/proc/sys"),
+            cache: Arc::default(),
         }
     }
 
@@ -143,10 +165,10 @@ impl SysctlJournal {
         Ok(file.sysctls)
     }
 
-    fn store(&self, sysctls: Vec<SysctlChange>) -> Result<()> {
+    fn store(&self, sysctls: &[SysctlChange]) -> Result<()> {
         let dir = self.path.parent().unwrap_or(Path::new("."));
         fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
-        let text = serde_json::to_string_pretty(&JournalFile {
+        let text = serde_json::to_string_pretty(&JournalFileRef {
             version: FORMAT_VERSION,
             sysctls,
         })?;
@@ -163,31 +185,73 @@ impl SysctlJournal {
     /// When the sysctl cannot be read or written, or the journal cannot be written
     /// (then the sysctl is left unchanged).
     pub fn set(&self, name: &str, value: &str, interface: Option<Interface>) -> Result<String> {
-        let previous = self.read(name)?;
-        if previous == value {
+        let mut previous = self.set_all(vec![(name.to_string(), value, interface)])?;
+        Ok(previous.pop().unwrap_or_default())
+    }
+
+    /// [`set`](Self::set) for several sysctls, with one write of the journal.
+    /// Returns the values they had, in order.
+    ///
+    /// The entries are kept in memory after the first read (the agent is the
+    /// file's only writer while it holds the pin directory's lock), so a change
+    /// costs one write of the file. Entries of interfaces that are gone are dropped
+    /// whenever the entries have doubled since the last such pass, which keeps the
+    /// file to the interfaces that exist at an amortised constant cost per change.
+    ///
+    /// # Errors
+    /// As for [`set`](Self::set); the journal is written before any sysctl.
+    pub fn set_all(&self, changes: Vec<(String, &str, Option<Interface>)>) -> Result<Vec<String>> {
+        let mut previous = Vec::with_capacity(changes.len());
+        let mut pending = Vec::new();
+        for (name, value, interface) in changes {
+            let current = self.read(&name)?;
+            if current != value {
+                pending.push((name, value, interface, current.clone()));
+            }
+            previous.push(current);
+        }
+        if pending.is_empty() {
             return Ok(previous);
         }
-        let mut entries = self.entries()?;
-        let known = entries
-            .iter()
-            .any(|e| e.name == name && e.interface == interface && e.set == value);
-        if !known {
-            entries.retain(|e| e.name != name);
-            // Entries of interfaces that are gone are of no more use.
-            entries.retain(|e| {
-                e.interface
-                    .as_ref()
-                    .is_none_or(|i| interface_index(&i.name) == Some(i.ifindex))
-            });
-            entries.push(SysctlChange {
-                name: name.to_string(),
-                original: previous.clone(),
-                set: value.to_string(),
-                interface,
-            });
-            self.store(entries)?;
+        let mut cache = self.cache.lock().unwrap_or_else(|e| e.into_inner());
+        if cache.entries.is_none() {
+            cache.entries = Some(self.entries()?);
         }
-        self.write(name, value)?;
+        let mut entries = cache.entries.clone().unwrap_or_default();
+        let mut changed = false;
+        for (name, value, interface, current) in &pending {
+            let known = entries
+                .iter()
+                .any(|e| e.name == *name && e.interface == *interface && e.set == *value);
+            if known {
+                continue;
+            }
+            entries.retain(|e| e.name != *name);
+            entries.push(SysctlChange {
+                name: name.clone(),
+                original: current.clone(),
+                set: value.to_string(),
+                interface: interface.clone(),
+            });
+            changed = true;
+        }
+        if changed {
+            if entries.len() >= (2 * cache.len_after_prune).max(PRUNE_MIN_ENTRIES) {
+                // Entries of interfaces that are gone are of no more use.
+                entries.retain(|e| {
+                    e.interface
+                        .as_ref()
+                        .is_none_or(|i| interface_index(&i.name) == Some(i.ifindex))
+                });
+                cache.len_after_prune = entries.len();
+            }
+            self.store(&entries)?;
+            cache.entries = Some(entries);
+        }
+        drop(cache);
+        for (name, value, _, _) in &pending {
+            self.write(name, value)?;
+        }
         Ok(previous)
     }
 
@@ -222,6 +286,8 @@ impl SysctlJournal {
             self.write(&change.name, &change.original)?;
             done.push(Restored::Restored(change));
         }
+        let mut cache = self.cache.lock().unwrap_or_else(|e| e.into_inner());
+        *cache = Cache::default();
         match fs::remove_file(&self.path) {
             Ok(()) => {}
             Err(e) if e.kind() == io::ErrorKind::NotFound => {}
@@ -245,6 +311,7 @@ mod tests {
         let journal = SysctlJournal {
             path: dir.path().join("state").join(JOURNAL_FILE),
             proc_sys: dir.path().join("proc"),
+            cache: Arc::default(),
         };
         for (name, value) in sysctls {
             let path = journal.sysctl_path(name);
@@ -316,6 +383,67 @@ mod tests {
             "{done:?}"
         );
         assert_eq!(j.read("net.ipv4.conf.nosuchif0.accept_local").unwrap(), "1");
+    }
+
+    #[test]
+    fn a_batch_is_recorded_before_it_is_applied() {
+        let (_dir, j) = fake(&[
+            ("net.ipv4.conf.lo.rp_filter", "1"),
+            ("net.ipv4.conf.lo.accept_local", "0"),
+        ]);
+        let lo = Interface {
+            name: "lo".into(),
+            ifindex: 1,
+        };
+        let previous = j
+            .set_all(vec![
+                ("net.ipv4.conf.lo.rp_filter".into(), "0", Some(lo.clone())),
+                (
+                    "net.ipv4.conf.lo.accept_local".into(),
+                    "1",
+                    Some(lo.clone()),
+                ),
+            ])
+            .unwrap();
+        assert_eq!(previous, ["1", "0"]);
+        assert_eq!(j.read("net.ipv4.conf.lo.rp_filter").unwrap(), "0");
+        assert_eq!(j.read("net.ipv4.conf.lo.accept_local").unwrap(), "1");
+        // A second journal over the same file (another process) reads both.
+        let other = SysctlJournal {
+            cache: Arc::default(),
+            ..j.clone()
+        };
+        let names: Vec<String> = other
+            .entries()
+            .unwrap()
+            .into_iter()
+            .map(|e| e.name)
+            .collect();
+        assert_eq!(
+            names,
+            [
+                "net.ipv4.conf.lo.rp_filter",
+                "net.ipv4.conf.lo.accept_local"
+            ]
+        );
+    }
+
+    #[test]
+    fn gone_interfaces_are_dropped_once_the_entries_double() {
+        let names: Vec<String> = (0..PRUNE_MIN_ENTRIES)
+            .map(|i| format!("net.ipv4.conf.nosuchif{i}.accept_local"))
+            .collect();
+        let sysctls: Vec<(&str, &str)> = names.iter().map(|n| (n.as_str(), "0")).collect();
+        let (_dir, j) = fake(&sysctls);
+        for (i, name) in names.iter().enumerate() {
+            let gone = Interface {
+                name: format!("nosuchif{i}"),
+                ifindex: 4242,
+            };
+            j.set(name, "1", Some(gone)).unwrap();
+            let expected = if i + 1 < PRUNE_MIN_ENTRIES { i + 1 } else { 0 };
+            assert_eq!(j.entries().unwrap().len(), expected, "after {} sets", i + 1);
+        }
     }
 
     #[test]

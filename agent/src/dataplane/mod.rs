@@ -26,10 +26,12 @@ mod layout;
 pub mod net;
 pub mod netlink;
 pub mod pins;
+pub mod rcu;
 
 use journal::SysctlJournal;
 use layout::{check_pinned_layouts, with_node_addrs};
 use pins::{link_pin_name, parse_link_pin_name};
+use rcu::ExpeditedAttach;
 
 use std::{
     collections::HashMap,
@@ -88,6 +90,9 @@ pub struct DataplaneConfig {
     pub excluded_cidrs: Vec<ipnet::Ipv4Net>,
     /// Destination ports that bypass capture.
     pub excluded_ports: Vec<u16>,
+    /// Whether TCX attachments and detachments run with expedited RCU grace
+    /// periods ([`rcu`]).
+    pub expedite_attach: bool,
 }
 
 /// What [`Dataplane::reconcile`] may detach and remove besides attaching.
@@ -159,6 +164,7 @@ pub struct Dataplane {
     /// claimed by a pod.
     adopted: HashMap<(u32, &'static str), (PathBuf, FdLink)>,
     tcx: bool,
+    rcu: ExpeditedAttach,
 }
 
 impl Dataplane {
@@ -245,6 +251,16 @@ impl Dataplane {
                 "kernel older than 6.6: programs are attached as netlink cls_bpf filters, which cannot be pinned; when this agent exits, capture stops until an agent is back"
             );
         }
+        let state_dir = cfg.journal.path().parent().unwrap_or(Path::new("."));
+        let rcu = ExpeditedAttach::new(state_dir, cfg.expedite_attach && tcx);
+        match rcu.recover() {
+            Ok(true) => tracing::warn!(
+                "put {} back to 0: an earlier agent stopped while it had it at 1",
+                rcu::KNOB
+            ),
+            Ok(false) => {}
+            Err(e) => tracing::warn!("checking {}: {e:#}", rcu::KNOB),
+        }
         let mut dataplane = Dataplane {
             ebpf,
             pins: pin_dir,
@@ -257,6 +273,7 @@ impl Dataplane {
             attached: HashMap::new(),
             adopted: HashMap::new(),
             tcx,
+            rcu,
         };
         dataplane.adopt_pinned_links()?;
         Ok(dataplane)
@@ -363,6 +380,7 @@ impl Dataplane {
         }
         net::apply_host_veth_sysctls(&self.journal, &pod.ifname, pod.ifindex)?;
         let mut links = Vec::new();
+        let window = self.rcu.begin();
         for program in [PROG_FROM_POD, PROG_TO_POD] {
             match self.attach(&pod.ifname, pod.ifindex, program) {
                 Ok(link) => links.push(link),
@@ -374,6 +392,7 @@ impl Dataplane {
                 }
             }
         }
+        drop(window);
         self.attached.insert(
             pod.ifindex,
             Attachment {
@@ -396,6 +415,7 @@ impl Dataplane {
 
     fn unenroll(&mut self, ifindex: u32) {
         if let Some(attachment) = self.attached.remove(&ifindex) {
+            let _window = self.rcu.begin();
             Self::detach_links(attachment.links);
             tracing::info!(workload = %attachment.pod.workload, ifname = %attachment.pod.ifname, "detached");
         }
@@ -441,6 +461,7 @@ impl Dataplane {
             .collect();
         for key in unclaimed {
             if let Some((path, fd)) = self.adopted.remove(&key) {
+                let _window = self.rcu.begin();
                 Self::detach_links(vec![Link::Pinned { path, _fd: fd }]);
             }
         }

@@ -147,17 +147,22 @@ pub fn remove_policy_routing(
 /// the pod (`accept_local`; `from_pod` drops anything the pod itself sends with a
 /// source other than its own address). Each change is recorded in `journal` first.
 pub fn apply_host_veth_sysctls(journal: &SysctlJournal, ifname: &str, ifindex: u32) -> Result<()> {
-    for (setting, value) in [("rp_filter", "0"), ("accept_local", "1")] {
-        let interface = Interface {
-            name: ifname.to_string(),
-            ifindex,
-        };
-        journal.set(
-            &format!("net.ipv4.conf.{ifname}.{setting}"),
-            value,
-            Some(interface),
-        )?;
-    }
+    let interface = Interface {
+        name: ifname.to_string(),
+        ifindex,
+    };
+    journal.set_all(
+        [("rp_filter", "0"), ("accept_local", "1")]
+            .into_iter()
+            .map(|(setting, value)| {
+                (
+                    format!("net.ipv4.conf.{ifname}.{setting}"),
+                    value,
+                    Some(interface.clone()),
+                )
+            })
+            .collect(),
+    )?;
     Ok(())
 }
 
