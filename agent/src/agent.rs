@@ -92,7 +92,7 @@ pub struct AgentConfig {
     pub cert_lifetime: Duration,
     /// Let enrolled pods' outbound connections pass uncaptured while no proxy listens.
     pub fail_open: bool,
-    /// Attach and detach TCX links with expedited RCU grace periods
+    /// Attach TCX links with expedited RCU grace periods
     /// ([`crate::dataplane::rcu`]).
     pub expedite_attach: bool,
     /// Destination IPv4 prefixes that bypass capture.

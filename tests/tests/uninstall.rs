@@ -118,9 +118,16 @@ fn uninstall_removes_every_trace_and_pods_talk_directly() {
 
     c.stop_agent(0).unwrap();
     c.stop_agent(1).unwrap();
-    // The marker an agent killed inside an expedited-RCU window leaves: removed
-    // (the knob is only written back when it is still 1).
-    fs::write(node.state_dir.join("rcu_expedited.set"), "left\n").unwrap();
+    // The marker an agent killed inside an expedited-RCU window leaves: removed.
+    // Planted only while the knob is 0, so that uninstall has no 1 to put back:
+    // the machine's own setting is not the test's to change.
+    if fs::read_to_string("/sys/kernel/rcu_expedited")
+        .unwrap()
+        .trim()
+        == "0"
+    {
+        fs::write(node.state_dir.join("rcu_expedited.set"), "left\n").unwrap();
+    }
     let no_cni = c.dir.join("node2-cni");
     for (n, dir) in [(0, &cni_dir), (1, &no_cni)] {
         let out = uninstall(&c, n, dir);

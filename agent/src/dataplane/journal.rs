@@ -193,10 +193,11 @@ impl SysctlJournal {
     /// Returns the values they had, in order.
     ///
     /// The entries are kept in memory after the first read (the agent is the
-    /// file's only writer while it holds the pin directory's lock), so a change
-    /// costs one write of the file. Entries of interfaces that are gone are dropped
-    /// whenever the entries have doubled since the last such pass, which keeps the
-    /// file to the interfaces that exist at an amortised constant cost per change.
+    /// file's only writer while it runs), so a change costs one write of the file.
+    /// Entries of interfaces that are gone are dropped whenever the entries have
+    /// doubled since the last such pass (and from 64 entries on), which bounds the
+    /// stale ones to about half of the file at an amortised constant cost per
+    /// change.
     ///
     /// # Errors
     /// As for [`set`](Self::set); the journal is written before any sysctl.
@@ -236,16 +237,19 @@ impl SysctlJournal {
             changed = true;
         }
         if changed {
-            if entries.len() >= (2 * cache.len_after_prune).max(PRUNE_MIN_ENTRIES) {
+            let prune = entries.len() >= (2 * cache.len_after_prune).max(PRUNE_MIN_ENTRIES);
+            if prune {
                 // Entries of interfaces that are gone are of no more use.
                 entries.retain(|e| {
                     e.interface
                         .as_ref()
                         .is_none_or(|i| interface_index(&i.name) == Some(i.ifindex))
                 });
-                cache.len_after_prune = entries.len();
             }
             self.store(&entries)?;
+            if prune {
+                cache.len_after_prune = entries.len();
+            }
             cache.entries = Some(entries);
         }
         drop(cache);
@@ -430,20 +434,64 @@ mod tests {
 
     #[test]
     fn gone_interfaces_are_dropped_once_the_entries_double() {
-        let names: Vec<String> = (0..PRUNE_MIN_ENTRIES)
+        // 40 sysctls of an interface that exists (lo is 1 in every namespace),
+        // then sysctls of interfaces that do not.
+        let live: Vec<String> = (0..40).map(|i| format!("net.ipv4.conf.lo.x{i}")).collect();
+        let gone: Vec<String> = (0..100)
             .map(|i| format!("net.ipv4.conf.nosuchif{i}.accept_local"))
             .collect();
-        let sysctls: Vec<(&str, &str)> = names.iter().map(|n| (n.as_str(), "0")).collect();
+        let sysctls: Vec<(&str, &str)> = live
+            .iter()
+            .chain(&gone)
+            .map(|n| (n.as_str(), "0"))
+            .collect();
         let (_dir, j) = fake(&sysctls);
-        for (i, name) in names.iter().enumerate() {
-            let gone = Interface {
+        let lo = Interface {
+            name: "lo".into(),
+            ifindex: 1,
+        };
+        for name in &live {
+            j.set(name, "1", Some(lo.clone())).unwrap();
+        }
+        let mut counts = Vec::new();
+        for (i, name) in gone.iter().enumerate() {
+            let interface = Interface {
                 name: format!("nosuchif{i}"),
                 ifindex: 4242,
             };
-            j.set(name, "1", Some(gone)).unwrap();
-            let expected = if i + 1 < PRUNE_MIN_ENTRIES { i + 1 } else { 0 };
-            assert_eq!(j.entries().unwrap().len(), expected, "after {} sets", i + 1);
+            j.set(name, "1", Some(interface)).unwrap();
+            counts.push(j.entries().unwrap().len());
         }
+        // The first pass at 64 entries leaves the 40 live ones; the next waits for
+        // twice that, 80.
+        assert_eq!(counts[22], 63);
+        assert_eq!(counts[23], 40);
+        assert_eq!(counts[62], 79);
+        assert_eq!(counts[63], 40);
+        assert_eq!(counts[99], 76);
+        let entries = j.entries().unwrap();
+        assert!(live.iter().all(|n| entries.iter().any(|e| &e.name == n)));
+    }
+
+    #[test]
+    fn nothing_is_changed_when_the_journal_cannot_be_written() {
+        let (dir, j) = fake(&[("net.ipv4.conf.lo.rp_filter", "1")]);
+        // The state directory is a file: the journal cannot be written.
+        fs::write(dir.path().join("state"), "").unwrap();
+        let lo = Interface {
+            name: "lo".into(),
+            ifindex: 1,
+        };
+        assert!(
+            j.set("net.ipv4.conf.lo.rp_filter", "0", Some(lo.clone()))
+                .is_err()
+        );
+        assert_eq!(j.read("net.ipv4.conf.lo.rp_filter").unwrap(), "1");
+        // Nor is the failed entry remembered: once writable, it is recorded.
+        fs::remove_file(dir.path().join("state")).unwrap();
+        j.set("net.ipv4.conf.lo.rp_filter", "0", Some(lo)).unwrap();
+        assert_eq!(j.entries().unwrap().len(), 1);
+        assert_eq!(j.read("net.ipv4.conf.lo.rp_filter").unwrap(), "0");
     }
 
     #[test]

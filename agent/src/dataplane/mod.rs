@@ -90,8 +90,7 @@ pub struct DataplaneConfig {
     pub excluded_cidrs: Vec<ipnet::Ipv4Net>,
     /// Destination ports that bypass capture.
     pub excluded_ports: Vec<u16>,
-    /// Whether TCX attachments and detachments run with expedited RCU grace
-    /// periods ([`rcu`]).
+    /// Whether TCX attachments run with expedited RCU grace periods ([`rcu`]).
     pub expedite_attach: bool,
 }
 
@@ -380,7 +379,11 @@ impl Dataplane {
         }
         net::apply_host_veth_sysctls(&self.journal, &pod.ifname, pod.ifindex)?;
         let mut links = Vec::new();
-        let window = self.rcu.begin();
+        // Adopted links are not attached again: no grace period to expedite.
+        let attaching = [PROG_FROM_POD, PROG_TO_POD]
+            .iter()
+            .any(|p| !self.adopted.contains_key(&(pod.ifindex, *p)));
+        let window = attaching.then(|| self.rcu.begin());
         for program in [PROG_FROM_POD, PROG_TO_POD] {
             match self.attach(&pod.ifname, pod.ifindex, program) {
                 Ok(link) => links.push(link),
@@ -415,7 +418,6 @@ impl Dataplane {
 
     fn unenroll(&mut self, ifindex: u32) {
         if let Some(attachment) = self.attached.remove(&ifindex) {
-            let _window = self.rcu.begin();
             Self::detach_links(attachment.links);
             tracing::info!(workload = %attachment.pod.workload, ifname = %attachment.pod.ifname, "detached");
         }
@@ -461,7 +463,6 @@ impl Dataplane {
             .collect();
         for key in unclaimed {
             if let Some((path, fd)) = self.adopted.remove(&key) {
-                let _window = self.rcu.begin();
                 Self::detach_links(vec![Link::Pinned { path, _fd: fd }]);
             }
         }
