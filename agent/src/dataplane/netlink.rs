@@ -3,9 +3,20 @@
 //! `RTM_GETADDR`; rtnetlink(7)) over one socket kept open, through the
 //! `rtnetlink` crate. Running `ip` for each would cost a process and a JSON
 //! document per reconcile, which grows with the number of pods.
+//!
+//! A dump of every route and address grows with the node too (about 6 ms with
+//! 1,000 host veths), so only a full read dumps. Between full reads, the routes and
+//! addresses are kept up to date from the kernel's notifications
+//! (`RTNLGRP_IPV4_ROUTE`, `RTNLGRP_IPV4_IFADDR`, `RTNLGRP_LINK`; rtnetlink(7)),
+//! read without blocking from a second socket at each read. IPv4 does not notify
+//! the routes it flushes with a deleted interface, so an interface's
+//! `RTM_DELLINK` removes its routes and addresses here. A lost notification
+//! (`ENOBUFS`: the socket's buffer overflowed) or any error reading them makes the
+//! next read a full one; the agent asks for a full read at each periodic resync.
 
 use std::{
-    collections::HashMap,
+    collections::{HashMap, HashSet},
+    io,
     net::{IpAddr, Ipv4Addr},
 };
 
@@ -13,11 +24,14 @@ use anyhow::{Context, Result};
 use futures_util::TryStreamExt;
 use rtnetlink::{
     Handle, RouteMessageBuilder,
+    packet_core::{NetlinkMessage, NetlinkPayload},
     packet_route::{
-        address::AddressAttribute,
+        AddressFamily, RouteNetlinkMessage,
+        address::{AddressAttribute, AddressMessage},
         link::{InfoKind, LinkAttribute, LinkInfo},
-        route::{RouteAddress, RouteAttribute, RouteHeader, RouteType},
+        route::{RouteAddress, RouteAttribute, RouteHeader, RouteMessage, RouteType},
     },
+    sys::{Socket, SocketAddr, protocols::NETLINK_ROUTE},
 };
 
 /// How long one [`Netlink::read`] may take.
@@ -46,6 +60,189 @@ pub struct Netlink {
     /// every link would cost more than all the rest as pods grow in number);
     /// entries go when no host route leads to their interface any more.
     kinds: std::sync::Mutex<HashMap<u32, Option<String>>>,
+    /// Host routes and addresses since the last full read.
+    tracked: std::sync::Mutex<Tracked>,
+}
+
+/// The multicast groups of the notifications followed (`RTMGRP_LINK`,
+/// `RTMGRP_IPV4_IFADDR`, `RTMGRP_IPV4_ROUTE` in `linux/rtnetlink.h`).
+const GROUPS: u32 = 0x1 | 0x10 | 0x40;
+/// Receive buffer asked for the notification socket (bytes): a burst of pods
+/// made between two reads (each a few links, an address and routes, about 1 KiB a
+/// notification) fits; beyond it, the next read is a full one.
+const NOTIFICATION_BUFFER: usize = 4 << 20;
+
+/// What the last full read found, with the notifications read since applied.
+#[derive(Default)]
+struct Tracked {
+    /// The notification socket; `None` until the first full read, and after an
+    /// error on it (the next read is then a full one, with a new socket).
+    socket: Option<Socket>,
+    host_routes: HashMap<Ipv4Addr, u32>,
+    /// IPv4 addresses by interface (one address may be on several: a point-to-point
+    /// CNI plugin gives each host veth the same one).
+    addrs: HashSet<(u32, Ipv4Addr)>,
+}
+
+impl Tracked {
+    /// Applies one notification. Messages of other kinds are ignored.
+    fn apply(&mut self, message: &RouteNetlinkMessage) {
+        match message {
+            RouteNetlinkMessage::NewRoute(route) => {
+                if let Some((dst, oif)) = host_route(route) {
+                    self.host_routes.insert(dst, oif);
+                }
+            }
+            RouteNetlinkMessage::DelRoute(route) => {
+                if let Some((dst, oif)) = host_route(route)
+                    && self.host_routes.get(&dst) == Some(&oif)
+                {
+                    self.host_routes.remove(&dst);
+                }
+            }
+            RouteNetlinkMessage::NewAddress(address) => {
+                if let Some(ip) = address_ipv4(address) {
+                    self.addrs.insert((address.header.index, ip));
+                }
+            }
+            RouteNetlinkMessage::DelAddress(address) => {
+                if let Some(ip) = address_ipv4(address) {
+                    self.addrs.remove(&(address.header.index, ip));
+                }
+            }
+            RouteNetlinkMessage::DelLink(link) => {
+                let index = link.header.index;
+                self.host_routes.retain(|_, oif| *oif != index);
+                self.addrs.retain(|(i, _)| *i != index);
+            }
+            _ => {}
+        }
+    }
+
+    fn addrs(&self) -> Vec<Ipv4Addr> {
+        let mut out: Vec<Ipv4Addr> = self
+            .addrs
+            .iter()
+            .map(|(_, ip)| *ip)
+            .filter(|ip| !ip.is_loopback())
+            .collect();
+        out.sort();
+        out.dedup();
+        out
+    }
+}
+
+/// Opens a route netlink socket subscribed to [`GROUPS`], not blocking.
+fn notification_socket() -> io::Result<Socket> {
+    let mut socket = Socket::new(NETLINK_ROUTE)?;
+    socket.bind(&SocketAddr::new(0, GROUPS))?;
+    socket.set_non_blocking(true)?;
+    // As root, past net.core.rmem_max (SO_RCVBUFFORCE); else what it allows.
+    let size = NOTIFICATION_BUFFER as libc::c_int;
+    // SAFETY: setsockopt with a pointer to an int and its size.
+    let forced = unsafe {
+        libc::setsockopt(
+            std::os::fd::AsRawFd::as_raw_fd(&socket),
+            libc::SOL_SOCKET,
+            libc::SO_RCVBUFFORCE,
+            std::ptr::from_ref(&size).cast(),
+            size_of::<libc::c_int>() as libc::socklen_t,
+        )
+    };
+    if forced != 0 {
+        socket.set_rx_buf_sz(size)?;
+    }
+    Ok(socket)
+}
+
+/// Reads every notification waiting on `socket`, without blocking, and hands
+/// each route netlink message to `apply`.
+///
+/// # Errors
+/// `ENOBUFS` when notifications were lost, or any other receive error: the
+/// caller must then read everything again.
+fn drain(socket: &Socket, mut apply: impl FnMut(&RouteNetlinkMessage)) -> io::Result<()> {
+    let mut buf: Vec<u8> = Vec::with_capacity(64 * 1024);
+    loop {
+        buf.clear();
+        match socket.recv(&mut buf, 0) {
+            Ok(n) if n > buf.len() => {
+                return Err(io::Error::other(format!(
+                    "a notification of {n} bytes was truncated"
+                )));
+            }
+            Ok(_) => {}
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Ok(()),
+            Err(e) => return Err(e),
+        }
+        for_each_message(&buf, &mut apply)?;
+    }
+}
+
+/// Hands each route netlink message of one datagram to `apply`; a message the
+/// library cannot decode is skipped.
+///
+/// # Errors
+/// A message whose length does not fit the datagram.
+fn for_each_message(buf: &[u8], apply: &mut impl FnMut(&RouteNetlinkMessage)) -> io::Result<()> {
+    let mut offset = 0;
+    while buf.len() >= offset + 16 {
+        let length = u32::from_ne_bytes(buf[offset..offset + 4].try_into().unwrap()) as usize;
+        if length < 16 || offset + length > buf.len() {
+            return Err(io::Error::other("a malformed notification"));
+        }
+        if let Ok(message) =
+            NetlinkMessage::<RouteNetlinkMessage>::deserialize(&buf[offset..offset + length])
+            && let NetlinkPayload::InnerMessage(inner) = &message.payload
+        {
+            apply(inner);
+        }
+        offset += (length + 3) & !3;
+    }
+    Ok(())
+}
+
+/// A host route: `/32`, main table, unicast, straight out of an interface (no
+/// gateway). Its destination and interface index.
+fn host_route(route: &RouteMessage) -> Option<(Ipv4Addr, u32)> {
+    let header = &route.header;
+    let table = route
+        .attributes
+        .iter()
+        .find_map(|a| match a {
+            RouteAttribute::Table(t) => Some(*t),
+            _ => None,
+        })
+        .unwrap_or(u32::from(header.table));
+    if table != u32::from(RouteHeader::RT_TABLE_MAIN)
+        || header.kind != RouteType::Unicast
+        || header.destination_prefix_length != 32
+    {
+        return None;
+    }
+    let mut dst = None;
+    let mut oif = None;
+    for attribute in &route.attributes {
+        match attribute {
+            RouteAttribute::Destination(RouteAddress::Inet(ip)) => dst = Some(*ip),
+            RouteAttribute::Oif(index) => oif = Some(*index),
+            RouteAttribute::Gateway(_) | RouteAttribute::MultiPath(_) => return None,
+            _ => {}
+        }
+    }
+    Some((dst?, oif?))
+}
+
+/// An address message's own IPv4 address (`IFA_LOCAL`; `IFA_ADDRESS` is the
+/// peer's on point-to-point links).
+fn address_ipv4(message: &AddressMessage) -> Option<Ipv4Addr> {
+    if message.header.family != AddressFamily::Inet {
+        return None;
+    }
+    message.attributes.iter().find_map(|a| match a {
+        AddressAttribute::Local(IpAddr::V4(ip)) => Some(*ip),
+        _ => None,
+    })
 }
 
 impl Netlink {
@@ -60,17 +257,20 @@ impl Netlink {
         Ok(Self {
             handle,
             kinds: Default::default(),
+            tracked: Default::default(),
         })
     }
 
-    /// Reads routes, links and addresses, within [`READ_TIMEOUT`].
+    /// Reads routes, links and addresses, within [`READ_TIMEOUT`]: by dumps when
+    /// `full` (or when the notifications since the last read are not all known),
+    /// else from the notifications since the last read.
     ///
     /// # Errors
     /// A failed dump, naming what was read, or no complete answer in time (a
     /// reply the library cannot decode is dropped, and its request never ends:
     /// open a new socket then).
-    pub async fn read(&self) -> Result<NodeNetwork> {
-        tokio::time::timeout(READ_TIMEOUT, self.read_all())
+    pub async fn read(&self, full: bool) -> Result<NodeNetwork> {
+        tokio::time::timeout(READ_TIMEOUT, self.read_all(full))
             .await
             .map_err(|_| {
                 anyhow::anyhow!(
@@ -80,17 +280,61 @@ impl Netlink {
             })?
     }
 
-    async fn read_all(&self) -> Result<NodeNetwork> {
-        // One dump at a time: a netlink socket refuses a second one while the
-        // first is in progress (EBUSY).
-        let host_routes = self.host_routes().await?;
+    async fn read_all(&self, full: bool) -> Result<NodeNetwork> {
+        if full || !self.catch_up() {
+            // Subscribed before the dumps: a change made meanwhile is in the dump,
+            // or is applied at the next read, or both (applying it again is
+            // harmless).
+            let socket = match notification_socket() {
+                Ok(socket) => Some(socket),
+                Err(e) => {
+                    tracing::warn!(
+                        "route netlink notifications unavailable, every read dumps: {e}"
+                    );
+                    None
+                }
+            };
+            // One dump at a time: a netlink socket refuses a second one while the
+            // first is in progress (EBUSY).
+            let host_routes = self.host_routes().await?;
+            let addrs = self.addrs().await?;
+            *self.tracked.lock().expect("tracked lock") = Tracked {
+                socket,
+                host_routes,
+                addrs,
+            };
+        }
+        let (host_routes, addrs) = {
+            let tracked = self.tracked.lock().expect("tracked lock");
+            (tracked.host_routes.clone(), tracked.addrs())
+        };
         let (veths, unresolved) = self.veths(&host_routes).await?;
         Ok(NodeNetwork {
             host_routes,
             veths,
             unresolved,
-            addrs: self.addrs().await?,
+            addrs,
         })
+    }
+
+    /// Applies the notifications waiting since the last read. Returns false when
+    /// that cannot bring the last read up to date (no socket, lost notifications,
+    /// an error): the read must dump.
+    fn catch_up(&self) -> bool {
+        let mut tracked = self.tracked.lock().expect("tracked lock");
+        let Some(socket) = tracked.socket.take() else {
+            return false;
+        };
+        match drain(&socket, |message| tracked.apply(message)) {
+            Ok(()) => {
+                tracked.socket = Some(socket);
+                true
+            }
+            Err(e) => {
+                tracing::debug!("route netlink notifications: {e}; reading everything");
+                false
+            }
+        }
     }
 
     /// Forgets what interface `index` is, so that it is asked again (after an
@@ -107,33 +351,7 @@ impl Netlink {
             .execute();
         let mut out = HashMap::new();
         while let Some(route) = routes.try_next().await.context("dumping routes")? {
-            let header = &route.header;
-            let table = route
-                .attributes
-                .iter()
-                .find_map(|a| match a {
-                    RouteAttribute::Table(t) => Some(*t),
-                    _ => None,
-                })
-                .unwrap_or(u32::from(header.table));
-            if table != u32::from(RouteHeader::RT_TABLE_MAIN)
-                || header.kind != RouteType::Unicast
-                || header.destination_prefix_length != 32
-            {
-                continue;
-            }
-            let mut dst = None;
-            let mut oif = None;
-            let mut gateway = false;
-            for attribute in &route.attributes {
-                match attribute {
-                    RouteAttribute::Destination(RouteAddress::Inet(ip)) => dst = Some(*ip),
-                    RouteAttribute::Oif(index) => oif = Some(*index),
-                    RouteAttribute::Gateway(_) | RouteAttribute::MultiPath(_) => gateway = true,
-                    _ => {}
-                }
-            }
-            if let (Some(dst), Some(oif), false) = (dst, oif, gateway) {
+            if let Some((dst, oif)) = host_route(&route) {
                 out.insert(dst, oif);
             }
         }
@@ -177,22 +395,14 @@ impl Netlink {
         Ok((veths, unresolved))
     }
 
-    async fn addrs(&self) -> Result<Vec<Ipv4Addr>> {
+    async fn addrs(&self) -> Result<HashSet<(u32, Ipv4Addr)>> {
         let mut messages = self.handle.address().get().execute();
-        let mut out = Vec::new();
+        let mut out = HashSet::new();
         while let Some(message) = messages.try_next().await.context("dumping addresses")? {
-            // IFA_LOCAL is the interface's own address (IFA_ADDRESS is the peer's
-            // on point-to-point links).
-            for attribute in &message.attributes {
-                if let AddressAttribute::Local(IpAddr::V4(ip)) = attribute
-                    && !ip.is_loopback()
-                {
-                    out.push(*ip);
-                }
+            if let Some(ip) = address_ipv4(&message) {
+                out.insert((message.header.index, ip));
             }
         }
-        out.sort();
-        out.dedup();
         Ok(out)
     }
 }
@@ -218,12 +428,150 @@ fn veth_name(link: &rtnetlink::packet_route::link::LinkMessage) -> Option<String
 #[cfg(test)]
 mod tests {
     use super::*;
+    use rtnetlink::packet_route::link::LinkMessage;
+
+    fn route(dst: Ipv4Addr, oif: u32) -> RouteMessage {
+        let mut route = RouteMessageBuilder::<Ipv4Addr>::new()
+            .destination_prefix(dst, 32)
+            .output_interface(oif)
+            .build();
+        route.header.kind = RouteType::Unicast;
+        route.header.table = RouteHeader::RT_TABLE_MAIN;
+        route
+    }
+
+    fn address(index: u32, ip: Ipv4Addr) -> AddressMessage {
+        let mut message = AddressMessage::default();
+        message.header.family = AddressFamily::Inet;
+        message.header.index = index;
+        message
+            .attributes
+            .push(AddressAttribute::Local(IpAddr::V4(ip)));
+        message
+    }
+
+    fn datagram(messages: Vec<RouteNetlinkMessage>) -> Vec<u8> {
+        let mut out = Vec::new();
+        for m in messages {
+            let mut message = NetlinkMessage::from(m);
+            message.finalize();
+            let start = out.len();
+            out.resize(start + message.buffer_len(), 0);
+            message.serialize(&mut out[start..]);
+            out.resize(out.len().next_multiple_of(4), 0);
+        }
+        out
+    }
+
+    #[test]
+    fn notifications_keep_routes_and_addresses() {
+        let a = Ipv4Addr::new(10, 244, 1, 5);
+        let b = Ipv4Addr::new(10, 244, 1, 6);
+        let gw = Ipv4Addr::new(10, 244, 1, 1);
+        let mut tracked = Tracked::default();
+        let mut apply = |m: &RouteNetlinkMessage| tracked.apply(m);
+        let mut gateway = route(Ipv4Addr::new(10, 0, 0, 0), 2);
+        gateway.header.destination_prefix_length = 8;
+        let buf = datagram(vec![
+            RouteNetlinkMessage::NewRoute(route(a, 7)),
+            RouteNetlinkMessage::NewRoute(route(b, 8)),
+            RouteNetlinkMessage::NewRoute(gateway),
+            RouteNetlinkMessage::NewAddress(address(7, gw)),
+            RouteNetlinkMessage::NewAddress(address(8, gw)),
+            RouteNetlinkMessage::NewAddress(address(1, Ipv4Addr::LOCALHOST)),
+        ]);
+        for_each_message(&buf, &mut apply).unwrap();
+        assert_eq!(tracked.host_routes, HashMap::from([(a, 7), (b, 8)]));
+        assert_eq!(tracked.addrs(), vec![gw]);
+        // A route of another interface for the same address is not deleted; the
+        // interface's deletion takes its routes and addresses (IPv4 does not
+        // notify the routes it flushes).
+        let mut gone = LinkMessage::default();
+        gone.header.index = 7;
+        let buf = datagram(vec![
+            RouteNetlinkMessage::DelRoute(route(b, 9)),
+            RouteNetlinkMessage::DelLink(gone),
+        ]);
+        let mut apply = |m: &RouteNetlinkMessage| tracked.apply(m);
+        for_each_message(&buf, &mut apply).unwrap();
+        assert_eq!(tracked.host_routes, HashMap::from([(b, 8)]));
+        assert_eq!(
+            tracked.addrs,
+            HashSet::from([(8, gw), (1, Ipv4Addr::LOCALHOST)])
+        );
+        let buf = datagram(vec![
+            RouteNetlinkMessage::DelRoute(route(b, 8)),
+            RouteNetlinkMessage::DelAddress(address(8, gw)),
+        ]);
+        let mut apply = |m: &RouteNetlinkMessage| tracked.apply(m);
+        for_each_message(&buf, &mut apply).unwrap();
+        assert!(tracked.host_routes.is_empty());
+        assert!(tracked.addrs().is_empty());
+        // A length past the datagram's end is refused.
+        let mut bad = datagram(vec![RouteNetlinkMessage::NewRoute(route(a, 7))]);
+        bad[0] = 0xff;
+        assert!(for_each_message(&bad, &mut |_| {}).is_err());
+    }
+
+    /// In a network namespace of its own (this thread's), the kernel's
+    /// notifications bring a read without dumps up to date: a veth and its host
+    /// route and address appear, and go with the veth. Needs root
+    /// (`unshare(CLONE_NEWNET)`) and `ip`.
+    #[test]
+    fn reads_without_dumps_follow_the_kernel() {
+        std::thread::spawn(|| {
+            // SAFETY: moves this thread alone into a new network namespace.
+            let unshared = unsafe { libc::unshare(libc::CLONE_NEWNET) };
+            assert_eq!(
+                unshared,
+                0,
+                "unshare(CLONE_NEWNET): this test needs root: {}",
+                io::Error::last_os_error()
+            );
+            let ip = |args: &str| {
+                let out = std::process::Command::new("ip")
+                    .args(args.split_whitespace())
+                    .output()
+                    .unwrap();
+                assert!(out.status.success(), "ip {args}: {out:?}");
+            };
+            let runtime = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .unwrap();
+            runtime.block_on(async {
+                let netlink = Netlink::open().unwrap();
+                let first = netlink.read(true).await.unwrap();
+                assert!(first.host_routes.is_empty() && first.addrs.is_empty());
+                ip("link add nlhost0 type veth peer name nlpod0");
+                ip("link set nlhost0 up");
+                ip("addr add 10.99.0.1/32 dev nlhost0");
+                ip("route add 10.99.0.5/32 dev nlhost0");
+                let index = nix::net::if_::if_nametoindex("nlhost0").unwrap();
+                let after = netlink.read(false).await.unwrap();
+                assert!(netlink.tracked.lock().unwrap().socket.is_some());
+                let pod = Ipv4Addr::new(10, 99, 0, 5);
+                assert_eq!(after.host_routes, HashMap::from([(pod, index)]));
+                assert_eq!(after.veths, HashMap::from([(index, "nlhost0".to_string())]));
+                assert_eq!(after.addrs, vec![Ipv4Addr::new(10, 99, 0, 1)]);
+                ip("link del nlhost0");
+                let gone = netlink.read(false).await.unwrap();
+                assert!(gone.host_routes.is_empty(), "{:?}", gone.host_routes);
+                assert!(gone.veths.is_empty() && gone.addrs.is_empty());
+                // A full read agrees.
+                let full = netlink.read(true).await.unwrap();
+                assert!(full.host_routes.is_empty() && full.addrs.is_empty());
+            });
+        })
+        .join()
+        .unwrap();
+    }
 
     /// Reads this namespace's network (whatever it is) and checks it against
     /// `ip`'s view: the same IPv4 addresses but loopback's, the same veths.
     #[tokio::test]
     async fn reads_what_ip_shows() {
-        let net = Netlink::open().unwrap().read().await.unwrap();
+        let net = Netlink::open().unwrap().read(true).await.unwrap();
         let ip = |args: &[&str]| -> serde_json::Value {
             let out = std::process::Command::new("ip")
                 .args(args)
