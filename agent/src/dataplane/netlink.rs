@@ -10,9 +10,10 @@
 //! (`RTNLGRP_IPV4_ROUTE`, `RTNLGRP_IPV4_IFADDR`, `RTNLGRP_LINK`; rtnetlink(7)),
 //! read without blocking from a second socket at each read. IPv4 does not notify
 //! the routes it flushes with a deleted interface, so an interface's
-//! `RTM_DELLINK` removes its routes and addresses here. A lost notification
-//! (`ENOBUFS`: the socket's buffer overflowed) or any error reading them makes the
-//! next read a full one; the agent asks for a full read at each periodic resync.
+//! `RTM_DELLINK` (or being set down, or losing its last address) removes its
+//! routes here. A lost notification (`ENOBUFS`: the socket's buffer overflowed),
+//! one that cannot be decoded, or any error reading them makes the read a full
+//! one; so do the agent's periodic resync and a last full read older than 2 s.
 
 use std::{
     collections::{HashMap, HashSet},
@@ -28,7 +29,7 @@ use rtnetlink::{
     packet_route::{
         AddressFamily, RouteNetlinkMessage,
         address::{AddressAttribute, AddressMessage},
-        link::{InfoKind, LinkAttribute, LinkInfo},
+        link::{InfoKind, LinkAttribute, LinkFlags, LinkInfo},
         route::{RouteAddress, RouteAttribute, RouteHeader, RouteMessage, RouteType},
     },
     sys::{Socket, SocketAddr, protocols::NETLINK_ROUTE},
@@ -62,11 +63,19 @@ pub struct Netlink {
     kinds: std::sync::Mutex<HashMap<u32, Option<String>>>,
     /// Host routes and addresses since the last full read.
     tracked: std::sync::Mutex<Tracked>,
+    /// Whether the notification socket's failure was logged.
+    warned: std::sync::atomic::AtomicBool,
 }
 
 /// The multicast groups of the notifications followed (`RTMGRP_LINK`,
 /// `RTMGRP_IPV4_IFADDR`, `RTMGRP_IPV4_ROUTE` in `linux/rtnetlink.h`).
 const GROUPS: u32 = 0x1 | 0x10 | 0x40;
+/// `RTM_NEWLINK` to `RTM_DELROUTE` (`linux/rtnetlink.h`): the message types of
+/// those groups.
+const FOLLOWED_TYPES: std::ops::RangeInclusive<u16> = 16..=25;
+/// A read without dumps is a full one after this long, whatever woke the agent
+/// (its periodic resync may be put off by a stream of changes).
+const FULL_READ_MAX_AGE: std::time::Duration = std::time::Duration::from_secs(2);
 /// Receive buffer asked for the notification socket (bytes): a burst of pods
 /// made between two reads (each a few links, an address and routes, about 1 KiB a
 /// notification) fits; beyond it, the next read is a full one.
@@ -78,6 +87,8 @@ struct Tracked {
     /// The notification socket; `None` until the first full read, and after an
     /// error on it (the next read is then a full one, with a new socket).
     socket: Option<Socket>,
+    /// When the last full read was made.
+    full_read_at: Option<std::time::Instant>,
     host_routes: HashMap<Ipv4Addr, u32>,
     /// IPv4 addresses by interface (one address may be on several: a point-to-point
     /// CNI plugin gives each host veth the same one).
@@ -86,11 +97,21 @@ struct Tracked {
 
 impl Tracked {
     /// Applies one notification. Messages of other kinds are ignored.
+    ///
+    /// IPv4 flushes an interface's routes without an `RTM_DELROUTE` when the
+    /// interface is deleted or set down, or loses its last IPv4 address
+    /// (`fib_disable_ip()` in `net/ipv4/fib_frontend.c`): those notifications take
+    /// the interface's routes here.
     fn apply(&mut self, message: &RouteNetlinkMessage) {
         match message {
             RouteNetlinkMessage::NewRoute(route) => {
-                if let Some((dst, oif)) = host_route(route) {
-                    self.host_routes.insert(dst, oif);
+                if let Some(dst) = main_table_host_prefix(route) {
+                    // A /32 replaced by one that is not a host route (a gateway, a
+                    // blackhole) is no pod's any more.
+                    match host_route(route) {
+                        Some((dst, oif)) => self.host_routes.insert(dst, oif),
+                        None => self.host_routes.remove(&dst),
+                    };
                 }
             }
             RouteNetlinkMessage::DelRoute(route) => {
@@ -107,16 +128,33 @@ impl Tracked {
             }
             RouteNetlinkMessage::DelAddress(address) => {
                 if let Some(ip) = address_ipv4(address) {
-                    self.addrs.remove(&(address.header.index, ip));
+                    let index = address.header.index;
+                    self.addrs.remove(&(index, ip));
+                    if !self.addrs.iter().any(|(i, _)| *i == index) {
+                        self.forget_routes_of(index);
+                    }
                 }
             }
-            RouteNetlinkMessage::DelLink(link) => {
+            // Bridge port notifications (AF_BRIDGE) are not about the interface.
+            RouteNetlinkMessage::NewLink(link)
+                if link.header.interface_family == AddressFamily::Unspec
+                    && !link.header.flags.contains(LinkFlags::Up) =>
+            {
+                self.forget_routes_of(link.header.index);
+            }
+            RouteNetlinkMessage::DelLink(link)
+                if link.header.interface_family == AddressFamily::Unspec =>
+            {
                 let index = link.header.index;
-                self.host_routes.retain(|_, oif| *oif != index);
+                self.forget_routes_of(index);
                 self.addrs.retain(|(i, _)| *i != index);
             }
             _ => {}
         }
+    }
+
+    fn forget_routes_of(&mut self, index: u32) {
+        self.host_routes.retain(|_, oif| *oif != index);
     }
 
     fn addrs(&self) -> Vec<Ipv4Addr> {
@@ -165,7 +203,8 @@ fn drain(socket: &Socket, mut apply: impl FnMut(&RouteNetlinkMessage)) -> io::Re
     let mut buf: Vec<u8> = Vec::with_capacity(64 * 1024);
     loop {
         buf.clear();
-        match socket.recv(&mut buf, 0) {
+        // MSG_TRUNC: the datagram's real length, to notice one that did not fit.
+        match socket.recv(&mut buf, libc::MSG_TRUNC) {
             Ok(n) if n > buf.len() => {
                 return Err(io::Error::other(format!(
                     "a notification of {n} bytes was truncated"
@@ -179,11 +218,12 @@ fn drain(socket: &Socket, mut apply: impl FnMut(&RouteNetlinkMessage)) -> io::Re
     }
 }
 
-/// Hands each route netlink message of one datagram to `apply`; a message the
-/// library cannot decode is skipped.
+/// Hands each route netlink message of one datagram to `apply`; a message of
+/// another kind that the library cannot decode is skipped.
 ///
 /// # Errors
-/// A message whose length does not fit the datagram.
+/// A message whose length does not fit the datagram, or a link, address or route
+/// message that cannot be decoded.
 fn for_each_message(buf: &[u8], apply: &mut impl FnMut(&RouteNetlinkMessage)) -> io::Result<()> {
     let mut offset = 0;
     while buf.len() >= offset + 16 {
@@ -191,20 +231,29 @@ fn for_each_message(buf: &[u8], apply: &mut impl FnMut(&RouteNetlinkMessage)) ->
         if length < 16 || offset + length > buf.len() {
             return Err(io::Error::other("a malformed notification"));
         }
-        if let Ok(message) =
-            NetlinkMessage::<RouteNetlinkMessage>::deserialize(&buf[offset..offset + length])
-            && let NetlinkPayload::InnerMessage(inner) = &message.payload
-        {
-            apply(inner);
+        let kind = u16::from_ne_bytes(buf[offset + 4..offset + 6].try_into().unwrap());
+        match NetlinkMessage::<RouteNetlinkMessage>::deserialize(&buf[offset..offset + length]) {
+            Ok(message) => {
+                if let NetlinkPayload::InnerMessage(inner) = &message.payload {
+                    apply(inner);
+                }
+            }
+            // A link, address or route notification that cannot be read may be one
+            // that matters.
+            Err(e) if FOLLOWED_TYPES.contains(&kind) => {
+                return Err(io::Error::other(format!(
+                    "a notification of type {kind} could not be decoded: {e}"
+                )));
+            }
+            Err(_) => {}
         }
         offset += (length + 3) & !3;
     }
     Ok(())
 }
 
-/// A host route: `/32`, main table, unicast, straight out of an interface (no
-/// gateway). Its destination and interface index.
-fn host_route(route: &RouteMessage) -> Option<(Ipv4Addr, u32)> {
+/// The destination of a `/32` IPv4 route of the main table (of any kind).
+fn main_table_host_prefix(route: &RouteMessage) -> Option<Ipv4Addr> {
     let header = &route.header;
     let table = route
         .attributes
@@ -214,23 +263,31 @@ fn host_route(route: &RouteMessage) -> Option<(Ipv4Addr, u32)> {
             _ => None,
         })
         .unwrap_or(u32::from(header.table));
-    if table != u32::from(RouteHeader::RT_TABLE_MAIN)
-        || header.kind != RouteType::Unicast
-        || header.destination_prefix_length != 32
-    {
+    if table != u32::from(RouteHeader::RT_TABLE_MAIN) || header.destination_prefix_length != 32 {
         return None;
     }
-    let mut dst = None;
+    route.attributes.iter().find_map(|a| match a {
+        RouteAttribute::Destination(RouteAddress::Inet(ip)) => Some(*ip),
+        _ => None,
+    })
+}
+
+/// A host route: `/32`, main table, unicast, straight out of an interface (no
+/// gateway). Its destination and interface index.
+fn host_route(route: &RouteMessage) -> Option<(Ipv4Addr, u32)> {
+    let dst = main_table_host_prefix(route)?;
+    if route.header.kind != RouteType::Unicast {
+        return None;
+    }
     let mut oif = None;
     for attribute in &route.attributes {
         match attribute {
-            RouteAttribute::Destination(RouteAddress::Inet(ip)) => dst = Some(*ip),
             RouteAttribute::Oif(index) => oif = Some(*index),
             RouteAttribute::Gateway(_) | RouteAttribute::MultiPath(_) => return None,
             _ => {}
         }
     }
-    Some((dst?, oif?))
+    Some((dst, oif?))
 }
 
 /// An address message's own IPv4 address (`IFA_LOCAL`; `IFA_ADDRESS` is the
@@ -258,6 +315,7 @@ impl Netlink {
             handle,
             kinds: Default::default(),
             tracked: Default::default(),
+            warned: Default::default(),
         })
     }
 
@@ -288,18 +346,22 @@ impl Netlink {
             let socket = match notification_socket() {
                 Ok(socket) => Some(socket),
                 Err(e) => {
-                    tracing::warn!(
-                        "route netlink notifications unavailable, every read dumps: {e}"
-                    );
+                    if !self.warned.swap(true, std::sync::atomic::Ordering::Relaxed) {
+                        tracing::warn!(
+                            "route netlink notifications unavailable, every read dumps: {e}"
+                        );
+                    }
                     None
                 }
             };
+            let started = std::time::Instant::now();
             // One dump at a time: a netlink socket refuses a second one while the
             // first is in progress (EBUSY).
             let host_routes = self.host_routes().await?;
             let addrs = self.addrs().await?;
             *self.tracked.lock().expect("tracked lock") = Tracked {
                 socket,
+                full_read_at: Some(started),
                 host_routes,
                 addrs,
             };
@@ -322,6 +384,12 @@ impl Netlink {
     /// an error): the read must dump.
     fn catch_up(&self) -> bool {
         let mut tracked = self.tracked.lock().expect("tracked lock");
+        if tracked
+            .full_read_at
+            .is_none_or(|at| at.elapsed() > FULL_READ_MAX_AGE)
+        {
+            return false;
+        }
         let Some(socket) = tracked.socket.take() else {
             return false;
         };
@@ -507,6 +575,38 @@ mod tests {
         for_each_message(&buf, &mut apply).unwrap();
         assert!(tracked.host_routes.is_empty());
         assert!(tracked.addrs().is_empty());
+        // The flushes IPv4 does not notify: an interface set down, one that lost
+        // its last address. A bridge port's RTM_DELLINK (AF_BRIDGE) is not the
+        // interface's deletion; a /32 replaced by a gateway route is no host route.
+        let c = Ipv4Addr::new(10, 244, 1, 7);
+        let d = Ipv4Addr::new(10, 244, 1, 8);
+        let e = Ipv4Addr::new(10, 244, 1, 9);
+        let mut down = LinkMessage::default();
+        down.header.index = 10;
+        let mut port = LinkMessage::default();
+        port.header.index = 11;
+        port.header.interface_family = AddressFamily::Bridge;
+        let mut replaced = route(e, 12);
+        replaced
+            .attributes
+            .push(RouteAttribute::Gateway(RouteAddress::Inet(gw)));
+        let buf = datagram(vec![
+            RouteNetlinkMessage::NewRoute(route(c, 10)),
+            RouteNetlinkMessage::NewRoute(route(d, 11)),
+            RouteNetlinkMessage::NewRoute(route(e, 12)),
+            RouteNetlinkMessage::NewAddress(address(11, gw)),
+            RouteNetlinkMessage::NewLink(down),
+            RouteNetlinkMessage::DelLink(port),
+            RouteNetlinkMessage::NewRoute(replaced),
+        ]);
+        let mut apply = |m: &RouteNetlinkMessage| tracked.apply(m);
+        for_each_message(&buf, &mut apply).unwrap();
+        assert_eq!(tracked.host_routes, HashMap::from([(d, 11)]));
+        assert_eq!(tracked.addrs(), vec![gw]);
+        let buf = datagram(vec![RouteNetlinkMessage::DelAddress(address(11, gw))]);
+        let mut apply = |m: &RouteNetlinkMessage| tracked.apply(m);
+        for_each_message(&buf, &mut apply).unwrap();
+        assert!(tracked.host_routes.is_empty());
         // A length past the datagram's end is refused.
         let mut bad = datagram(vec![RouteNetlinkMessage::NewRoute(route(a, 7))]);
         bad[0] = 0xff;
@@ -554,6 +654,18 @@ mod tests {
                 assert_eq!(after.host_routes, HashMap::from([(pod, index)]));
                 assert_eq!(after.veths, HashMap::from([(index, "nlhost0".to_string())]));
                 assert_eq!(after.addrs, vec![Ipv4Addr::new(10, 99, 0, 1)]);
+                // Set down, the kernel flushes the route without notifying it.
+                ip("link set nlhost0 down");
+                let down = netlink.read(false).await.unwrap();
+                assert!(down.host_routes.is_empty(), "{:?}", down.host_routes);
+                assert_eq!(
+                    netlink.read(true).await.unwrap().host_routes,
+                    down.host_routes
+                );
+                ip("link set nlhost0 up");
+                ip("route add 10.99.0.5/32 dev nlhost0");
+                let again = netlink.read(false).await.unwrap();
+                assert_eq!(again.host_routes, HashMap::from([(pod, index)]));
                 ip("link del nlhost0");
                 let gone = netlink.read(false).await.unwrap();
                 assert!(gone.host_routes.is_empty(), "{:?}", gone.host_routes);
