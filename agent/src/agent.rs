@@ -217,10 +217,7 @@ pub async fn run(cfg: AgentConfig) -> Result<()> {
     let journal = SysctlJournal::new(&cfg.state_dir);
     net::apply_node_sysctls(&journal)?;
     let netlink = Netlink::open()?;
-    let network = netlink
-        .read(true)
-        .await
-        .context("reading the node's network")?;
+    let network = netlink.read().await.context("reading the node's network")?;
     let dataplane = Dataplane::load(&DataplaneConfig {
         pin_dir: cfg.pin_dir.clone(),
         journal,
@@ -346,8 +343,7 @@ pub async fn run(cfg: AgentConfig) -> Result<()> {
             || resync
             || reconciler.cni.has_pending()
         {
-            // Dumps at the periodic resync; else the notifications since.
-            reconciler.read_network(resync).await;
+            reconciler.read_network().await;
             tokio::task::block_in_place(|| {
                 reconciler.plan(&state);
                 let planned = started.elapsed();
@@ -726,10 +722,8 @@ impl Reconciler {
 
     /// Reads the node's routes, veths and addresses for the next plan; on a
     /// failure keeps the last ones and retries soon.
-    /// Reads the node's network: everything when `full`, else what changed since
-    /// the last read ([`Netlink::read`]).
-    async fn read_network(&mut self, full: bool) {
-        let error = match self.netlink.read(full).await {
+    async fn read_network(&mut self) {
+        let error = match self.netlink.read().await {
             Ok(network) => {
                 self.network = network;
                 return;

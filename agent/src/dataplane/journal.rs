@@ -390,7 +390,7 @@ mod tests {
     }
 
     #[test]
-    fn a_batch_is_recorded_before_it_is_applied() {
+    fn a_batch_is_recorded_and_applied() {
         let (_dir, j) = fake(&[
             ("net.ipv4.conf.lo.rp_filter", "1"),
             ("net.ipv4.conf.lo.accept_local", "0"),

@@ -13,7 +13,8 @@
 //! `RTM_DELLINK` (or being set down, or losing its last address) removes its
 //! routes here. A lost notification (`ENOBUFS`: the socket's buffer overflowed),
 //! one that cannot be decoded, or any error reading them makes the read a full
-//! one; so do the agent's periodic resync and a last full read older than 2 s.
+//! one, and so does a last full read older than 2 s (the agent's periodic
+//! resync reads at least that often).
 
 use std::{
     collections::{HashMap, HashSet},
@@ -73,8 +74,8 @@ const GROUPS: u32 = 0x1 | 0x10 | 0x40;
 /// `RTM_NEWLINK` to `RTM_DELROUTE` (`linux/rtnetlink.h`): the message types of
 /// those groups.
 const FOLLOWED_TYPES: std::ops::RangeInclusive<u16> = 16..=25;
-/// A read without dumps is a full one after this long, whatever woke the agent
-/// (its periodic resync may be put off by a stream of changes).
+/// A read is a full one (dumps) when the last full read is older than this:
+/// whatever notifications miss (none that this module knows of) lasts no longer.
 const FULL_READ_MAX_AGE: std::time::Duration = std::time::Duration::from_secs(2);
 /// Receive buffer asked for the notification socket (bytes): a burst of pods
 /// made between two reads (each a few links, an address and routes, about 1 KiB a
@@ -319,16 +320,17 @@ impl Netlink {
         })
     }
 
-    /// Reads routes, links and addresses, within [`READ_TIMEOUT`]: by dumps when
-    /// `full` (or when the notifications since the last read are not all known),
-    /// else from the notifications since the last read.
+    /// Reads routes, links and addresses, within [`READ_TIMEOUT`]: by dumps at the
+    /// first read, when the last full read is older than [`FULL_READ_MAX_AGE`],
+    /// or when the notifications since it are not all known; else from those
+    /// notifications.
     ///
     /// # Errors
     /// A failed dump, naming what was read, or no complete answer in time (a
     /// reply the library cannot decode is dropped, and its request never ends:
     /// open a new socket then).
-    pub async fn read(&self, full: bool) -> Result<NodeNetwork> {
-        tokio::time::timeout(READ_TIMEOUT, self.read_all(full))
+    pub async fn read(&self) -> Result<NodeNetwork> {
+        tokio::time::timeout(READ_TIMEOUT, self.read_all(false))
             .await
             .map_err(|_| {
                 anyhow::anyhow!(
@@ -641,37 +643,44 @@ mod tests {
                 .unwrap();
             runtime.block_on(async {
                 let netlink = Netlink::open().unwrap();
-                let first = netlink.read(true).await.unwrap();
+                let first = netlink.read_all(true).await.unwrap();
                 assert!(first.host_routes.is_empty() && first.addrs.is_empty());
+                let full_read_at = || netlink.tracked.lock().unwrap().full_read_at;
+                let dumped_at = full_read_at();
                 ip("link add nlhost0 type veth peer name nlpod0");
                 ip("link set nlhost0 up");
                 ip("addr add 10.99.0.1/32 dev nlhost0");
                 ip("route add 10.99.0.5/32 dev nlhost0");
                 let index = nix::net::if_::if_nametoindex("nlhost0").unwrap();
-                let after = netlink.read(false).await.unwrap();
+                let after = netlink.read().await.unwrap();
+                // From the notifications alone: no full read since the first.
                 assert!(netlink.tracked.lock().unwrap().socket.is_some());
+                assert_eq!(full_read_at(), dumped_at);
                 let pod = Ipv4Addr::new(10, 99, 0, 5);
                 assert_eq!(after.host_routes, HashMap::from([(pod, index)]));
                 assert_eq!(after.veths, HashMap::from([(index, "nlhost0".to_string())]));
                 assert_eq!(after.addrs, vec![Ipv4Addr::new(10, 99, 0, 1)]);
                 // Set down, the kernel flushes the route without notifying it.
                 ip("link set nlhost0 down");
-                let down = netlink.read(false).await.unwrap();
+                let down = netlink.read().await.unwrap();
+                assert_eq!(full_read_at(), dumped_at);
                 assert!(down.host_routes.is_empty(), "{:?}", down.host_routes);
                 assert_eq!(
-                    netlink.read(true).await.unwrap().host_routes,
+                    netlink.read_all(true).await.unwrap().host_routes,
                     down.host_routes
                 );
+                let dumped_at = full_read_at();
                 ip("link set nlhost0 up");
                 ip("route add 10.99.0.5/32 dev nlhost0");
-                let again = netlink.read(false).await.unwrap();
+                let again = netlink.read().await.unwrap();
                 assert_eq!(again.host_routes, HashMap::from([(pod, index)]));
                 ip("link del nlhost0");
-                let gone = netlink.read(false).await.unwrap();
+                let gone = netlink.read().await.unwrap();
+                assert_eq!(full_read_at(), dumped_at);
                 assert!(gone.host_routes.is_empty(), "{:?}", gone.host_routes);
                 assert!(gone.veths.is_empty() && gone.addrs.is_empty());
                 // A full read agrees.
-                let full = netlink.read(true).await.unwrap();
+                let full = netlink.read_all(true).await.unwrap();
                 assert!(full.host_routes.is_empty() && full.addrs.is_empty());
             });
         })
@@ -683,7 +692,7 @@ mod tests {
     /// `ip`'s view: the same IPv4 addresses but loopback's, the same veths.
     #[tokio::test]
     async fn reads_what_ip_shows() {
-        let net = Netlink::open().unwrap().read(true).await.unwrap();
+        let net = Netlink::open().unwrap().read().await.unwrap();
         let ip = |args: &[&str]| -> serde_json::Value {
             let out = std::process::Command::new("ip")
                 .args(args)

@@ -1,4 +1,4 @@
-//! Expedited RCU grace periods while TCX links are attached and detached.
+//! Expedited RCU grace periods while TCX links are attached.
 //!
 //! Attaching or detaching a TCX program swaps the device's `bpf_mprog` entry and
 //! then waits for a full RCU grace period with `synchronize_rcu()`, holding RTNL
@@ -87,7 +87,7 @@ impl ExpeditedAttach {
     /// `1` (its marker is still there). Returns whether it did.
     ///
     /// # Errors
-    /// When the knob cannot be locked, read or written, or the marker not removed.
+    /// When the knob cannot be read or written, or the marker not removed.
     pub fn recover(&self) -> Result<bool> {
         if !self.marker.exists() {
             return Ok(false);
