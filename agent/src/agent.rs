@@ -217,7 +217,10 @@ pub async fn run(cfg: AgentConfig) -> Result<()> {
     let journal = SysctlJournal::new(&cfg.state_dir);
     net::apply_node_sysctls(&journal)?;
     let netlink = Netlink::open()?;
-    let network = netlink.read().await.context("reading the node's network")?;
+    let network = netlink
+        .read(true)
+        .await
+        .context("reading the node's network")?;
     let dataplane = Dataplane::load(&DataplaneConfig {
         pin_dir: cfg.pin_dir.clone(),
         journal,
@@ -309,6 +312,8 @@ pub async fn run(cfg: AgentConfig) -> Result<()> {
     let mut sigint = signal(SignalKind::interrupt())?;
     let mut unsettled = false;
     loop {
+        // Nothing waits: a wake by the timer is the periodic resync.
+        let idle = !unsettled && reconciler.pending_retry.is_none();
         let wait = if unsettled {
             manifests::SETTLE
         } else {
@@ -331,6 +336,13 @@ pub async fn run(cfg: AgentConfig) -> Result<()> {
             _ = sigterm.recv() => break,
             _ = sigint.recv() => break,
         }
+        // An idle agent's periodic resync looks at everything again (every
+        // manifest, a full dump of the network), in case a change was missed;
+        // reads on a change look only at what changed.
+        let idle_resync = resync && idle && wait == manifests::RESYNC;
+        if idle_resync {
+            source.resync();
+        }
         let started = std::time::Instant::now();
         let rescan = reconciler.publish(&mut source);
         let published = started.elapsed();
@@ -343,7 +355,7 @@ pub async fn run(cfg: AgentConfig) -> Result<()> {
             || resync
             || reconciler.cni.has_pending()
         {
-            reconciler.read_network().await;
+            reconciler.read_network(idle_resync).await;
             tokio::task::block_in_place(|| {
                 reconciler.plan(&state);
                 let planned = started.elapsed();
@@ -720,10 +732,11 @@ impl Reconciler {
         wanted
     }
 
-    /// Reads the node's routes, veths and addresses for the next plan; on a
-    /// failure keeps the last ones and retries soon.
-    async fn read_network(&mut self) {
-        let error = match self.netlink.read().await {
+    /// Reads the node's routes, veths and addresses for the next plan (a
+    /// `resync` may dump them all: [`Netlink::read`]); on a failure keeps the
+    /// last ones and retries soon.
+    async fn read_network(&mut self, resync: bool) {
+        let error = match self.netlink.read(resync).await {
             Ok(network) => {
                 self.network = network;
                 return;

@@ -13,8 +13,9 @@
 //! `RTM_DELLINK` (or being set down, or losing its last address) removes its
 //! routes here. A lost notification (`ENOBUFS`: the socket's buffer overflowed),
 //! one that cannot be decoded, or any error reading them makes the read a full
-//! one, and so does a last full read older than 2 s (the agent's periodic
-//! resync reads at least that often).
+//! one, and so does a last full read older than 2 s at the agent's periodic
+//! resync (while nothing changes), or older than 30 s at any read: a pod's
+//! enrollment does not wait for a dump.
 
 use std::{
     collections::{HashMap, HashSet},
@@ -76,7 +77,12 @@ const GROUPS: u32 = 0x1 | 0x10 | 0x40;
 const FOLLOWED_TYPES: std::ops::RangeInclusive<u16> = 16..=25;
 /// A read is a full one (dumps) when the last full read is older than this:
 /// whatever notifications miss (none that this module knows of) lasts no longer.
-const FULL_READ_MAX_AGE: std::time::Duration = std::time::Duration::from_secs(2);
+/// Reads on a change (a pod to enroll) dump only this rarely: a dump of a node
+/// with a thousand host veths takes 6 to 12 ms.
+const FULL_READ_MAX_AGE: std::time::Duration = std::time::Duration::from_secs(30);
+/// A resync's read (the agent's periodic one, while nothing changes) is a full
+/// one when the last full read is older than this.
+const RESYNC_FULL_READ_AGE: std::time::Duration = std::time::Duration::from_secs(2);
 /// Receive buffer asked for the notification socket (bytes): a burst of pods
 /// made between two reads (each a few links, an address and routes, about 1 KiB a
 /// notification) fits; beyond it, the next read is a full one.
@@ -321,16 +327,22 @@ impl Netlink {
     }
 
     /// Reads routes, links and addresses, within [`READ_TIMEOUT`]: by dumps at the
-    /// first read, when the last full read is older than [`FULL_READ_MAX_AGE`],
-    /// or when the notifications since it are not all known; else from those
-    /// notifications.
+    /// first read, when the last full read is older than [`FULL_READ_MAX_AGE`]
+    /// (for a `resync`, the agent's periodic read while nothing changes:
+    /// [`RESYNC_FULL_READ_AGE`]), or when the notifications since it are not all
+    /// known; else from those notifications.
     ///
     /// # Errors
     /// A failed dump, naming what was read, or no complete answer in time (a
     /// reply the library cannot decode is dropped, and its request never ends:
     /// open a new socket then).
-    pub async fn read(&self) -> Result<NodeNetwork> {
-        tokio::time::timeout(READ_TIMEOUT, self.read_all(false))
+    pub async fn read(&self, resync: bool) -> Result<NodeNetwork> {
+        let max_age = if resync {
+            RESYNC_FULL_READ_AGE
+        } else {
+            FULL_READ_MAX_AGE
+        };
+        tokio::time::timeout(READ_TIMEOUT, self.read_all(false, max_age))
             .await
             .map_err(|_| {
                 anyhow::anyhow!(
@@ -340,8 +352,8 @@ impl Netlink {
             })?
     }
 
-    async fn read_all(&self, full: bool) -> Result<NodeNetwork> {
-        if full || !self.catch_up() {
+    async fn read_all(&self, full: bool, max_age: std::time::Duration) -> Result<NodeNetwork> {
+        if full || !self.catch_up(max_age) {
             // Subscribed before the dumps: a change made meanwhile is in the dump,
             // or is applied at the next read, or both (applying it again is
             // harmless).
@@ -383,13 +395,11 @@ impl Netlink {
 
     /// Applies the notifications waiting since the last read. Returns false when
     /// that cannot bring the last read up to date (no socket, lost notifications,
-    /// an error): the read must dump.
-    fn catch_up(&self) -> bool {
+    /// an error) or the last full read is older than `max_age`: the read must
+    /// dump.
+    fn catch_up(&self, max_age: std::time::Duration) -> bool {
         let mut tracked = self.tracked.lock().expect("tracked lock");
-        if tracked
-            .full_read_at
-            .is_none_or(|at| at.elapsed() > FULL_READ_MAX_AGE)
-        {
+        if tracked.full_read_at.is_none_or(|at| at.elapsed() > max_age) {
             return false;
         }
         let Some(socket) = tracked.socket.take() else {
@@ -643,7 +653,7 @@ mod tests {
                 .unwrap();
             runtime.block_on(async {
                 let netlink = Netlink::open().unwrap();
-                let first = netlink.read_all(true).await.unwrap();
+                let first = netlink.read_all(true, FULL_READ_MAX_AGE).await.unwrap();
                 assert!(first.host_routes.is_empty() && first.addrs.is_empty());
                 let full_read_at = || netlink.tracked.lock().unwrap().full_read_at;
                 let dumped_at = full_read_at();
@@ -652,7 +662,7 @@ mod tests {
                 ip("addr add 10.99.0.1/32 dev nlhost0");
                 ip("route add 10.99.0.5/32 dev nlhost0");
                 let index = nix::net::if_::if_nametoindex("nlhost0").unwrap();
-                let after = netlink.read().await.unwrap();
+                let after = netlink.read(false).await.unwrap();
                 // From the notifications alone: no full read since the first.
                 assert!(netlink.tracked.lock().unwrap().socket.is_some());
                 assert_eq!(full_read_at(), dumped_at);
@@ -662,25 +672,29 @@ mod tests {
                 assert_eq!(after.addrs, vec![Ipv4Addr::new(10, 99, 0, 1)]);
                 // Set down, the kernel flushes the route without notifying it.
                 ip("link set nlhost0 down");
-                let down = netlink.read().await.unwrap();
+                let down = netlink.read(false).await.unwrap();
                 assert_eq!(full_read_at(), dumped_at);
                 assert!(down.host_routes.is_empty(), "{:?}", down.host_routes);
                 assert_eq!(
-                    netlink.read_all(true).await.unwrap().host_routes,
+                    netlink
+                        .read_all(true, FULL_READ_MAX_AGE)
+                        .await
+                        .unwrap()
+                        .host_routes,
                     down.host_routes
                 );
                 let dumped_at = full_read_at();
                 ip("link set nlhost0 up");
                 ip("route add 10.99.0.5/32 dev nlhost0");
-                let again = netlink.read().await.unwrap();
+                let again = netlink.read(false).await.unwrap();
                 assert_eq!(again.host_routes, HashMap::from([(pod, index)]));
                 ip("link del nlhost0");
-                let gone = netlink.read().await.unwrap();
+                let gone = netlink.read(false).await.unwrap();
                 assert_eq!(full_read_at(), dumped_at);
                 assert!(gone.host_routes.is_empty(), "{:?}", gone.host_routes);
                 assert!(gone.veths.is_empty() && gone.addrs.is_empty());
                 // A full read agrees.
-                let full = netlink.read_all(true).await.unwrap();
+                let full = netlink.read_all(true, FULL_READ_MAX_AGE).await.unwrap();
                 assert!(full.host_routes.is_empty() && full.addrs.is_empty());
             });
         })
@@ -692,7 +706,7 @@ mod tests {
     /// `ip`'s view: the same IPv4 addresses but loopback's, the same veths.
     #[tokio::test]
     async fn reads_what_ip_shows() {
-        let net = Netlink::open().unwrap().read().await.unwrap();
+        let net = Netlink::open().unwrap().read(false).await.unwrap();
         let ip = |args: &[&str]| -> serde_json::Value {
             let out = std::process::Command::new("ip")
                 .args(args)

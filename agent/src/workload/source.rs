@@ -115,6 +115,15 @@ impl Source {
         }
     }
 
+    /// Makes the next [`Source::rescan`] look at everything again (the agent's
+    /// periodic resync; see [`ManifestDir::resync`]). The Kubernetes API's
+    /// watches need none.
+    pub fn resync(&mut self) {
+        if let Source::Manifests { dir, .. } = self {
+            dir.resync();
+        }
+    }
+
     /// All pods.
     pub fn pods(&self) -> Box<dyn Iterator<Item = &Pod> + '_> {
         match self {

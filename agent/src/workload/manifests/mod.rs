@@ -13,12 +13,17 @@
 //! writing, or renamed into place: [`Completions`]), which is read at once; files that cannot be read (a dangling symlink, a FIFO, more
 //! than [`MAX_FILE_SIZE`]) are reported and keep their last objects.
 //!
-//! Files are re-read only when their size, modification time or inode changed, so a
-//! rescan of an unchanged directory costs one `stat` per file. Parsing is in
-//! [`parse`].
+//! Files are re-read only when their size, modification time or inode changed.
+//! When watched, a rescan looks only at the files inotify named since the last
+//! one (one `stat` each), and at every file (listing the directory, one `stat`
+//! per file) at the first rescan, after an event that names no file (the event
+//! queue overflowed, a ConfigMap volume swapped its data), after
+//! [`ManifestDir::resync`] (the agent's periodic resync while nothing changes,
+//! every [`RESYNC`]) and once [`FULL_RESCAN_MAX_AGE`] has passed since the last
+//! such full rescan. Parsing is in [`parse`].
 
 use std::{
-    collections::{BTreeMap, HashMap},
+    collections::{BTreeMap, HashMap, HashSet},
     fs,
     os::unix::fs::MetadataExt,
     path::{Path, PathBuf},
@@ -126,6 +131,9 @@ pub struct ManifestDir {
     pending: BTreeMap<PathBuf, Pending>,
     settle: Duration,
     scanned: bool,
+    /// When the last rescan that looked at every file (listed the directory)
+    /// ran.
+    full_scan_at: Option<Instant>,
     /// What inotify says of the files' last changes, when watched.
     completions: Option<Completions>,
 }
@@ -184,6 +192,7 @@ impl ManifestDir {
             pending: BTreeMap::new(),
             settle,
             scanned: false,
+            full_scan_at: None,
             completions: None,
         })
     }
@@ -213,6 +222,51 @@ impl ManifestDir {
             seen.insert(path, stamp);
         }
         Ok(seen)
+    }
+
+    /// The files a rescan looks at: `None` for every file (the directory is
+    /// listed), else those inotify named since the last rescan and those whose
+    /// change waits or that could not be read. Every file at the first rescan,
+    /// without inotify, after an event that names no file, after
+    /// [`ManifestDir::resync`], once [`FULL_RESCAN_MAX_AGE`] has
+    /// passed since the last full rescan, and when the directory is no longer
+    /// one (the full rescan reports it).
+    fn scope(&self, now: Instant) -> Option<HashSet<PathBuf>> {
+        let changed = self.completions.as_ref()?.take_changed()?;
+        if !self.scanned
+            || self
+                .full_scan_at
+                .is_none_or(|at| now.duration_since(at) >= FULL_RESCAN_MAX_AGE)
+            || !fs::metadata(&self.dir).is_ok_and(|m| m.is_dir())
+        {
+            return None;
+        }
+        let mut scope: HashSet<PathBuf> = changed
+            .into_iter()
+            .filter(|p| is_manifest(p) && p.parent() == Some(self.dir.as_path()))
+            .collect();
+        scope.extend(self.pending.keys().cloned());
+        scope.extend(
+            self.files
+                .iter()
+                .filter(|(_, f)| f.stamp == Stamp::default())
+                .map(|(p, _)| p.clone()),
+        );
+        Some(scope)
+    }
+
+    /// The versions of the files in `scope` that exist (as [`stamps`] would list
+    /// them).
+    ///
+    /// [`stamps`]: ManifestDir::stamps
+    fn stamps_of(scope: &HashSet<PathBuf>) -> HashMap<PathBuf, Result<Stamp, String>> {
+        scope
+            .iter()
+            .filter(|p| {
+                !matches!(fs::symlink_metadata(p), Err(e) if e.kind() == std::io::ErrorKind::NotFound)
+            })
+            .map(|p| (p.clone(), stamp_of(p)))
+            .collect()
     }
 
     /// Whether a change to `path` (new version `stamp`) may be applied now, and
@@ -262,28 +316,39 @@ impl ManifestDir {
     }
 
     /// Re-reads files that changed (once settled) and forgets files that are gone.
+    /// Looks at the files inotify named, or at every file (see the module's
+    /// documentation).
     pub fn rescan(&mut self) -> Rescan {
         let mut rescan = Rescan::default();
-        let seen = match self.stamps() {
-            Ok(seen) => seen,
-            Err(e) => {
-                rescan.errors.push(ManifestError {
-                    file: self.dir.clone(),
-                    line: 0,
-                    message: format!("reading the directory: {e}"),
-                });
-                return rescan;
-            }
-        };
         let now = Instant::now();
+        let scope = self.scope(now);
+        let seen = match &scope {
+            Some(scope) => Self::stamps_of(scope),
+            None => match self.stamps() {
+                Ok(seen) => {
+                    self.full_scan_at = Some(now);
+                    seen
+                }
+                Err(e) => {
+                    rescan.errors.push(ManifestError {
+                        file: self.dir.clone(),
+                        line: 0,
+                        message: format!("reading the directory: {e}"),
+                    });
+                    return rescan;
+                }
+            },
+        };
+        let looked_at = |path: &PathBuf| scope.as_ref().is_none_or(|s| s.contains(path));
         // Changes that undid themselves (a file that came and went) are no longer
         // pending.
-        self.pending
-            .retain(|path, _| seen.contains_key(path) || self.files.contains_key(path));
+        self.pending.retain(|path, _| {
+            !looked_at(path) || seen.contains_key(path) || self.files.contains_key(path)
+        });
         let gone: Vec<PathBuf> = self
             .files
             .keys()
-            .filter(|p| !seen.contains_key(*p))
+            .filter(|p| looked_at(p) && !seen.contains_key(*p))
             .cloned()
             .collect();
         for path in gone {
@@ -416,6 +481,11 @@ impl ManifestDir {
         rescan
     }
 
+    /// Makes the next rescan look at every file, whatever inotify named.
+    pub fn resync(&mut self) {
+        self.full_scan_at = None;
+    }
+
     /// Whether a change is waiting to settle (for at most [`MAX_SETTLE_HOLD`]): a
     /// pod missing from the objects may be missing only for the moment. A file
     /// that keeps changing for longer does not hold up the others.
@@ -475,6 +545,10 @@ impl ManifestDir {
 
 /// Rescan period without any event, in case an event was lost.
 pub const RESYNC: Duration = Duration::from_secs(2);
+
+/// The longest time between two rescans that look at every file, however busy
+/// the directory is (its changes keep the agent from resyncing).
+pub const FULL_RESCAN_MAX_AGE: Duration = Duration::from_secs(30);
 
 #[cfg(test)]
 mod tests {
@@ -679,7 +753,10 @@ mod tests {
         use notify::event::{AccessKind, AccessMode, EventKind};
         let guard = tempfile::tempdir().unwrap();
         let (mut source, completions, path) = scanned_with_a_new_pod_file(guard.path());
-        // Another file's event made a scan find it first: it waits.
+        // Its creation made a scan find it before the write completed: it waits.
+        let created = notify::Event::new(EventKind::Create(notify::event::CreateKind::File))
+            .add_path(path.clone());
+        assert!(!completions.record(&created));
         assert!(source.rescan().unsettled);
         assert_eq!(source.pods().count(), 0);
         // Its own close-after-write then arrives.
@@ -716,6 +793,120 @@ mod tests {
         .add_path(path.clone());
         assert!(!completions.record(&written));
         assert!(source.rescan().unsettled);
+    }
+
+    #[test]
+    fn a_rescan_looks_at_the_files_inotify_named_and_at_every_file_after_an_overflow_a_resync_or_a_while()
+     {
+        use notify::event::{AccessKind, AccessMode, EventKind, Flag, RemoveKind};
+        let guard = tempfile::tempdir().unwrap();
+        let dir = std::path::absolute(guard.path()).unwrap();
+        let completions = Completions::default();
+        let mut source = ManifestDir::with_settle(&dir, Duration::ZERO)
+            .unwrap()
+            .with_completions(completions.clone());
+        let write = |file: &str, name: &str| {
+            let path = dir.join(file);
+            fs::write(&path, POD.replace("web", name)).unwrap();
+            path
+        };
+        let names = |source: &ManifestDir| {
+            let mut names: Vec<String> = source
+                .pods()
+                .filter_map(|p| p.metadata.name.clone())
+                .collect();
+            names.sort();
+            names
+        };
+        let a = write("a.yaml", "a");
+        assert!(
+            source.rescan().changed,
+            "the first rescan lists the directory"
+        );
+        assert_eq!(names(&source), ["a"]);
+
+        // Written, its event not recorded yet: not looked at.
+        let b = write("b.yaml", "b");
+        assert!(!source.rescan().changed);
+        assert_eq!(names(&source), ["a"]);
+        let closed = notify::Event::new(EventKind::Access(AccessKind::Close(AccessMode::Write)))
+            .add_path(b.clone());
+        assert!(completions.record(&closed));
+        assert!(source.rescan().changed);
+        assert_eq!(names(&source), ["a", "b"]);
+
+        // Removed: the change waits to settle, and the rescan after looks at it
+        // again although no event names it then.
+        fs::remove_file(&a).unwrap();
+        let removed = notify::Event::new(EventKind::Remove(RemoveKind::File)).add_path(a);
+        assert!(!completions.record(&removed));
+        assert!(source.rescan().unsettled);
+        assert_eq!(names(&source), ["a", "b"]);
+        assert!(source.rescan().changed);
+        assert_eq!(names(&source), ["b"]);
+
+        // The event queue overflowed (IN_Q_OVERFLOW): every file.
+        write("c.yaml", "c");
+        let overflow = notify::Event::new(EventKind::Other).set_flag(Flag::Rescan);
+        assert!(!completions.record(&overflow));
+        // Found (no completion known: it settles first), then read.
+        assert!(source.rescan().unsettled);
+        assert!(source.rescan().changed);
+        assert_eq!(names(&source), ["b", "c"]);
+
+        // No event, but a resync.
+        write("d.yaml", "d");
+        assert!(!source.rescan().changed);
+        source.resync();
+        assert!(source.rescan().unsettled);
+        assert!(source.rescan().changed);
+        assert_eq!(names(&source), ["b", "c", "d"]);
+
+        // No event, but the last full rescan is too old.
+        write("e.yaml", "e");
+        assert!(!source.rescan().changed);
+        source.full_scan_at = source.full_scan_at.map(|at| at - FULL_RESCAN_MAX_AGE);
+        assert!(source.rescan().unsettled);
+        assert!(source.rescan().changed);
+        assert_eq!(names(&source), ["b", "c", "d", "e"]);
+    }
+
+    #[tokio::test]
+    async fn a_config_map_volume_swapping_its_data_is_read_again() {
+        use std::os::unix::fs::symlink;
+        let guard = tempfile::tempdir().unwrap();
+        let dir = guard.path();
+        // As the kubelet's atomic writer lays out a ConfigMap volume:
+        // `pods.yaml -> ..data/pods.yaml`, `..data -> ..v<n>`.
+        let version = |n: u32, name: &str| {
+            let v = dir.join(format!("..v{n}"));
+            fs::create_dir(&v).unwrap();
+            fs::write(v.join("pods.yaml"), POD.replace("web", name)).unwrap();
+            symlink(format!("..v{n}"), dir.join("..data_tmp")).unwrap();
+            fs::rename(dir.join("..data_tmp"), dir.join("..data")).unwrap();
+        };
+        version(1, "one");
+        symlink("..data/pods.yaml", dir.join("pods.yaml")).unwrap();
+        let completions = Completions::default();
+        let mut source = ManifestDir::with_settle(dir, Duration::from_millis(10))
+            .unwrap()
+            .with_completions(completions.clone());
+        let (_watcher, mut events) = watch(dir, completions).unwrap();
+        source.rescan();
+        let name = |source: &ManifestDir| source.pods().next().unwrap().metadata.name.clone();
+        assert_eq!(name(&source).as_deref(), Some("one"));
+
+        // No event names `pods.yaml`; the swap of `..data` changes it.
+        version(2, "two");
+        tokio::time::timeout(Duration::from_secs(5), events.recv())
+            .await
+            .expect("no inotify event");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        // Found changed, then read once it has settled.
+        source.rescan();
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        assert!(source.rescan().changed);
+        assert_eq!(name(&source).as_deref(), Some("two"));
     }
 
     #[test]

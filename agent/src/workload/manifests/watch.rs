@@ -3,7 +3,7 @@
 //! waiting for [`SETTLE`](super::SETTLE).
 
 use std::{
-    collections::HashMap,
+    collections::{HashMap, HashSet},
     path::{Path, PathBuf},
     sync::Arc,
     time::Duration,
@@ -14,40 +14,87 @@ use tokio::sync::mpsc;
 
 use super::{Stamp, is_manifest, stamp_of};
 
-/// Files whose last change inotify reported complete: closed after writing
-/// (`IN_CLOSE_WRITE`) or renamed into place (`IN_MOVED_TO`), and not opened for
-/// writing since (see inotify(7)). Such a change is read at once, without
-/// waiting for [`SETTLE`](super::SETTLE). Filled by [`watch`].
+/// What inotify said of the directory's files since the last rescan, filled by
+/// [`watch`] (or by a test calling [`Completions::record`]).
+///
+/// * Which files' last changes are complete: closed after writing
+///   (`IN_CLOSE_WRITE`) or renamed into place (`IN_MOVED_TO`), and not opened
+///   for writing since (see inotify(7)). Such a change is read at once, without
+///   waiting for [`SETTLE`](super::SETTLE).
+/// * Which manifests any event named, so that a rescan looks at those files
+///   only (see [`ManifestDir::rescan`](super::ManifestDir::rescan)); an event
+///   that cannot be tied to files (the event queue overflowed, a ConfigMap
+///   volume swapped its data directory, the watch failed) makes the next rescan
+///   look at every file.
 #[derive(Clone, Debug, Default)]
-pub struct Completions(Arc<std::sync::Mutex<HashMap<PathBuf, Option<Stamp>>>>);
+pub struct Completions(Arc<std::sync::Mutex<Events>>);
+
+#[derive(Debug, Default)]
+struct Events {
+    /// Per file, the version whose change inotify reported complete (`None`:
+    /// changed again since, not complete).
+    complete: HashMap<PathBuf, Option<Stamp>>,
+    /// Manifests named by an event since the last [`Completions::take_changed`].
+    changed: HashSet<PathBuf>,
+    /// Some event since then may have changed any file.
+    everything: bool,
+}
 
 impl Completions {
+    fn events(&self) -> std::sync::MutexGuard<'_, Events> {
+        self.0.lock().expect("completions lock")
+    }
+
     /// Whether `stamp` is the version of `path` that inotify reported complete:
     /// a later write (even one whose event is still on its way) changes the
     /// version.
     pub(super) fn is_complete(&self, path: &Path, stamp: Stamp) -> bool {
-        self.0.lock().expect("completions lock").get(path) == Some(&Some(stamp))
+        self.events().complete.get(path) == Some(&Some(stamp))
     }
 
-    /// Records an inotify event; returns whether it completes a change.
+    /// The manifests events named since the last call, or `None` if some event
+    /// may have changed any file; starts a new record either way.
+    pub(super) fn take_changed(&self) -> Option<HashSet<PathBuf>> {
+        let mut events = self.events();
+        let changed = std::mem::take(&mut events.changed);
+        (!std::mem::take(&mut events.everything)).then_some(changed)
+    }
+
+    /// Records that any file may have changed.
+    pub(super) fn record_everything(&self) {
+        self.events().everything = true;
+    }
+
+    /// Records an inotify event on manifests; returns whether it completes a
+    /// change.
     pub(super) fn record(&self, event: &notify::Event) -> bool {
         use notify::event::{AccessKind, AccessMode, EventKind, ModifyKind, RenameMode};
+        // The kernel's queue overflowed (`IN_Q_OVERFLOW`): events were lost.
+        if event.paths.is_empty() || event.need_rescan() {
+            self.record_everything();
+            return false;
+        }
         let complete = match event.kind {
             EventKind::Access(AccessKind::Close(AccessMode::Write))
             | EventKind::Modify(ModifyKind::Name(RenameMode::To | RenameMode::Both)) => true,
             // Opening reads nothing into the file: another reader (a second
             // agent on the same directory, a backup tool) must not undo a
             // completion. A write after the open reports a data change.
-            EventKind::Access(AccessKind::Open(_)) => return false,
+            EventKind::Access(_) => return false,
             EventKind::Create(_) | EventKind::Modify(ModifyKind::Data(_)) => false,
             EventKind::Remove(_) | EventKind::Modify(ModifyKind::Name(_)) => {
-                let mut files = self.0.lock().expect("completions lock");
+                let mut events = self.events();
                 for path in &event.paths {
-                    files.remove(path);
+                    events.complete.remove(path);
+                    events.changed.insert(path.clone());
                 }
                 return false;
             }
-            _ => return false,
+            // Metadata (a mode or owner change) leaves the version as it was.
+            _ => {
+                self.events().changed.extend(event.paths.iter().cloned());
+                return false;
+            }
         };
         // A rename names the source first: the file now in place is the last path.
         let Some(path) = event.paths.last() else {
@@ -55,10 +102,9 @@ impl Completions {
         };
         // The version completed, as the next scan will see it.
         let stamp = complete.then(|| stamp_of(path).ok()).flatten();
-        self.0
-            .lock()
-            .expect("completions lock")
-            .insert(path.clone(), stamp);
+        let mut events = self.events();
+        events.changed.extend(event.paths.iter().cloned());
+        events.complete.insert(path.clone(), stamp);
         stamp.is_some()
     }
 }
@@ -89,6 +135,9 @@ pub fn watch(
                         .and_then(|n| n.to_str())
                         .is_some_and(|n| n.starts_with(".."))
                 }) && !matches!(e.kind, notify::EventKind::Access(_));
+                if swap {
+                    completions.record_everything();
+                }
                 (swap, false)
             }
             Ok(e) => {
@@ -100,7 +149,10 @@ pub fn watch(
                     complete,
                 )
             }
-            Err(_) => (true, false),
+            Err(_) => {
+                completions.record_everything();
+                (true, false)
+            }
         };
         if changes {
             let _ = tx.try_send(complete);
