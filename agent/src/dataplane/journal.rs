@@ -2,19 +2,21 @@
 //! file that outlives the agent so that `podlink uninstall` can put them back.
 //!
 //! The file is `<state-dir>/sysctls.json` (default state directory
-//! `/run/podlink`, one per node network namespace), rewritten by rename on every
-//! new entry (or batch of entries):
+//! `/run/podlink`, one per node network namespace), in JSON Lines: a header, then
+//! one entry per line. A new entry (or batch of entries) is appended, so a pod's
+//! enrollment costs one small write however many pods the node has; a later
+//! entry for the same sysctl replaces the earlier one. The file is rewritten (by
+//! rename) when entries of gone interfaces are dropped and when it holds the
+//! older single-document format (version 1, still read).
 //!
 //! ```json
-//! {
-//!   "version": 1,
-//!   "sysctls": [
-//!     { "name": "net.ipv4.tcp_early_demux", "original": "1", "set": "0" },
-//!     { "name": "net.ipv4.conf.veth1a2b.accept_local", "original": "0", "set": "1",
-//!       "interface": { "name": "veth1a2b", "ifindex": 7 } }
-//!   ]
-//! }
+//! {"version":2}
+//! {"name":"net.ipv4.tcp_early_demux","original":"1","set":"0"}
+//! {"name":"net.ipv4.conf.veth1a2b.accept_local","original":"0","set":"1","interface":{"name":"veth1a2b","ifindex":7}}
 //! ```
+//!
+//! A last line cut short (an append interrupted by a crash) is ignored: its
+//! sysctl was not changed yet.
 //!
 //! An entry is written before the sysctl is changed, and only when podlink changes
 //! the value; the first original value recorded is kept across agent restarts.
@@ -23,6 +25,7 @@
 //! that index still exists.
 
 use std::{
+    collections::HashMap,
     fs, io,
     path::{Path, PathBuf},
     sync::{Arc, Mutex},
@@ -31,8 +34,11 @@ use std::{
 use anyhow::{Context, Result, bail};
 use serde::{Deserialize, Serialize};
 
-/// Version of the journal file's format.
-const FORMAT_VERSION: u32 = 1;
+/// Version of the journal file's format: JSON Lines.
+const FORMAT_VERSION: u32 = 2;
+/// The earlier format, one JSON document `{"version":1,"sysctls":[...]}`: read,
+/// and rewritten in the current one at the next change.
+const FORMAT_VERSION_DOCUMENT: u32 = 1;
 /// Name of the journal file in the state directory.
 pub const JOURNAL_FILE: &str = "sysctls.json";
 
@@ -65,10 +71,11 @@ struct JournalFile {
     sysctls: Vec<SysctlChange>,
 }
 
-#[derive(Serialize)]
-struct JournalFileRef<'a> {
+/// The first line of the current format.
+#[derive(Debug, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+struct Header {
     version: u32,
-    sysctls: &'a [SysctlChange],
 }
 
 /// Entries below which gone interfaces are not looked for.
@@ -81,6 +88,8 @@ struct Cache {
     entries: Option<Vec<SysctlChange>>,
     /// How many entries were left by the last pass over gone interfaces.
     len_after_prune: usize,
+    /// The file holds `entries` in the current format: new ones may be appended.
+    appendable: bool,
 }
 
 /// What restoring did with one entry.
@@ -146,35 +155,91 @@ impl SysctlJournal {
     /// The entries recorded so far (none when there is no file).
     ///
     /// # Errors
-    /// When the file cannot be read, or is not a journal of a known format (named).
+    /// When the file cannot be read, or is not a journal of a known format (named,
+    /// with the line at fault).
     pub fn entries(&self) -> Result<Vec<SysctlChange>> {
-        let text = match fs::read_to_string(&self.path) {
-            Ok(text) => text,
-            Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(Vec::new()),
-            Err(e) => return Err(e).with_context(|| format!("reading {}", self.path.display())),
-        };
-        let file: JournalFile = serde_json::from_str(&text)
-            .with_context(|| format!("{} is not a sysctl journal", self.path.display()))?;
-        if file.version != FORMAT_VERSION {
-            bail!(
-                "{} has format version {}, this podlink knows {FORMAT_VERSION}",
-                self.path.display(),
-                file.version
-            );
-        }
-        Ok(file.sysctls)
+        Ok(self.read_file()?.0)
     }
 
+    /// The entries, and whether the file is in the current format.
+    fn read_file(&self) -> Result<(Vec<SysctlChange>, bool)> {
+        let text = match fs::read_to_string(&self.path) {
+            Ok(text) => text,
+            Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok((Vec::new(), false)),
+            Err(e) => return Err(e).with_context(|| format!("reading {}", self.path.display())),
+        };
+        let not_a_journal = || format!("{} is not a sysctl journal", self.path.display());
+        let first = text.lines().next().unwrap_or_default();
+        let Ok(header) = serde_json::from_str::<Header>(first) else {
+            let file: JournalFile = serde_json::from_str(&text).with_context(not_a_journal)?;
+            if file.version != FORMAT_VERSION_DOCUMENT {
+                bail!(
+                    "{} has format version {}, this podlink knows {FORMAT_VERSION_DOCUMENT} and {FORMAT_VERSION}",
+                    self.path.display(),
+                    file.version
+                );
+            }
+            return Ok((file.sysctls, false));
+        };
+        if header.version != FORMAT_VERSION {
+            bail!(
+                "{} has format version {}, this podlink knows {FORMAT_VERSION_DOCUMENT} and {FORMAT_VERSION}",
+                self.path.display(),
+                header.version
+            );
+        }
+        // Later entries for a sysctl replace earlier ones.
+        let mut entries: Vec<Option<SysctlChange>> = Vec::new();
+        let mut by_name: HashMap<String, usize> = HashMap::new();
+        let lines: Vec<&str> = text.split('\n').collect();
+        for (i, line) in lines.iter().enumerate().skip(1) {
+            if line.trim().is_empty() {
+                continue;
+            }
+            let change: SysctlChange = match serde_json::from_str(line) {
+                Ok(change) => change,
+                // Cut short by a crash while it was appended: not applied yet.
+                Err(_) if i == lines.len() - 1 => break,
+                Err(e) => {
+                    return Err(e).with_context(|| format!("{}, line {}", not_a_journal(), i + 1));
+                }
+            };
+            if let Some(earlier) = by_name.insert(change.name.clone(), entries.len()) {
+                entries[earlier] = None;
+            }
+            entries.push(Some(change));
+        }
+        Ok((entries.into_iter().flatten().collect(), true))
+    }
+
+    /// Rewrites the file with `sysctls` (by rename).
     fn store(&self, sysctls: &[SysctlChange]) -> Result<()> {
         let dir = self.path.parent().unwrap_or(Path::new("."));
         fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
-        let text = serde_json::to_string_pretty(&JournalFileRef {
+        let mut text = serde_json::to_string(&Header {
             version: FORMAT_VERSION,
-            sysctls,
         })?;
+        text.push('\n');
+        append_lines(&mut text, sysctls)?;
         let tmp = self.path.with_extension("json.partial");
-        fs::write(&tmp, text + "\n").with_context(|| format!("writing {}", tmp.display()))?;
+        fs::write(&tmp, text).with_context(|| format!("writing {}", tmp.display()))?;
         fs::rename(&tmp, &self.path).with_context(|| format!("writing {}", self.path.display()))
+    }
+
+    /// Appends `sysctls` to the file in one write. Returns false if the file is
+    /// gone (it must be written whole).
+    fn append(&self, sysctls: &[SysctlChange]) -> Result<bool> {
+        use std::io::Write;
+        let mut file = match fs::OpenOptions::new().append(true).open(&self.path) {
+            Ok(file) => file,
+            Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(false),
+            Err(e) => return Err(e).with_context(|| format!("writing {}", self.path.display())),
+        };
+        let mut text = String::new();
+        append_lines(&mut text, sysctls)?;
+        file.write_all(text.as_bytes())
+            .with_context(|| format!("writing {}", self.path.display()))?;
+        Ok(true)
     }
 
     /// Sets sysctl `name` to `value`, first recording its original value when this
@@ -214,45 +279,63 @@ impl SysctlJournal {
         if pending.is_empty() {
             return Ok(previous);
         }
-        let mut cache = self.cache.lock().unwrap_or_else(|e| e.into_inner());
-        if cache.entries.is_none() {
-            cache.entries = Some(self.entries()?);
-        }
-        let mut entries = cache.entries.clone().unwrap_or_default();
-        let mut changed = false;
-        for (name, value, interface, current) in &pending {
-            let known = entries
-                .iter()
-                .any(|e| e.name == *name && e.interface == *interface && e.set == *value);
-            if known {
-                continue;
+        let mut guard = self.cache.lock().unwrap_or_else(|e| e.into_inner());
+        let cache = &mut *guard;
+        let entries = match &mut cache.entries {
+            Some(entries) => entries,
+            None => {
+                let (entries, appendable) = self.read_file()?;
+                cache.appendable = appendable;
+                cache.entries.insert(entries)
             }
-            entries.retain(|e| e.name != *name);
-            entries.push(SysctlChange {
+        };
+        let new: Vec<SysctlChange> = pending
+            .iter()
+            .filter(|(name, value, interface, _)| {
+                !entries
+                    .iter()
+                    .any(|e| e.name == *name && e.interface == *interface && e.set == *value)
+            })
+            .map(|(name, value, interface, current)| SysctlChange {
                 name: name.clone(),
                 original: current.clone(),
                 set: value.to_string(),
                 interface: interface.clone(),
-            });
-            changed = true;
-        }
-        if changed {
-            let prune = entries.len() >= (2 * cache.len_after_prune).max(PRUNE_MIN_ENTRIES);
-            if prune {
-                // Entries of interfaces that are gone are of no more use.
-                entries.retain(|e| {
-                    e.interface
-                        .as_ref()
-                        .is_none_or(|i| interface_index(&i.name) == Some(i.ifindex))
-                });
+            })
+            .collect();
+        if !new.is_empty() {
+            let names: std::collections::HashSet<String> =
+                new.iter().map(|n| n.name.clone()).collect();
+            let replaces = |e: &SysctlChange| names.contains(&e.name);
+            let after = entries.len() - entries.iter().filter(|e| replaces(e)).count() + new.len();
+            let prune = after >= (2 * cache.len_after_prune).max(PRUNE_MIN_ENTRIES);
+            if !prune && cache.appendable && self.append(&new)? {
+                entries.retain(|e| !replaces(e));
+                entries.extend(new);
+            } else {
+                let mut all: Vec<SysctlChange> = entries
+                    .iter()
+                    .filter(|e| !replaces(e))
+                    .cloned()
+                    .chain(new)
+                    .collect();
+                if prune {
+                    // Entries of interfaces that are gone are of no more use.
+                    all.retain(|e| {
+                        e.interface
+                            .as_ref()
+                            .is_none_or(|i| interface_index(&i.name) == Some(i.ifindex))
+                    });
+                }
+                self.store(&all)?;
+                if prune {
+                    cache.len_after_prune = all.len();
+                }
+                *entries = all;
+                cache.appendable = true;
             }
-            self.store(&entries)?;
-            if prune {
-                cache.len_after_prune = entries.len();
-            }
-            cache.entries = Some(entries);
         }
-        drop(cache);
+        drop(guard);
         for (name, value, _, _) in &pending {
             self.write(name, value)?;
         }
@@ -299,6 +382,15 @@ impl SysctlJournal {
         }
         Ok(done)
     }
+}
+
+/// Writes each of `sysctls` as a line of JSON.
+fn append_lines(text: &mut String, sysctls: &[SysctlChange]) -> Result<()> {
+    for change in sysctls {
+        text.push_str(&serde_json::to_string(change)?);
+        text.push('\n');
+    }
+    Ok(())
 }
 
 fn interface_index(name: &str) -> Option<u32> {
@@ -492,6 +584,91 @@ mod tests {
         j.set("net.ipv4.conf.lo.rp_filter", "0", Some(lo)).unwrap();
         assert_eq!(j.entries().unwrap().len(), 1);
         assert_eq!(j.read("net.ipv4.conf.lo.rp_filter").unwrap(), "0");
+    }
+
+    #[test]
+    fn changes_are_appended_and_a_later_entry_replaces_an_earlier_one() {
+        let (_dir, j) = fake(&[
+            ("net.ipv4.tcp_early_demux", "1"),
+            ("net.ipv4.conf.lo.rp_filter", "1"),
+        ]);
+        let lo = |ifindex| Interface {
+            name: "lo".into(),
+            ifindex,
+        };
+        j.set("net.ipv4.tcp_early_demux", "0", None).unwrap();
+        let first = fs::read_to_string(j.path()).unwrap();
+        assert_eq!(first.lines().count(), 2, "{first}");
+        j.set("net.ipv4.conf.lo.rp_filter", "0", Some(lo(7)))
+            .unwrap();
+        // The interface came back under another index: a new entry.
+        j.write("net.ipv4.conf.lo.rp_filter", "1").unwrap();
+        j.set("net.ipv4.conf.lo.rp_filter", "0", Some(lo(1)))
+            .unwrap();
+        let text = fs::read_to_string(j.path()).unwrap();
+        assert!(text.starts_with(&first), "appended, not rewritten:\n{text}");
+        assert_eq!(text.lines().count(), 4, "{text}");
+        // Another process reads the last entry of each sysctl.
+        let other = SysctlJournal {
+            cache: Arc::default(),
+            ..j.clone()
+        };
+        let entries = other.entries().unwrap();
+        assert_eq!(entries.len(), 2, "{entries:?}");
+        assert_eq!(entries[1].interface, Some(lo(1)));
+        assert_eq!(entries, j.cache.lock().unwrap().entries.clone().unwrap());
+    }
+
+    #[test]
+    fn a_version_1_journal_is_read_and_rewritten_in_the_current_format() {
+        let (_dir, j) = fake(&[
+            ("net.ipv4.tcp_early_demux", "0"),
+            ("net.ipv4.ip_forward", "0"),
+        ]);
+        fs::create_dir_all(j.path().parent().unwrap()).unwrap();
+        let v1 = r#"{
+  "version": 1,
+  "sysctls": [
+    { "name": "net.ipv4.tcp_early_demux", "original": "1", "set": "0" }
+  ]
+}
+"#;
+        fs::write(j.path(), v1).unwrap();
+        assert_eq!(j.entries().unwrap().len(), 1);
+        j.set("net.ipv4.ip_forward", "1", None).unwrap();
+        let text = fs::read_to_string(j.path()).unwrap();
+        assert!(text.starts_with("{\"version\":2}\n"), "{text}");
+        let names: Vec<String> = j.entries().unwrap().into_iter().map(|e| e.name).collect();
+        assert_eq!(names, ["net.ipv4.tcp_early_demux", "net.ipv4.ip_forward"]);
+        // What uninstall does with it: the original of each is back.
+        j.restore().unwrap();
+        assert_eq!(j.read("net.ipv4.tcp_early_demux").unwrap(), "1");
+        assert_eq!(j.read("net.ipv4.ip_forward").unwrap(), "0");
+    }
+
+    #[test]
+    fn a_last_line_cut_short_is_ignored_and_a_bad_line_elsewhere_is_refused() {
+        let (_dir, j) = fake(&[]);
+        fs::create_dir_all(j.path().parent().unwrap()).unwrap();
+        let good = r#"{"name":"net.ipv4.ip_forward","original":"0","set":"1"}"#;
+        fs::write(
+            j.path(),
+            format!("{{\"version\":2}}\n{good}\n{{\"name\":\"net.ipv4.tcp_ea"),
+        )
+        .unwrap();
+        let entries = j.entries().unwrap();
+        assert_eq!(entries.len(), 1);
+        assert_eq!(entries[0].name, "net.ipv4.ip_forward");
+        fs::write(
+            j.path(),
+            format!("{{\"version\":2}}\n{{\"name\":7}}\n{good}\n"),
+        )
+        .unwrap();
+        let error = format!("{:#}", j.entries().unwrap_err());
+        assert!(error.contains("line 2"), "{error}");
+        fs::write(j.path(), "{\"version\":3}\n").unwrap();
+        let error = format!("{:#}", j.entries().unwrap_err());
+        assert!(error.contains("format version 3"), "{error}");
     }
 
     #[test]
