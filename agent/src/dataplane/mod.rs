@@ -162,6 +162,11 @@ pub struct Dataplane {
     /// Pinned links of a previous agent, moved to this agent's programs, not yet
     /// claimed by a pod.
     adopted: HashMap<(u32, &'static str), (PathBuf, FdLink)>,
+    /// The pods map's entries of a previous agent were swept (once the workload
+    /// source could tell which pods are gone). Only this agent writes the map
+    /// while it holds the pin directory's lock, so none appear later, and the
+    /// map (one system call per key) is not walked again.
+    previous_swept: bool,
     tcx: bool,
     rcu: ExpeditedAttach,
 }
@@ -271,6 +276,7 @@ impl Dataplane {
             config_map,
             attached: HashMap::new(),
             adopted: HashMap::new(),
+            previous_swept: false,
             tcx,
             rcu,
         };
@@ -446,14 +452,17 @@ impl Dataplane {
             return;
         }
         // Entries of a previous agent for pods that are gone.
-        let stale: Vec<u32> = self
-            .pods
-            .keys()
-            .filter_map(Result::ok)
-            .filter(|i| !wanted_by_ifindex.contains_key(i))
-            .collect();
-        for ifindex in stale {
-            self.unenroll(ifindex);
+        if !self.previous_swept {
+            let stale: Vec<u32> = self
+                .pods
+                .keys()
+                .filter_map(Result::ok)
+                .filter(|i| !wanted_by_ifindex.contains_key(i))
+                .collect();
+            for ifindex in stale {
+                self.unenroll(ifindex);
+            }
+            self.previous_swept = true;
         }
         let unclaimed: Vec<(u32, &'static str)> = self
             .adopted
