@@ -15,8 +15,12 @@
 //! {"name":"net.ipv4.conf.veth1a2b.accept_local","original":"0","set":"1","interface":{"name":"veth1a2b","ifindex":7}}
 //! ```
 //!
-//! A last line cut short (an append interrupted by a crash) is ignored: its
-//! sysctl was not changed yet.
+//! A last line cut short (an append interrupted by a crash, or one that failed
+//! part way) is ignored: its sysctl was not changed yet. The next change then
+//! rewrites the file (by rename) rather than appending after the fragment. An
+//! empty file (created but never written before a power loss) holds no entries.
+//! Nothing is synced to disk: the default state directory is a tmpfs, whose
+//! contents go with the sysctls they describe at a reboot.
 //!
 //! An entry is written before the sysctl is changed, and only when podlink changes
 //! the value; the first original value recorded is kept across agent restarts.
@@ -161,13 +165,20 @@ impl SysctlJournal {
         Ok(self.read_file()?.0)
     }
 
-    /// The entries, and whether the file is in the current format.
+    /// The entries, and whether the file can be appended to: it is in the current
+    /// format and ends with a whole line.
     fn read_file(&self) -> Result<(Vec<SysctlChange>, bool)> {
         let text = match fs::read_to_string(&self.path) {
             Ok(text) => text,
             Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok((Vec::new(), false)),
             Err(e) => return Err(e).with_context(|| format!("reading {}", self.path.display())),
         };
+        if text
+            .trim_matches(|c: char| c.is_whitespace() || c == '\0')
+            .is_empty()
+        {
+            return Ok((Vec::new(), false));
+        }
         let not_a_journal = || format!("{} is not a sysctl journal", self.path.display());
         let first = text.lines().next().unwrap_or_default();
         let Ok(header) = serde_json::from_str::<Header>(first) else {
@@ -209,7 +220,10 @@ impl SysctlJournal {
             }
             entries.push(Some(change));
         }
-        Ok((entries.into_iter().flatten().collect(), true))
+        Ok((
+            entries.into_iter().flatten().collect(),
+            text.ends_with('\n'),
+        ))
     }
 
     /// Rewrites the file with `sysctls` (by rename).
@@ -309,7 +323,14 @@ impl SysctlJournal {
             let replaces = |e: &SysctlChange| names.contains(&e.name);
             let after = entries.len() - entries.iter().filter(|e| replaces(e)).count() + new.len();
             let prune = after >= (2 * cache.len_after_prune).max(PRUNE_MIN_ENTRIES);
-            if !prune && cache.appendable && self.append(&new)? {
+            let appended = !prune && cache.appendable && {
+                // A failed append may leave part of a line: write the file whole
+                // from then on.
+                let appended = self.append(&new);
+                cache.appendable = matches!(appended, Ok(true));
+                appended?
+            };
+            if appended {
                 entries.retain(|e| !replaces(e));
                 entries.extend(new);
             } else {
@@ -669,6 +690,34 @@ mod tests {
         fs::write(j.path(), "{\"version\":3}\n").unwrap();
         let error = format!("{:#}", j.entries().unwrap_err());
         assert!(error.contains("format version 3"), "{error}");
+    }
+
+    #[test]
+    fn after_a_line_cut_short_the_next_change_rewrites_the_file() {
+        let (_dir, j) = fake(&[
+            ("net.ipv4.tcp_early_demux", "1"),
+            ("net.ipv4.ip_forward", "0"),
+        ]);
+        fs::create_dir_all(j.path().parent().unwrap()).unwrap();
+        // A power loss left an empty file: no entries, and a change is recorded.
+        fs::write(j.path(), "").unwrap();
+        assert_eq!(j.entries().unwrap(), []);
+        j.set("net.ipv4.tcp_early_demux", "0", None).unwrap();
+        // An append was cut short after it.
+        let mut text = fs::read_to_string(j.path()).unwrap();
+        text.push_str("{\"name\":\"net.ipv4.conf.lo.rp_f");
+        fs::write(j.path(), &text).unwrap();
+        let restarted = SysctlJournal {
+            cache: Arc::default(),
+            ..j.clone()
+        };
+        restarted.set("net.ipv4.ip_forward", "1", None).unwrap();
+        let text = fs::read_to_string(j.path()).unwrap();
+        assert!(!text.contains("rp_f"), "the fragment is gone:\n{text}");
+        let names: Vec<String> = j.entries().unwrap().into_iter().map(|e| e.name).collect();
+        assert_eq!(names, ["net.ipv4.tcp_early_demux", "net.ipv4.ip_forward"]);
+        // Appending works again after the rewrite.
+        assert!(restarted.cache.lock().unwrap().appendable);
     }
 
     #[test]

@@ -44,7 +44,8 @@ use anyhow::{Context, Result, anyhow, bail};
 use aya::{
     Ebpf, EbpfLoader,
     maps::{
-        Array, HashMap as BpfHashMap, LpmTrie, MapData, PerCpuHashMap, PerCpuValues, lpm_trie::Key,
+        Array, HashMap as BpfHashMap, LpmTrie, MapData, MapError, PerCpuHashMap, PerCpuValues,
+        lpm_trie::Key,
     },
     programs::{
         LinkOrder, SchedClassifier, TcAttachType,
@@ -163,9 +164,11 @@ pub struct Dataplane {
     /// claimed by a pod.
     adopted: HashMap<(u32, &'static str), (PathBuf, FdLink)>,
     /// The pods map's entries of a previous agent were swept (once the workload
-    /// source could tell which pods are gone). Only this agent writes the map
-    /// while it holds the pin directory's lock, so none appear later, and the
-    /// map (one system call per key) is not walked again.
+    /// source could tell which pods are gone), the whole map read and every stale
+    /// entry removed. Only this agent writes the map while it holds the pin
+    /// directory's lock, and it removes what it wrote for a pod whose enrollment
+    /// fails, so no stale entry appears later and the map (one system call per
+    /// key) is not walked again.
     previous_swept: bool,
     tcx: bool,
     rcu: ExpeditedAttach,
@@ -371,10 +374,31 @@ impl Dataplane {
         })
     }
 
+    /// Writes `pod`'s map entries, its host veth's sysctls, and attaches both
+    /// programs. On error, the pod's map entries are removed again.
     fn enroll(&mut self, pod: &CapturedPod) -> Result<()> {
-        let info = pod.info();
+        match self.write_and_attach(pod) {
+            Ok(links) => {
+                self.attached.insert(
+                    pod.ifindex,
+                    Attachment {
+                        pod: pod.clone(),
+                        links,
+                    },
+                );
+                Ok(())
+            }
+            Err(e) => {
+                let _ = self.pods.remove(&pod.ifindex);
+                let _ = self.counters.remove(&pod.ifindex);
+                Err(e)
+            }
+        }
+    }
+
+    fn write_and_attach(&mut self, pod: &CapturedPod) -> Result<Vec<Link>> {
         self.pods
-            .insert(pod.ifindex, info, 0)
+            .insert(pod.ifindex, pod.info(), 0)
             .context("writing the pods map")?;
         if self.counters.get(&pod.ifindex, 0).is_err() {
             let cpus = aya::util::nr_cpus().map_err(|(what, e)| anyhow!("{what}: {e}"))?;
@@ -395,21 +419,12 @@ impl Dataplane {
                 Ok(link) => links.push(link),
                 Err(e) => {
                     Self::detach_links(links);
-                    let _ = self.pods.remove(&pod.ifindex);
-                    let _ = self.counters.remove(&pod.ifindex);
                     return Err(e);
                 }
             }
         }
         drop(window);
-        self.attached.insert(
-            pod.ifindex,
-            Attachment {
-                pod: pod.clone(),
-                links,
-            },
-        );
-        Ok(())
+        Ok(links)
     }
 
     fn detach_links(links: Vec<Link>) {
@@ -453,16 +468,29 @@ impl Dataplane {
         }
         // Entries of a previous agent for pods that are gone.
         if !self.previous_swept {
-            let stale: Vec<u32> = self
-                .pods
-                .keys()
-                .filter_map(Result::ok)
-                .filter(|i| !wanted_by_ifindex.contains_key(i))
-                .collect();
+            // Swept again at the next reconcile unless the whole map was read and
+            // every stale entry is gone.
+            let mut complete = true;
+            let mut stale = Vec::new();
+            for key in self.pods.keys() {
+                match key {
+                    Ok(i) if !wanted_by_ifindex.contains_key(&i) => stale.push(i),
+                    Ok(_) => {}
+                    Err(e) => {
+                        tracing::warn!("reading the pods map's keys: {e}");
+                        complete = false;
+                        break;
+                    }
+                }
+            }
             for ifindex in stale {
                 self.unenroll(ifindex);
+                if !matches!(self.pods.get(&ifindex, 0), Err(MapError::KeyNotFound)) {
+                    tracing::warn!(ifindex, "removing a previous agent's pods map entry failed");
+                    complete = false;
+                }
             }
-            self.previous_swept = true;
+            self.previous_swept = complete;
         }
         let unclaimed: Vec<(u32, &'static str)> = self
             .adopted

@@ -16,8 +16,10 @@
 //! Files are re-read only when their size, modification time or inode changed.
 //! When watched, a rescan looks only at the files inotify named since the last
 //! one (one `stat` each), and at every file (listing the directory, one `stat`
-//! per file) at the first rescan, after an event that names no file (the event
-//! queue overflowed, a ConfigMap volume swapped its data), after
+//! per file) at the first rescan, after an event that names no manifest of the
+//! directory but may change them (the event queue overflowed, a ConfigMap
+//! volume swapped its `..data` link, the directory itself was moved or removed),
+//! after
 //! [`ManifestDir::resync`] (the agent's periodic resync while nothing changes,
 //! every [`RESYNC`]) and once [`FULL_RESCAN_MAX_AGE`] has passed since the last
 //! such full rescan. Parsing is in [`parse`].
@@ -227,7 +229,8 @@ impl ManifestDir {
     /// The files a rescan looks at: `None` for every file (the directory is
     /// listed), else those inotify named since the last rescan and those whose
     /// change waits or that could not be read. Every file at the first rescan,
-    /// without inotify, after an event that names no file, after
+    /// without inotify, after an event that names no manifest but may change
+    /// them, after
     /// [`ManifestDir::resync`], once [`FULL_RESCAN_MAX_AGE`] has
     /// passed since the last full rescan, and when the directory is no longer
     /// one (the full rescan reports it).
@@ -330,6 +333,8 @@ impl ManifestDir {
                     seen
                 }
                 Err(e) => {
+                    // What made this rescan look at every file still holds.
+                    self.full_scan_at = None;
                     rescan.errors.push(ManifestError {
                         file: self.dir.clone(),
                         line: 0,
@@ -547,8 +552,10 @@ impl ManifestDir {
 pub const RESYNC: Duration = Duration::from_secs(2);
 
 /// The longest time between two rescans that look at every file, however busy
-/// the directory is (its changes keep the agent from resyncing).
-pub const FULL_RESCAN_MAX_AGE: Duration = Duration::from_secs(30);
+/// the agent is (changes, settling files or a pod's retries keep it from
+/// resyncing): the delay of a change no event in the directory names, such as a
+/// manifest symlink's target outside it.
+pub const FULL_RESCAN_MAX_AGE: Duration = Duration::from_secs(10);
 
 #[cfg(test)]
 mod tests {
@@ -907,6 +914,21 @@ mod tests {
         tokio::time::sleep(Duration::from_millis(20)).await;
         assert!(source.rescan().changed);
         assert_eq!(name(&source).as_deref(), Some("two"));
+    }
+
+    #[tokio::test]
+    async fn the_directory_moved_away_makes_the_next_rescan_look_at_every_file() {
+        let guard = tempfile::tempdir().unwrap();
+        let dir = guard.path().join("manifests");
+        fs::create_dir(&dir).unwrap();
+        let completions = Completions::default();
+        let (_watcher, mut events) = watch(&dir, completions.clone()).unwrap();
+        assert_eq!(completions.take_changed(), Some(HashSet::new()));
+        fs::rename(&dir, guard.path().join("elsewhere")).unwrap();
+        tokio::time::timeout(Duration::from_secs(5), events.recv())
+            .await
+            .expect("no inotify event");
+        assert_eq!(completions.take_changed(), None, "every file");
     }
 
     #[test]

@@ -122,6 +122,7 @@ pub fn watch(
     completions: Completions,
 ) -> notify::Result<(notify::RecommendedWatcher, mpsc::Receiver<bool>)> {
     let (tx, rx) = mpsc::channel(16);
+    let watched = dir.to_path_buf();
     let mut watcher = notify::recommended_watcher(move |event: notify::Result<notify::Event>| {
         let (changes, complete) = match &event {
             // Not a manifest: a writer's temporary file, whose rename into place is
@@ -130,10 +131,13 @@ pub fn watch(
             Ok(e) if !e.paths.is_empty() && !e.paths.iter().any(|p| is_manifest(p)) => {
                 // Kubernetes' atomic writer names these `..data`, `..data_tmp` and
                 // `..<timestamp>`.
+                // An event on the directory itself (moved, removed) may change
+                // every file as well.
                 let swap = e.paths.iter().any(|p| {
-                    p.file_name()
-                        .and_then(|n| n.to_str())
-                        .is_some_and(|n| n.starts_with(".."))
+                    *p == watched
+                        || p.file_name()
+                            .and_then(|n| n.to_str())
+                            .is_some_and(|n| n.starts_with(".."))
                 }) && !matches!(e.kind, notify::EventKind::Access(_));
                 if swap {
                     completions.record_everything();
