@@ -917,6 +917,27 @@ mod tests {
     }
 
     #[tokio::test]
+    async fn a_manifest_written_and_renamed_into_place_is_all_the_next_rescan_looks_at() {
+        let guard = tempfile::tempdir().unwrap();
+        let dir = guard.path().join("manifests");
+        fs::create_dir(&dir).unwrap();
+        let completions = Completions::default();
+        let mut source = ManifestDir::new(&dir)
+            .unwrap()
+            .with_completions(completions.clone());
+        let (_watcher, mut events) = watch(&dir, completions.clone()).unwrap();
+        source.rescan();
+        fs::write(dir.join("pod.partial"), POD).unwrap();
+        fs::rename(dir.join("pod.partial"), dir.join("pod.yaml")).unwrap();
+        tokio::time::timeout(Duration::from_secs(5), events.recv())
+            .await
+            .expect("no inotify event");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        let scope = source.scope(Instant::now());
+        assert_eq!(scope, Some(HashSet::from([dir.join("pod.yaml")])));
+    }
+
+    #[tokio::test]
     async fn the_directory_moved_away_makes_the_next_rescan_look_at_every_file() {
         let guard = tempfile::tempdir().unwrap();
         let dir = guard.path().join("manifests");
