@@ -207,6 +207,24 @@ pub async fn run(cfg: AgentConfig) -> Result<()> {
         bind("readiness", cfg.readiness_address).await?,
         server::readiness(readiness.clone()),
     ));
+    let journal = SysctlJournal::new(&cfg.state_dir);
+    let netlink = Netlink::open()?;
+    let network = netlink
+        .read(true)
+        .await
+        .context("reading the node's network")?;
+    // Takes the pin directory's lock first: the node's routing and sysctls are
+    // changed only by the agent holding it, never while `podlink uninstall` (which
+    // takes it too) puts them back.
+    let dataplane = Dataplane::load(&DataplaneConfig {
+        pin_dir: cfg.pin_dir.clone(),
+        journal: journal.clone(),
+        config: Config::with_defaults(if cfg.fail_open { CONFIG_FAIL_OPEN } else { 0 }),
+        node_addrs: network.addrs.clone(),
+        excluded_cidrs: cfg.excluded_cidrs.clone(),
+        excluded_ports: cfg.excluded_ports.clone(),
+        expedite_attach: cfg.expedite_attach,
+    })?;
     net::install_policy_routing(
         REDIRECT_MARK,
         REDIRECT_MARK_MASK,
@@ -214,22 +232,7 @@ pub async fn run(cfg: AgentConfig) -> Result<()> {
         RULE_PRIORITY,
     )
     .context("installing policy routing")?;
-    let journal = SysctlJournal::new(&cfg.state_dir);
     net::apply_node_sysctls(&journal)?;
-    let netlink = Netlink::open()?;
-    let network = netlink
-        .read(true)
-        .await
-        .context("reading the node's network")?;
-    let dataplane = Dataplane::load(&DataplaneConfig {
-        pin_dir: cfg.pin_dir.clone(),
-        journal,
-        config: Config::with_defaults(if cfg.fail_open { CONFIG_FAIL_OPEN } else { 0 }),
-        node_addrs: network.addrs.clone(),
-        excluded_cidrs: cfg.excluded_cidrs.clone(),
-        excluded_ports: cfg.excluded_ports.clone(),
-        expedite_attach: cfg.expedite_attach,
-    })?;
     let state = Arc::new(ProxyState::new(proxy_config, certs));
     let maps = match DataplaneMaps::new(&dataplane) {
         Ok(maps) => Some(Arc::new(std::sync::Mutex::new(maps))),

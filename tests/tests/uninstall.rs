@@ -1,7 +1,8 @@
 //! `podlink uninstall` leaves nothing of podlink's on a node — no TCX program, no
 //! link, no pin, no policy routing, sysctls as they were, no `podlink-cni` in the
 //! CNI configuration — and pods talk directly again. It refuses while an agent
-//! runs, and running it twice is harmless.
+//! runs, an agent refused by the pin directory's lock changes nothing, and
+//! running it twice is harmless.
 
 use std::{fs, net::IpAddr, process::Command};
 
@@ -118,6 +119,32 @@ fn uninstall_removes_every_trace_and_pods_talk_directly() {
 
     c.stop_agent(0).unwrap();
     c.stop_agent(1).unwrap();
+    // An agent that starts while the pin directory is locked (as uninstall locks
+    // it) is refused before it changes the node: early demux, which it turns off,
+    // stays on.
+    let demux = "net.ipv4.tcp_early_demux";
+    netns::run(netns::command_in(&node.netns, "sysctl").args(["-q", "-w", &format!("{demux}=1")]))
+        .unwrap();
+    let dir = fs::File::open(&node.pin_dir).unwrap();
+    // SAFETY: flock(2) on a descriptor this test owns; released when it is closed.
+    let locked = unsafe {
+        libc::flock(
+            std::os::fd::AsRawFd::as_raw_fd(&dir),
+            libc::LOCK_EX | libc::LOCK_NB,
+        )
+    };
+    assert_eq!(locked, 0, "{}", std::io::Error::last_os_error());
+    let started = c.start_agent(0);
+    drop(dir);
+    let error = format!(
+        "{:#}",
+        started.expect_err("started on a locked pin directory")
+    );
+    assert!(error.contains("agent is running"), "{error}");
+    assert_eq!(sysctl(&node.netns, demux), "1");
+    // Back to the agent's value, which uninstall puts back to the original.
+    netns::run(netns::command_in(&node.netns, "sysctl").args(["-q", "-w", &format!("{demux}=0")]))
+        .unwrap();
     // The marker an agent killed inside an expedited-RCU window leaves: removed.
     // Planted only while the knob is 0, so that uninstall has no 1 to put back:
     // the machine's own setting is not the test's to change.
