@@ -34,7 +34,7 @@ use pins::{link_pin_name, parse_link_pin_name};
 use rcu::ExpeditedAttach;
 
 use std::{
-    collections::HashMap,
+    collections::{HashMap, HashSet},
     fs::{self, File},
     net::Ipv4Addr,
     path::{Path, PathBuf},
@@ -166,10 +166,15 @@ pub struct Dataplane {
     /// The pods map's entries of a previous agent were swept (once the workload
     /// source could tell which pods are gone), the whole map read and every stale
     /// entry removed. Only this agent writes the map while it holds the pin
-    /// directory's lock, and it removes what it wrote for a pod whose enrollment
-    /// fails, so no stale entry appears later and the map (one system call per
-    /// key) is not walked again.
+    /// directory's lock, and it tracks what it wrote for a pod whose enrollment
+    /// failed (`unattached`), so no untracked entry appears later and the map
+    /// (one system call per key) is not walked again.
     previous_swept: bool,
+    /// Pods (by host veth ifindex) whose map entries this agent wrote but whose
+    /// enrollment failed after that: retried while wanted, removed when not. Their
+    /// entries stay meanwhile, so that a pod a previous agent captured (its links
+    /// adopted) stays captured.
+    unattached: HashSet<u32>,
     tcx: bool,
     rcu: ExpeditedAttach,
 }
@@ -280,6 +285,7 @@ impl Dataplane {
             attached: HashMap::new(),
             adopted: HashMap::new(),
             previous_swept: false,
+            unattached: HashSet::new(),
             tcx,
             rcu,
         };
@@ -375,30 +381,13 @@ impl Dataplane {
     }
 
     /// Writes `pod`'s map entries, its host veth's sysctls, and attaches both
-    /// programs. On error, the pod's map entries are removed again.
+    /// programs. On error the pod is `unattached` (its entries removed if an
+    /// attachment failed).
     fn enroll(&mut self, pod: &CapturedPod) -> Result<()> {
-        match self.write_and_attach(pod) {
-            Ok(links) => {
-                self.attached.insert(
-                    pod.ifindex,
-                    Attachment {
-                        pod: pod.clone(),
-                        links,
-                    },
-                );
-                Ok(())
-            }
-            Err(e) => {
-                let _ = self.pods.remove(&pod.ifindex);
-                let _ = self.counters.remove(&pod.ifindex);
-                Err(e)
-            }
-        }
-    }
-
-    fn write_and_attach(&mut self, pod: &CapturedPod) -> Result<Vec<Link>> {
+        self.unattached.insert(pod.ifindex);
+        let info = pod.info();
         self.pods
-            .insert(pod.ifindex, pod.info(), 0)
+            .insert(pod.ifindex, info, 0)
             .context("writing the pods map")?;
         if self.counters.get(&pod.ifindex, 0).is_err() {
             let cpus = aya::util::nr_cpus().map_err(|(what, e)| anyhow!("{what}: {e}"))?;
@@ -419,12 +408,22 @@ impl Dataplane {
                 Ok(link) => links.push(link),
                 Err(e) => {
                     Self::detach_links(links);
+                    let _ = self.pods.remove(&pod.ifindex);
+                    let _ = self.counters.remove(&pod.ifindex);
                     return Err(e);
                 }
             }
         }
         drop(window);
-        Ok(links)
+        self.unattached.remove(&pod.ifindex);
+        self.attached.insert(
+            pod.ifindex,
+            Attachment {
+                pod: pod.clone(),
+                links,
+            },
+        );
+        Ok(())
     }
 
     fn detach_links(links: Vec<Link>) {
@@ -438,6 +437,7 @@ impl Dataplane {
     }
 
     fn unenroll(&mut self, ifindex: u32) {
+        self.unattached.remove(&ifindex);
         if let Some(attachment) = self.attached.remove(&ifindex) {
             Self::detach_links(attachment.links);
             tracing::info!(workload = %attachment.pod.workload, ifname = %attachment.pod.ifname, "detached");
@@ -457,6 +457,7 @@ impl Dataplane {
         let gone: Vec<u32> = self
             .attached
             .keys()
+            .chain(&self.unattached)
             .filter(|i| !wanted_by_ifindex.contains_key(i))
             .copied()
             .collect();
