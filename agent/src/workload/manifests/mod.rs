@@ -916,16 +916,30 @@ mod tests {
         assert_eq!(name(&source).as_deref(), Some("two"));
     }
 
-    #[tokio::test]
-    async fn a_manifest_written_and_renamed_into_place_is_all_the_next_rescan_looks_at() {
+    /// A `manifests` directory in a temporary one, watched through real inotify.
+    type Watched = (
+        tempfile::TempDir,
+        PathBuf,
+        Completions,
+        notify::RecommendedWatcher,
+        tokio::sync::mpsc::Receiver<bool>,
+    );
+
+    fn watched_dir() -> Watched {
         let guard = tempfile::tempdir().unwrap();
         let dir = guard.path().join("manifests");
         fs::create_dir(&dir).unwrap();
         let completions = Completions::default();
+        let (watcher, events) = watch(&dir, completions.clone()).unwrap();
+        (guard, dir, completions, watcher, events)
+    }
+
+    #[tokio::test]
+    async fn a_manifest_written_and_renamed_into_place_is_all_the_next_rescan_looks_at() {
+        let (_guard, dir, completions, _watcher, mut events) = watched_dir();
         let mut source = ManifestDir::new(&dir)
             .unwrap()
-            .with_completions(completions.clone());
-        let (_watcher, mut events) = watch(&dir, completions.clone()).unwrap();
+            .with_completions(completions);
         source.rescan();
         fs::write(dir.join("pod.partial"), POD).unwrap();
         fs::rename(dir.join("pod.partial"), dir.join("pod.yaml")).unwrap();
@@ -939,11 +953,7 @@ mod tests {
 
     #[tokio::test]
     async fn the_directory_moved_away_makes_the_next_rescan_look_at_every_file() {
-        let guard = tempfile::tempdir().unwrap();
-        let dir = guard.path().join("manifests");
-        fs::create_dir(&dir).unwrap();
-        let completions = Completions::default();
-        let (_watcher, mut events) = watch(&dir, completions.clone()).unwrap();
+        let (guard, dir, completions, _watcher, mut events) = watched_dir();
         assert_eq!(completions.take_changed(), Some(HashSet::new()));
         fs::rename(&dir, guard.path().join("elsewhere")).unwrap();
         tokio::time::timeout(Duration::from_secs(5), events.recv())
