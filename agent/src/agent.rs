@@ -520,7 +520,7 @@ impl Reconciler {
         rescan.changed |= self.cni.take_changed();
         if rescan.changed || first {
             let pods = self.cni.pods(source.pods());
-            let (index, warnings) = WorkloadIndex::build(
+            let (index, warnings) = self.index.rebuild(
                 &self.node,
                 &self.trust_domain,
                 pods.iter().map(|p| &**p),
@@ -651,9 +651,10 @@ impl Reconciler {
         }
         source.captured(&captured);
         self.attached = captured;
-        let live: HashSet<String> = self.index.workloads().map(|w| w.key()).collect();
-        self.workload_ids.retain(|k, _| live.contains(k));
-        self.warned.retain(|k| live.contains(k));
+        let index = self.index.clone();
+        let live: HashSet<&str> = index.workloads().map(|w| w.key()).collect();
+        self.workload_ids.retain(|k, _| live.contains(k.as_str()));
+        self.warned.retain(|k| live.contains(k.as_str()));
         self.pending_retry = (retry || removal == Removal::Nothing).then(|| {
             self.pending_retry
                 .map_or(PENDING_RETRY_MIN, |d| (d * 2).min(PENDING_RETRY_MAX))
@@ -689,11 +690,11 @@ impl Reconciler {
         let index = self.index.clone();
         let network = std::mem::take(&mut self.network);
         let mut wanted: Vec<CapturedPod> = Vec::new();
-        let mut owners: HashMap<u32, String> = HashMap::new();
+        let mut owners: HashMap<u32, &str> = HashMap::new();
         for workload in index.captured() {
             let key = workload.key();
             let Some(ipv4) = workload.ipv4() else {
-                self.warn_once(&key, "enrolled pod has no IPv4 address; IPv6 capture is not supported yet (its IPv6 TCP is dropped)");
+                self.warn_once(key, "enrolled pod has no IPv4 address; IPv6 capture is not supported yet (its IPv6 TCP is dropped)");
                 continue;
             };
             let Some(&ifindex) = network.host_routes.get(&ipv4) else {
@@ -706,25 +707,29 @@ impl Reconciler {
                 continue;
             }
             let Some(ifname) = network.veths.get(&ifindex) else {
-                self.warn_once(&key, &format!("the node's host route to {ipv4} leads to interface {ifindex}, which is not a veth; not capturing it"));
+                self.warn_once(key, &format!("the node's host route to {ipv4} leads to interface {ifindex}, which is not a veth; not capturing it"));
                 continue;
             };
             if let Some(other) = owners.get(&ifindex) {
                 self.warn_once(
-                    &key,
+                    key,
                     &format!(
                         "{other} already owns host veth {ifname}; not capturing a second pod on it"
                     ),
                 );
                 continue;
             }
-            owners.insert(ifindex, key.clone());
-            let workload_id = *self.workload_ids.entry(key.clone()).or_insert_with(|| {
-                self.next_id += 1;
-                self.next_id - 1
-            });
+            owners.insert(ifindex, key);
+            let workload_id = match self.workload_ids.get(key) {
+                Some(&id) => id,
+                None => {
+                    self.next_id += 1;
+                    self.workload_ids.insert(key.to_string(), self.next_id - 1);
+                    self.next_id - 1
+                }
+            };
             wanted.push(CapturedPod {
-                workload: key,
+                workload: key.to_string(),
                 workload_id,
                 ipv4,
                 ifname: ifname.clone(),

@@ -56,12 +56,12 @@ impl Snapshot {
         pods: impl IntoIterator<Item = &'a Pod>,
         namespaces: impl IntoIterator<Item = &'a Namespace>,
     ) -> Snapshot {
-        let mode = |labels: &Option<std::collections::BTreeMap<String, String>>| {
+        fn mode(labels: &Option<std::collections::BTreeMap<String, String>>) -> Option<&str> {
             labels
                 .as_ref()
                 .and_then(|l| l.get(DATAPLANE_MODE_LABEL))
-                .cloned()
-        };
+                .map(String::as_str)
+        }
         let mut snapshot = Snapshot {
             version: SNAPSHOT_VERSION,
             node: node.to_string(),
@@ -69,7 +69,7 @@ impl Snapshot {
         };
         for ns in namespaces {
             if let Some(name) = &ns.metadata.name
-                && mode(&ns.metadata.labels).as_deref() == Some(DATAPLANE_MODE_AMBIENT)
+                && mode(&ns.metadata.labels) == Some(DATAPLANE_MODE_AMBIENT)
             {
                 snapshot.ambient_namespaces.insert(name.clone());
             }
@@ -84,13 +84,13 @@ impl Snapshot {
             if pod_node != node {
                 continue;
             }
-            let key = format!("{}/{name}", pod.metadata.namespace_or_default());
-            match mode(&pod.metadata.labels).as_deref() {
+            let key = || format!("{}/{name}", pod.metadata.namespace_or_default());
+            match mode(&pod.metadata.labels) {
                 Some(DATAPLANE_MODE_AMBIENT) => {
-                    snapshot.opted_in.insert(key);
+                    snapshot.opted_in.insert(key());
                 }
                 Some(DATAPLANE_MODE_NONE) => {
-                    snapshot.opted_out.insert(key);
+                    snapshot.opted_out.insert(key());
                 }
                 _ => {}
             }

@@ -135,7 +135,7 @@ pub fn describe(req: &Request<'_>, view: &View) -> String {
         .map_or_else(|| "plaintext".to_string(), ToString::to_string);
     let destination = view
         .local_pod(req.destination_ip)
-        .map_or_else(|| req.destination_ip.to_string(), |w| w.key());
+        .map_or_else(|| req.destination_ip.to_string(), |w| w.key().to_string());
     format!(
         "{} ({source}) to {destination} port {}",
         req.source_ip, req.destination_port

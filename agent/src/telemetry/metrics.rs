@@ -478,6 +478,7 @@ mod tests {
 
     fn workload(name: &str, labels: &[(&str, &str)]) -> Workload {
         Workload {
+            key: format!("shop/{name}").into(),
             namespace: "shop".into(),
             name: name.into(),
             node: Some("node1".into()),

@@ -17,7 +17,7 @@ pub mod services;
 pub mod source;
 
 use std::{
-    collections::{BTreeMap, HashMap},
+    collections::{BTreeMap, HashMap, hash_map::Entry},
     net::IpAddr,
     sync::Arc,
 };
@@ -62,16 +62,18 @@ pub fn enrollment(pod: &Pod, namespace: Option<&Namespace>) -> Enrollment {
     {
         return Enrollment::NotEnrolled("hostNetwork pod");
     }
-    let mode = |labels: Option<&BTreeMap<String, String>>| {
-        labels.and_then(|l| l.get(DATAPLANE_MODE_LABEL)).cloned()
-    };
-    match mode(pod.metadata.labels.as_ref()).as_deref() {
+    fn mode(labels: Option<&BTreeMap<String, String>>) -> Option<&str> {
+        labels
+            .and_then(|l| l.get(DATAPLANE_MODE_LABEL))
+            .map(String::as_str)
+    }
+    match mode(pod.metadata.labels.as_ref()) {
         Some(DATAPLANE_MODE_NONE) => return Enrollment::NotEnrolled("pod opted out"),
         Some(DATAPLANE_MODE_AMBIENT) => return Enrollment::Enrolled,
         _ => {}
     }
     let ns_mode = namespace.and_then(|ns| mode(ns.metadata.labels.as_ref()));
-    if ns_mode.as_deref() == Some(DATAPLANE_MODE_AMBIENT) {
+    if ns_mode == Some(DATAPLANE_MODE_AMBIENT) {
         Enrollment::Enrolled
     } else {
         Enrollment::NotEnrolled("no ambient label on pod or namespace")
@@ -81,6 +83,9 @@ pub fn enrollment(pod: &Pod, namespace: Option<&Namespace>) -> Enrollment {
 /// One pod as the proxy and the dataplane see it.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize)]
 pub struct Workload {
+    /// `namespace/name`, made once (see [`Workload::key`]).
+    #[serde(skip)]
+    pub(crate) key: Arc<str>,
     /// `metadata.namespace` (`default` when absent).
     pub namespace: String,
     /// `metadata.name`.
@@ -111,8 +116,32 @@ fn serialize_display<S: serde::Serializer>(
 
 impl Workload {
     /// `namespace/name`.
-    pub fn key(&self) -> String {
-        format!("{}/{}", self.namespace, self.name)
+    pub fn key(&self) -> &str {
+        &self.key
+    }
+
+    /// Whether this workload is what `pod` (in `namespace`, whose enrollment is
+    /// `enrollment`) makes in `trust_domain`, field by field and without
+    /// allocating: the index then keeps this one instead of making it again.
+    fn is_made_from(
+        &self,
+        pod: &Pod,
+        service_account: &str,
+        enrollment: Enrollment,
+        trust_domain: &str,
+    ) -> bool {
+        let spec = pod.spec.as_ref();
+        self.enrollment == enrollment
+            && self.service_account == service_account
+            && self.identity.trust_domain() == trust_domain
+            && self.node.as_deref() == spec.and_then(|s| s.node_name.as_deref())
+            && self.terminating == pod.metadata.deletion_timestamp.is_some()
+            && pod
+                .metadata
+                .labels
+                .as_ref()
+                .map_or(self.labels.is_empty(), |l| *l == self.labels)
+            && pod_ips_are(pod, &self.ips)
     }
 
     /// The pod's first IPv4 address.
@@ -152,11 +181,30 @@ fn pod_ips(pod: &Pod) -> Vec<IpAddr> {
     ips
 }
 
+/// Whether [`pod_ips`] of `pod` would be `ips`, without allocating.
+fn pod_ips_are(pod: &Pod, ips: &[IpAddr]) -> bool {
+    let Some(status) = pod.status.as_ref() else {
+        return ips.is_empty();
+    };
+    let parsed = || {
+        status
+            .pod_ips
+            .iter()
+            .flatten()
+            .filter_map(|p| p.ip.parse::<IpAddr>().ok())
+    };
+    if parsed().next().is_some() {
+        return parsed().eq(ips.iter().copied());
+    }
+    let single: Option<IpAddr> = status.pod_ip.as_deref().and_then(|ip| ip.parse().ok());
+    single.into_iter().eq(ips.iter().copied())
+}
+
 /// All workloads of the cluster, indexed by address, from this node's point of view.
 #[derive(Debug, Default)]
 pub struct WorkloadIndex {
     node: String,
-    workloads: BTreeMap<String, Arc<Workload>>,
+    workloads: BTreeMap<Arc<str>, Arc<Workload>>,
     by_ip: HashMap<IpAddr, Arc<Workload>>,
     /// Addresses claimed by more than one live pod, with their `namespace/name`s.
     conflicts: HashMap<IpAddr, Vec<String>>,
@@ -171,26 +219,47 @@ impl WorkloadIndex {
         pods: impl IntoIterator<Item = &'a Pod>,
         namespaces: impl IntoIterator<Item = &'a Namespace>,
     ) -> (Self, Vec<String>) {
+        WorkloadIndex::default().rebuild(node, trust_domain, pods, namespaces)
+    }
+
+    /// As [`WorkloadIndex::build`], keeping this index's workloads (the same
+    /// `Arc`s) for the pods that did not change: with many pods and one changed,
+    /// the index is remade without remaking every workload, and this one is
+    /// dropped without freeing them.
+    pub fn rebuild<'a>(
+        &self,
+        node: &str,
+        trust_domain: &str,
+        pods: impl IntoIterator<Item = &'a Pod>,
+        namespaces: impl IntoIterator<Item = &'a Namespace>,
+    ) -> (Self, Vec<String>) {
         let namespaces: HashMap<&str, &Namespace> = namespaces
             .into_iter()
             .filter_map(|ns| ns.metadata.name.as_deref().map(|n| (n, ns)))
             .collect();
         let mut index = WorkloadIndex {
             node: node.to_string(),
+            by_ip: HashMap::with_capacity(self.by_ip.len()),
             ..Default::default()
         };
         let mut warnings = Vec::new();
-        let mut claims: BTreeMap<IpAddr, Vec<Arc<Workload>>> = BTreeMap::new();
+        // Addresses claimed more than once, with all their claimants in order;
+        // the others' single claimant is in `by_ip` already.
+        let mut contested: BTreeMap<IpAddr, Vec<Arc<Workload>>> = BTreeMap::new();
+        let mut key = String::new();
         for pod in pods {
-            let Some(name) = pod.metadata.name.clone() else {
+            let Some(name) = pod.metadata.name.as_deref() else {
                 continue;
             };
             if is_finished(pod) {
                 continue;
             }
-            let namespace = pod.metadata.namespace_or_default().to_string();
-            let key = format!("{namespace}/{name}");
-            if index.workloads.contains_key(&key) {
+            let namespace = pod.metadata.namespace_or_default();
+            key.clear();
+            key.push_str(namespace);
+            key.push('/');
+            key.push_str(name);
+            if index.workloads.contains_key(key.as_str()) {
                 warnings.push(format!(
                     "pod {key} is defined more than once in the manifests; the first definition (in file name order) is used"
                 ));
@@ -198,30 +267,45 @@ impl WorkloadIndex {
             }
             let spec = pod.spec.as_ref();
             let service_account = spec
-                .and_then(|s| s.service_account_name.clone())
+                .and_then(|s| s.service_account_name.as_deref())
                 .filter(|s| !s.is_empty())
-                .unwrap_or_else(|| "default".into());
+                .unwrap_or("default");
             let host_network = spec.and_then(|s| s.host_network).unwrap_or(false);
-            let workload = Arc::new(Workload {
-                identity: SpiffeId::new(trust_domain, &namespace, &service_account),
-                enrollment: enrollment(pod, namespaces.get(namespace.as_str()).copied()),
-                node: spec.and_then(|s| s.node_name.clone()),
-                terminating: pod.metadata.deletion_timestamp.is_some(),
-                labels: pod.metadata.labels.clone().unwrap_or_default(),
-                ips: pod_ips(pod),
-                namespace,
-                name,
-                service_account,
-            });
+            let enrollment = enrollment(pod, namespaces.get(namespace).copied());
+            let workload = match self.workloads.get(key.as_str()) {
+                Some(w) if w.is_made_from(pod, service_account, enrollment, trust_domain) => {
+                    w.clone()
+                }
+                _ => Arc::new(Workload {
+                    key: Arc::from(key.as_str()),
+                    identity: SpiffeId::new(trust_domain, namespace, service_account),
+                    enrollment,
+                    node: spec.and_then(|s| s.node_name.clone()),
+                    terminating: pod.metadata.deletion_timestamp.is_some(),
+                    labels: pod.metadata.labels.clone().unwrap_or_default(),
+                    ips: pod_ips(pod),
+                    namespace: namespace.to_string(),
+                    name: name.to_string(),
+                    service_account: service_account.to_string(),
+                }),
+            };
             // A hostNetwork pod's address is its node's: it names no workload.
             if !host_network {
                 for ip in &workload.ips {
-                    claims.entry(*ip).or_default().push(workload.clone());
+                    match index.by_ip.entry(*ip) {
+                        Entry::Vacant(e) => {
+                            e.insert(workload.clone());
+                        }
+                        Entry::Occupied(e) => contested
+                            .entry(*ip)
+                            .or_insert_with(|| vec![e.get().clone()])
+                            .push(workload.clone()),
+                    }
                 }
             }
-            index.workloads.insert(key, workload);
+            index.workloads.insert(workload.key.clone(), workload);
         }
-        for (ip, claimants) in claims {
+        for (ip, claimants) in contested {
             // A terminating pod gives way to one that is not.
             let live: Vec<&Arc<Workload>> = claimants.iter().filter(|w| !w.terminating).collect();
             let owner = match live.as_slice() {
@@ -234,7 +318,8 @@ impl WorkloadIndex {
                     index.by_ip.insert(ip, owner.clone());
                 }
                 None => {
-                    let names: Vec<String> = live.iter().map(|w| w.key()).collect();
+                    index.by_ip.remove(&ip);
+                    let names: Vec<String> = live.iter().map(|w| w.key().to_string()).collect();
                     warnings.push(format!(
                         "pods {} all claim address {ip}: it is served for none of them (its connections are refused) until only one does",
                         names.join(", ")
@@ -458,6 +543,69 @@ mod tests {
         assert!(warnings[0].contains("defined more than once"));
         assert!(index.by_ip("10.0.0.1".parse().unwrap()).is_some());
         assert!(index.by_ip("10.0.0.9".parse().unwrap()).is_none());
+    }
+
+    /// A rebuild keeps the workloads of pods that did not change (the same
+    /// `Arc`) and remakes those that did, for each field a workload is made of.
+    #[test]
+    fn a_rebuild_keeps_unchanged_workloads_and_remakes_changed_ones() {
+        let amb = ns("amb", true);
+        let plain = ns("amb", false);
+        let pods = [
+            p("a", "amb", "", false, "10.0.0.1", "n1"),
+            p("b", "amb", "", false, "10.0.0.2", "n1"),
+        ];
+        let (first, _) = WorkloadIndex::build("n1", "cluster.local", &pods, [&amb]);
+        let a = |i: &WorkloadIndex| i.get("amb/a").unwrap().clone();
+        let (same, _) = first.rebuild("n1", "cluster.local", &pods, [&amb]);
+        assert!(Arc::ptr_eq(&a(&first), &a(&same)));
+        assert!(Arc::ptr_eq(
+            same.by_ip("10.0.0.1".parse().unwrap()).unwrap(),
+            &a(&first)
+        ));
+
+        type Change = (&'static str, fn(&mut Pod));
+        let changes: [Change; 6] = [
+            ("address", |p| {
+                p.status.as_mut().unwrap().pod_ip = Some("10.0.0.9".into())
+            }),
+            ("label", |p| {
+                p.metadata
+                    .labels
+                    .get_or_insert_default()
+                    .insert("app".into(), "web".into());
+            }),
+            ("node", |p| {
+                p.spec.as_mut().unwrap().node_name = Some("n2".into())
+            }),
+            ("service account", |p| {
+                p.spec.as_mut().unwrap().service_account_name = Some("other".into())
+            }),
+            ("deletion", |p| {
+                p.metadata.deletion_timestamp = Some("2026-01-01T00:00:00Z".into())
+            }),
+            ("opt-out", |p| {
+                p.metadata
+                    .labels
+                    .get_or_insert_default()
+                    .insert(DATAPLANE_MODE_LABEL.into(), DATAPLANE_MODE_NONE.into());
+            }),
+        ];
+        for (what, change) in changes {
+            let mut changed = pods.clone();
+            change(&mut changed[0]);
+            let (next, _) = first.rebuild("n1", "cluster.local", &changed, [&amb]);
+            let (fresh, _) = WorkloadIndex::build("n1", "cluster.local", &changed, [&amb]);
+            assert!(!Arc::ptr_eq(&a(&first), &a(&next)), "{what}");
+            assert_eq!(a(&next), a(&fresh), "{what}");
+            let b = |i: &WorkloadIndex| i.get("amb/b").unwrap().clone();
+            assert!(Arc::ptr_eq(&b(&first), &b(&next)), "{what}");
+        }
+        // The namespace's label decides enrollment too; so does the trust domain.
+        let (next, _) = first.rebuild("n1", "cluster.local", &pods, [&plain]);
+        assert!(!a(&next).enrollment.is_enrolled());
+        let (next, _) = first.rebuild("n1", "example.org", &pods, [&amb]);
+        assert_eq!(a(&next).identity.trust_domain(), "example.org");
     }
 
     #[test]
