@@ -120,9 +120,12 @@ impl Workload {
         &self.key
     }
 
-    /// Whether this workload is what `pod` (in `namespace`, whose enrollment is
-    /// `enrollment`) makes in `trust_domain`, field by field and without
-    /// allocating: the index then keeps this one instead of making it again.
+    /// Whether this workload is what `pod` (whose service account, defaulted, is
+    /// `service_account` and whose enrollment is `enrollment`) makes in
+    /// `trust_domain`, field by field and without allocating: the index then keeps
+    /// this one instead of making it again. The namespace and name are not
+    /// compared: the caller found this workload by the pod's `namespace/name`,
+    /// which names one pod (both sources refuse names with a `/`).
     fn is_made_from(
         &self,
         pod: &Pod,
@@ -211,8 +214,9 @@ pub struct WorkloadIndex {
 }
 
 impl WorkloadIndex {
-    /// Builds the index for node `node`. Returns warnings for conflicts (two pods
-    /// claiming one address: the first by `namespace/name` keeps it).
+    /// Builds the index for node `node`. Returns warnings for conflicts (live pods
+    /// claiming one address: it is served for none of them) and for pods defined
+    /// twice (the first definition is used).
     pub fn build<'a>(
         node: &str,
         trust_domain: &str,
@@ -602,10 +606,54 @@ mod tests {
             assert!(Arc::ptr_eq(&b(&first), &b(&next)), "{what}");
         }
         // The namespace's label decides enrollment too; so does the trust domain.
-        let (next, _) = first.rebuild("n1", "cluster.local", &pods, [&plain]);
-        assert!(!a(&next).enrollment.is_enrolled());
-        let (next, _) = first.rebuild("n1", "example.org", &pods, [&amb]);
-        assert_eq!(a(&next).identity.trust_domain(), "example.org");
+        for (td, namespace) in [("cluster.local", &plain), ("example.org", &amb)] {
+            let (next, _) = first.rebuild("n1", td, &pods, [namespace]);
+            let (fresh, _) = WorkloadIndex::build("n1", td, &pods, [namespace]);
+            assert!(!Arc::ptr_eq(&a(&first), &a(&next)), "{td}");
+            assert_eq!(a(&next), a(&fresh), "{td}");
+        }
+        assert!(
+            !first
+                .rebuild("n1", "cluster.local", &pods, [&plain])
+                .0
+                .get("amb/a")
+                .unwrap()
+                .enrollment
+                .is_enrolled()
+        );
+
+        // `status.podIPs` (as the CNI overlay writes it) wins over `podIP`: the
+        // same address there keeps the workload, another or a second one does not.
+        let with_ips = |ips: &[&str]| {
+            let mut pod = pods[0].clone();
+            pod.status.as_mut().unwrap().pod_ips = Some(
+                ips.iter()
+                    .map(|ip| k8s::PodIP { ip: ip.to_string() })
+                    .collect(),
+            );
+            [pod, pods[1].clone()]
+        };
+        let (next, _) = first.rebuild("n1", "cluster.local", &with_ips(&["10.0.0.1"]), [&amb]);
+        assert!(Arc::ptr_eq(&a(&first), &a(&next)));
+        for ips in [
+            &["10.0.0.7"][..],
+            &["10.0.0.1", "fd00::1"],
+            &["not an address"],
+        ] {
+            let changed = with_ips(ips);
+            let (next, _) = first.rebuild("n1", "cluster.local", &changed, [&amb]);
+            let (fresh, _) = WorkloadIndex::build("n1", "cluster.local", &changed, [&amb]);
+            assert_eq!(a(&next), a(&fresh), "{ips:?}");
+            // Unparsable entries are skipped: `podIP` then stands.
+            let unchanged = ips == ["not an address"];
+            assert_eq!(Arc::ptr_eq(&a(&first), &a(&next)), unchanged, "{ips:?}");
+        }
+
+        // No label map at all is the same as an empty one.
+        let mut unlabelled = pods.clone();
+        unlabelled[0].metadata.labels = None;
+        let (next, _) = first.rebuild("n1", "cluster.local", &unlabelled, [&amb]);
+        assert!(Arc::ptr_eq(&a(&first), &a(&next)));
     }
 
     #[test]
