@@ -1,6 +1,6 @@
 //! An enrolled pod on node 1 talks to an enrolled pod on node 2: captured in the
 //! kernel on both ends, carried over HBONE, delivered with the client's address.
-//! Concurrent connections share one pooled HBONE connection.
+//! Concurrent connections share pooled HBONE connections (at most one per runtime worker of the agent).
 
 use std::net::IpAddr;
 
@@ -57,13 +57,18 @@ fn cross_node_traffic_is_tunnelled_with_the_client_address() {
     let (raw, lines) = capture.stop().unwrap();
     assert_eq!(echo.accepted(), CONNECTIONS);
 
-    // On the underlay: TLS to port 15008 only, over one pooled connection that
-    // multiplexes all the streams; the payload never appears.
+    // On the underlay: TLS to port 15008 only, over pooled connections that
+    // multiplex the streams (parallel ones spread over at most one per runtime
+    // worker of the agent: one per core here); the payload never appears.
     let hbone_syns = lines
         .iter()
         .filter(|l| l.contains(&format!("> {}.15008: Flags [S]", server.ip)))
         .count();
-    assert_eq!(hbone_syns, 1, "{lines:#?}");
+    let workers = std::thread::available_parallelism().map_or(1, |n| n.get());
+    assert!(
+        (1..=workers.min(CONNECTIONS - 1)).contains(&hbone_syns),
+        "{hbone_syns} HBONE connections for {CONNECTIONS} parallel streams, {workers} workers: {lines:#?}"
+    );
     assert!(!lines.iter().any(|l| l.contains(".8080:")), "{lines:#?}");
     assert!(
         !contains_bytes(&raw, b"secret-payload"),
@@ -76,8 +81,9 @@ fn cross_node_traffic_is_tunnelled_with_the_client_address() {
         client_counters["captured_outbound"], CONNECTIONS as u64,
         "{client_counters:?}"
     );
+    // One capture per HBONE connection the tunnel counted above.
     assert_eq!(
-        server_counters["captured_inbound_hbone"], 1,
+        server_counters["captured_inbound_hbone"], hbone_syns as u64,
         "{server_counters:?}"
     );
     assert_eq!(

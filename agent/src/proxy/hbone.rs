@@ -13,6 +13,10 @@ use std::{
     io,
     net::{IpAddr, SocketAddr},
     pin::Pin,
+    sync::{
+        Arc,
+        atomic::{AtomicUsize, Ordering},
+    },
     task::{Context, Poll, ready},
 };
 
@@ -38,6 +42,24 @@ pub const MAX_HEADER_LIST_SIZE: u32 = 16 * 1024;
 /// The `forwarded` header.
 pub const FORWARDED: &str = "forwarded";
 
+/// Counts a stream in a shared count while it lives (one more at
+/// [`ActiveStream::new`], one less at drop).
+pub struct ActiveStream(Arc<AtomicUsize>);
+
+impl ActiveStream {
+    /// Adds one to `count` until the returned guard is dropped.
+    pub fn new(count: Arc<AtomicUsize>) -> Self {
+        count.fetch_add(1, Ordering::Relaxed);
+        Self(count)
+    }
+}
+
+impl Drop for ActiveStream {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
 /// A CONNECT stream as a byte stream.
 pub struct H2Stream {
     send: SendStream<Bytes>,
@@ -45,6 +67,8 @@ pub struct H2Stream {
     pending: Bytes,
     read_eof: bool,
     write_closed: bool,
+    /// The stream's place in its pooled connection's count, if it has one.
+    _counted: Option<ActiveStream>,
 }
 
 impl H2Stream {
@@ -56,6 +80,15 @@ impl H2Stream {
             pending: Bytes::new(),
             read_eof: false,
             write_closed: false,
+            _counted: None,
+        }
+    }
+
+    /// As [`H2Stream::new`], counted by `counted` until dropped.
+    pub fn counted(send: SendStream<Bytes>, recv: RecvStream, counted: ActiveStream) -> Self {
+        Self {
+            _counted: Some(counted),
+            ..Self::new(send, recv)
         }
     }
 }

@@ -22,7 +22,7 @@ use tokio_rustls::TlsAcceptor;
 
 use super::{
     ProxyState, RateLimited, copy,
-    hbone::{self, H2Stream},
+    hbone::{self, ActiveStream, H2Stream},
     socket,
 };
 use crate::{
@@ -202,22 +202,6 @@ async fn lingering_close(socket: socket2::Socket) {
         }
     })
     .await;
-}
-
-/// Counts a stream as active while it lives.
-struct ActiveStream(Arc<AtomicUsize>);
-
-impl ActiveStream {
-    fn new(count: Arc<AtomicUsize>) -> Self {
-        count.fetch_add(1, Ordering::Relaxed);
-        Self(count)
-    }
-}
-
-impl Drop for ActiveStream {
-    fn drop(&mut self) {
-        self.0.fetch_sub(1, Ordering::Relaxed);
-    }
 }
 
 /// What a stream keeps of its connection: a receiver that fails once the

@@ -210,7 +210,10 @@ impl ProxyState {
     pub fn new(config: ProxyConfig, certs: CertManager) -> Self {
         Self {
             certs,
-            pool: pool::Pool::default(),
+            // As many HBONE connections per pod pair as the runtime has workers.
+            pool: pool::Pool::new(
+                tokio::runtime::Handle::try_current().map_or(1, |rt| rt.metrics().num_workers()),
+            ),
             metrics: Arc::new(Metrics::new(&config.cluster_id)),
             view: watch::Sender::new(View::default()),
             draining: watch::Sender::new(false),

@@ -1,19 +1,26 @@
 //! Pooled HBONE connections, multiplexing CONNECT streams.
 //!
-//! One HTTP/2 connection per (source identity, source address, destination
+//! HTTP/2 connections are pooled per (source identity, source address, destination
 //! identity, destination address): the outer connection is bound to the source pod's
 //! address, and the server checks that address against the client certificate, so
-//! the source address belongs to the key as it does in ztunnel's pool. New
-//! connections for one key are made one at a time; concurrent requests wait for it
-//! and then share it. Connections unused for [`IDLE_TIMEOUT`] are released (open
-//! streams keep them alive until they end).
+//! the source address belongs to the key as it does in ztunnel's pool. A key has up
+//! to [`Pool::new`]'s `per_key` connections (the agent gives the number of its
+//! runtime's worker threads): a new stream goes to a connection with no stream open,
+//! else to a new connection while there are fewer, else to the connection with the
+//! fewest. One connection's frames and TLS records are handled by one task at a
+//! time, so parallel streams between one pair of pods (`iperf3 -P 4`, a client's
+//! connection pool) spread over the workers instead of queueing behind one; a pod
+//! pair that opens one connection at a time keeps using one. Each connection is made
+//! once at a time; concurrent requests for it wait and then share it. Connections
+//! unused for [`IDLE_TIMEOUT`] are released (open streams keep them alive until
+//! they end).
 
 use std::{
     collections::HashMap,
     net::{IpAddr, SocketAddr},
     sync::{
         Arc, Mutex,
-        atomic::{AtomicBool, Ordering},
+        atomic::{AtomicBool, AtomicUsize, Ordering},
     },
     time::{Duration, Instant},
 };
@@ -25,7 +32,7 @@ use rustls::pki_types::ServerName;
 use tokio_rustls::TlsConnector;
 
 use super::{
-    hbone::{self, H2Stream},
+    hbone::{self, ActiveStream, H2Stream},
     socket,
 };
 use crate::identity::{CertManager, SpiffeId, manager::IdentityError};
@@ -115,22 +122,60 @@ struct Connection {
     last_used: Instant,
 }
 
-type Slot = Arc<tokio::sync::Mutex<Option<Connection>>>;
+/// A place for one pooled connection of a key.
+#[derive(Default)]
+struct Slot {
+    /// The connection: made at first use, made again once it closed.
+    conn: tokio::sync::Mutex<Option<Connection>>,
+    /// Streams open on it or being opened.
+    streams: Arc<AtomicUsize>,
+}
 
 /// The pool.
-#[derive(Default)]
 pub struct Pool {
-    slots: Mutex<HashMap<PoolKey, Slot>>,
+    slots: Mutex<HashMap<PoolKey, Vec<Arc<Slot>>>>,
+    per_key: usize,
+}
+
+impl Default for Pool {
+    /// One connection per key.
+    fn default() -> Self {
+        Pool::new(1)
+    }
 }
 
 impl Pool {
-    fn slot(&self, key: &PoolKey) -> Slot {
-        self.slots
-            .lock()
-            .expect("pool lock")
-            .entry(key.clone())
-            .or_default()
-            .clone()
+    /// A pool of up to `per_key` connections per key (at least one).
+    pub fn new(per_key: usize) -> Self {
+        Pool {
+            slots: Mutex::default(),
+            per_key: per_key.max(1),
+        }
+    }
+
+    /// The slot a new stream for `key` goes to, counted in it from now on: one
+    /// with no stream, else a new one while the key has fewer than `per_key`,
+    /// else the one with the fewest streams.
+    fn pick(&self, key: &PoolKey) -> (Arc<Slot>, ActiveStream) {
+        let mut slots = self.slots.lock().expect("pool lock");
+        let list = slots.entry(key.clone()).or_default();
+        let least = list
+            .iter()
+            .min_by_key(|slot| slot.streams.load(Ordering::Relaxed));
+        let slot = match least {
+            Some(slot)
+                if slot.streams.load(Ordering::Relaxed) == 0 || list.len() >= self.per_key =>
+            {
+                slot.clone()
+            }
+            _ => {
+                let slot = Arc::new(Slot::default());
+                list.push(slot.clone());
+                slot
+            }
+        };
+        let counted = ActiveStream::new(slot.streams.clone());
+        (slot, counted)
     }
 
     /// Opens a CONNECT stream to `target` over the pooled connection for `key`,
@@ -145,7 +190,7 @@ impl Pool {
         certs: &CertManager,
         mark: u32,
     ) -> Result<H2Stream, HboneError> {
-        let slot = self.slot(key);
+        let (slot, counted) = self.pick(key);
         let h2_err = |source| HboneError::H2 {
             dst: key.dst,
             source,
@@ -159,7 +204,7 @@ impl Pool {
         loop {
             attempts -= 1;
             let (sender, closed) = {
-                let mut guard = slot.lock().await;
+                let mut guard = slot.conn.lock().await;
                 match guard.as_mut() {
                     Some(conn) if !conn.closed.load(Ordering::Acquire) => {
                         conn.last_used = Instant::now();
@@ -219,7 +264,7 @@ impl Pool {
                     status: response.status(),
                 });
             }
-            return Ok(H2Stream::new(send, response.into_body()));
+            return Ok(H2Stream::counted(send, response.into_body(), counted));
         }
     }
 
@@ -276,17 +321,100 @@ impl Pool {
     /// Releases connections that are closed or idle for longer than `idle`.
     pub fn sweep(&self, idle: Duration) {
         let now = Instant::now();
-        self.slots.lock().expect("pool lock").retain(|_, slot| {
-            // A slot being dialled is busy: keep it.
-            let Ok(guard) = slot.try_lock() else {
-                return true;
-            };
-            match guard.as_ref() {
-                Some(c) => {
-                    !c.closed.load(Ordering::Acquire) && now.duration_since(c.last_used) < idle
+        self.slots.lock().expect("pool lock").retain(|_, list| {
+            list.retain(|slot| {
+                // A slot being dialled is busy: keep it.
+                let Ok(guard) = slot.conn.try_lock() else {
+                    return true;
+                };
+                match guard.as_ref() {
+                    Some(c) => {
+                        !c.closed.load(Ordering::Acquire) && now.duration_since(c.last_used) < idle
+                    }
+                    // Empty, unless a stream is about to dial it.
+                    None => slot.streams.load(Ordering::Relaxed) > 0,
                 }
-                None => false,
-            }
+            });
+            !list.is_empty()
         });
+    }
+
+    /// The number of slots (connections, made or to be made) per key, for tests.
+    #[cfg(test)]
+    fn slots(&self, key: &PoolKey) -> usize {
+        self.slots
+            .lock()
+            .expect("pool lock")
+            .get(key)
+            .map_or(0, Vec::len)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn key() -> PoolKey {
+        let id = SpiffeId::new("cluster.local", "ns", "sa");
+        PoolKey {
+            src_id: id.clone(),
+            src_ip: "10.0.0.1".parse().unwrap(),
+            dst_id: id,
+            dst: "10.0.1.1:15008".parse().unwrap(),
+        }
+    }
+
+    /// Streams opened one after another share one connection; parallel ones
+    /// spread over up to `per_key` connections, then go to the least loaded.
+    #[test]
+    fn parallel_streams_spread_over_connections() {
+        let pool = Pool::new(2);
+        let key = key();
+        let (first, a) = pool.pick(&key);
+        drop(a);
+        let (again, a) = pool.pick(&key);
+        assert!(Arc::ptr_eq(&first, &again), "one at a time: one connection");
+        let (second, b) = pool.pick(&key);
+        assert!(
+            !Arc::ptr_eq(&first, &second),
+            "a parallel stream: a second one"
+        );
+        let (third, c) = pool.pick(&key);
+        assert_eq!(pool.slots(&key), 2, "never more than per_key");
+        assert_eq!(first.streams.load(Ordering::Relaxed), 2);
+        assert!(Arc::ptr_eq(&first, &third));
+        drop(a);
+        drop(c);
+        let (fourth, _d) = pool.pick(&key);
+        assert!(
+            Arc::ptr_eq(&first, &fourth),
+            "the idle one before the busy one"
+        );
+        assert_eq!(second.streams.load(Ordering::Relaxed), 1);
+        drop(b);
+        assert_eq!(second.streams.load(Ordering::Relaxed), 0);
+
+        // Another key has its own; a pool of one never adds a second.
+        let single = Pool::new(1);
+        let (x, _x) = single.pick(&key);
+        let (y, _y) = single.pick(&key);
+        assert!(Arc::ptr_eq(&x, &y));
+        assert_eq!(single.slots(&key), 1);
+    }
+
+    /// The sweep drops empty slots nobody is about to use and keeps those a
+    /// stream is dialling.
+    #[test]
+    fn the_sweep_keeps_slots_in_use() {
+        let pool = Pool::new(2);
+        let key = key();
+        let (_, a) = pool.pick(&key);
+        let (_, b) = pool.pick(&key);
+        drop(b);
+        pool.sweep(IDLE_TIMEOUT);
+        assert_eq!(pool.slots(&key), 1);
+        drop(a);
+        pool.sweep(IDLE_TIMEOUT);
+        assert_eq!(pool.slots(&key), 0);
     }
 }
