@@ -651,10 +651,9 @@ impl Reconciler {
         }
         source.captured(&captured);
         self.attached = captured;
-        let index = self.index.clone();
-        let live: HashSet<&str> = index.workloads().map(|w| w.key()).collect();
-        self.workload_ids.retain(|k, _| live.contains(k.as_str()));
-        self.warned.retain(|k| live.contains(k.as_str()));
+        let index = &self.index;
+        self.workload_ids.retain(|k, _| index.get(k).is_some());
+        self.warned.retain(|k| index.get(k).is_some());
         self.pending_retry = (retry || removal == Removal::Nothing).then(|| {
             self.pending_retry
                 .map_or(PENDING_RETRY_MIN, |d| (d * 2).min(PENDING_RETRY_MAX))

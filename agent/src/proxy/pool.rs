@@ -137,13 +137,6 @@ pub struct Pool {
     per_key: usize,
 }
 
-impl Default for Pool {
-    /// One connection per key.
-    fn default() -> Self {
-        Pool::new(1)
-    }
-}
-
 impl Pool {
     /// A pool of up to `per_key` connections per key (at least one).
     pub fn new(per_key: usize) -> Self {

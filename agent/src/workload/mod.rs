@@ -125,7 +125,8 @@ impl Workload {
     /// `trust_domain`, field by field and without allocating: the index then keeps
     /// this one instead of making it again. The namespace and name are not
     /// compared: the caller found this workload by the pod's `namespace/name`,
-    /// which names one pod (both sources refuse names with a `/`).
+    /// which names one pod (names are DNS labels and subdomains, without `/`: the
+    /// manifests reader refuses others, the Kubernetes API server too).
     fn is_made_from(
         &self,
         pod: &Pod,
@@ -554,7 +555,7 @@ mod tests {
     #[test]
     fn a_rebuild_keeps_unchanged_workloads_and_remakes_changed_ones() {
         let amb = ns("amb", true);
-        let plain = ns("amb", false);
+        let unlabelled = ns("amb", false);
         let pods = [
             p("a", "amb", "", false, "10.0.0.1", "n1"),
             p("b", "amb", "", false, "10.0.0.2", "n1"),
@@ -606,7 +607,7 @@ mod tests {
             assert!(Arc::ptr_eq(&b(&first), &b(&next)), "{what}");
         }
         // The namespace's label decides enrollment too; so does the trust domain.
-        for (td, namespace) in [("cluster.local", &plain), ("example.org", &amb)] {
+        for (td, namespace) in [("cluster.local", &unlabelled), ("example.org", &amb)] {
             let (next, _) = first.rebuild("n1", td, &pods, [namespace]);
             let (fresh, _) = WorkloadIndex::build("n1", td, &pods, [namespace]);
             assert!(!Arc::ptr_eq(&a(&first), &a(&next)), "{td}");
@@ -614,7 +615,7 @@ mod tests {
         }
         assert!(
             !first
-                .rebuild("n1", "cluster.local", &pods, [&plain])
+                .rebuild("n1", "cluster.local", &pods, [&unlabelled])
                 .0
                 .get("amb/a")
                 .unwrap()
