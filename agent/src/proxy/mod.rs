@@ -11,7 +11,7 @@
 //! The listeners are bound to 127.0.0.1: nothing reaches them but connections that
 //! the programs assigned to them, whose local address is the original destination.
 
-mod copy;
+pub mod copy;
 pub mod hbone;
 mod inbound;
 mod inbound_plaintext;

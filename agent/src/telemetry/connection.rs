@@ -38,7 +38,11 @@ use prometheus_client::metrics::counter::Counter;
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 
 use super::metrics::{Direction, FailureKind, Metrics, Peer, Reporter, SecurityPolicy, TcpLabels};
-use crate::{identity::SpiffeId, workload::Workload};
+use crate::{
+    identity::SpiffeId,
+    proxy::copy::{Chunk, Sink, Source},
+    workload::Workload,
+};
 
 /// Why a connection failed: the kind (a metric label) and what happened (logged).
 #[derive(Debug, Clone)]
@@ -163,6 +167,27 @@ impl<S: AsyncWrite + Unpin> AsyncWrite for Metered<'_, S> {
 
     fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
         Pin::new(&mut self.inner).poll_shutdown(cx)
+    }
+}
+
+impl<S: Source> Source for Metered<'_, S> {
+    fn poll_read_chunk(&mut self, cx: &mut Context<'_>, chunk: &mut Chunk) -> Poll<io::Result<()>> {
+        ready!(self.inner.poll_read_chunk(cx, chunk))?;
+        self.traffic.count_from_client(chunk.data().len());
+        Poll::Ready(Ok(()))
+    }
+}
+
+impl<S: Sink> Sink for Metered<'_, S> {
+    fn poll_write_chunk(
+        &mut self,
+        cx: &mut Context<'_>,
+        data: &mut bytes::Bytes,
+    ) -> Poll<io::Result<()>> {
+        let before = data.len();
+        ready!(self.inner.poll_write_chunk(cx, data))?;
+        self.traffic.count_to_client(before - data.len());
+        Poll::Ready(Ok(()))
     }
 }
 
