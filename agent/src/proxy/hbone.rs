@@ -34,7 +34,8 @@ use super::copy::{Chunk, Sink, Source};
 pub const STREAM_WINDOW: u32 = 1024 * 1024;
 /// Per-connection flow-control window (bytes).
 pub const CONNECTION_WINDOW: u32 = 4 * 1024 * 1024;
-/// Largest DATA frame sent (bytes).
+/// Largest frame payload this side accepts (bytes): the `SETTINGS_MAX_FRAME_SIZE`
+/// it announces (RFC 9113 §6.5.2); the peer's setting bounds what it sends.
 pub const MAX_FRAME_SIZE: u32 = 64 * 1024;
 /// Concurrent streams one HBONE connection accepts.
 pub const MAX_CONCURRENT_STREAMS: u32 = 1000;
@@ -183,8 +184,9 @@ impl Source for H2Stream {
     }
 }
 
-/// The copier's chunks are sent as they are, in frames as large as the
-/// stream's flow-control window allows.
+/// The copier's chunks are sent as they are, as much of each at a time as the
+/// stream's flow-control window allows (h2 cuts that into frames of at most the
+/// peer's `SETTINGS_MAX_FRAME_SIZE`, RFC 9113 §6.5.2).
 impl Sink for H2Stream {
     fn poll_write_chunk(&mut self, cx: &mut Context<'_>, data: &mut Bytes) -> Poll<io::Result<()>> {
         let n = ready!(self.poll_send_capacity(cx, data.len()))?.min(data.len());
