@@ -41,10 +41,22 @@ pub enum Source {
         /// Change notifications (whether the change completes a file).
         events: mpsc::Receiver<bool>,
         /// Keeps the inotify watch alive.
-        _watcher: notify::RecommendedWatcher,
+        watcher: notify::RecommendedWatcher,
+        /// The watched directory's device and inode: a directory removed and
+        /// made again under the same name is watched again (see
+        /// [`Source::resync`]).
+        watched: Option<(u64, u64)>,
+        /// What inotify says of the files' last changes (shared with `dir`).
+        completions: manifests::Completions,
     },
     /// The Kubernetes API.
     Kubernetes(Box<KubeSource>),
+}
+
+/// A directory's device and inode, if it can be read.
+fn inode_of(dir: &std::path::Path) -> Option<(u64, u64)> {
+    use std::os::unix::fs::MetadataExt;
+    std::fs::metadata(dir).ok().map(|m| (m.dev(), m.ino()))
 }
 
 impl Source {
@@ -60,12 +72,15 @@ impl Source {
                 let dir = ManifestDir::new(path)
                     .with_context(|| format!("reading the manifests directory {}", path.display()))?
                     .with_completions(completions.clone());
-                let (watcher, events) = manifests::watch(dir.dir(), completions)
+                let watched = inode_of(dir.dir());
+                let (watcher, events) = manifests::watch(dir.dir(), completions.clone())
                     .with_context(|| format!("watching {}", path.display()))?;
                 Ok(Source::Manifests {
                     dir,
                     events,
-                    _watcher: watcher,
+                    watcher,
+                    watched,
+                    completions,
                 })
             }
             WorkloadSourceConfig::Kubernetes { kubeconfig } => {
@@ -116,11 +131,41 @@ impl Source {
     }
 
     /// Makes the next [`Source::rescan`] look at everything again (the agent's
-    /// periodic resync; see [`ManifestDir::resync`]). The Kubernetes API's
+    /// periodic resync; see [`ManifestDir::resync`]). A manifests directory that
+    /// was removed, or moved away, and made again since it was watched (the old
+    /// inotify watch went with it) is watched again. The Kubernetes API's
     /// watches need none.
     pub fn resync(&mut self) {
-        if let Source::Manifests { dir, .. } = self {
-            dir.resync();
+        let Source::Manifests {
+            dir,
+            events,
+            watcher,
+            watched,
+            completions,
+        } = self
+        else {
+            return;
+        };
+        dir.resync();
+        // The inode alone may not tell: a directory made again at once often
+        // gets the inode number the removed one had.
+        let now = inode_of(dir.dir());
+        if now.is_none() || (now == *watched && !completions.watch_lost()) {
+            // Watched, or not there (yet): looked at again at the next resync.
+            return;
+        }
+        match manifests::watch(dir.dir(), completions.clone()) {
+            Ok((new_watcher, new_events)) => {
+                tracing::info!(dir = %dir.dir().display(), "the manifests directory was made again; watching the new one");
+                *watcher = new_watcher;
+                *events = new_events;
+                *watched = now;
+                completions.rewatched();
+            }
+            // Tried again at the next resync; full rescans go on meanwhile.
+            Err(e) => {
+                tracing::warn!(dir = %dir.dir().display(), "the manifests directory was made again and cannot be watched: {e}");
+            }
         }
     }
 
@@ -205,5 +250,53 @@ impl Source {
         if let Source::Kubernetes(kube) = self {
             kube.annotate(captured);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const POD: &str = "apiVersion: v1\nkind: Pod\nmetadata:\n  name: web\n  namespace: default\nspec:\n  nodeName: node-1\nstatus:\n  podIP: 10.0.0.5\n";
+
+    /// A manifests directory removed, or moved away, and made again under the
+    /// same name is watched again at the next resync: a manifest written into it
+    /// wakes the agent (the old inotify watch went with the old directory).
+    #[tokio::test]
+    async fn a_manifests_directory_made_again_is_watched_again() {
+        for moved in [false, true] {
+            made_again_is_watched_again(moved).await;
+        }
+    }
+
+    async fn made_again_is_watched_again(moved: bool) {
+        let guard = tempfile::tempdir().unwrap();
+        let path = guard.path().join("manifests");
+        std::fs::create_dir(&path).unwrap();
+        let config = WorkloadSourceConfig::Manifests(path.clone());
+        let mut source = Source::open(&config, "node-1").await.unwrap();
+        if moved {
+            std::fs::rename(&path, guard.path().join("manifests.old")).unwrap();
+        } else {
+            std::fs::remove_dir(&path).unwrap();
+        }
+        std::fs::create_dir(&path).unwrap();
+        // The old watch reports the removal; that is not what is waited for.
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        if let Source::Manifests { events, .. } = &mut source {
+            while events.try_recv().is_ok() {}
+        }
+        source.resync();
+        std::fs::write(path.join("pod.yaml"), POD).unwrap();
+        tokio::time::timeout(Duration::from_secs(5), source.changed())
+            .await
+            .unwrap_or_else(|_| panic!("moved away: {moved}: a manifest written into the directory made again woke nothing"));
+        let deadline = std::time::Instant::now() + Duration::from_secs(5);
+        let mut errors = Vec::new();
+        while source.pods().count() == 0 && std::time::Instant::now() < deadline {
+            errors.extend(source.rescan().errors);
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        assert_eq!(source.pods().count(), 1, "moved away: {moved}: {errors:?}");
     }
 }

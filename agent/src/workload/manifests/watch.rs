@@ -38,6 +38,9 @@ struct Events {
     changed: HashSet<PathBuf>,
     /// Some event since then may have changed any file.
     everything: bool,
+    /// The watched directory itself was removed or moved away: the watch ended
+    /// with it.
+    watch_lost: bool,
 }
 
 impl Completions {
@@ -63,6 +66,18 @@ impl Completions {
     /// Records that any file may have changed.
     pub(super) fn record_everything(&self) {
         self.events().everything = true;
+    }
+
+    /// Whether the watched directory was removed or moved away (`IN_DELETE_SELF`,
+    /// `IN_MOVE_SELF`) since [`Completions::rewatched`]: its watch ended, and a
+    /// directory made again under its name needs a new one.
+    pub fn watch_lost(&self) -> bool {
+        self.events().watch_lost
+    }
+
+    /// Records that the directory is watched again.
+    pub fn rewatched(&self) {
+        self.events().watch_lost = false;
     }
 
     /// Records an inotify event on manifests; returns whether it completes a
@@ -141,6 +156,15 @@ pub fn watch(
                 }) && !matches!(e.kind, notify::EventKind::Access(_));
                 if swap {
                     completions.record_everything();
+                }
+                if e.paths.iter().any(|p| *p == watched)
+                    && matches!(
+                        e.kind,
+                        notify::EventKind::Remove(_)
+                            | notify::EventKind::Modify(notify::event::ModifyKind::Name(_))
+                    )
+                {
+                    completions.events().watch_lost = true;
                 }
                 (swap, false)
             }
