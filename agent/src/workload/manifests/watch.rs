@@ -157,7 +157,7 @@ pub fn watch(
                 if swap {
                     completions.record_everything();
                 }
-                if e.paths.iter().any(|p| *p == watched)
+                if e.paths.contains(&watched)
                     && matches!(
                         e.kind,
                         notify::EventKind::Remove(_)
