@@ -1,12 +1,11 @@
 //! Copying a proxied connection's bytes both ways.
 //!
-//! Bytes move as [`Bytes`] chunks: a socket is read into memory that is not
-//! zeroed first, and an HBONE stream hands over the DATA frames h2 received and
-//! takes what it sends as they are, so that bytes are not copied in user space on
-//! their way through (reads under half their room excepted: those are copied out
-//! so that the room is kept) (tokio's `copy_bidirectional` zeroes two 64 KiB buffers per connection, 6% of
-//! the agents' CPU in a connection-rate profile, and copies into and out of each
-//! HBONE stream).
+//! Bytes move as [`Bytes`] chunks. A socket is read into memory that is not
+//! zeroed first; an HBONE stream hands over the DATA frames h2 received, and
+//! sends what was read as it is. Only reads under half their room are copied,
+//! so that the room is kept. (tokio's `copy_bidirectional` zeroes two 64 KiB
+//! buffers per connection, 6% of the agents' CPU in a connection-rate profile,
+//! and copies into and out of each HBONE stream.)
 
 use std::{
     future::poll_fn,
