@@ -5,7 +5,6 @@
 use std::{collections::HashSet, path::PathBuf, sync::Arc, time::Duration};
 
 use anyhow::{Context, Result};
-use tokio::sync::mpsc;
 
 use super::{
     k8s::{EndpointSlice, Namespace, Pod, Service},
@@ -38,25 +37,11 @@ pub enum Source {
     Manifests {
         /// The files and their last good objects.
         dir: ManifestDir,
-        /// Change notifications (whether the change completes a file).
-        events: mpsc::Receiver<bool>,
-        /// Keeps the inotify watch alive.
-        watcher: notify::RecommendedWatcher,
-        /// The watched directory's device and inode: a directory removed and
-        /// made again under the same name is watched again (see
-        /// [`Source::resync`]).
-        watched: Option<(u64, u64)>,
-        /// What inotify says of the files' last changes (shared with `dir`).
-        completions: manifests::Completions,
+        /// The inotify watch on the directory, filling `dir`'s completions.
+        watch: manifests::Watch,
     },
     /// The Kubernetes API.
     Kubernetes(Box<KubeSource>),
-}
-
-/// A directory's device and inode, if it can be read.
-fn inode_of(dir: &std::path::Path) -> Option<(u64, u64)> {
-    use std::os::unix::fs::MetadataExt;
-    std::fs::metadata(dir).ok().map(|m| (m.dev(), m.ino()))
 }
 
 impl Source {
@@ -72,16 +57,9 @@ impl Source {
                 let dir = ManifestDir::new(path)
                     .with_context(|| format!("reading the manifests directory {}", path.display()))?
                     .with_completions(completions.clone());
-                let watched = inode_of(dir.dir());
-                let (watcher, events) = manifests::watch(dir.dir(), completions.clone())
+                let watch = manifests::Watch::new(dir.dir(), completions)
                     .with_context(|| format!("watching {}", path.display()))?;
-                Ok(Source::Manifests {
-                    dir,
-                    events,
-                    watcher,
-                    watched,
-                    completions,
-                })
+                Ok(Source::Manifests { dir, watch })
             }
             WorkloadSourceConfig::Kubernetes { kubeconfig } => {
                 let source = KubeSource::start(kubeconfig.as_deref(), node).await?;
@@ -100,21 +78,7 @@ impl Source {
     /// changes coalesced).
     pub async fn changed(&mut self) {
         match self {
-            Source::Manifests { events, .. } => {
-                let Some(mut complete) = events.recv().await else {
-                    return std::future::pending().await;
-                };
-                // A file closed after writing or renamed into place is read at
-                // once; other changes wait for the writer's next steps (and, in
-                // the source, to settle).
-                while let Ok(next) = events.try_recv() {
-                    complete |= next;
-                }
-                if !complete {
-                    tokio::time::sleep(manifests::DEBOUNCE).await;
-                    while events.try_recv().is_ok() {}
-                }
-            }
+            Source::Manifests { watch, .. } => watch.changed().await,
             Source::Kubernetes(kube) => kube.changed().await,
         }
     }
@@ -136,36 +100,9 @@ impl Source {
     /// inotify watch went with it) is watched again. The Kubernetes API's
     /// watches need none.
     pub fn resync(&mut self) {
-        let Source::Manifests {
-            dir,
-            events,
-            watcher,
-            watched,
-            completions,
-        } = self
-        else {
-            return;
-        };
-        dir.resync();
-        // The inode alone may not tell: a directory made again at once often
-        // gets the inode number the removed one had.
-        let now = inode_of(dir.dir());
-        if now.is_none() || (now == *watched && !completions.watch_lost()) {
-            // Watched, or not there (yet): looked at again at the next resync.
-            return;
-        }
-        match manifests::watch(dir.dir(), completions.clone()) {
-            Ok((new_watcher, new_events)) => {
-                tracing::info!(dir = %dir.dir().display(), "the manifests directory was made again; watching the new one");
-                *watcher = new_watcher;
-                *events = new_events;
-                *watched = now;
-                completions.rewatched();
-            }
-            // Tried again at the next resync; full rescans go on meanwhile.
-            Err(e) => {
-                tracing::warn!(dir = %dir.dir().display(), "the manifests directory was made again and cannot be watched: {e}");
-            }
+        if let Source::Manifests { dir, watch } = self {
+            dir.resync();
+            watch.renew();
         }
     }
 
@@ -250,53 +187,5 @@ impl Source {
         if let Source::Kubernetes(kube) = self {
             kube.annotate(captured);
         }
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    const POD: &str = "apiVersion: v1\nkind: Pod\nmetadata:\n  name: web\n  namespace: default\nspec:\n  nodeName: node-1\nstatus:\n  podIP: 10.0.0.5\n";
-
-    /// A manifests directory removed, or moved away, and made again under the
-    /// same name is watched again at the next resync: a manifest written into it
-    /// wakes the agent (the old inotify watch went with the old directory).
-    #[tokio::test]
-    async fn a_manifests_directory_made_again_is_watched_again() {
-        for moved in [false, true] {
-            made_again_is_watched_again(moved).await;
-        }
-    }
-
-    async fn made_again_is_watched_again(moved: bool) {
-        let guard = tempfile::tempdir().unwrap();
-        let path = guard.path().join("manifests");
-        std::fs::create_dir(&path).unwrap();
-        let config = WorkloadSourceConfig::Manifests(path.clone());
-        let mut source = Source::open(&config, "node-1").await.unwrap();
-        if moved {
-            std::fs::rename(&path, guard.path().join("manifests.old")).unwrap();
-        } else {
-            std::fs::remove_dir(&path).unwrap();
-        }
-        std::fs::create_dir(&path).unwrap();
-        // The old watch reports the removal; that is not what is waited for.
-        tokio::time::sleep(Duration::from_millis(200)).await;
-        if let Source::Manifests { events, .. } = &mut source {
-            while events.try_recv().is_ok() {}
-        }
-        source.resync();
-        std::fs::write(path.join("pod.yaml"), POD).unwrap();
-        tokio::time::timeout(Duration::from_secs(5), source.changed())
-            .await
-            .unwrap_or_else(|_| panic!("moved away: {moved}: a manifest written into the directory made again woke nothing"));
-        let deadline = std::time::Instant::now() + Duration::from_secs(5);
-        let mut errors = Vec::new();
-        while source.pods().count() == 0 && std::time::Instant::now() < deadline {
-            errors.extend(source.rescan().errors);
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
-        assert_eq!(source.pods().count(), 1, "moved away: {moved}: {errors:?}");
     }
 }

@@ -41,7 +41,7 @@ mod parse;
 mod watch;
 
 pub use parse::{ManifestError, Objects, parse};
-pub use watch::{Completions, DEBOUNCE, watch};
+pub use watch::{Completions, DEBOUNCE, Watch, watch};
 
 /// Largest manifest file read (bytes).
 pub const MAX_FILE_SIZE: u64 = 16 * 1024 * 1024;

@@ -71,12 +71,12 @@ impl Completions {
     /// Whether the watched directory was removed or moved away (`IN_DELETE_SELF`,
     /// `IN_MOVE_SELF`) since [`Completions::rewatched`]: its watch ended, and a
     /// directory made again under its name needs a new one.
-    pub fn watch_lost(&self) -> bool {
+    fn watch_lost(&self) -> bool {
         self.events().watch_lost
     }
 
     /// Records that the directory is watched again.
-    pub fn rewatched(&self) {
+    fn rewatched(&self) {
         self.events().watch_lost = false;
     }
 
@@ -193,3 +193,142 @@ pub fn watch(
 /// How long to wait after a change for related changes (an editor's write and
 /// rename) before rescanning.
 pub const DEBOUNCE: Duration = Duration::from_millis(20);
+
+/// A directory's device and inode, if it can be read.
+fn inode_of(dir: &Path) -> Option<(u64, u64)> {
+    use std::os::unix::fs::MetadataExt;
+    std::fs::metadata(dir).ok().map(|m| (m.dev(), m.ino()))
+}
+
+/// The watch on a manifests directory ([`watch`]), kept on the directory that
+/// has its name: one removed, or moved away, and made again under the same name
+/// is watched again at the next [`Watch::renew`] (the old inotify watch ends with
+/// the old directory).
+pub struct Watch {
+    dir: PathBuf,
+    completions: Completions,
+    /// Keeps the inotify watch alive.
+    watcher: notify::RecommendedWatcher,
+    /// Change notifications: whether the change completes a file.
+    events: mpsc::Receiver<bool>,
+    /// The watched directory's device and inode.
+    inode: Option<(u64, u64)>,
+}
+
+impl Watch {
+    /// Watches `dir`, filling `completions` (see [`watch`]).
+    ///
+    /// # Errors
+    /// When inotify cannot watch the directory.
+    pub fn new(dir: &Path, completions: Completions) -> notify::Result<Self> {
+        let inode = inode_of(dir);
+        let (watcher, events) = watch(dir, completions.clone())?;
+        Ok(Self {
+            dir: dir.to_path_buf(),
+            completions,
+            watcher,
+            events,
+            inode,
+        })
+    }
+
+    /// Waits for the next change, with the writer's related changes coalesced:
+    /// a file closed after writing or renamed into place returns at once, other
+    /// changes after [`DEBOUNCE`] more. Never returns once the watch has ended.
+    pub async fn changed(&mut self) {
+        let Some(mut complete) = self.events.recv().await else {
+            return std::future::pending().await;
+        };
+        while let Ok(next) = self.events.try_recv() {
+            complete |= next;
+        }
+        if !complete {
+            tokio::time::sleep(DEBOUNCE).await;
+            while self.events.try_recv().is_ok() {}
+        }
+    }
+
+    /// Watches the directory again if it was removed, or moved away, and made
+    /// again since it was watched. A directory that is not there (yet), or cannot
+    /// be watched, is looked at again at the next call; the caller's full
+    /// rescans see its files meanwhile.
+    pub fn renew(&mut self) {
+        // The inode alone may not tell: a directory made again at once often
+        // gets the inode number the removed one had.
+        let now = inode_of(&self.dir);
+        if now.is_none() || (now == self.inode && !self.completions.watch_lost()) {
+            return;
+        }
+        match watch(&self.dir, self.completions.clone()) {
+            Ok((watcher, events)) => {
+                tracing::info!(dir = %self.dir.display(), "the manifests directory was made again; watching the new one");
+                self.watcher = watcher;
+                self.events = events;
+                self.inode = now;
+                self.completions.rewatched();
+            }
+            Err(e) => {
+                tracing::warn!(dir = %self.dir.display(), "the manifests directory was made again and cannot be watched: {e}");
+            }
+        }
+    }
+}
+
+impl std::fmt::Debug for Watch {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Watch")
+            .field("dir", &self.dir)
+            .field("inode", &self.inode)
+            .finish_non_exhaustive()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::workload::manifests::ManifestDir;
+
+    const POD: &str = "apiVersion: v1\nkind: Pod\nmetadata:\n  name: web\n  namespace: default\nspec:\n  nodeName: node-1\nstatus:\n  podIP: 10.0.0.5\n";
+
+    /// A manifests directory removed, or moved away, and made again under the
+    /// same name is watched again once renewed: a manifest written into it wakes
+    /// the watch (the old inotify watch went with the old directory).
+    #[tokio::test]
+    async fn a_manifests_directory_made_again_is_watched_again() {
+        for moved in [false, true] {
+            made_again_is_watched_again(moved).await;
+        }
+    }
+
+    async fn made_again_is_watched_again(moved: bool) {
+        let guard = tempfile::tempdir().unwrap();
+        let path = guard.path().join("manifests");
+        std::fs::create_dir(&path).unwrap();
+        let completions = Completions::default();
+        let mut dir = ManifestDir::new(&path)
+            .unwrap()
+            .with_completions(completions.clone());
+        let mut watch = Watch::new(&path, completions).unwrap();
+        if moved {
+            std::fs::rename(&path, guard.path().join("manifests.old")).unwrap();
+        } else {
+            std::fs::remove_dir(&path).unwrap();
+        }
+        std::fs::create_dir(&path).unwrap();
+        // The old watch reports the removal; that is not what is waited for.
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        while watch.events.try_recv().is_ok() {}
+        watch.renew();
+        std::fs::write(path.join("pod.yaml"), POD).unwrap();
+        tokio::time::timeout(Duration::from_secs(5), watch.changed())
+            .await
+            .unwrap_or_else(|_| panic!("moved away: {moved}: a manifest written into the directory made again woke nothing"));
+        let deadline = std::time::Instant::now() + Duration::from_secs(5);
+        let mut errors = Vec::new();
+        while dir.pods().count() == 0 && std::time::Instant::now() < deadline {
+            errors.extend(dir.rescan().errors);
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        assert_eq!(dir.pods().count(), 1, "moved away: {moved}: {errors:?}");
+    }
+}
