@@ -291,8 +291,12 @@ impl ConnectionRecord {
         };
         let (bytes_recv, bytes_sent) = self.bytes();
         let e = &self.endpoints;
-        let name = |w: &Option<Arc<Workload>>| w.as_ref().map(|w| w.name.clone());
-        let namespace = |w: &Option<Arc<Workload>>| w.as_ref().map(|w| w.namespace.clone());
+        fn name(w: &Option<Arc<Workload>>) -> Option<&str> {
+            w.as_deref().map(|w| w.name.as_str())
+        }
+        fn namespace(w: &Option<Arc<Workload>>) -> Option<&str> {
+            w.as_deref().map(|w| w.namespace.as_str())
+        }
         let id = |i: &Option<SpiffeId>| i.as_ref().map(ToString::to_string);
         tracing::info!(
             target: "access",
