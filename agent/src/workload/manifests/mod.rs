@@ -41,7 +41,9 @@ mod parse;
 mod watch;
 
 pub use parse::{ManifestError, Objects, parse};
-pub use watch::{Completions, DEBOUNCE, Watch, watch};
+#[cfg(test)]
+use watch::watch;
+pub use watch::{Completions, Watch};
 
 /// Largest manifest file read (bytes).
 pub const MAX_FILE_SIZE: u64 = 16 * 1024 * 1024;

@@ -1,6 +1,7 @@
 //! Watching the manifests directory with inotify (inotify(7)): which changes
 //! wake the agent, and which of them are complete, so that they are read without
-//! waiting for [`SETTLE`](super::SETTLE).
+//! waiting for [`SETTLE`](super::SETTLE). A [`Watch`] follows the directory by
+//! name: one removed, or moved away, and made again is watched again.
 
 use std::{
     collections::{HashMap, HashSet},
@@ -15,7 +16,7 @@ use tokio::sync::mpsc;
 use super::{Stamp, is_manifest, stamp_of};
 
 /// What inotify said of the directory's files since the last rescan, filled by
-/// [`watch`] (or by a test calling [`Completions::record`]).
+/// a [`Watch`] (or by a test calling [`Completions::record`]).
 ///
 /// * Which files' last changes are complete: closed after writing
 ///   (`IN_CLOSE_WRITE`) or renamed into place (`IN_MOVED_TO`), and not opened
@@ -132,7 +133,7 @@ impl Completions {
 ///
 /// # Errors
 /// When inotify cannot watch the directory.
-pub fn watch(
+pub(super) fn watch(
     dir: &Path,
     completions: Completions,
 ) -> notify::Result<(notify::RecommendedWatcher, mpsc::Receiver<bool>)> {
@@ -192,7 +193,7 @@ pub fn watch(
 
 /// How long to wait after a change for related changes (an editor's write and
 /// rename) before rescanning.
-pub const DEBOUNCE: Duration = Duration::from_millis(20);
+const DEBOUNCE: Duration = Duration::from_millis(20);
 
 /// A directory's device and inode, if it can be read.
 fn inode_of(dir: &Path) -> Option<(u64, u64)> {
@@ -200,10 +201,11 @@ fn inode_of(dir: &Path) -> Option<(u64, u64)> {
     std::fs::metadata(dir).ok().map(|m| (m.dev(), m.ino()))
 }
 
-/// The watch on a manifests directory ([`watch`]), kept on the directory that
-/// has its name: one removed, or moved away, and made again under the same name
-/// is watched again at the next [`Watch::renew`] (the old inotify watch ends with
-/// the old directory).
+/// Watches a manifests directory by its name, with inotify. After the directory
+/// is removed, or moved away, and made again under the same name, the next
+/// [`Watch::renew`] watches the new one (the old inotify watch ends with the old
+/// directory).
+#[derive(Debug)]
 pub struct Watch {
     dir: PathBuf,
     completions: Completions,
@@ -216,7 +218,7 @@ pub struct Watch {
 }
 
 impl Watch {
-    /// Watches `dir`, filling `completions` (see [`watch`]).
+    /// Watches `dir`, filling `completions` with what inotify says of its files.
     ///
     /// # Errors
     /// When inotify cannot watch the directory.
@@ -234,7 +236,7 @@ impl Watch {
 
     /// Waits for the next change, with the writer's related changes coalesced:
     /// a file closed after writing or renamed into place returns at once, other
-    /// changes after [`DEBOUNCE`] more. Never returns once the watch has ended.
+    /// changes after `DEBOUNCE` (20 ms) more.
     pub async fn changed(&mut self) {
         let Some(mut complete) = self.events.recv().await else {
             return std::future::pending().await;
@@ -274,15 +276,6 @@ impl Watch {
     }
 }
 
-impl std::fmt::Debug for Watch {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Watch")
-            .field("dir", &self.dir)
-            .field("inode", &self.inode)
-            .finish_non_exhaustive()
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -319,6 +312,10 @@ mod tests {
         tokio::time::sleep(Duration::from_millis(200)).await;
         while watch.events.try_recv().is_ok() {}
         watch.renew();
+        assert!(
+            !watch.completions.watch_lost(),
+            "moved away: {moved}: watched again, the watch is no longer lost"
+        );
         std::fs::write(path.join("pod.yaml"), POD).unwrap();
         tokio::time::timeout(Duration::from_secs(5), watch.changed())
             .await
