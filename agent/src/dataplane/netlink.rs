@@ -327,9 +327,9 @@ impl Netlink {
     }
 
     /// Reads routes, links and addresses, within [`READ_TIMEOUT`]: by dumps at the
-    /// first read, when the last full read is older than [`FULL_READ_MAX_AGE`]
+    /// first read, when the last full read is older than `FULL_READ_MAX_AGE`
     /// (for a `resync`, the agent's periodic read while nothing changes:
-    /// [`RESYNC_FULL_READ_AGE`]), or when the notifications since it are not all
+    /// `RESYNC_FULL_READ_AGE`), or when the notifications since it are not all
     /// known; else from those notifications.
     ///
     /// # Errors

@@ -474,7 +474,7 @@ impl KubeSource {
     /// Sets [`REDIRECTION_ANNOTATION`] on this node's pods in `captured`
     /// (`namespace/name`) and removes it from its other pods, by JSON merge patch
     /// (RFC 7386), in the background. A patch is sent again if the watch does not
-    /// show it after [`PATCH_RETRY`]; failures are logged.
+    /// show it after `PATCH_RETRY`; failures are logged.
     pub fn annotate(&mut self, captured: &HashSet<String>) {
         // Before the first lists nothing is detached, and pods the agent
         // does not know yet may still be captured: their annotation stays.

@@ -16,7 +16,7 @@ use tokio::sync::mpsc;
 use super::{Stamp, is_manifest, stamp_of};
 
 /// What inotify said of the directory's files since the last rescan, filled by
-/// a [`Watch`] (or by a test calling [`Completions::record`]).
+/// a [`Watch`] (or by a test calling `Completions::record`).
 ///
 /// * Which files' last changes are complete: closed after writing
 ///   (`IN_CLOSE_WRITE`) or renamed into place (`IN_MOVED_TO`), and not opened
