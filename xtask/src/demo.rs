@@ -103,6 +103,13 @@ fn demo() -> Result<()> {
     }
 
     section("batch (legacy, not enrolled, node1) -> backend (enrolled, node2)");
+    let plaintext = |c: &Cluster| -> Result<u64> {
+        Ok(c.counters(&server)?
+            .get("captured_inbound_plaintext")
+            .copied()
+            .unwrap_or(0))
+    };
+    let plaintext_before = plaintext(&c)?;
     let capture = Capture::start(&c.nodes[0].netns, "eth0", &c.dir, "plain")?;
     let ex = app::exchange(
         &outsider.netns,
@@ -110,11 +117,15 @@ fn demo() -> Result<()> {
         b"nightly report, in the clear",
     )?;
     let (raw, lines) = capture.stop()?;
+    let captured = plaintext(&c)? - plaintext_before;
     println!(
-        "backend saw {} (batch's pod address: {}); captured at backend's host veth by the plaintext listener",
+        "backend saw {} (batch's pod address: {}); connections captured at backend's host veth for the plaintext listener: {captured}",
         ex.peer_seen.ip(),
         outsider.ip
     );
+    if captured == 0 {
+        bail!("backend's host veth did not capture the plaintext connection for the proxy");
+    }
     let app_port = lines.iter().filter(|l| l.contains(".8080")).count();
     println!(
         "underlay capture: {app_port} packets to/from port 8080; payload visible: {}",
@@ -125,10 +136,14 @@ fn demo() -> Result<()> {
         }
     );
 
-    section("bpftool map dump pinned <pin-dir>/v1/pods (node1)");
+    let pods_map = c.nodes[0].pins().join("pods");
+    section(&format!(
+        "bpftool map dump pinned {} (node1; key: the host veth's ifindex; ipv4: IPv4-mapped IPv6)",
+        pods_map.display()
+    ));
     let out = Command::new("bpftool")
         .args(["map", "dump", "pinned"])
-        .arg(c.nodes[0].pins().join("pods"))
+        .arg(&pods_map)
         .output()?;
     print!("{}", String::from_utf8_lossy(&out.stdout));
 
