@@ -38,7 +38,7 @@ pub enum Source {
         /// The files and their last good objects.
         dir: ManifestDir,
         /// The inotify watch on the directory, filling `dir`'s completions.
-        watch: manifests::Watch,
+        watch: Box<manifests::Watch>,
     },
     /// The Kubernetes API.
     Kubernetes(Box<KubeSource>),
@@ -58,6 +58,7 @@ impl Source {
                     .with_context(|| format!("reading the manifests directory {}", path.display()))?
                     .with_completions(completions.clone());
                 let watch = manifests::Watch::new(dir.dir(), completions)
+                    .map(Box::new)
                     .with_context(|| format!("watching {}", path.display()))?;
                 Ok(Source::Manifests { dir, watch })
             }

@@ -681,7 +681,7 @@ mod tests {
         let mut source = ManifestDir::with_settle(dir, Duration::from_secs(3600))
             .unwrap()
             .with_completions(completions.clone());
-        let (_watcher, mut events) = watch(dir, completions).unwrap();
+        let (_watcher, mut events) = watch(dir, completions, Default::default()).unwrap();
         assert!(source.rescan().errors.is_empty());
         // Waits for the event that completes the change.
         let mut wait_complete = async || {
@@ -900,7 +900,7 @@ mod tests {
         let mut source = ManifestDir::with_settle(dir, Duration::from_millis(10))
             .unwrap()
             .with_completions(completions.clone());
-        let (_watcher, mut events) = watch(dir, completions).unwrap();
+        let (_watcher, mut events) = watch(dir, completions, Default::default()).unwrap();
         source.rescan();
         let name = |source: &ManifestDir| source.pods().next().unwrap().metadata.name.clone();
         assert_eq!(name(&source).as_deref(), Some("one"));
@@ -932,7 +932,7 @@ mod tests {
         let dir = guard.path().join("manifests");
         fs::create_dir(&dir).unwrap();
         let completions = Completions::default();
-        let (watcher, events) = watch(&dir, completions.clone()).unwrap();
+        let (watcher, events) = watch(&dir, completions.clone(), Default::default()).unwrap();
         (guard, dir, completions, watcher, events)
     }
 

@@ -6,7 +6,10 @@
 use std::{
     collections::{HashMap, HashSet},
     path::{Path, PathBuf},
-    sync::Arc,
+    sync::{
+        Arc,
+        atomic::{AtomicBool, Ordering},
+    },
     time::Duration,
 };
 
@@ -39,9 +42,6 @@ struct Events {
     changed: HashSet<PathBuf>,
     /// Some event since then may have changed any file.
     everything: bool,
-    /// The watched directory itself was removed or moved away: the watch ended
-    /// with it.
-    watch_lost: bool,
 }
 
 impl Completions {
@@ -67,18 +67,6 @@ impl Completions {
     /// Records that any file may have changed.
     pub(super) fn record_everything(&self) {
         self.events().everything = true;
-    }
-
-    /// Whether the watched directory was removed or moved away (`IN_DELETE_SELF`,
-    /// `IN_MOVE_SELF`) since [`Completions::rewatched`]: its watch ended, and a
-    /// directory made again under its name needs a new one.
-    fn watch_lost(&self) -> bool {
-        self.events().watch_lost
-    }
-
-    /// Records that the directory is watched again.
-    fn rewatched(&self) {
-        self.events().watch_lost = false;
     }
 
     /// Records an inotify event on manifests; returns whether it completes a
@@ -127,7 +115,9 @@ impl Completions {
 
 /// Watches `dir` and sends on every change (creations, writes, renames,
 /// removals) whether it completes a file (see [`Completions`], which it fills),
-/// coalesced: a full channel means a rescan is already pending.
+/// coalesced: a full channel means a rescan is already pending. Sets `lost` when
+/// the directory itself is removed or moved away (`IN_DELETE_SELF`,
+/// `IN_MOVE_SELF`): this watch ended with it.
 ///
 /// The returned watcher must be kept alive.
 ///
@@ -136,6 +126,7 @@ impl Completions {
 pub(super) fn watch(
     dir: &Path,
     completions: Completions,
+    lost: Arc<AtomicBool>,
 ) -> notify::Result<(notify::RecommendedWatcher, mpsc::Receiver<bool>)> {
     let (tx, rx) = mpsc::channel(16);
     let watched = dir.to_path_buf();
@@ -165,7 +156,7 @@ pub(super) fn watch(
                             | notify::EventKind::Modify(notify::event::ModifyKind::Name(_))
                     )
                 {
-                    completions.events().watch_lost = true;
+                    lost.store(true, Ordering::Relaxed);
                 }
                 (swap, false)
             }
@@ -215,6 +206,9 @@ pub struct Watch {
     events: mpsc::Receiver<bool>,
     /// The watched directory's device and inode.
     inode: Option<(u64, u64)>,
+    /// Set by this watch when the directory itself went away (each watch has its
+    /// own: an old watch's late events cannot mark the new one lost).
+    lost: Arc<AtomicBool>,
 }
 
 impl Watch {
@@ -224,13 +218,15 @@ impl Watch {
     /// When inotify cannot watch the directory.
     pub fn new(dir: &Path, completions: Completions) -> notify::Result<Self> {
         let inode = inode_of(dir);
-        let (watcher, events) = watch(dir, completions.clone())?;
+        let lost = Arc::default();
+        let (watcher, events) = watch(dir, completions.clone(), Arc::clone(&lost))?;
         Ok(Self {
             dir: dir.to_path_buf(),
             completions,
             watcher,
             events,
             inode,
+            lost,
         })
     }
 
@@ -258,16 +254,17 @@ impl Watch {
         // The inode alone may not tell: a directory made again at once often
         // gets the inode number the removed one had.
         let now = inode_of(&self.dir);
-        if now.is_none() || (now == self.inode && !self.completions.watch_lost()) {
+        if now.is_none() || (now == self.inode && !self.lost.load(Ordering::Relaxed)) {
             return;
         }
-        match watch(&self.dir, self.completions.clone()) {
+        let lost = Arc::default();
+        match watch(&self.dir, self.completions.clone(), Arc::clone(&lost)) {
             Ok((watcher, events)) => {
                 tracing::info!(dir = %self.dir.display(), "the manifests directory was made again; watching the new one");
                 self.watcher = watcher;
                 self.events = events;
                 self.inode = now;
-                self.completions.rewatched();
+                self.lost = lost;
             }
             Err(e) => {
                 tracing::warn!(dir = %self.dir.display(), "the manifests directory was made again and cannot be watched: {e}");
@@ -313,7 +310,7 @@ mod tests {
         while watch.events.try_recv().is_ok() {}
         watch.renew();
         assert!(
-            !watch.completions.watch_lost(),
+            !watch.lost.load(Ordering::Relaxed),
             "moved away: {moved}: watched again, the watch is no longer lost"
         );
         std::fs::write(path.join("pod.yaml"), POD).unwrap();
