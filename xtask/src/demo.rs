@@ -117,7 +117,7 @@ fn demo() -> Result<()> {
         b"nightly report, in the clear",
     )?;
     let (raw, lines) = capture.stop()?;
-    let captured = plaintext(&c)? - plaintext_before;
+    let captured = plaintext(&c)?.saturating_sub(plaintext_before);
     println!(
         "backend saw {} (batch's pod address: {}); connections captured at backend's host veth for the plaintext listener: {captured}",
         ex.peer_seen.ip(),
