@@ -57,9 +57,10 @@ pub fn install_policy_routing(mark: u32, mask: u32, table: u32, priority: u32) -
     Ok(())
 }
 
-/// The sysctls the data path needs in the node namespace (see DESIGN.md): early
-/// demux would attach later packets of proxied flows arriving from the uplink or
-/// another pod to the proxy's socket and then drop them in the forwarding path.
+/// The sysctls the data path needs in the node namespace (see the README, "Kernel
+/// facts the data path depends on"): early demux would attach later packets of
+/// proxied flows arriving from the uplink or another pod to the proxy's socket and
+/// then drop them in the forwarding path.
 ///
 /// Bounced packets arrive on a host veth with the remote client's source address;
 /// strict reverse-path filtering (`rp_filter=1`) drops them, and the effective
