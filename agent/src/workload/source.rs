@@ -190,3 +190,42 @@ impl Source {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const POD: &str = "apiVersion: v1\nkind: Pod\nmetadata:\n  name: web\n  namespace: default\nspec:\n  nodeName: node-1\nstatus:\n  podIP: 10.0.0.5\n";
+
+    /// The agent's periodic resync is what watches a manifests directory made
+    /// again: after it, a manifest written into the new directory wakes the
+    /// source and is read.
+    #[tokio::test]
+    async fn a_resync_watches_a_manifests_directory_made_again() {
+        let guard = tempfile::tempdir().unwrap();
+        let path = guard.path().join("manifests");
+        std::fs::create_dir(&path).unwrap();
+        let config = WorkloadSourceConfig::Manifests(path.clone());
+        let mut source = Source::open(&config, "node-1").await.unwrap();
+        std::fs::remove_dir(&path).unwrap();
+        std::fs::create_dir(&path).unwrap();
+        // The old watch's report of the removal is not what is waited for.
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        tokio::time::timeout(Duration::from_millis(500), source.changed())
+            .await
+            .ok();
+        source.resync();
+        source.rescan();
+        std::fs::write(path.join("pod.yaml"), POD).unwrap();
+        tokio::time::timeout(Duration::from_secs(5), source.changed())
+            .await
+            .expect("a manifest written into the directory made again woke the source");
+        let rescan = source.rescan();
+        assert!(rescan.errors.is_empty(), "{:?}", rescan.errors);
+        let names: Vec<_> = source
+            .pods()
+            .filter_map(|p| p.metadata.name.as_deref())
+            .collect();
+        assert_eq!(names, ["web"]);
+    }
+}
