@@ -38,9 +38,7 @@ use crate::{
         server::{Attached, Enroller, SourceView},
     },
     dataplane::{
-        CapturedPod, Dataplane, DataplaneConfig, Removal,
-        journal::SysctlJournal,
-        net,
+        CapturedPod, Dataplane, DataplaneConfig, Removal, net,
         netlink::{Netlink, NodeNetwork},
     },
     identity::{
@@ -207,7 +205,6 @@ pub async fn run(cfg: AgentConfig) -> Result<()> {
         bind("readiness", cfg.readiness_address).await?,
         server::readiness(readiness.clone()),
     ));
-    let journal = SysctlJournal::new(&cfg.state_dir);
     let netlink = Netlink::open()?;
     let network = netlink
         .read(true)
@@ -218,7 +215,7 @@ pub async fn run(cfg: AgentConfig) -> Result<()> {
     // takes it too) puts them back.
     let dataplane = Dataplane::load(&DataplaneConfig {
         pin_dir: cfg.pin_dir.clone(),
-        journal: journal.clone(),
+        state_dir: cfg.state_dir.clone(),
         config: Config::with_defaults(if cfg.fail_open { CONFIG_FAIL_OPEN } else { 0 }),
         node_addrs: network.addrs.clone(),
         excluded_cidrs: cfg.excluded_cidrs.clone(),
@@ -232,7 +229,7 @@ pub async fn run(cfg: AgentConfig) -> Result<()> {
         RULE_PRIORITY,
     )
     .context("installing policy routing")?;
-    net::apply_node_sysctls(&journal)?;
+    net::apply_node_sysctls(dataplane.journal())?;
     let state = Arc::new(ProxyState::new(proxy_config, certs));
     let maps = match DataplaneMaps::new(&dataplane) {
         Ok(maps) => Some(Arc::new(std::sync::Mutex::new(maps))),

@@ -81,8 +81,10 @@ pub struct DataplaneConfig {
     /// The bpffs directory for map and link pins (the layout's own directory,
     /// `v<N>`, is made below it).
     pub pin_dir: PathBuf,
-    /// Where the host veths' sysctls are recorded before they are changed.
-    pub journal: SysctlJournal,
+    /// The node's state directory: the sysctl journal (where the host veths' and
+    /// the node's sysctls are recorded before they are changed) and the record of
+    /// expedited grace periods ([`rcu`]).
+    pub state_dir: PathBuf,
     /// Written to the config map at load, with `node_addrs`.
     pub config: Config,
     /// The node's own addresses (connections from them to a pod are not captured).
@@ -263,8 +265,7 @@ impl Dataplane {
                 "kernel older than 6.6: programs are attached as netlink cls_bpf filters, which cannot be pinned; when this agent exits, capture stops until an agent is back"
             );
         }
-        let state_dir = cfg.journal.path().parent().unwrap_or(Path::new("."));
-        let rcu = ExpeditedAttach::new(state_dir, cfg.expedite_attach && tcx);
+        let rcu = ExpeditedAttach::new(&cfg.state_dir, cfg.expedite_attach && tcx);
         match rcu.recover() {
             Ok(true) => tracing::warn!(
                 "put {} back to 0: an earlier agent stopped while it had it at 1",
@@ -276,7 +277,7 @@ impl Dataplane {
         let mut dataplane = Dataplane {
             ebpf,
             pins: pin_dir,
-            journal: cfg.journal.clone(),
+            journal: SysctlJournal::new(&cfg.state_dir),
             _lock: lock,
             config,
             pods,
@@ -583,6 +584,12 @@ impl Dataplane {
             self.config = config;
         }
         Ok(())
+    }
+
+    /// The journal of the sysctls this node's agent changed, in the state
+    /// directory.
+    pub fn journal(&self) -> &SysctlJournal {
+        &self.journal
     }
 
     /// The pods currently attached.
