@@ -1,6 +1,7 @@
 //! `cargo xtask <command>`: podlink's development tasks.
 //!
-//! Every command first runs `setup`, so a fresh machine needs nothing by hand.
+//! Every command first runs `setup` (without `kubernetes-validate` where it does not
+//! validate), so a fresh machine needs nothing by hand.
 
 mod bench;
 mod demo;
@@ -26,7 +27,7 @@ struct Cli {
 #[derive(Subcommand)]
 enum Cmd {
     /// Install what building and testing need (Debian packages, nightly rust-src,
-    /// bpf-linker). Idempotent.
+    /// bpf-linker, kubernetes-validate). Idempotent.
     Setup,
     /// Build the eBPF object (with BTF) with the nightly toolchain.
     BuildEbpf,
@@ -65,7 +66,10 @@ enum Cmd {
 
 fn main() -> Result<()> {
     let cli = Cli::parse();
-    setup::setup()?;
+    setup::setup(match cli.command {
+        Cmd::Setup | Cmd::ValidateDeploy | Cmd::Test { .. } => setup::Validator::Install,
+        _ => setup::Validator::Skip,
+    })?;
     match cli.command {
         Cmd::Setup => Ok(()),
         Cmd::BuildEbpf => build_ebpf(),

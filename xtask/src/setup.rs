@@ -4,7 +4,8 @@
 //! * The nightly toolchain's `rust-src` component (the eBPF crate builds `core`).
 //! * `bpf-linker` 0.13, built against the nightly's own LLVM into `.tools/`.
 //! * `kubernetes-validate` (PyPI), in a Python venv under `.tools/`, for
-//!   `validate-deploy`.
+//!   `validate-deploy` (installed by the commands that validate: `setup`,
+//!   `validate-deploy` and `test`).
 
 use std::{
     fs,
@@ -40,11 +41,24 @@ pub const KUBERNETES_VALIDATE_VERSION: &str = "1.37.0";
 /// The Python that gets the venv: Debian's, which python3-venv completes.
 const PYTHON: &str = "/usr/bin/python3";
 
-pub fn setup() -> Result<()> {
+/// What a command needs besides the build tools.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub enum Validator {
+    /// `kubernetes-validate` too (the commands that validate the manifests).
+    Install,
+    /// Only the packages and the eBPF toolchain (the demo, the bench, builds).
+    Skip,
+}
+
+/// Installs what is missing: the Debian packages, `rust-src`, `bpf-linker`, and
+/// `kubernetes-validate` when `validator` asks for it.
+pub fn setup(validator: Validator) -> Result<()> {
     install_packages()?;
     install_rust_src()?;
     install_bpf_linker()?;
-    install_kubernetes_validate()?;
+    if validator == Validator::Install {
+        install_kubernetes_validate()?;
+    }
     Ok(())
 }
 
