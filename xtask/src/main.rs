@@ -9,10 +9,7 @@ mod deploy;
 mod layout;
 mod setup;
 
-use std::{
-    path::{Path, PathBuf},
-    process::Command,
-};
+use std::{path::PathBuf, process::Command};
 
 use anyhow::{Context, Result, bail};
 use clap::{Parser, Subcommand};
@@ -102,9 +99,13 @@ fn main() -> Result<()> {
     }
 }
 
-/// The workspace root (the parent of `xtask/`).
+/// The workspace root (the parent of `xtask/`). `cargo run` (the `xtask` alias)
+/// names xtask's directory in `CARGO_MANIFEST_DIR` as it is now; the one built in
+/// is used otherwise, and would be stale in a checkout moved since it was built.
 pub fn project_root() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
+    std::env::var_os("CARGO_MANIFEST_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")))
         .parent()
         .expect("xtask lives in the workspace")
         .to_path_buf()
