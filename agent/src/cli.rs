@@ -216,7 +216,8 @@ struct AgentArgs {
     #[arg(long = "exclude-port", value_name = "PORT")]
     excluded_ports: Vec<u16>,
     /// Connections (and inbound HBONE streams) handled at once; more are refused.
-    /// Default: a third of the open-file limit.
+    /// Default: a third of the open-file limit. Inbound HBONE handshakes under way
+    /// have their own budget, a quarter of it.
     #[arg(long)]
     max_connections: Option<usize>,
 }

@@ -31,14 +31,30 @@ fn bed(agent_args: &[&str]) -> (Cluster, Pod, Pod) {
     (c, client, server)
 }
 
+/// Whether a connection was refused: not made, or closed or reset by the proxy
+/// (read within 50 ms).
+fn is_reset(s: &std::io::Result<TcpStream>) -> bool {
+    let Ok(s) = s else {
+        return true;
+    };
+    s.set_read_timeout(Some(Duration::from_millis(50))).unwrap();
+    let mut byte = [0u8; 1];
+    match (&*s).read(&mut byte) {
+        Ok(0) => true,
+        Err(e) => e.kind() == std::io::ErrorKind::ConnectionReset,
+        Ok(_) => false,
+    }
+}
+
 #[test]
 fn connections_are_bounded_and_the_proxy_recovers() {
     let (c, client, server) = bed(&["--max-connections", "8"]);
     let _echo = app::EchoServer::start(&server.netns, server.addr(9000)).unwrap();
 
-    // Silent connections to the HBONE port: beyond the limit they are reset.
+    // Silent connections to the HBONE port: beyond the handshake limit they are
+    // reset.
     let hbone_addr = server.addr(15008);
-    let mut silent: Vec<std::io::Result<TcpStream>> = (0..20)
+    let silent: Vec<std::io::Result<TcpStream>> = (0..20)
         .map(|_| {
             netns::in_netns(&client.netns, move || {
                 TcpStream::connect_timeout(&hbone_addr, Duration::from_secs(5))
@@ -46,25 +62,39 @@ fn connections_are_bounded_and_the_proxy_recovers() {
         })
         .collect();
     std::thread::sleep(Duration::from_millis(300));
-    let mut reset = 0;
-    for s in &mut silent {
-        let Ok(s) = s else {
-            reset += 1;
-            continue;
-        };
-        s.set_read_timeout(Some(Duration::from_millis(50))).unwrap();
-        let mut byte = [0u8; 1];
-        match s.read(&mut byte) {
-            Ok(0) => reset += 1,
-            Err(e) if e.kind() == std::io::ErrorKind::ConnectionReset => reset += 1,
-            _ => {}
-        }
-    }
+    let reset = silent.iter().filter(|s| is_reset(s)).count();
+    // Handshakes under way have their own budget, a quarter of the connections.
     assert!(
-        reset >= 12,
-        "only {reset} of 20 connections over a limit of 8 were refused"
+        reset >= 18,
+        "only {reset} of 20 silent connections over a limit of 2 handshakes were refused"
+    );
+    c.wait_log(1, &["at the limit of 2 handshakes under way"])
+        .unwrap();
+    // They leave the other listeners' connections alone: a plaintext connection
+    // to the server (the inbound plaintext listener of the same proxy) is served
+    // while they wait.
+    let echo_addr = server.addr(9000);
+    let served = app::exchange(&client.netns, echo_addr, b"while the handshakes wait")
+        .expect("a plaintext connection is served while silent HBONE clients wait");
+    assert_eq!(served.echoed, b"while the handshakes wait");
+
+    // Connections themselves are bounded: of 12 plaintext connections held open,
+    // those over the limit of 8 are reset.
+    let held: Vec<std::io::Result<TcpStream>> = (0..12)
+        .map(|_| {
+            netns::in_netns(&client.netns, move || {
+                TcpStream::connect_timeout(&echo_addr, Duration::from_secs(5))
+            })
+        })
+        .collect();
+    std::thread::sleep(Duration::from_millis(300));
+    let refused = held.iter().filter(|s| is_reset(s)).count();
+    assert!(
+        refused >= 4,
+        "only {refused} of 12 connections over a limit of 8 were refused"
     );
     c.wait_log(1, &["at the limit of 8 connections"]).unwrap();
+    drop(held);
 
     // Once they are gone, the proxy serves again.
     drop(silent);

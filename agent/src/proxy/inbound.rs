@@ -17,7 +17,10 @@ use std::{
 use bytes::Bytes;
 use h2::server::SendResponse;
 use http::{Request, Response, StatusCode};
-use tokio::{net::TcpStream, sync::watch};
+use tokio::{
+    net::TcpStream,
+    sync::{OwnedSemaphorePermit, watch},
+};
 use tokio_rustls::TlsAcceptor;
 
 use super::{
@@ -46,8 +49,21 @@ const IDLE_TIMEOUT: Duration = Duration::from_secs(300);
 /// flood the log).
 static REFUSALS: LazyLock<RateLimited> = LazyLock::new(RateLimited::default);
 
-/// Handles one HBONE connection from `peer` to `local` (`pod ip:15008`).
-pub async fn handle(state: Arc<ProxyState>, tcp: TcpStream, peer: SocketAddr, local: SocketAddr) {
+/// Connections refused after their handshakes for want of a connection slot,
+/// logged at a bounded rate.
+static OVER_LIMIT: LazyLock<RateLimited> = LazyLock::new(RateLimited::default);
+
+/// Handles one HBONE connection from `peer` to `local` (`pod ip:15008`). It holds
+/// the handshake permit `handshake` ([`ProxyState::max_handshakes`]) during its
+/// TLS and HTTP/2 handshakes, then one of the proxy's connection slots for as long
+/// as it is open; without a free slot it is refused.
+pub async fn handle(
+    state: Arc<ProxyState>,
+    tcp: TcpStream,
+    peer: SocketAddr,
+    local: SocketAddr,
+    handshake: OwnedSemaphorePermit,
+) {
     // Until the handshakes succeed, a close is a RST: a refused or silent client
     // leaves no TIME_WAIT socket behind to collide with its next connection.
     socket::reset_on_close(&tcp);
@@ -98,6 +114,17 @@ pub async fn handle(state: Arc<ProxyState>, tcp: TcpStream, peer: SocketAddr, lo
             failed(FailureKind::Handshake);
             return;
         }
+    };
+    drop(handshake);
+    let Some(_slot) = state.connection_slot() else {
+        failed(FailureKind::ConnectionLimit);
+        OVER_LIMIT.warn(|n| {
+            format!(
+                "inbound HBONE listener: at the limit of {} connections; refused {n} (from {peer} and others) after its handshakes",
+                state.config.max_connections
+            )
+        });
+        return;
     };
     tracing::debug!(%peer, %client, destination = %destination.key(), "HBONE connection accepted");
     // Streams end when their connection does (the client went away, or the pod

@@ -4,7 +4,7 @@
 
 use std::{net::SocketAddr, sync::Arc};
 
-use tokio::net::TcpStream;
+use tokio::{net::TcpStream, sync::OwnedSemaphorePermit};
 
 use super::{ProxyState, copy, socket};
 use crate::{
@@ -15,8 +15,15 @@ use crate::{
     },
 };
 
-/// Handles one connection from `src` to the pod address `dst`.
-pub async fn handle(state: Arc<ProxyState>, mut tcp: TcpStream, src: SocketAddr, dst: SocketAddr) {
+/// Handles one connection from `src` to the pod address `dst`, holding the
+/// proxy's connection slot `_slot` until it ends.
+pub async fn handle(
+    state: Arc<ProxyState>,
+    mut tcp: TcpStream,
+    src: SocketAddr,
+    dst: SocketAddr,
+    _slot: OwnedSemaphorePermit,
+) {
     let view = state.view();
     let Some(destination) = view.local_pod(dst.ip()).cloned() else {
         tracing::info!(%src, %dst, "plaintext connection to an address that is not an enrolled pod of this node; reset");

@@ -55,8 +55,9 @@ pub struct ProxyConfig {
     pub proxy_mark: u32,
     /// Time allowed for connecting upstream.
     pub connect_timeout: Duration,
-    /// Connections (accepted, plus inbound HBONE streams) handled at once; more
-    /// are refused.
+    /// Connections (accepted, inbound HBONE ones once their handshakes succeed,
+    /// plus inbound HBONE streams) handled at once; more are refused. Handshakes
+    /// under way have their own budget ([`ProxyState::max_handshakes`]).
     pub max_connections: usize,
     /// The cluster ID: the `source_cluster` and `destination_cluster` metric
     /// labels of known workloads.
@@ -162,6 +163,11 @@ pub struct ProxyState {
     /// holds a socket or two): bounds the file descriptors clients can make the
     /// proxy hold.
     connections: Arc<Semaphore>,
+    /// One permit per inbound HBONE connection whose TLS and HTTP/2 handshakes
+    /// are under way ([`ProxyState::max_handshakes`]). Such connections take no
+    /// connection permit until their handshakes succeed, so that clients which
+    /// never finish one cannot use up the connections of every listener.
+    handshakes: Arc<Semaphore>,
     /// Open connections to each Service endpoint, for balancing.
     endpoint_load: Arc<std::sync::Mutex<HashMap<SocketAddr, usize>>>,
     /// Connections denied, by the policy that denied them ([`Denial::policy`]).
@@ -170,6 +176,11 @@ pub struct ProxyState {
     denial_log: RateLimited,
     /// Connections to Services without a ready endpoint, logged at a bounded rate.
     pub service_log: RateLimited,
+}
+
+/// See [`ProxyState::max_handshakes`].
+fn max_handshakes(max_connections: usize) -> usize {
+    (max_connections / 4).max(1)
 }
 
 /// Warnings given at most [`RateLimited::BURST`] times a second; the next one
@@ -219,6 +230,7 @@ impl ProxyState {
             draining: watch::Sender::new(false),
             listeners_open: Default::default(),
             connections: Arc::new(Semaphore::new(config.max_connections)),
+            handshakes: Arc::new(Semaphore::new(max_handshakes(config.max_connections))),
             denials: Default::default(),
             endpoint_load: Default::default(),
             denial_log: RateLimited::default(),
@@ -261,8 +273,19 @@ impl ProxyState {
             .load(std::sync::atomic::Ordering::Relaxed)
     }
 
+    /// Inbound HBONE handshakes under way at once: a quarter of
+    /// [`ProxyConfig::max_connections`], at least one. More are refused (reset).
+    pub fn max_handshakes(&self) -> usize {
+        max_handshakes(self.config.max_connections)
+    }
+
+    /// Takes a permit for an inbound HBONE handshake; `None` at the limit.
+    pub(crate) fn start_handshake(&self) -> Option<OwnedSemaphorePermit> {
+        self.handshakes.clone().try_acquire_owned().ok()
+    }
+
     /// Connections open now: accepted downstream connections (inbound HBONE
-    /// connections included) and inbound HBONE streams.
+    /// connections whose handshakes succeeded included) and inbound HBONE streams.
     pub fn open_connections(&self) -> usize {
         self.config
             .max_connections
@@ -441,19 +464,19 @@ pub async fn serve(state: Arc<ProxyState>, listeners: Listeners) {
     };
     tokio::join!(
         accept_loop(
-            ("outbound", Direction::Outbound),
+            ("outbound", Direction::Outbound, Permit::Connection),
             listeners.outbound,
             state.clone(),
             outbound::handle
         ),
         accept_loop(
-            ("inbound plaintext", Direction::Inbound),
+            ("inbound plaintext", Direction::Inbound, Permit::Connection),
             listeners.inbound_plaintext,
             state.clone(),
             inbound_plaintext::handle
         ),
         accept_loop(
-            ("inbound HBONE", Direction::Inbound),
+            ("inbound HBONE", Direction::Inbound, Permit::Handshake),
             listeners.hbone,
             state.clone(),
             inbound::handle
@@ -472,6 +495,16 @@ const DRAIN_QUIET: Duration = Duration::from_millis(1200);
 /// The longest a draining listener stays open.
 const DRAIN_ACCEPT_MAX: Duration = Duration::from_secs(3);
 
+/// What an accepted connection takes before it is handled.
+#[derive(Clone, Copy)]
+enum Permit {
+    /// A connection permit, held until the connection ends.
+    Connection,
+    /// A handshake permit, which the handler trades for a connection permit once
+    /// the handshakes succeed (inbound HBONE).
+    Handshake,
+}
+
 /// Accepts connections on `listener` and hands each to `handle`, until the proxy
 /// drains. The agent has then stopped the programs from handing it new
 /// connections (enrolled pods' new connections fail closed); the listener goes
@@ -479,12 +512,18 @@ const DRAIN_ACCEPT_MAX: Duration = Duration::from_secs(3);
 /// [`DRAIN_QUIET`], then closes. Closing it earlier would reset the connections
 /// waiting in its queue.
 async fn accept_loop<F, Fut>(
-    (name, direction): (&'static str, Direction),
+    (name, direction, permit): (&'static str, Direction, Permit),
     listener: TcpListener,
     state: Arc<ProxyState>,
     handle: F,
 ) where
-    F: Fn(Arc<ProxyState>, tokio::net::TcpStream, SocketAddr, SocketAddr) -> Fut,
+    F: Fn(
+        Arc<ProxyState>,
+        tokio::net::TcpStream,
+        SocketAddr,
+        SocketAddr,
+        OwnedSemaphorePermit,
+    ) -> Fut,
     Fut: std::future::Future<Output = ()> + Send + 'static,
 {
     state
@@ -520,12 +559,17 @@ async fn accept_loop<F, Fut>(
                 continue;
             }
         };
-        let Ok(permit) = state.connections.clone().try_acquire_owned() else {
+        let taken = match permit {
+            Permit::Connection => state.connection_slot(),
+            Permit::Handshake => state.start_handshake(),
+        };
+        let Some(permit) = taken else {
             state
                 .metrics
                 .failed(direction, FailureKind::ConnectionLimit);
-            over_limit.warn(|n| {
-                format!("{name} listener: at the limit of {} connections; refused {n} (from {peer} and others)", state.config.max_connections)
+            over_limit.warn(|n| match permit {
+                Permit::Connection => format!("{name} listener: at the limit of {} connections; refused {n} (from {peer} and others)", state.config.max_connections),
+                Permit::Handshake => format!("{name} listener: at the limit of {} handshakes under way; refused {n} (from {peer} and others)", state.max_handshakes()),
             });
             socket::reset_on_close(&stream);
             continue;
@@ -534,11 +578,7 @@ async fn accept_loop<F, Fut>(
             continue;
         };
         let _ = stream.set_nodelay(true);
-        let connection = handle(state.clone(), stream, peer, local);
-        tokio::spawn(async move {
-            connection.await;
-            drop(permit);
-        });
+        tokio::spawn(handle(state.clone(), stream, peer, local, permit));
     }
     drop(listener);
     state

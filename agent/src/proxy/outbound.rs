@@ -2,7 +2,7 @@
 
 use std::{net::SocketAddr, sync::Arc};
 
-use tokio::net::TcpStream;
+use tokio::{net::TcpStream, sync::OwnedSemaphorePermit};
 
 use super::{
     ProxyState, copy,
@@ -38,8 +38,15 @@ impl Route {
     }
 }
 
-/// Handles one connection from pod `src` to its original destination `dst`.
-pub async fn handle(state: Arc<ProxyState>, mut tcp: TcpStream, src: SocketAddr, dst: SocketAddr) {
+/// Handles one connection from pod `src` to its original destination `dst`,
+/// holding the proxy's connection slot `_slot` until it ends.
+pub async fn handle(
+    state: Arc<ProxyState>,
+    mut tcp: TcpStream,
+    src: SocketAddr,
+    dst: SocketAddr,
+    _slot: OwnedSemaphorePermit,
+) {
     let view = state.view();
     let index = &view.workloads;
     let refuse = |tcp: &TcpStream| {
