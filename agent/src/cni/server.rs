@@ -429,6 +429,35 @@ impl Enroller {
                             retry: true,
                         })
                     }
+                    // Another live pod claims one of its addresses (the plugin may
+                    // have reported an address that is not this sandbox's): no
+                    // pod is served on it, and this one is not enrolled.
+                    crate::workload::Enrollment::Enrolled
+                        if w.ips.iter().any(|ip| index.conflict(*ip).is_some()) =>
+                    {
+                        expired.then(|| {
+                            let claims: Vec<String> = w
+                                .ips
+                                .iter()
+                                .filter_map(|ip| {
+                                    let others: Vec<&str> = index
+                                        .conflict(*ip)?
+                                        .iter()
+                                        .map(String::as_str)
+                                        .filter(|other| *other != key)
+                                        .collect();
+                                    Some(format!("{ip} by {}", others.join(", ")))
+                                })
+                                .collect();
+                            Reply::Error {
+                                message: format!(
+                                    "pod {key} is to be enrolled but its address is also claimed by another pod ({}): no pod is served on it until only one claims it",
+                                    claims.join("; ")
+                                ),
+                                retry: true,
+                            }
+                        })
+                    }
                     crate::workload::Enrollment::Enrolled => {
                         let planned = attached.wanted.iter().find(|c| c.workload == key);
                         // Attached where the plugin says the pod is: its host
@@ -640,7 +669,9 @@ mod tests {
             "metadata: {name: out, namespace: amb, labels: {istio.io/dataplane-mode: none}}\nspec: {nodeName: n1}",
         );
         let mut add = send(&mut e, request(Command::Add, "new", "c1"));
-        let mut add_out = send(&mut e, request(Command::Add, "out", "c2"));
+        let mut out_request = request(Command::Add, "out", "c2");
+        out_request.ips = vec!["10.244.1.10".parse().unwrap()];
+        let mut add_out = send(&mut e, out_request);
         let mut add_unknown = send(&mut e, request(Command::Add, "ghost", "c3"));
         assert!(e.take_changed());
         assert!(!e.take_changed());
@@ -761,6 +792,65 @@ mod tests {
             add_unknown.try_recv(),
             Ok(Reply::Error { retry: true, .. })
         ));
+    }
+
+    /// An ADD reporting an address another live pod has is not answered as
+    /// enrolled, even where the pod is attached; once its time is up it is
+    /// refused, naming the other pod.
+    #[test]
+    fn an_address_another_pod_claims_is_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut e = Enroller::new("n1", &dir.path().join("cni.sock"));
+        let ns: Namespace = serde_yaml_ng::from_str(
+            "metadata: {name: amb, labels: {istio.io/dataplane-mode: ambient}}",
+        )
+        .unwrap();
+        let new = pod(
+            "metadata: {name: new, namespace: amb}\nspec: {nodeName: n1}\nstatus: {podIP: 10.244.1.5}",
+        );
+        // The plugin reports 10.244.1.9, which is pod other's.
+        let other = pod(
+            "metadata: {name: other, namespace: amb}\nspec: {nodeName: n1}\nstatus: {podIP: 10.244.1.9}",
+        );
+        let mut add = send(&mut e, request(Command::Add, "new", "c1"));
+        let pods = e.pods([&new, &other].into_iter());
+        let (index, warnings) = WorkloadIndex::build(
+            "n1",
+            "cluster.local",
+            pods.iter().map(|p| p.as_ref()),
+            [&ns],
+        );
+        assert_eq!(warnings.len(), 1, "{warnings:?}");
+        let wanted = [CapturedPod {
+            workload: "amb/new".into(),
+            workload_id: 1,
+            ipv4: "10.244.1.9".parse().unwrap(),
+            ifname: "veth9".into(),
+            ifindex: 9,
+        }];
+        let captured = HashSet::from(["amb/new".to_string()]);
+        let errors = HashMap::new();
+        let attached = Attached {
+            wanted: &wanted,
+            captured: &captured,
+            errors: &errors,
+        };
+        let known = |_: &str| true;
+        let full = SourceView {
+            complete: true,
+            knows_namespace: &known,
+        };
+        e.answer(&index, attached, full);
+        assert!(add.try_recv().is_err(), "not answered while it may resolve");
+        e.pending[0].deadline = Instant::now();
+        e.answer(&index, attached, full);
+        match add.try_recv() {
+            Ok(Reply::Error { message, retry }) => {
+                assert!(retry);
+                assert!(message.contains("10.244.1.9 by amb/other"), "{message}");
+            }
+            other => panic!("{other:?}"),
+        }
     }
 
     #[tokio::test]
