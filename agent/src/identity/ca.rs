@@ -33,6 +33,11 @@ pub const CA_KEY_FILE: &str = "ca.key";
 const DEV_CA_LIFETIME: Duration = Duration::from_secs(10 * 365 * 24 * 3600);
 /// Workload certificates start this much in the past, for clocks that disagree.
 const CLOCK_SKEW: Duration = Duration::from_secs(5 * 60);
+/// The shortest time the signing CA certificate must still be valid for a
+/// workload certificate to be issued: certificates end when it does, and are
+/// renewed at half their lifetime, so a CA about to expire would have them
+/// renewed ever more often.
+const MIN_CA_REMAINING: Duration = Duration::from_secs(2 * 60);
 
 /// Errors of CA files and certificate issuance; each names the file or the
 /// identity concerned.
@@ -90,6 +95,16 @@ pub enum CaError {
         /// rcgen's error.
         source: rcgen::Error,
     },
+    #[error(
+        "the CA certificate is valid only until {} (less than {} s from now): no workload certificate is issued from it; put a CA with a later notAfter in place",
+        humantime::format_rfc3339_seconds(*not_after),
+        MIN_CA_REMAINING.as_secs()
+    )]
+    /// The signing CA certificate expires too soon to issue from.
+    Expiring {
+        /// The CA certificate's `notAfter`.
+        not_after: SystemTime,
+    },
     #[error("making the CA: {0}")]
     /// Generating a CA failed.
     Generate(rcgen::Error),
@@ -113,6 +128,8 @@ pub struct CertificateAuthority {
     issuer: Issuer<'static, KeyPair>,
     cert: CertificateDer<'static>,
     roots: Vec<CertificateDer<'static>>,
+    /// The signing certificate's `notAfter`: no workload certificate outlives it.
+    not_after: SystemTime,
 }
 
 impl std::fmt::Debug for CertificateAuthority {
@@ -151,6 +168,14 @@ pub fn init(out: &Path) -> Result<(PathBuf, PathBuf), CaError> {
 
 /// Makes a self-signed CA certificate and key, both PEM.
 pub fn generate_ca(common_name: &str) -> Result<(String, String), CaError> {
+    generate_ca_valid_for(common_name, DEV_CA_LIFETIME)
+}
+
+/// [`generate_ca`], valid for `lifetime` from now.
+fn generate_ca_valid_for(
+    common_name: &str,
+    lifetime: Duration,
+) -> Result<(String, String), CaError> {
     let key = KeyPair::generate().map_err(CaError::Generate)?;
     let mut params = CertificateParams::default();
     let mut dn = DistinguishedName::new();
@@ -165,7 +190,7 @@ pub fn generate_ca(common_name: &str) -> Result<(String, String), CaError> {
     ];
     let now = SystemTime::now();
     params.not_before = (now - CLOCK_SKEW).into();
-    params.not_after = (now + DEV_CA_LIFETIME).into();
+    params.not_after = (now + lifetime).into();
     let cert = params.self_signed(&key).map_err(CaError::Generate)?;
     Ok((cert.pem(), key.serialize_pem()))
 }
@@ -280,12 +305,17 @@ impl CertificateAuthority {
                 cert: cert_path.to_path_buf(),
             });
         }
+        let not_after = u64::try_from(parsed.validity().not_after.timestamp())
+            .map_or(SystemTime::UNIX_EPOCH, |secs| {
+                SystemTime::UNIX_EPOCH + Duration::from_secs(secs)
+            });
         let issuer = Issuer::from_ca_cert_der(&first, key)
             .map_err(|e| invalid(cert_path, format!("cannot sign with this certificate: {e}")))?;
         Ok(Self {
             issuer,
             cert: first,
             roots: certs,
+            not_after,
         })
     }
 
@@ -294,10 +324,13 @@ impl CertificateAuthority {
         &self.roots
     }
 
-    /// Issues a certificate for `id`, valid for `lifetime` from now.
+    /// Issues a certificate for `id`, valid for `lifetime` from now, or until the
+    /// CA certificate expires if that is sooner (with a warning).
     ///
     /// # Errors
-    /// [`CaError::Issue`] if the identity cannot be encoded or signing fails.
+    /// [`CaError::Expiring`] when the CA certificate expires within
+    /// [`MIN_CA_REMAINING`] (2 minutes); [`CaError::Issue`] if the identity cannot
+    /// be encoded or signing fails.
     pub fn issue(&self, id: &SpiffeId, lifetime: Duration) -> Result<WorkloadCertificate, CaError> {
         let issue_err = |source| CaError::Issue {
             id: id.to_string(),
@@ -318,7 +351,20 @@ impl CertificateAuthority {
             ExtendedKeyUsagePurpose::ClientAuth,
         ];
         let now = SystemTime::now();
-        let not_after = now + lifetime;
+        if self.not_after < now + MIN_CA_REMAINING {
+            return Err(CaError::Expiring {
+                not_after: self.not_after,
+            });
+        }
+        let mut not_after = now + lifetime;
+        if self.not_after < not_after {
+            tracing::warn!(
+                "the CA certificate is valid only until {}: the workload certificate of {id} ends then too, before its lifetime of {} s",
+                humantime::format_rfc3339_seconds(self.not_after),
+                lifetime.as_secs()
+            );
+            not_after = self.not_after;
+        }
         params.not_before = (now - CLOCK_SKEW).into();
         params.not_after = not_after.into();
         let cert = params.signed_by(&key, &self.issuer).map_err(issue_err)?;
@@ -422,6 +468,39 @@ mod tests {
         assert_eq!(cert.chain[1], ca.roots()[0]);
         // A second init refuses to overwrite.
         assert!(matches!(init(&dir), Err(CaError::Exists { .. })));
+    }
+
+    /// No workload certificate outlives the CA certificate that signed it, and
+    /// none is issued from a CA about to expire.
+    #[test]
+    fn certificates_end_with_their_ca() {
+        let id = SpiffeId::new("cluster.local", "default", "web");
+        let ca_of = |lifetime| {
+            let (cert, key) = generate_ca_valid_for("short", lifetime).unwrap();
+            CertificateAuthority::from_pem(
+                Path::new("ca.crt"),
+                cert.as_bytes(),
+                Path::new("ca.key"),
+                key.as_bytes(),
+            )
+            .unwrap()
+        };
+        let ca = ca_of(Duration::from_secs(600));
+        let cert = ca.issue(&id, Duration::from_secs(24 * 3600)).unwrap();
+        assert_eq!(cert.not_after, ca.not_after);
+        let (_, leaf) = X509Certificate::from_der(&cert.chain[0]).unwrap();
+        let (_, signer) = X509Certificate::from_der(&cert.chain[1]).unwrap();
+        assert_eq!(leaf.validity().not_after, signer.validity().not_after);
+        // A lifetime within the CA's is kept.
+        let cert = ca.issue(&id, Duration::from_secs(60)).unwrap();
+        assert!(cert.not_after < ca.not_after);
+        let expiring = ca_of(Duration::from_secs(60));
+        let err = expiring.issue(&id, Duration::from_secs(3600)).unwrap_err();
+        assert!(matches!(err, CaError::Expiring { .. }), "{err}");
+        assert!(
+            err.to_string()
+                .contains("put a CA with a later notAfter in place")
+        );
     }
 
     #[test]
