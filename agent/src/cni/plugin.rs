@@ -365,6 +365,20 @@ fn execute(inv: &Invocation) -> Result<String, CniError> {
         host_interface,
     };
     let key = request.key();
+    // The agent reads at most MAX_MESSAGE bytes and resets a longer request, which
+    // would read here as an agent that cannot be reached.
+    let size = serde_json::to_vec(&request).map_or(0, |v| v.len()) + 1;
+    if size > protocol::MAX_MESSAGE {
+        let message = format!(
+            "the request to the podlink agent for pod {key} would be {size} bytes, over its limit of {}: the prevResult's addresses or interface name, or CNI_CONTAINERID, are too long",
+            protocol::MAX_MESSAGE
+        );
+        if inv.command == Command::Del {
+            eprintln!("podlink-cni: DEL: {message}; nothing to undo");
+            return Ok(String::new());
+        }
+        return Err(CniError::new(INVALID_NETWORK_CONFIG, message));
+    }
     match ask(&inv.socket, &request) {
         Ok(Reply::Enrolled { .. } | Reply::NotEnrolled { .. } | Reply::Removed) => {
             Ok(if inv.command == Command::Add {
@@ -379,7 +393,12 @@ fn execute(inv: &Invocation) -> Result<String, CniError> {
             } else {
                 AGENT_REFUSED
             },
-            format!("podlink agent: pod {key}: {message}"),
+            // The agent's messages about a pod mostly name it already.
+            if message.starts_with(&format!("pod {key} ")) {
+                format!("podlink agent: {message}")
+            } else {
+                format!("podlink agent: pod {key}: {message}")
+            },
         )),
         Err(unreachable) if inv.command == Command::Del => {
             // Nothing to undo without the agent: it forgets the pod by itself.
@@ -590,6 +609,21 @@ mod tests {
                 run(&env_of(&pod_env("DEL")), stdin.as_bytes()),
                 Ok(String::new())
             );
+        }
+        // A request longer than the agent reads is refused here, by name, not
+        // taken for an agent that cannot be reached; DEL still succeeds.
+        let long_id = "c".repeat(protocol::MAX_MESSAGE);
+        for command in ["ADD", "DEL"] {
+            let mut env = pod_env(command);
+            env[1] = ("CNI_CONTAINERID", long_id.as_str());
+            let result = run(&env_of(&env), good.as_bytes());
+            if command == "DEL" {
+                assert_eq!(result, Ok(String::new()));
+            } else {
+                let e = result.unwrap_err();
+                assert_eq!(e.code, INVALID_NETWORK_CONFIG, "{}", e.msg);
+                assert!(e.msg.contains("over its limit of 65536"), "{}", e.msg);
+            }
         }
         // A prevResult that is not a result.
         let e = code(

@@ -95,7 +95,15 @@ impl Request {
                 ));
             }
         }
-        serde_json::from_value(value).map_err(|e| format!("malformed request: {e}"))
+        let request: Request =
+            serde_json::from_value(value).map_err(|e| format!("malformed request: {e}"))?;
+        // A pod's namespace and name are never empty (Kubernetes object names).
+        for (field, value) in [("namespace", &request.namespace), ("name", &request.name)] {
+            if value.is_empty() {
+                return Err(format!("malformed request: `{field}` is empty"));
+            }
+        }
+        Ok(request)
     }
 }
 
@@ -203,6 +211,14 @@ mod tests {
         assert!(
             err(r#"{"version":1,"command":"NUKE","containerId":"c","namespace":"n","name":"p"}"#)
                 .contains("NUKE")
+        );
+        assert!(
+            err(r#"{"version":1,"command":"ADD","containerId":"c","namespace":"","name":"p"}"#)
+                .contains("`namespace` is empty")
+        );
+        assert!(
+            err(r#"{"version":1,"command":"ADD","containerId":"c","namespace":"n","name":""}"#)
+                .contains("`name` is empty")
         );
     }
 
