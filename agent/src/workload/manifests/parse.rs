@@ -457,21 +457,44 @@ fn check_pod(pod: &Pod) -> Result<(), String> {
         }
     }
     if let Some(status) = &pod.status {
-        if let Some(ip) = status.pod_ip.as_deref()
-            && ip.parse::<IpAddr>().is_err()
-        {
-            return Err(format!("{who}: status.podIP {ip:?} is not an IP address"));
-        }
-        for (i, entry) in status.pod_ips.iter().flatten().enumerate() {
-            if entry.ip.parse::<IpAddr>().is_err() {
-                return Err(format!(
-                    "{who}: status.podIPs[{i}].ip {:?} is not an IP address",
-                    entry.ip
-                ));
+        let fields = status
+            .pod_ip
+            .iter()
+            .map(|ip| ("status.podIP".to_string(), ip))
+            .chain(
+                status
+                    .pod_ips
+                    .iter()
+                    .flatten()
+                    .enumerate()
+                    .map(|(i, entry)| (format!("status.podIPs[{i}].ip"), &entry.ip)),
+            );
+        for (field, ip) in fields {
+            let Ok(addr) = ip.parse::<IpAddr>() else {
+                return Err(format!("{who}: {field} {ip:?} is not an IP address"));
+            };
+            if let Some(problem) = not_a_pod_address(addr) {
+                return Err(format!("{who}: {field} {ip:?} {problem}"));
             }
         }
     }
     Ok(())
+}
+
+/// Why `ip` cannot be a pod's address, if it cannot: addresses that name no
+/// single remote interface, and IPv4 written as IPv6 (which would not match the
+/// IPv4 packets the pod sends).
+fn not_a_pod_address(ip: IpAddr) -> Option<&'static str> {
+    match ip {
+        _ if ip.is_unspecified() => Some("is the unspecified address"),
+        _ if ip.is_loopback() => Some("is a loopback address"),
+        _ if ip.is_multicast() => Some("is a multicast address"),
+        IpAddr::V4(v4) if v4.is_broadcast() => Some("is the broadcast address"),
+        IpAddr::V6(v6) if v6.to_ipv4_mapped().is_some() => {
+            Some("is an IPv4-mapped IPv6 address (write the IPv4 address)")
+        }
+        _ => None,
+    }
 }
 
 /// A valid Pod manifest, for tests.
@@ -524,6 +547,20 @@ mod tests {
                 .contains("status.podIP \"10.1.1.500\" is not an IP address"),
             "{err}"
         );
+
+        for (ip, problem) in [
+            ("0.0.0.0", "unspecified"),
+            ("127.0.0.1", "loopback"),
+            ("224.0.0.1", "multicast"),
+            ("255.255.255.255", "broadcast"),
+            ("'::ffff:10.1.1.5'", "IPv4-mapped"),
+            ("'::1'", "loopback"),
+        ] {
+            let text = POD.replace("10.1.1.5", ip);
+            let err = parse(Path::new("ip.yaml"), &text).unwrap_err();
+            assert!(err.message.contains(problem), "{ip}: {err}");
+            assert!(err.message.contains("status.podIP"), "{ip}: {err}");
+        }
 
         let err = parse(Path::new("k.yaml"), "apiVersion: v1\nmetadata: {}\n").unwrap_err();
         assert!(err.message.contains("no kind"), "{err}");
