@@ -142,6 +142,9 @@ fn raise_nofile_limit() -> u64 {
 /// quick at first, then slower, so a pod that never gets one costs little.
 const PENDING_RETRY_MIN: Duration = Duration::from_millis(200);
 const PENDING_RETRY_MAX: Duration = Duration::from_secs(5);
+/// The start of the error logged while a broken manifest may hold
+/// authorization policies (every inbound connection is denied meanwhile).
+const POLICIES_UNKNOWN: &str = "authorization policies cannot be known";
 
 /// Runs the agent until SIGTERM or SIGINT, then drains: the programs stop handing
 /// new connections of enrolled pods to the proxy (they drop them: fail closed),
@@ -578,12 +581,16 @@ impl Reconciler {
         }
         if let Some(error) = source.policies_unknown() {
             let message = format!(
-                "authorization policies cannot be known while {} is broken ({}): every inbound connection to this node's pods is denied until it is fixed",
+                "{POLICIES_UNKNOWN} while {} is broken ({}): every inbound connection to this node's pods is denied until it is fixed",
                 error.file.display(),
                 error.message
             );
             note(&mut noted, message, true);
             set.deny_all_unknown(format!("{} is broken", error.file.display()));
+        } else if self.noted.iter().any(|m| m.starts_with(POLICIES_UNKNOWN)) {
+            tracing::info!(
+                "authorization policies are known again: inbound connections are authorized by them"
+            );
         }
         self.noted = noted;
         set

@@ -293,4 +293,6 @@ fn allow_deny_and_audit_policies_between_pods() {
     assert!(log.contains("spec.action \"ALLOWW\""), "{log}");
     c.remove_manifest("policy-broken.yaml").unwrap();
     wait_until(&c, &front, http, true);
+    c.wait_log(1, &["authorization policies are known again"])
+        .unwrap();
 }

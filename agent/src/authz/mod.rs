@@ -657,6 +657,11 @@ impl Policy {
                 ));
             }
         }
+        for (key, value) in spec.selector.iter().flat_map(|s| &s.match_labels) {
+            if let Some(problem) = label_problem(key, value) {
+                return Err(format!("{who}: spec.selector.matchLabels: {problem}"));
+            }
+        }
         let targeted = !target_refs.is_empty();
         if targeted && spec.selector.is_some() {
             return Err(format!(
@@ -888,3 +893,46 @@ impl PolicySet {
 
 #[cfg(test)]
 mod tests;
+
+/// What is wrong with a label `key: value` of a selector, by Kubernetes' syntax
+/// (an optional DNS-subdomain prefix and `/`, then a name of up to 63 characters,
+/// alphanumeric at both ends with `-`, `_` and `.` inside; a value is empty or such
+/// a name: <https://kubernetes.io/docs/concepts/overview/working-with-objects/labels/#syntax-and-character-set>).
+/// Such a label matches no pod, so a selector with one would select nothing.
+fn label_problem(key: &str, value: &str) -> Option<String> {
+    fn is_name(s: &str) -> bool {
+        let b = s.as_bytes();
+        !b.is_empty()
+            && b.len() <= 63
+            && b[0].is_ascii_alphanumeric()
+            && b[b.len() - 1].is_ascii_alphanumeric()
+            && b.iter()
+                .all(|c| c.is_ascii_alphanumeric() || matches!(c, b'-' | b'_' | b'.'))
+    }
+    fn is_prefix(s: &str) -> bool {
+        !s.is_empty()
+            && s.len() <= 253
+            && s.split('.').all(|part| {
+                let b = part.as_bytes();
+                !b.is_empty()
+                    && b.len() <= 63
+                    && b[0].is_ascii_alphanumeric()
+                    && b[b.len() - 1].is_ascii_alphanumeric()
+                    && b.iter()
+                        .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || *c == b'-')
+            })
+    }
+    let (prefix, name) = match key.split_once('/') {
+        Some((prefix, name)) => (Some(prefix), name),
+        None => (None, key),
+    };
+    if prefix.is_some_and(|p| !is_prefix(p)) || !is_name(name) {
+        return Some(format!("the label key {key:?} is not a valid label key"));
+    }
+    if !value.is_empty() && !is_name(value) {
+        return Some(format!(
+            "the value {value:?} of label {key:?} is not a valid label value"
+        ));
+    }
+    None
+}

@@ -909,6 +909,18 @@ fn malformed_policies_are_refused_with_the_field() {
             "metadata: {name: x, namespace: shop}\nspec:\n  selector: {matchLabels: {app: web}}\n  targetRefs: [{kind: Service, name: web}]\n".to_string(),
             "cannot both be set",
         ),
+        (
+            "metadata: {name: x, namespace: shop}\nspec:\n  selector: {matchLabels: {\"bad key!\": web}}\n".to_string(),
+            "spec.selector.matchLabels: the label key \"bad key!\" is not a valid label key",
+        ),
+        (
+            "metadata: {name: x, namespace: shop}\nspec:\n  selector: {matchLabels: {Example.com/app: web}}\n".to_string(),
+            "is not a valid label key",
+        ),
+        (
+            "metadata: {name: x, namespace: shop}\nspec:\n  selector: {matchLabels: {app: \"-web\"}}\n".to_string(),
+            "the value \"-web\" of label \"app\" is not a valid label value",
+        ),
     ] {
         let err = compile(&yaml).unwrap_err();
         assert!(err.contains(want), "{yaml}: {err}");
