@@ -142,6 +142,9 @@ fn raise_nofile_limit() -> u64 {
 /// quick at first, then slower, so a pod that never gets one costs little.
 const PENDING_RETRY_MIN: Duration = Duration::from_millis(200);
 const PENDING_RETRY_MAX: Duration = Duration::from_secs(5);
+/// How long an enrolled pod of this node may have no host route (its sandbox
+/// starting) before the agent warns that none leads to it.
+const NO_ROUTE_WARNING: Duration = Duration::from_secs(30);
 /// The start of the error logged while a broken manifest may hold
 /// authorization policies (every inbound connection is denied meanwhile).
 const POLICIES_UNKNOWN: &str = "authorization policies cannot be known";
@@ -279,6 +282,7 @@ pub async fn run(cfg: AgentConfig) -> Result<()> {
         wanted: Vec::new(),
         waiting: false,
         warned: HashSet::new(),
+        no_route_since: HashMap::new(),
         netlink,
         network,
         cni: Enroller::new(&cfg.node, &cfg.cni.socket),
@@ -495,6 +499,9 @@ struct Reconciler {
     waiting: bool,
     /// Workloads already warned about (warnings are given once).
     warned: HashSet<String>,
+    /// When each enrolled local pod without a host route was first seen so
+    /// ([`NO_ROUTE_WARNING`]).
+    no_route_since: HashMap<String, std::time::Instant>,
     netlink: Netlink,
     /// The node's routes, veths and addresses as last read.
     network: NodeNetwork,
@@ -658,6 +665,7 @@ impl Reconciler {
         let index = &self.index;
         self.workload_ids.retain(|k, _| index.get(k).is_some());
         self.warned.retain(|k| index.get(k).is_some());
+        self.no_route_since.retain(|k, _| index.get(k).is_some());
         self.pending_retry = (retry || removal == Removal::Nothing).then(|| {
             self.pending_retry
                 .map_or(PENDING_RETRY_MIN, |d| (d * 2).min(PENDING_RETRY_MAX))
@@ -703,8 +711,16 @@ impl Reconciler {
             let Some(&ifindex) = network.host_routes.get(&ipv4) else {
                 tracing::debug!(workload = %key, ip = %ipv4, "no host route to this pod yet");
                 self.waiting = true;
+                let since = *self
+                    .no_route_since
+                    .entry(key.to_string())
+                    .or_insert_with(std::time::Instant::now);
+                if since.elapsed() >= NO_ROUTE_WARNING {
+                    self.warn_once(key, &format!("enrolled pod at {ipv4} has had no host route for {} s: no veth of this node leads to it (is it running here?); it is captured once one does", NO_ROUTE_WARNING.as_secs()));
+                }
                 continue;
             };
+            self.no_route_since.remove(key);
             if network.unresolved.contains(&ifindex) {
                 self.waiting = true;
                 continue;

@@ -66,3 +66,36 @@ fn malformed_manifests_are_reported_and_tolerated() {
     let ex = app::exchange(&a.netns, b.addr(8000), b"fixed").unwrap();
     assert_eq!(ex.echoed, b"fixed");
 }
+
+/// An enrolled pod of this node that no veth leads to (a manifest with no
+/// sandbox behind it) is reported once it has had no host route for 30 s, with
+/// its address; it is not captured.
+#[test]
+fn an_enrolled_pod_without_a_veth_is_reported() {
+    let mut c = Cluster::with_namespaces(1, &[("mesh", true)]).unwrap();
+    let a = c.add_pod(PodSpec::new("a", "mesh", 0)).unwrap();
+    c.start_agent(0).unwrap();
+    c.wait_captured(&a, true).unwrap();
+    let node = c.nodes[0].name.clone();
+    let ip = std::net::Ipv4Addr::from(u32::from(c.nodes[0].pod_cidr) + 200);
+    c.write_manifest(
+        "ghost.yaml",
+        &format!(
+            "apiVersion: v1\nkind: Pod\nmetadata:\n  name: ghost\n  namespace: mesh\nspec:\n  nodeName: {node}\nstatus:\n  phase: Running\n  podIP: {ip}\n"
+        ),
+    )
+    .unwrap();
+    c.wait_log_lines(
+        0,
+        &[
+            "has had no host route for 30 s",
+            &ip.to_string(),
+            "mesh/ghost",
+        ],
+        1,
+        Duration::from_secs(60),
+    )
+    .unwrap();
+    // The agent goes on serving the pods it has.
+    assert!(c.is_captured(&a).unwrap());
+}
