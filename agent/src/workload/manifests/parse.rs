@@ -87,69 +87,67 @@ fn documents(text: &str) -> Vec<(usize, String)> {
     docs
 }
 
-/// Deepest nesting of flow collections (`[`, `{`) a document may have. The YAML
-/// parser takes time quadratic in it before its own recursion limit applies.
-const MAX_FLOW_DEPTH: usize = 64;
+/// Deepest nesting of collections (block or flow: mappings and sequences) a
+/// document may have. Kubernetes objects nest about ten deep; the YAML scanner
+/// takes time quadratic in the nesting of flow collections (`[`, `{`) before the
+/// deserializer's own recursion limit applies.
+const MAX_DEPTH: usize = 64;
 
-/// Checks the nesting of flow collections outside quoted strings and comments;
-/// returns the 1-based line where it first exceeds [`MAX_FLOW_DEPTH`].
-///
-/// Quotes and comments are recognised as YAML does (YAML 1.2, sections 6.6 and
-/// 7.3), so that text the parser reads as nesting is never skipped: a quote opens
-/// a quoted scalar only where a scalar can start (at the start of a line, or after
-/// whitespace, `[`, `{` or `,`; inside a plain scalar such as `a'b` it is a plain
-/// character), `''` inside single quotes is a quote, and `#` starts a comment only
-/// at the start of a line or after whitespace. Where this reading and the parser's
-/// could still differ (quoted scalars over several lines, block scalars), it counts
-/// more brackets, never fewer.
-fn check_flow_depth(text: &str) -> Result<(), usize> {
-    let mut depth = 0usize;
-    for (i, line) in text.lines().enumerate() {
-        let (mut single, mut double, mut escaped) = (false, false, false);
-        // The previous character outside quotes; `None` at the start of the line.
-        let mut prev: Option<char> = None;
-        let mut chars = line.chars().peekable();
-        while let Some(c) = chars.next() {
-            if double {
-                match (escaped, c) {
-                    (true, _) => escaped = false,
-                    (false, '\\') => escaped = true,
-                    (false, '"') => double = false,
-                    _ => {}
-                }
-                prev = Some(c);
-                continue;
+/// Checks the nesting of the document `text` with the YAML parser that
+/// `serde_yaml_ng` uses (libyaml, as `unsafe-libyaml`), event by event, stopping at
+/// the first collection deeper than [`MAX_DEPTH`]: its 1-based line is returned.
+/// Reading it as the parser does leaves no text it would nest that this check
+/// reads otherwise (quotes, comments, plain scalars). A document the parser
+/// refuses passes: the deserializer reports the same error with its location.
+fn check_depth(text: &str) -> Result<(), usize> {
+    use std::mem::MaybeUninit;
+
+    use unsafe_libyaml::{
+        YAML_MAPPING_END_EVENT, YAML_MAPPING_START_EVENT, YAML_SEQUENCE_END_EVENT,
+        YAML_SEQUENCE_START_EVENT, YAML_STREAM_END_EVENT, yaml_event_delete, yaml_event_t,
+        yaml_parser_delete, yaml_parser_initialize, yaml_parser_parse,
+        yaml_parser_set_input_string, yaml_parser_t,
+    };
+
+    let mut parser = MaybeUninit::<yaml_parser_t>::uninit();
+    // SAFETY: libyaml's event API used as documented: the parser is initialised
+    // before use and deleted once, each event that was parsed is deleted once, and
+    // `text` outlives the parser reading it.
+    unsafe {
+        if yaml_parser_initialize(parser.as_mut_ptr()).fail {
+            return Ok(());
+        }
+        let parser = parser.as_mut_ptr();
+        yaml_parser_set_input_string(parser, text.as_ptr(), text.len() as _);
+        let mut depth = 0usize;
+        let mut result = Ok(());
+        loop {
+            let mut event = MaybeUninit::<yaml_event_t>::uninit();
+            if yaml_parser_parse(parser, event.as_mut_ptr()).fail {
+                break;
             }
-            if single {
-                if c == '\'' {
-                    if chars.peek() == Some(&'\'') {
-                        chars.next();
-                    } else {
-                        single = false;
-                    }
-                }
-                prev = Some(c);
-                continue;
-            }
-            let after_blank = prev.is_none_or(char::is_whitespace);
-            let scalar_starts = after_blank || matches!(prev, Some('[' | '{' | ','));
-            match c {
-                '#' if after_blank => break,
-                '"' if scalar_starts => double = true,
-                '\'' if scalar_starts => single = true,
-                '[' | '{' => {
+            let event = event.as_mut_ptr();
+            let kind = (*event).type_;
+            let line = (*event).start_mark.line;
+            yaml_event_delete(event);
+            match kind {
+                YAML_SEQUENCE_START_EVENT | YAML_MAPPING_START_EVENT => {
                     depth += 1;
-                    if depth > MAX_FLOW_DEPTH {
-                        return Err(i + 1);
+                    if depth > MAX_DEPTH {
+                        result = Err(usize::try_from(line).unwrap_or(usize::MAX - 1) + 1);
+                        break;
                     }
                 }
-                ']' | '}' => depth = depth.saturating_sub(1),
+                YAML_SEQUENCE_END_EVENT | YAML_MAPPING_END_EVENT => {
+                    depth = depth.saturating_sub(1);
+                }
+                YAML_STREAM_END_EVENT => break,
                 _ => {}
             }
-            prev = Some(c);
         }
+        yaml_parser_delete(parser);
+        result
     }
-    Ok(())
 }
 
 /// Parses one file's text. `file` is only used in errors.
@@ -165,10 +163,10 @@ pub fn parse(file: &Path, text: &str) -> Result<Objects, ManifestError> {
             line,
             message,
         };
-        check_flow_depth(&doc).map_err(|line| {
+        check_depth(&doc).map_err(|line| {
             err(
                 start + line - 1,
-                format!("collections nested deeper than {MAX_FLOW_DEPTH} levels"),
+                format!("collections nested deeper than {MAX_DEPTH} levels"),
             )
         })?;
         let yaml_err = |e: serde_yaml_ng::Error| {
@@ -684,20 +682,35 @@ mod tests {
         let err = parse(Path::new("deep.yaml"), &deep).unwrap_err();
         assert!(err.message.contains("nested deeper than 64"), "{err}");
         assert_eq!(err.line, 5);
-        // A quote or `#` inside a plain scalar starts no string or comment, for the
-        // parser as for the check: the nesting after it counts.
-        for plain in ["a'b", "a\"b", "a#b"] {
+        // The nesting is read as the parser reads it: a quote or `#` inside a plain
+        // scalar (also after a space), or a quoted string over two lines, hides
+        // none of it.
+        for hide in [
+            "[a'b, ",
+            "[a\"b, ",
+            "[a#b, ",
+            "[a 'b, ",
+            "[a \"b, ",
+            "\"a\n    \", y: [",
+        ] {
             let hidden = format!(
-                "apiVersion: v1\nkind: Pod\nmetadata:\n  name: x\n  labels: {{x: [{plain}, {}{}]}}\n",
+                "apiVersion: v1\nkind: Pod\nmetadata:\n  name: x\n  labels: {{x: {hide}{}{}]}}\n",
                 "[".repeat(200_000),
                 "]".repeat(200_000)
             );
             let err = parse(Path::new("hidden.yaml"), &hidden).unwrap_err();
             assert!(
                 err.message.contains("nested deeper than 64"),
-                "{plain}: {err}"
+                "{hide:?}: {err}"
             );
         }
+        // Block nesting counts too.
+        let mut block = String::from("apiVersion: v1\nkind: Pod\nmetadata:\n  name: x\nnotes:\n");
+        for level in 0..70 {
+            block.push_str(&format!("{}k{level}:\n", "  ".repeat(level + 1)));
+        }
+        let err = parse(Path::new("block.yaml"), &block).unwrap_err();
+        assert!(err.message.contains("nested deeper than 64"), "{err}");
         // Brackets inside strings and comments do not count.
         let quoted = format!(
             "apiVersion: v1\nkind: Pod\nmetadata:\n  name: x\n  labels: {{a: \"{}\"}} # {}\n",
