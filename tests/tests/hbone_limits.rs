@@ -70,6 +70,14 @@ fn connections_are_bounded_and_the_proxy_recovers() {
     );
     c.wait_log(1, &["at the limit of 2 handshakes under way"])
         .unwrap();
+    let refused = c.metrics(1).unwrap().sum(
+        "podlink_connection_failures_total",
+        &[("kind", "handshake_limit")],
+    );
+    assert!(
+        refused >= 18.0,
+        "{refused} refusals counted as handshake_limit"
+    );
     // They leave the other listeners' connections alone: a plaintext connection
     // to the server (the inbound plaintext listener of the same proxy) is served
     // while they wait.

@@ -909,13 +909,13 @@ fn label_problem(key: &str, value: &str) -> Option<String> {
             && b.iter()
                 .all(|c| c.is_ascii_alphanumeric() || matches!(c, b'-' | b'_' | b'.'))
     }
+    // A DNS-1123 subdomain: at most 253 characters in all (no limit per part).
     fn is_prefix(s: &str) -> bool {
         !s.is_empty()
             && s.len() <= 253
             && s.split('.').all(|part| {
                 let b = part.as_bytes();
                 !b.is_empty()
-                    && b.len() <= 63
                     && b[0].is_ascii_alphanumeric()
                     && b[b.len() - 1].is_ascii_alphanumeric()
                     && b.iter()

@@ -918,6 +918,10 @@ fn malformed_policies_are_refused_with_the_field() {
             "is not a valid label key",
         ),
         (
+            format!("metadata: {{name: x, namespace: shop}}\nspec:\n  selector: {{matchLabels: {{{}.example.com/app: web}}}}\n", "a".repeat(250)),
+            "is not a valid label key",
+        ),
+        (
             "metadata: {name: x, namespace: shop}\nspec:\n  selector: {matchLabels: {app: \"-web\"}}\n".to_string(),
             "the value \"-web\" of label \"app\" is not a valid label value",
         ),
@@ -991,4 +995,31 @@ fn service_accounts_and_ipv6_blocks() {
         "[{from: [{source: {ipBlocks: [\"::/0\"]}}]}]",
     );
     assert_eq!(decide(&set(&[&v6]), &front, 80).as_deref(), DENIED);
+}
+
+#[test]
+fn label_syntax_is_kubernetes_own() {
+    let long_part = format!("{}.example.com/app", "a".repeat(64));
+    for key in [
+        "app",
+        "app.kubernetes.io/name",
+        "a_b.c-d",
+        long_part.as_str(),
+    ] {
+        assert_eq!(super::label_problem(key, "web-1.x_y"), None, "{key}");
+        assert_eq!(super::label_problem(key, ""), None, "{key}");
+    }
+    for key in [
+        "",
+        "bad key!",
+        "Example.com/app",
+        "/app",
+        "app/",
+        "-app",
+        "a/b/c",
+    ] {
+        assert!(super::label_problem(key, "web").is_some(), "{key:?}");
+    }
+    assert!(super::label_problem("app", &"v".repeat(64)).is_some());
+    assert!(super::label_problem("app", "web_").is_some());
 }

@@ -370,7 +370,7 @@ fn execute(inv: &Invocation) -> Result<String, CniError> {
     let size = serde_json::to_vec(&request).map_or(0, |v| v.len()) + 1;
     if size > protocol::MAX_MESSAGE {
         let message = format!(
-            "the request to the podlink agent for pod {key} would be {size} bytes, over its limit of {}: the prevResult's addresses or interface name, or CNI_CONTAINERID, are too long",
+            "the request to the podlink agent for pod {key} would be {size} bytes, over its limit of {}: the prevResult's addresses or interface name, CNI_CONTAINERID, or the pod's namespace or name in CNI_ARGS, are too long",
             protocol::MAX_MESSAGE
         );
         if inv.command == Command::Del {

@@ -564,9 +564,13 @@ async fn accept_loop<F, Fut>(
             Permit::Handshake => state.start_handshake(),
         };
         let Some(permit) = taken else {
-            state
-                .metrics
-                .failed(direction, FailureKind::ConnectionLimit);
+            state.metrics.failed(
+                direction,
+                match permit {
+                    Permit::Connection => FailureKind::ConnectionLimit,
+                    Permit::Handshake => FailureKind::HandshakeLimit,
+                },
+            );
             over_limit.warn(|n| match permit {
                 Permit::Connection => format!("{name} listener: at the limit of {} connections; refused {n} (from {peer} and others)", state.config.max_connections),
                 Permit::Handshake => format!("{name} listener: at the limit of {} handshakes under way; refused {n} (from {peer} and others)", state.max_handshakes()),

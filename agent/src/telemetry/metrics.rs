@@ -156,6 +156,8 @@ pub enum FailureKind {
     BadRequest,
     /// The proxy was at its connection limit.
     ConnectionLimit,
+    /// The proxy had as many inbound HBONE handshakes under way as it allows.
+    HandshakeLimit,
     /// An I/O error (a reset) while carrying the connection's bytes.
     Io,
     /// Closed by the proxy: a changed policy now denies it, or a pod left the mesh.
@@ -166,7 +168,7 @@ pub enum FailureKind {
 
 impl FailureKind {
     /// Every kind, in a fixed order.
-    pub const ALL: [FailureKind; 11] = [
+    pub const ALL: [FailureKind; 12] = [
         FailureKind::NotEnrolled,
         FailureKind::ConnectTimeout,
         FailureKind::ConnectFailed,
@@ -175,14 +177,15 @@ impl FailureKind {
         FailureKind::Handshake,
         FailureKind::BadRequest,
         FailureKind::ConnectionLimit,
+        FailureKind::HandshakeLimit,
         FailureKind::Io,
         FailureKind::Revoked,
         FailureKind::NoEndpoint,
     ];
 
     /// The label value: `not_enrolled`, `connect_timeout`, `connect_failed`,
-    /// `hbone`, `identity`, `handshake`, `bad_request`, `connection_limit`, `io`,
-    /// `revoked`, `no_endpoint`.
+    /// `hbone`, `identity`, `handshake`, `bad_request`, `connection_limit`,
+    /// `handshake_limit`, `io`, `revoked`, `no_endpoint`.
     pub fn as_str(self) -> &'static str {
         match self {
             FailureKind::NotEnrolled => "not_enrolled",
@@ -193,6 +196,7 @@ impl FailureKind {
             FailureKind::Handshake => "handshake",
             FailureKind::BadRequest => "bad_request",
             FailureKind::ConnectionLimit => "connection_limit",
+            FailureKind::HandshakeLimit => "handshake_limit",
             FailureKind::Io => "io",
             FailureKind::Revoked => "revoked",
             FailureKind::NoEndpoint => "no_endpoint",

@@ -220,8 +220,15 @@ mod tests {
         tokio::time::timeout(Duration::from_secs(5), source.changed())
             .await
             .expect("a manifest written into the directory made again woke the source");
-        let rescan = source.rescan();
-        assert!(rescan.errors.is_empty(), "{:?}", rescan.errors);
+        // The file may still be settling (its close not seen yet): rescan until
+        // it is read.
+        let deadline = std::time::Instant::now() + Duration::from_secs(5);
+        let mut errors = Vec::new();
+        while source.pods().count() == 0 && std::time::Instant::now() < deadline {
+            errors.extend(source.rescan().errors);
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        assert!(errors.is_empty(), "{errors:?}");
         let names: Vec<_> = source
             .pods()
             .filter_map(|p| p.metadata.name.as_deref())
