@@ -15,7 +15,7 @@ use podlink_tests::{Cluster, Pod, PodSpec, app, netns};
 use tokio::io::AsyncWriteExt;
 
 mod common;
-use common::{credentials, hbone_connect, request};
+use common::{attempt, credentials, hbone_connect, request};
 
 /// Two nodes: a client outside the mesh on node 1, an enrolled server on node 2
 /// whose agent gets `agent_args`.
@@ -85,6 +85,23 @@ fn connections_are_bounded_and_the_proxy_recovers() {
     let served = app::exchange(&client.netns, echo_addr, b"while the handshakes wait")
         .expect("a plaintext connection is served while silent HBONE clients wait");
     assert_eq!(served.echoed, b"while the handshakes wait");
+    drop(silent);
+
+    let id = SpiffeId::new("cluster.local", "legacy", "default");
+    let (key, roots) = credentials(&c.ca_dir, &id);
+    let server_id = SpiffeId::new("cluster.local", "mesh", "server");
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    // One HBONE connection and CONNECT to the echo server; any failure is an error.
+    let tunnel = || {
+        rt.block_on(attempt(
+            &client.netns,
+            server.addr(15008),
+            key.clone(),
+            roots.clone(),
+            server_id.clone(),
+            echo_addr,
+        ))
+    };
 
     // Connections themselves are bounded: of 12 plaintext connections held open,
     // those over the limit of 8 are reset.
@@ -102,36 +119,32 @@ fn connections_are_bounded_and_the_proxy_recovers() {
         "only {refused} of 12 connections over a limit of 8 were refused"
     );
     c.wait_log(1, &["at the limit of 8 connections"]).unwrap();
+    // An HBONE client that completes its handshakes while every connection slot
+    // is taken is refused after them (once the silent clients' handshake permits
+    // are back; until then it is refused before).
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let got = tunnel();
+        assert!(
+            got != Ok(StatusCode::OK),
+            "an HBONE stream was served with every connection slot taken"
+        );
+        if c.agent_log(1).contains("after its handshakes") {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "no HBONE connection was refused after its handshakes ({got:?}):\n{}",
+            c.agent_log(1)
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    }
     drop(held);
 
     // Once they are gone, the proxy serves again.
-    drop(silent);
-    let id = SpiffeId::new("cluster.local", "legacy", "default");
-    let (key, roots) = credentials(&c.ca_dir, &id);
-    let server_id = SpiffeId::new("cluster.local", "mesh", "server");
-    let rt = tokio::runtime::Runtime::new().unwrap();
     let deadline = Instant::now() + Duration::from_secs(10);
     loop {
-        let ok = rt.block_on(async {
-            let Ok(mut h2) = hbone_connect(
-                &client.netns,
-                server.addr(15008),
-                key.clone(),
-                roots.clone(),
-                server_id.clone(),
-            )
-            .await
-            else {
-                return false;
-            };
-            request(
-                &mut h2,
-                hbone::connect_request(server.addr(9000), client.ip.into()),
-            )
-            .await
-            .0 == StatusCode::OK
-        });
-        if ok {
+        if tunnel() == Ok(StatusCode::OK) {
             break;
         }
         assert!(
