@@ -51,7 +51,7 @@ use std::{
 use ipnet::IpNet;
 use serde::Serialize;
 
-use crate::identity::SpiffeId;
+use crate::{identity::SpiffeId, workload::names};
 use spec::{AuthorizationPolicy, ConditionSpec, OperationSpec, RuleSpec, SourceSpec};
 
 /// Istio's default root namespace: policies there apply mesh-wide.
@@ -895,41 +895,13 @@ impl PolicySet {
 mod tests;
 
 /// What is wrong with a label `key: value` of a selector, by Kubernetes' syntax
-/// (an optional DNS-subdomain prefix and `/`, then a name of up to 63 characters,
-/// alphanumeric at both ends with `-`, `_` and `.` inside; a value is empty or such
-/// a name: <https://kubernetes.io/docs/concepts/overview/working-with-objects/labels/#syntax-and-character-set>).
-/// Such a label matches no pod, so a selector with one would select nothing.
+/// ([`names::is_label_key`], [`names::is_label_value`]). Such a label matches no
+/// pod, so a selector with one would select nothing.
 fn label_problem(key: &str, value: &str) -> Option<String> {
-    fn is_name(s: &str) -> bool {
-        let b = s.as_bytes();
-        !b.is_empty()
-            && b.len() <= 63
-            && b[0].is_ascii_alphanumeric()
-            && b[b.len() - 1].is_ascii_alphanumeric()
-            && b.iter()
-                .all(|c| c.is_ascii_alphanumeric() || matches!(c, b'-' | b'_' | b'.'))
-    }
-    // A DNS-1123 subdomain: at most 253 characters in all (no limit per part).
-    fn is_prefix(s: &str) -> bool {
-        !s.is_empty()
-            && s.len() <= 253
-            && s.split('.').all(|part| {
-                let b = part.as_bytes();
-                !b.is_empty()
-                    && b[0].is_ascii_alphanumeric()
-                    && b[b.len() - 1].is_ascii_alphanumeric()
-                    && b.iter()
-                        .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || *c == b'-')
-            })
-    }
-    let (prefix, name) = match key.split_once('/') {
-        Some((prefix, name)) => (Some(prefix), name),
-        None => (None, key),
-    };
-    if prefix.is_some_and(|p| !is_prefix(p)) || !is_name(name) {
+    if !names::is_label_key(key) {
         return Some(format!("the label key {key:?} is not a valid label key"));
     }
-    if !value.is_empty() && !is_name(value) {
+    if !names::is_label_value(value) {
         return Some(format!(
             "the value {value:?} of label {key:?} is not a valid label value"
         ));

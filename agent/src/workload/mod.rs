@@ -13,6 +13,7 @@
 pub mod k8s;
 pub mod kube;
 pub mod manifests;
+pub mod names;
 pub mod services;
 pub mod source;
 

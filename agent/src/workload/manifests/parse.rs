@@ -9,7 +9,10 @@ use std::{
     sync::Arc,
 };
 
-use crate::workload::k8s::{EndpointSlice, Namespace, Pod, Service};
+use crate::workload::{
+    k8s::{EndpointSlice, Namespace, Pod, Service},
+    names::{is_dns1123_label, is_dns1123_subdomain},
+};
 use serde_yaml_ng::Value;
 
 use crate::authz::{Policy, spec::AuthorizationPolicy};
@@ -309,24 +312,6 @@ pub fn parse(file: &Path, text: &str) -> Result<Objects, ManifestError> {
         }
     }
     Ok(objects)
-}
-
-/// A DNS-1123 label (RFC 1123 as Kubernetes applies it): 1 to 63 lowercase
-/// letters, digits and `-`, starting and ending with a letter or digit. Namespaces
-/// are labels.
-fn is_dns1123_label(s: &str) -> bool {
-    !s.is_empty()
-        && s.len() <= 63
-        && s.bytes()
-            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
-        && !s.starts_with('-')
-        && !s.ends_with('-')
-}
-
-/// A DNS-1123 subdomain: up to 253 characters of dot-separated labels. Pod,
-/// service account and node names are subdomains.
-fn is_dns1123_subdomain(s: &str) -> bool {
-    !s.is_empty() && s.len() <= 253 && s.split('.').all(is_dns1123_label)
 }
 
 fn check_namespace(ns: &Namespace) -> Result<(), String> {
