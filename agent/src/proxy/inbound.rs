@@ -24,7 +24,7 @@ use tokio::{
 use tokio_rustls::TlsAcceptor;
 
 use super::{
-    ProxyState, RateLimited, copy,
+    Budget, ProxyState, RateLimited, Refusal, copy,
     hbone::{self, ActiveStream, H2Stream},
     socket,
 };
@@ -117,13 +117,13 @@ pub async fn handle(
     };
     drop(handshake);
     let Some(_slot) = state.connection_slot() else {
-        failed(FailureKind::ConnectionLimit);
-        OVER_LIMIT.warn(|n| {
-            format!(
-                "inbound HBONE listener: at the limit of {} connections; refused {n} (from {peer} and others) after its handshakes",
-                state.config.max_connections
-            )
-        });
+        let refusal = Refusal {
+            listener: "inbound HBONE",
+            direction: Direction::Inbound,
+            peer,
+            after_handshakes: true,
+        };
+        state.refused_at_limit(&OVER_LIMIT, Budget::Connection, &refusal);
         return;
     };
     tracing::debug!(%peer, %client, destination = %destination.key(), "HBONE connection accepted");

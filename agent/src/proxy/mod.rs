@@ -178,6 +178,16 @@ pub struct ProxyState {
     pub service_log: RateLimited,
 }
 
+/// A connection refused at a limit, for [`ProxyState::refused_at_limit`].
+pub(crate) struct Refusal {
+    /// The listener that accepted it ("outbound", "inbound HBONE", …).
+    pub listener: &'static str,
+    pub direction: Direction,
+    pub peer: SocketAddr,
+    /// Refused once its TLS and HTTP/2 handshakes succeeded, not at accept.
+    pub after_handshakes: bool,
+}
+
 /// See [`ProxyState::max_handshakes`].
 fn max_handshakes(max_connections: usize) -> usize {
     (max_connections / 4).max(1)
@@ -277,6 +287,37 @@ impl ProxyState {
     /// [`ProxyConfig::max_connections`], at least one. More are refused (reset).
     pub fn max_handshakes(&self) -> usize {
         max_handshakes(self.config.max_connections)
+    }
+
+    /// Counts a connection refused because `budget` had no permit left (as a
+    /// `connection_limit` or `handshake_limit` failure) and warns of it through
+    /// `log`, at its bounded rate.
+    pub(crate) fn refused_at_limit(&self, log: &RateLimited, budget: Budget, refusal: &Refusal) {
+        let (kind, limit) = match budget {
+            Budget::Connection => (
+                FailureKind::ConnectionLimit,
+                format!("{} connections", self.config.max_connections),
+            ),
+            Budget::Handshake => (
+                FailureKind::HandshakeLimit,
+                format!("{} handshakes under way", self.max_handshakes()),
+            ),
+        };
+        self.metrics.failed(refusal.direction, kind);
+        let Refusal {
+            listener,
+            peer,
+            after_handshakes,
+            ..
+        } = refusal;
+        let when = if *after_handshakes {
+            " after its handshakes"
+        } else {
+            ""
+        };
+        log.warn(|n| {
+            format!("{listener} listener: at the limit of {limit}; refused {n} (from {peer} and others){when}")
+        });
     }
 
     /// Takes a permit for an inbound HBONE handshake; `None` at the limit.
@@ -464,19 +505,19 @@ pub async fn serve(state: Arc<ProxyState>, listeners: Listeners) {
     };
     tokio::join!(
         accept_loop(
-            ("outbound", Direction::Outbound, Permit::Connection),
+            ("outbound", Direction::Outbound, Budget::Connection),
             listeners.outbound,
             state.clone(),
             outbound::handle
         ),
         accept_loop(
-            ("inbound plaintext", Direction::Inbound, Permit::Connection),
+            ("inbound plaintext", Direction::Inbound, Budget::Connection),
             listeners.inbound_plaintext,
             state.clone(),
             inbound_plaintext::handle
         ),
         accept_loop(
-            ("inbound HBONE", Direction::Inbound, Permit::Handshake),
+            ("inbound HBONE", Direction::Inbound, Budget::Handshake),
             listeners.hbone,
             state.clone(),
             inbound::handle
@@ -495,13 +536,14 @@ const DRAIN_QUIET: Duration = Duration::from_millis(1200);
 /// The longest a draining listener stays open.
 const DRAIN_ACCEPT_MAX: Duration = Duration::from_secs(3);
 
-/// What an accepted connection takes before it is handled.
+/// The budget an accepted connection takes a permit from before it is handled.
 #[derive(Clone, Copy)]
-enum Permit {
-    /// A connection permit, held until the connection ends.
+pub(crate) enum Budget {
+    /// A connection slot ([`ProxyConfig::max_connections`]), held until the
+    /// connection ends.
     Connection,
-    /// A handshake permit, which the handler trades for a connection permit once
-    /// the handshakes succeed (inbound HBONE).
+    /// A handshake permit ([`ProxyState::max_handshakes`]), which the handler
+    /// trades for a connection slot once the handshakes succeed (inbound HBONE).
     Handshake,
 }
 
@@ -512,7 +554,7 @@ enum Permit {
 /// [`DRAIN_QUIET`], then closes. Closing it earlier would reset the connections
 /// waiting in its queue.
 async fn accept_loop<F, Fut>(
-    (name, direction, permit): (&'static str, Direction, Permit),
+    (name, direction, budget): (&'static str, Direction, Budget),
     listener: TcpListener,
     state: Arc<ProxyState>,
     handle: F,
@@ -559,22 +601,18 @@ async fn accept_loop<F, Fut>(
                 continue;
             }
         };
-        let taken = match permit {
-            Permit::Connection => state.connection_slot(),
-            Permit::Handshake => state.start_handshake(),
+        let taken = match budget {
+            Budget::Connection => state.connection_slot(),
+            Budget::Handshake => state.start_handshake(),
         };
         let Some(permit) = taken else {
-            state.metrics.failed(
+            let refusal = Refusal {
+                listener: name,
                 direction,
-                match permit {
-                    Permit::Connection => FailureKind::ConnectionLimit,
-                    Permit::Handshake => FailureKind::HandshakeLimit,
-                },
-            );
-            over_limit.warn(|n| match permit {
-                Permit::Connection => format!("{name} listener: at the limit of {} connections; refused {n} (from {peer} and others)", state.config.max_connections),
-                Permit::Handshake => format!("{name} listener: at the limit of {} handshakes under way; refused {n} (from {peer} and others)", state.max_handshakes()),
-            });
+                peer,
+                after_handshakes: false,
+            };
+            state.refused_at_limit(&over_limit, budget, &refusal);
             socket::reset_on_close(&stream);
             continue;
         };
