@@ -11,6 +11,7 @@
 use std::{
     fs,
     path::{Path, PathBuf},
+    sync::atomic::{AtomicBool, Ordering},
     time::{Duration, SystemTime},
 };
 
@@ -130,6 +131,9 @@ pub struct CertificateAuthority {
     roots: Vec<CertificateDer<'static>>,
     /// The signing certificate's `notAfter`: no workload certificate outlives it.
     not_after: SystemTime,
+    /// Whether a certificate was cut short to `not_after` yet: the warning is
+    /// given once per CA, not once per certificate.
+    clamp_warned: AtomicBool,
 }
 
 impl std::fmt::Debug for CertificateAuthority {
@@ -316,6 +320,7 @@ impl CertificateAuthority {
             cert: first,
             roots: certs,
             not_after,
+            clamp_warned: AtomicBool::new(false),
         })
     }
 
@@ -358,11 +363,17 @@ impl CertificateAuthority {
         }
         let mut not_after = now + lifetime;
         if self.not_after < not_after {
-            tracing::warn!(
-                "the CA certificate is valid only until {}: the workload certificate of {id} ends then too, before its lifetime of {} s",
-                humantime::format_rfc3339_seconds(self.not_after),
-                lifetime.as_secs()
-            );
+            let until = humantime::format_rfc3339_seconds(self.not_after);
+            if self.clamp_warned.swap(true, Ordering::Relaxed) {
+                tracing::debug!(
+                    "the workload certificate of {id} ends with the CA certificate, at {until}"
+                );
+            } else {
+                tracing::warn!(
+                    "the CA certificate is valid only until {until}: workload certificates (the first for {id}) end then too, before their lifetime of {} s; put a CA with a later notAfter in place",
+                    lifetime.as_secs()
+                );
+            }
             not_after = self.not_after;
         }
         params.not_before = (now - CLOCK_SKEW).into();
@@ -486,8 +497,14 @@ mod tests {
             .unwrap()
         };
         let ca = ca_of(Duration::from_secs(600));
+        assert!(!ca.clamp_warned.load(Ordering::Relaxed));
         let cert = ca.issue(&id, Duration::from_secs(24 * 3600)).unwrap();
         assert_eq!(cert.not_after, ca.not_after);
+        // Warned of once; later certificates are cut short too.
+        assert!(ca.clamp_warned.load(Ordering::Relaxed));
+        let other = SpiffeId::new("cluster.local", "default", "db");
+        let again = ca.issue(&other, Duration::from_secs(24 * 3600)).unwrap();
+        assert_eq!(again.not_after, ca.not_after);
         let (_, leaf) = X509Certificate::from_der(&cert.chain[0]).unwrap();
         let (_, signer) = X509Certificate::from_der(&cert.chain[1]).unwrap();
         assert_eq!(leaf.validity().not_after, signer.validity().not_after);
