@@ -626,6 +626,31 @@ mod tests {
         }
     }
 
+    /// An enroller of node n1, with the directory its socket path is in.
+    fn enroller() -> (tempfile::TempDir, Enroller) {
+        let dir = tempfile::tempdir().unwrap();
+        let e = Enroller::new("n1", &dir.path().join("cni.sock"));
+        (dir, e)
+    }
+
+    /// Namespace amb, enrolled as a whole.
+    fn ambient_namespace() -> Namespace {
+        serde_yaml_ng::from_str("metadata: {name: amb, labels: {istio.io/dataplane-mode: ambient}}")
+            .unwrap()
+    }
+
+    /// Pod amb/new captured on veth9 (ifindex 9) with the address [`request`]
+    /// reports.
+    fn new_on_veth9() -> CapturedPod {
+        CapturedPod {
+            workload: "amb/new".into(),
+            workload_id: 1,
+            ipv4: "10.244.1.9".parse().unwrap(),
+            ifname: "veth9".into(),
+            ifindex: 9,
+        }
+    }
+
     fn send(e: &mut Enroller, r: Request) -> oneshot::Receiver<Reply> {
         let (tx, rx) = oneshot::channel();
         e.receive(Incoming {
@@ -637,8 +662,7 @@ mod tests {
 
     #[test]
     fn the_live_sandbox_addresses_win_over_a_stale_object() {
-        let dir = tempfile::tempdir().unwrap();
-        let mut e = Enroller::new("n1", &dir.path().join("cni.sock"));
+        let (_dir, mut e) = enroller();
         let stale = pod(
             "metadata: {name: web, namespace: amb}\nspec: {nodeName: n1}\nstatus: {podIP: 10.244.1.8, podIPs: [{ip: 10.244.1.8}]}",
         );
@@ -658,12 +682,8 @@ mod tests {
 
     #[test]
     fn the_overlay_gives_addresses_and_answers_follow_the_reconcile() {
-        let dir = tempfile::tempdir().unwrap();
-        let mut e = Enroller::new("n1", &dir.path().join("cni.sock"));
-        let ns: Namespace = serde_yaml_ng::from_str(
-            "metadata: {name: amb, labels: {istio.io/dataplane-mode: ambient}}",
-        )
-        .unwrap();
+        let (_dir, mut e) = enroller();
+        let ns = ambient_namespace();
         let new = pod("metadata: {name: new, namespace: amb}\nspec: {nodeName: n1}");
         let out = pod(
             "metadata: {name: out, namespace: amb, labels: {istio.io/dataplane-mode: none}}\nspec: {nodeName: n1}",
@@ -722,13 +742,7 @@ mod tests {
         e.answer(&index, nothing, full);
         assert!(matches!(add_out.try_recv(), Ok(Reply::NotEnrolled { .. })));
         assert!(add.try_recv().is_err());
-        let wanted = [CapturedPod {
-            workload: "amb/new".into(),
-            workload_id: 1,
-            ipv4: "10.244.1.9".parse().unwrap(),
-            ifname: "veth9".into(),
-            ifindex: 9,
-        }];
+        let wanted = [new_on_veth9()];
         let captured = HashSet::from(["amb/new".to_string()]);
         // Attached, but on another interface than the plugin reported: not
         // answered as enrolled.
@@ -799,12 +813,8 @@ mod tests {
     /// refused, naming the other pod.
     #[test]
     fn an_address_another_pod_claims_is_refused() {
-        let dir = tempfile::tempdir().unwrap();
-        let mut e = Enroller::new("n1", &dir.path().join("cni.sock"));
-        let ns: Namespace = serde_yaml_ng::from_str(
-            "metadata: {name: amb, labels: {istio.io/dataplane-mode: ambient}}",
-        )
-        .unwrap();
+        let (_dir, mut e) = enroller();
+        let ns = ambient_namespace();
         let new = pod(
             "metadata: {name: new, namespace: amb}\nspec: {nodeName: n1}\nstatus: {podIP: 10.244.1.5}",
         );
@@ -821,13 +831,7 @@ mod tests {
             [&ns],
         );
         assert_eq!(warnings.len(), 1, "{warnings:?}");
-        let wanted = [CapturedPod {
-            workload: "amb/new".into(),
-            workload_id: 1,
-            ipv4: "10.244.1.9".parse().unwrap(),
-            ifname: "veth9".into(),
-            ifindex: 9,
-        }];
+        let wanted = [new_on_veth9()];
         let captured = HashSet::from(["amb/new".to_string()]);
         let errors = HashMap::new();
         let attached = Attached {
