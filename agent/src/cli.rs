@@ -84,6 +84,10 @@ enum Command {
         /// binary is left in place.
         #[arg(long, value_name = "DIR")]
         cni_bin_dir: Option<PathBuf>,
+        /// The agent's podlink-cni socket: the enrollment snapshot beside it (and
+        /// a socket file a killed agent left) are removed.
+        #[arg(long, value_name = "PATH", default_value = cni::DEFAULT_SOCKET)]
+        cni_socket: PathBuf,
     },
 }
 
@@ -271,12 +275,14 @@ pub fn main() -> Result<()> {
             state_dir,
             cni_conf_dir,
             cni_bin_dir,
+            cni_socket,
         } => {
             let done = uninstall::uninstall(&UninstallConfig {
                 pin_dir,
                 state_dir,
                 cni_conf_dir,
                 cni_bin_dir,
+                cni_socket,
             })?;
             for line in &done {
                 println!("{line}");
@@ -559,11 +565,12 @@ mod tests {
             state_dir,
             cni_conf_dir,
             cni_bin_dir,
+            cni_socket,
         } = cli.command
         else {
             panic!("the uninstall pod does not run `podlink uninstall`");
         };
-        for path in [&pin_dir, &state_dir, &cni_conf_dir]
+        for path in [&pin_dir, &state_dir, &cni_conf_dir, &cni_socket]
             .into_iter()
             .chain(cni_bin_dir.as_ref())
         {
@@ -583,6 +590,7 @@ mod tests {
         assert_eq!(pin_dir, agent.pin_dir);
         assert_eq!(state_dir, agent.state_dir);
         assert_eq!(cni_conf_dir, agent.cni_conf_dir);
+        assert_eq!(cni_socket, agent.cni_socket);
         if let Some(dir) = cni_bin_dir {
             assert_eq!(dir, agent.cni_bin_dir);
         }

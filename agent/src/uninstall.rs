@@ -6,15 +6,21 @@
 //! podlink's table; `/sys/kernel/rcu_expedited` if an agent was killed while it
 //! had it at 1; the sysctls recorded in the state directory's journal (restored
 //! where they still have podlink's value); the `podlink-cni` entries of
-//! the CNI configuration lists. Every step runs even when an earlier one fails;
-//! running it again finishes what is left and otherwise does nothing.
+//! the CNI configuration lists; then, once no step failed, the `podlink-cni`
+//! binary (given its directory), the enrollment snapshot beside the agent's CNI
+//! socket and a socket file a killed agent left; last the state directory, if
+//! empty. Every other step runs even when an earlier one fails; running it again
+//! finishes what is left and otherwise does nothing.
 //!
 //! It refuses to run while an agent holds the pin directory's lock: that agent
 //! would attach pods again. Stop the agent (the DaemonSet) first.
 
-use std::{fs, path::PathBuf};
+use std::{
+    fs,
+    path::{Path, PathBuf},
+};
 
-use anyhow::{Result, bail};
+use anyhow::{Context, Result, bail};
 use podlink_common::{REDIRECT_MARK, REDIRECT_MARK_MASK, ROUTE_TABLE, RULE_PRIORITY};
 
 use crate::{
@@ -39,6 +45,9 @@ pub struct UninstallConfig {
     /// The CNI plugin directory podlink-cni was installed into; `None`: the
     /// binary is left in place.
     pub cni_bin_dir: Option<PathBuf>,
+    /// The agent's podlink-cni socket (`--cni-socket`): a socket file a killed
+    /// agent left there, and the enrollment snapshot beside it, are removed.
+    pub cni_socket: PathBuf,
 }
 
 /// Removes podlink from this node (run in the node's network namespace). Returns
@@ -98,10 +107,6 @@ pub fn uninstall(cfg: &UninstallConfig) -> Result<Vec<String>> {
                     }
                 });
             }
-            // The state directory goes too once empty (it may be shared: not forced).
-            if fs::remove_dir(&cfg.state_dir).is_ok() {
-                done.push(format!("removed {}", cfg.state_dir.display()));
-            }
         }
         Err(e) => failures.push(format!("restoring sysctls: {e:#}")),
     }
@@ -113,15 +118,24 @@ pub fn uninstall(cfg: &UninstallConfig) -> Result<Vec<String>> {
         ),
         Err(e) => failures.push(format!("editing the CNI configuration: {e:#}")),
     }
-    // The binary only after the entries naming it are gone.
-    if let Some(bin_dir) = &cfg.cni_bin_dir
-        && failures.is_empty()
-    {
-        match cni::install::remove_binary(bin_dir) {
-            Ok(Some(path)) => done.push(format!("removed {}", path.display())),
-            Ok(None) => {}
-            Err(e) => failures.push(format!("removing the CNI plugin: {e:#}")),
+    // The binary, and the snapshot the plugin reads while the agent is away, only
+    // after the entries naming the plugin are gone.
+    if failures.is_empty() {
+        if let Some(bin_dir) = &cfg.cni_bin_dir {
+            match cni::install::remove_binary(bin_dir) {
+                Ok(Some(path)) => done.push(format!("removed {}", path.display())),
+                Ok(None) => {}
+                Err(e) => failures.push(format!("removing the CNI plugin: {e:#}")),
+            }
         }
+        match remove_cni_socket(&cfg.cni_socket) {
+            Ok(removed) => done.extend(removed.iter().map(|p| format!("removed {}", p.display()))),
+            Err(e) => failures.push(format!("{e:#}")),
+        }
+    }
+    // The state directory goes too once empty (it may be shared: not forced).
+    if fs::remove_dir(&cfg.state_dir).is_ok() {
+        done.push(format!("removed {}", cfg.state_dir.display()));
     }
     if !failures.is_empty() {
         bail!(
@@ -131,4 +145,30 @@ pub fn uninstall(cfg: &UninstallConfig) -> Result<Vec<String>> {
         );
     }
     Ok(done)
+}
+
+/// Removes the enrollment snapshot beside `socket` and the socket file itself if
+/// one is there (left by an agent that was killed; a running agent holds the pin
+/// directory's lock, so none serves it now). Returns what was removed.
+///
+/// # Errors
+/// A file that exists and cannot be removed, or a `socket` path that is not a
+/// socket.
+fn remove_cni_socket(socket: &Path) -> Result<Vec<PathBuf>> {
+    use std::os::unix::fs::FileTypeExt;
+    let mut removed = Vec::new();
+    let snapshot = cni::snapshot::Snapshot::path_for(socket);
+    for (path, is_socket) in [(snapshot, false), (socket.to_path_buf(), true)] {
+        let meta = match fs::symlink_metadata(&path) {
+            Ok(meta) => meta,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => continue,
+            Err(e) => bail!("reading {}: {e}", path.display()),
+        };
+        if is_socket && !meta.file_type().is_socket() {
+            bail!("{} is not a socket; left in place", path.display());
+        }
+        fs::remove_file(&path).with_context(|| format!("removing {}", path.display()))?;
+        removed.push(path);
+    }
+    Ok(removed)
 }

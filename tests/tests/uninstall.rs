@@ -98,7 +98,9 @@ fn uninstall_removes_every_trace_and_pods_talk_directly() {
             .arg("--state-dir")
             .arg(&c.nodes[node].state_dir)
             .arg("--cni-conf-dir")
-            .arg(cni_dir);
+            .arg(cni_dir)
+            .arg("--cni-socket")
+            .arg(&c.nodes[node].cni_socket);
         cmd.output().unwrap()
     };
 
@@ -155,6 +157,13 @@ fn uninstall_removes_every_trace_and_pods_talk_directly() {
     {
         fs::write(node.state_dir.join("rcu_expedited.set"), "left\n").unwrap();
     }
+    // The enrollment snapshot the agent kept beside its CNI socket, and the socket
+    // file an agent that was killed leaves behind: both removed.
+    let snapshot = node.cni_socket.with_file_name("enrollment.json");
+    assert!(snapshot.is_file(), "{}", snapshot.display());
+    if !node.cni_socket.exists() {
+        drop(std::os::unix::net::UnixListener::bind(&node.cni_socket).unwrap());
+    }
     let no_cni = c.dir.join("node2-cni");
     for (n, dir) in [(0, &cni_dir), (1, &no_cni)] {
         let out = uninstall(&c, n, dir);
@@ -199,6 +208,7 @@ fn uninstall_removes_every_trace_and_pods_talk_directly() {
     // No pins; the state is gone; the sysctls are as they were.
     assert!(!node.pin_dir.exists(), "{}", node.pin_dir.display());
     assert!(!node.state_dir.exists());
+    assert!(!snapshot.exists() && !node.cni_socket.exists());
     let restored: Vec<String> = names.iter().map(|n| sysctl(&node.netns, n)).collect();
     assert_eq!(restored, original, "{names:?}");
     // The conflist lost podlink-cni and nothing else; the other one is untouched.
