@@ -135,7 +135,7 @@ fn install_bpf_linker() -> Result<()> {
             .with_context(|| format!("symlinking {}", link.display()))?;
     }
     eprintln!(
-        "setup: building bpf-linker {BPF_LINKER_VERSION} against the nightly's LLVM {llvm_major} (a minute or two)"
+        "setup: building bpf-linker {BPF_LINKER_VERSION} against the nightly's LLVM {llvm_major} (one to three minutes)"
     );
     let mut cmd = Command::new("cargo");
     // --locked: the dependency versions bpf-linker was released with, not newer

@@ -513,6 +513,38 @@ mod tests {
         assert_eq!(objects.pods[0].metadata.name.as_deref(), Some("web"));
     }
 
+    /// The README's example manifests directory is read as it says: the pod is
+    /// enrolled on node1 with the identity the comment gives.
+    #[test]
+    fn the_readme_example_enrolls_its_pod() {
+        let readme = include_str!("../../../../README.md");
+        let after = readme
+            .split_once("A manifests directory that enrolls one pod of node1")
+            .expect("the README's example")
+            .1;
+        let example = after
+            .split_once("```yaml\n")
+            .and_then(|(_, rest)| rest.split_once("```"))
+            .expect("a yaml block")
+            .0;
+        let objects = parse(Path::new("example.yaml"), example).unwrap();
+        let (index, warnings) = crate::workload::WorkloadIndex::build(
+            "node1",
+            "cluster.local",
+            &objects.pods,
+            &objects.namespaces,
+        );
+        assert!(warnings.is_empty(), "{warnings:?}");
+        let pod = index.workloads().find(|w| w.name == "frontend").unwrap();
+        assert!(pod.enrollment.is_enrolled());
+        assert!(index.is_local(pod));
+        assert_eq!(
+            pod.identity.to_string(),
+            "spiffe://cluster.local/ns/shop/sa/frontend"
+        );
+        assert_eq!(pod.ips, vec!["10.244.1.2".parse::<IpAddr>().unwrap()]);
+    }
+
     #[test]
     fn errors_name_the_line() {
         // The second document starts on line 14; its unclosed sequence is reported
