@@ -31,7 +31,10 @@
 //!   connections stay in TIME_WAIT for 60 s (in the client pod, and on the
 //!   podlink path also in node 2's namespace, where the proxy's upstream
 //!   connections close first), so later runs meet the state earlier ones left,
-//!   as on a busy node.
+//!   as on a busy node. The one-client runs also time each connection's phases
+//!   as the client sees them (connect; the greeting; sending 1 KiB, half-closing
+//!   and reading the echo to its end): a table after the main one gives each
+//!   phase's p50, the median over the repetitions, per path.
 //! * Sustained churn: once per path, after the repetitions, on a pod pair of its
 //!   own (made with the bed, idle until then, so that it starts without that
 //!   state): 16 client threads as above for 60 s; completions per second, and the
@@ -625,6 +628,46 @@ struct ClientRun {
     completed: u64,
     failed: u64,
     seconds: f64,
+    /// Where a completed connection's time went, p50 of each phase.
+    phases: Phases,
+}
+
+/// The phases of a connection as its client sees them (µs): `connect()` until
+/// it returns, then until the server's greeting is read, then sending 1 KiB,
+/// half-closing and reading the echo to the end of the stream. On the podlink
+/// path, `connect()` returns once the outbound proxy's listener has accepted
+/// the connection; the greeting then waits for the HBONE CONNECT, the upstream
+/// connection to the server pod and the greeting's way back through both
+/// proxies; the echo and the close make one round trip through both.
+#[derive(Clone, Copy, Debug, Default, Serialize)]
+struct Phases {
+    connect_us: f64,
+    greeting_us: f64,
+    echo_close_us: f64,
+}
+
+impl Phases {
+    /// Each phase's p50 over `samples` (one per connection, in seconds).
+    fn p50(samples: &mut [[f64; 3]]) -> Phases {
+        let at = |i: usize| {
+            let mut v: Vec<f64> = samples.iter().map(|s| s[i] * 1e6).collect();
+            v.sort_by(f64::total_cmp);
+            if v.is_empty() {
+                f64::NAN
+            } else {
+                percentile(&v, 0.5)
+            }
+        };
+        Phases {
+            connect_us: at(0),
+            greeting_us: at(1),
+            echo_close_us: at(2),
+        }
+    }
+
+    fn total_us(&self) -> f64 {
+        self.connect_us + self.greeting_us + self.echo_close_us
+    }
 }
 
 impl ClientRun {
@@ -661,19 +704,25 @@ fn run_clients(
             .collect(),
     );
     let failed = Arc::new(AtomicU64::new(0));
+    let phases = Arc::new(Mutex::new(Vec::new()));
     let start = Instant::now();
     let mut threads = Vec::new();
     for (client, server) in targets {
         for _ in 0..per_target {
-            let (buckets, failed, server) = (buckets.clone(), failed.clone(), *server);
+            let (buckets, failed, phases, server) =
+                (buckets.clone(), failed.clone(), phases.clone(), *server);
             threads.push(netns::spawn_in_netns(&client.netns, move || {
                 let payload = [0x42u8; 1024];
+                let mut mine: Vec<[f64; 3]> = Vec::new();
                 while start.elapsed() < length {
-                    let one = || -> std::io::Result<()> {
+                    let one = || -> std::io::Result<[f64; 3]> {
+                        let begin = Instant::now();
                         let mut s =
                             std::net::TcpStream::connect_timeout(&server, Duration::from_secs(5))?;
+                        let connected = Instant::now();
                         s.set_read_timeout(Some(Duration::from_secs(5)))?;
                         app::read_greeting(&s)?;
+                        let greeted = Instant::now();
                         s.write_all(&payload)?;
                         s.shutdown(Shutdown::Write)?;
                         let mut back = Vec::with_capacity(1024);
@@ -681,26 +730,33 @@ fn run_clients(
                         if back.len() != payload.len() {
                             return Err(std::io::Error::other("short echo"));
                         }
-                        Ok(())
+                        Ok([
+                            (connected - begin).as_secs_f64(),
+                            (greeted - connected).as_secs_f64(),
+                            greeted.elapsed().as_secs_f64(),
+                        ])
                     };
                     let result = one();
                     let at = start.elapsed();
                     match result {
-                        Ok(()) if at < length => {
+                        Ok(phases) if at < length => {
                             buckets[at.as_secs() as usize].fetch_add(1, Ordering::Relaxed);
+                            mine.push(phases);
                         }
-                        Ok(()) => {}
+                        Ok(_) => {}
                         Err(_) => {
                             failed.fetch_add(1, Ordering::Relaxed);
                         }
                     }
                 }
+                phases.lock().unwrap().append(&mut mine);
             })?);
         }
     }
     for t in threads {
         let _ = t.join();
     }
+    let phases = Phases::p50(&mut phases.lock().unwrap());
     let per_second: Vec<u64> = buckets.iter().map(|b| b.load(Ordering::Relaxed)).collect();
     let failed = failed.load(Ordering::Relaxed);
     if failed > 0 {
@@ -711,6 +767,7 @@ fn run_clients(
         per_second,
         failed,
         seconds,
+        phases,
     })
 }
 
@@ -1182,6 +1239,41 @@ struct ScalingRun {
     connections_agent_cpu_seconds: f64,
 }
 
+/// The phases of the one-client connection runs: each run's p50s, and their
+/// medians over the runs, per path.
+#[derive(Serialize)]
+struct OneClientPhases {
+    direct: Phases,
+    podlink: Phases,
+    runs: [Vec<Phases>; 2],
+}
+
+impl OneClientPhases {
+    fn new(runs: [Vec<Phases>; 2]) -> Self {
+        let median = |runs: &[Phases]| {
+            let of = |f: fn(&Phases) -> f64| {
+                let mut v: Vec<f64> = runs.iter().map(f).collect();
+                v.sort_by(f64::total_cmp);
+                if v.is_empty() {
+                    f64::NAN
+                } else {
+                    percentile(&v, 0.5)
+                }
+            };
+            Phases {
+                connect_us: of(|p| p.connect_us),
+                greeting_us: of(|p| p.greeting_us),
+                echo_close_us: of(|p| p.echo_close_us),
+            }
+        };
+        OneClientPhases {
+            direct: median(&runs[Path2::Direct as usize]),
+            podlink: median(&runs[Path2::Podlink as usize]),
+            runs,
+        }
+    }
+}
+
 #[derive(Serialize)]
 struct Scaling {
     /// Time to make the pairs' pods (CNI) and get the enrolled ones captured.
@@ -1211,6 +1303,8 @@ struct Report {
     ebpf: Vec<ProgCounters>,
     /// The same counters by kind of run.
     ebpf_by_workload: EbpfByWorkload,
+    /// Where the time of a new connection goes, one client.
+    one_client_phases: OneClientPhases,
     enrollment: Enrollment,
     scaling: Scaling,
     timings: Timings,
@@ -1257,6 +1351,7 @@ fn bench(s: Settings, json: Option<&Path>) -> Result<()> {
     let mut t1 = Series::default();
     let mut t4 = Series::default();
     let mut rr = [(); 4].map(|_| Series::default()); // 1 B p50, p99, 1 KiB p50, p99
+    let mut one_client_phases: [Vec<Phases>; 2] = Default::default();
     let mut c1 = Series::default();
     let mut c16 = Series::default();
     for rep in 0..s.repetitions {
@@ -1324,6 +1419,9 @@ fn bench(s: Settings, json: Option<&Path>) -> Result<()> {
                     },
                 )?;
                 series.push(path, run.rate(), agents_cpu(&bed.cluster) - cpu);
+                if clients == 1 {
+                    one_client_phases[path as usize].push(run.phases);
+                }
             }
         }
     }
@@ -1404,6 +1502,7 @@ fn bench(s: Settings, json: Option<&Path>) -> Result<()> {
         memory,
         ebpf,
         ebpf_by_workload,
+        one_client_phases: OneClientPhases::new(one_client_phases),
         enrollment,
         scaling,
         timings,
@@ -1738,6 +1837,39 @@ fn print_report(r: &Report) {
     for line in r.ebpf_by_workload.lines() {
         println!("  {line}");
     }
+
+    println!();
+    println!(
+        "new connections, 1 client: where a connection's time goes (µs; each run's p50, median of the runs)"
+    );
+    let (d, p) = (&r.one_client_phases.direct, &r.one_client_phases.podlink);
+    let added = |a: f64, b: f64| format!("{:+.0}", b - a);
+    print_grid(
+        &["path", "connect", "greeting", "echo and close", "total"],
+        &[
+            vec![
+                "direct".into(),
+                num(d.connect_us),
+                num(d.greeting_us),
+                num(d.echo_close_us),
+                num(d.total_us()),
+            ],
+            vec![
+                "podlink".into(),
+                num(p.connect_us),
+                num(p.greeting_us),
+                num(p.echo_close_us),
+                num(p.total_us()),
+            ],
+            vec![
+                "added".into(),
+                added(d.connect_us, p.connect_us),
+                added(d.greeting_us, p.greeting_us),
+                added(d.echo_close_us, p.echo_close_us),
+                added(d.total_us(), p.total_us()),
+            ],
+        ],
+    );
 
     println!();
     println!(
