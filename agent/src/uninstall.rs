@@ -20,7 +20,7 @@ use std::{
     path::{Path, PathBuf},
 };
 
-use anyhow::{Context, Result, bail};
+use anyhow::{Result, bail};
 use podlink_common::{REDIRECT_MARK, REDIRECT_MARK_MASK, ROUTE_TABLE, RULE_PRIORITY};
 
 use crate::{
@@ -128,10 +128,9 @@ pub fn uninstall(cfg: &UninstallConfig) -> Result<Vec<String>> {
                 Err(e) => failures.push(format!("removing the CNI plugin: {e:#}")),
             }
         }
-        match remove_cni_socket(&cfg.cni_socket) {
-            Ok(removed) => done.extend(removed.iter().map(|p| format!("removed {}", p.display()))),
-            Err(e) => failures.push(format!("{e:#}")),
-        }
+        let (removed, failed) = remove_cni_socket(&cfg.cni_socket);
+        done.extend(removed.iter().map(|p| format!("removed {}", p.display())));
+        failures.extend(failed);
     }
     // The state directory goes too once empty (it may be shared: not forced).
     if fs::remove_dir(&cfg.state_dir).is_ok() {
@@ -147,28 +146,117 @@ pub fn uninstall(cfg: &UninstallConfig) -> Result<Vec<String>> {
     Ok(done)
 }
 
-/// Removes the enrollment snapshot beside `socket` and the socket file itself if
-/// one is there (left by an agent that was killed; a running agent holds the pin
-/// directory's lock, so none serves it now). Returns what was removed.
-///
-/// # Errors
-/// A file that exists and cannot be removed, or a `socket` path that is not a
-/// socket.
-fn remove_cni_socket(socket: &Path) -> Result<Vec<PathBuf>> {
+/// Removes what podlink's CNI socket leaves on a node: the enrollment snapshot
+/// beside `socket` (only if it is one), its partial copy from an interrupted
+/// write, and the socket file if no agent serves it (one that was killed left
+/// it). Returns what was removed and, each named, what could not be.
+fn remove_cni_socket(socket: &Path) -> (Vec<PathBuf>, Vec<String>) {
     use std::os::unix::fs::FileTypeExt;
-    let mut removed = Vec::new();
+    let (mut removed, mut failures) = (Vec::new(), Vec::new());
+    let mut remove = |path: &Path, failures: &mut Vec<String>| match fs::remove_file(path) {
+        Ok(()) => removed.push(path.to_path_buf()),
+        Err(e) => failures.push(format!("removing {}: {e}", path.display())),
+    };
     let snapshot = cni::snapshot::Snapshot::path_for(socket);
-    for (path, is_socket) in [(snapshot, false), (socket.to_path_buf(), true)] {
-        let meta = match fs::symlink_metadata(&path) {
-            Ok(meta) => meta,
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => continue,
-            Err(e) => bail!("reading {}: {e}", path.display()),
-        };
-        if is_socket && !meta.file_type().is_socket() {
-            bail!("{} is not a socket; left in place", path.display());
+    let partial = snapshot.with_file_name(format!(".{}.podlink-partial", cni::snapshot::FILE_NAME));
+    for path in [&snapshot, &partial] {
+        match fs::symlink_metadata(path) {
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+            Err(e) => failures.push(format!("reading {}: {e}", path.display())),
+            Ok(_) if *path == partial || is_snapshot(path) => remove(path, &mut failures),
+            Ok(_) => failures.push(format!(
+                "{} is not podlink's enrollment snapshot; left in place",
+                path.display()
+            )),
         }
-        fs::remove_file(&path).with_context(|| format!("removing {}", path.display()))?;
-        removed.push(path);
     }
-    Ok(removed)
+    match fs::symlink_metadata(socket) {
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+        Err(e) => failures.push(format!("reading {}: {e}", socket.display())),
+        Ok(meta) if !meta.file_type().is_socket() => failures.push(format!(
+            "{} is not a socket; left in place",
+            socket.display()
+        )),
+        // A socket someone still accepts on is not a leftover.
+        Ok(_) => match std::os::unix::net::UnixStream::connect(socket) {
+            Ok(_) => failures.push(format!(
+                "{} is served (an agent runs with another pin directory?); left in place",
+                socket.display()
+            )),
+            Err(e) if e.kind() == std::io::ErrorKind::ConnectionRefused => {
+                remove(socket, &mut failures);
+            }
+            Err(e) => failures.push(format!("connecting to {}: {e}", socket.display())),
+        },
+    }
+    (removed, failures)
+}
+
+/// Whether `path` holds an enrollment snapshot (a JSON object with its fields),
+/// of any format version.
+fn is_snapshot(path: &Path) -> bool {
+    let Ok(text) = fs::read(path) else {
+        return false;
+    };
+    serde_json::from_slice::<serde_json::Value>(&text).is_ok_and(|v| {
+        ["version", "node", "ambientNamespaces"]
+            .iter()
+            .all(|k| v.get(k).is_some())
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use std::os::unix::net::UnixListener;
+
+    use super::*;
+
+    #[test]
+    fn a_left_socket_and_the_snapshot_are_removed() {
+        let dir = tempfile::tempdir().unwrap();
+        let socket = dir.path().join("cni.sock");
+        // Nothing there: nothing to do.
+        assert_eq!(remove_cni_socket(&socket), (vec![], vec![]));
+        drop(UnixListener::bind(&socket).unwrap());
+        let snapshot = cni::snapshot::Snapshot {
+            version: cni::snapshot::SNAPSHOT_VERSION,
+            node: "n1".into(),
+            ..Default::default()
+        };
+        snapshot
+            .write(&cni::snapshot::Snapshot::path_for(&socket))
+            .unwrap();
+        let partial = dir.path().join(".enrollment.json.podlink-partial");
+        fs::write(&partial, "{").unwrap();
+        let (removed, failures) = remove_cni_socket(&socket);
+        assert!(failures.is_empty(), "{failures:?}");
+        assert_eq!(removed.len(), 3, "{removed:?}");
+        assert_eq!(fs::read_dir(dir.path()).unwrap().count(), 0);
+    }
+
+    #[test]
+    fn what_is_not_podlinks_or_still_served_is_left() {
+        let dir = tempfile::tempdir().unwrap();
+        let socket = dir.path().join("cni.sock");
+        let served = UnixListener::bind(&socket).unwrap();
+        let other = dir.path().join("enrollment.json");
+        fs::write(&other, r#"{"someone": "else"}"#).unwrap();
+        let (removed, failures) = remove_cni_socket(&socket);
+        assert!(removed.is_empty(), "{removed:?}");
+        assert_eq!(failures.len(), 2, "{failures:?}");
+        assert!(failures[0].contains("not podlink's enrollment snapshot"));
+        assert!(failures[1].contains("is served"), "{failures:?}");
+        assert!(socket.exists() && other.exists());
+        drop(served);
+
+        // A socket path that is a regular file is left as it is.
+        fs::remove_file(&socket).unwrap();
+        fs::write(&socket, "data").unwrap();
+        let (_, failures) = remove_cni_socket(&socket);
+        assert!(
+            failures.iter().any(|f| f.contains("is not a socket")),
+            "{failures:?}"
+        );
+        assert_eq!(fs::read_to_string(&socket).unwrap(), "data");
+    }
 }

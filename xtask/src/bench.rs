@@ -467,7 +467,7 @@ pub fn exercise<T>(inspect: impl FnOnce(&[u32]) -> Result<T>) -> Result<T> {
             latency(client, echo, size, 1_000)?;
         }
         for clients in [1, MANY_CLIENTS] {
-            run_clients(&[(client, echo)], clients, 2.0)?;
+            run_clients(&[(client, echo)], clients, 2.0, false)?;
         }
         for node in 0..bed.cluster.nodes.len() {
             bed.cluster.metrics(node)?;
@@ -628,45 +628,60 @@ struct ClientRun {
     completed: u64,
     failed: u64,
     seconds: f64,
-    /// Where a completed connection's time went, p50 of each phase.
-    phases: Phases,
+    /// Where a completed connection's time went, p50 of each phase (when asked
+    /// for, and some connection completed).
+    phases: Option<Phases>,
 }
 
-/// The phases of a connection as its client sees them (µs): `connect()` until
-/// it returns, then until the server's greeting is read, then sending 1 KiB,
-/// half-closing and reading the echo to the end of the stream. On the podlink
-/// path, `connect()` returns once the outbound proxy's listener has accepted
-/// the connection; the greeting then waits for the HBONE CONNECT, the upstream
-/// connection to the server pod and the greeting's way back through both
-/// proxies; the echo and the close make one round trip through both.
+/// The phases of a connection as its client sees them (µs): `connect()` until it
+/// returns (once the kernel completed the handshake on the listening socket: on
+/// the podlink path the outbound proxy's, before the proxy accepts it), then
+/// until the server's greeting is read, then sending 1 KiB, half-closing and
+/// reading the echo to the end of the stream; and the whole. On the podlink
+/// path the greeting waits for the proxy's accept, the HBONE CONNECT, the
+/// upstream connection to the server pod and the greeting's way back through
+/// both proxies; the echo and the close make one round trip through both.
 #[derive(Clone, Copy, Debug, Default, Serialize)]
 struct Phases {
     connect_us: f64,
     greeting_us: f64,
     echo_close_us: f64,
+    total_us: f64,
 }
 
 impl Phases {
-    /// Each phase's p50 over `samples` (one per connection, in seconds).
-    fn p50(samples: &mut [[f64; 3]]) -> Phases {
+    /// The p50 of each phase over `samples` (one per connection: the phases'
+    /// seconds, then the whole's); `None` without samples.
+    fn p50(samples: &[[f64; 4]]) -> Option<Phases> {
+        if samples.is_empty() {
+            return None;
+        }
         let at = |i: usize| {
             let mut v: Vec<f64> = samples.iter().map(|s| s[i] * 1e6).collect();
             v.sort_by(f64::total_cmp);
-            if v.is_empty() {
-                f64::NAN
-            } else {
-                percentile(&v, 0.5)
-            }
+            percentile(&v, 0.5)
         };
-        Phases {
+        Some(Phases {
             connect_us: at(0),
             greeting_us: at(1),
             echo_close_us: at(2),
-        }
+            total_us: at(3),
+        })
     }
 
-    fn total_us(&self) -> f64 {
-        self.connect_us + self.greeting_us + self.echo_close_us
+    /// Each field's median over `runs` (as the main table's medians); `None`
+    /// without runs.
+    fn median(runs: &[Phases]) -> Option<Phases> {
+        if runs.is_empty() {
+            return None;
+        }
+        let of = |f: fn(&Phases) -> f64| stats(&runs.iter().map(f).collect::<Vec<_>>()).median;
+        Some(Phases {
+            connect_us: of(|p| p.connect_us),
+            greeting_us: of(|p| p.greeting_us),
+            echo_close_us: of(|p| p.echo_close_us),
+            total_us: of(|p| p.total_us),
+        })
     }
 }
 
@@ -691,11 +706,13 @@ impl ClientRun {
 
 /// `per_target` client threads for each (client pod, echo server) target, each
 /// opening one connection after the other (connect, greeting, 1 KiB each way,
-/// close) for `seconds`. Completions are counted in the second they end in.
+/// close) for `seconds`. Completions are counted in the second they end in; with
+/// `phases`, each completed connection's phases are timed too ([`Phases`]).
 fn run_clients(
     targets: &[(&Pod, SocketAddr)],
     per_target: usize,
     seconds: f64,
+    phases: bool,
 ) -> Result<ClientRun> {
     let length = Duration::from_secs_f64(seconds);
     let buckets: Arc<Vec<AtomicU64>> = Arc::new(
@@ -704,6 +721,7 @@ fn run_clients(
             .collect(),
     );
     let failed = Arc::new(AtomicU64::new(0));
+    let timed = phases;
     let phases = Arc::new(Mutex::new(Vec::new()));
     let start = Instant::now();
     let mut threads = Vec::new();
@@ -713,9 +731,9 @@ fn run_clients(
                 (buckets.clone(), failed.clone(), phases.clone(), *server);
             threads.push(netns::spawn_in_netns(&client.netns, move || {
                 let payload = [0x42u8; 1024];
-                let mut mine: Vec<[f64; 3]> = Vec::new();
+                let mut mine: Vec<[f64; 4]> = Vec::new();
                 while start.elapsed() < length {
-                    let one = || -> std::io::Result<[f64; 3]> {
+                    let one = || -> std::io::Result<[f64; 4]> {
                         let begin = Instant::now();
                         let mut s =
                             std::net::TcpStream::connect_timeout(&server, Duration::from_secs(5))?;
@@ -730,10 +748,12 @@ fn run_clients(
                         if back.len() != payload.len() {
                             return Err(std::io::Error::other("short echo"));
                         }
+                        let end = Instant::now();
                         Ok([
                             (connected - begin).as_secs_f64(),
                             (greeted - connected).as_secs_f64(),
-                            greeted.elapsed().as_secs_f64(),
+                            (end - greeted).as_secs_f64(),
+                            (end - begin).as_secs_f64(),
                         ])
                     };
                     let result = one();
@@ -741,7 +761,9 @@ fn run_clients(
                     match result {
                         Ok(phases) if at < length => {
                             buckets[at.as_secs() as usize].fetch_add(1, Ordering::Relaxed);
-                            mine.push(phases);
+                            if timed {
+                                mine.push(phases);
+                            }
                         }
                         Ok(_) => {}
                         Err(_) => {
@@ -756,7 +778,7 @@ fn run_clients(
     for t in threads {
         let _ = t.join();
     }
-    let phases = Phases::p50(&mut phases.lock().unwrap());
+    let phases = Phases::p50(&phases.lock().unwrap());
     let per_second: Vec<u64> = buckets.iter().map(|b| b.load(Ordering::Relaxed)).collect();
     let failed = failed.load(Ordering::Relaxed);
     if failed > 0 {
@@ -1240,35 +1262,19 @@ struct ScalingRun {
 }
 
 /// The phases of the one-client connection runs: each run's p50s, and their
-/// medians over the runs, per path.
+/// medians over the runs, per path (`None` if no run completed a connection).
 #[derive(Serialize)]
 struct OneClientPhases {
-    direct: Phases,
-    podlink: Phases,
+    direct: Option<Phases>,
+    podlink: Option<Phases>,
     runs: [Vec<Phases>; 2],
 }
 
 impl OneClientPhases {
     fn new(runs: [Vec<Phases>; 2]) -> Self {
-        let median = |runs: &[Phases]| {
-            let of = |f: fn(&Phases) -> f64| {
-                let mut v: Vec<f64> = runs.iter().map(f).collect();
-                v.sort_by(f64::total_cmp);
-                if v.is_empty() {
-                    f64::NAN
-                } else {
-                    percentile(&v, 0.5)
-                }
-            };
-            Phases {
-                connect_us: of(|p| p.connect_us),
-                greeting_us: of(|p| p.greeting_us),
-                echo_close_us: of(|p| p.echo_close_us),
-            }
-        };
         OneClientPhases {
-            direct: median(&runs[Path2::Direct as usize]),
-            podlink: median(&runs[Path2::Podlink as usize]),
+            direct: Phases::median(&runs[Path2::Direct as usize]),
+            podlink: Phases::median(&runs[Path2::Podlink as usize]),
             runs,
         }
     }
@@ -1415,12 +1421,13 @@ fn bench(s: Settings, json: Option<&Path>) -> Result<()> {
                             &[(client, server.addr(ECHO_PORT))],
                             clients,
                             s.connect_seconds,
+                            clients == 1,
                         )
                     },
                 )?;
                 series.push(path, run.rate(), agents_cpu(&bed.cluster) - cpu);
-                if clients == 1 {
-                    one_client_phases[path as usize].push(run.phases);
+                if let Some(phases) = run.phases {
+                    one_client_phases[path as usize].push(phases);
                 }
             }
         }
@@ -1436,6 +1443,7 @@ fn bench(s: Settings, json: Option<&Path>) -> Result<()> {
             &[(client, server.addr(ECHO_PORT))],
             MANY_CLIENTS,
             s.churn_seconds as f64,
+            false,
         )
     };
     let direct_churn = churn_run(Path2::Direct)?;
@@ -1558,7 +1566,7 @@ fn scaling(bed: &mut Bed, s: &Settings) -> Result<(f64, Vec<ScalingRun>)> {
             let targets: Vec<(&Pod, SocketAddr)> =
                 pairs.iter().map(|(c, s)| (c, s.addr(ECHO_PORT))).collect();
             let cpu = agents_cpu(&bed.cluster);
-            let conns = run_clients(&targets, 1, s.connect_seconds)?;
+            let conns = run_clients(&targets, 1, s.connect_seconds, false)?;
             runs.push(ScalingRun {
                 pairs: n,
                 path,
@@ -1842,34 +1850,34 @@ fn print_report(r: &Report) {
     println!(
         "new connections, 1 client: where a connection's time goes (µs; each run's p50, median of the runs)"
     );
-    let (d, p) = (&r.one_client_phases.direct, &r.one_client_phases.podlink);
-    let added = |a: f64, b: f64| format!("{:+.0}", b - a);
-    print_grid(
-        &["path", "connect", "greeting", "echo and close", "total"],
-        &[
+    if let (Some(d), Some(p)) = (&r.one_client_phases.direct, &r.one_client_phases.podlink) {
+        let row = |name: &str, x: &Phases| {
             vec![
-                "direct".into(),
-                num(d.connect_us),
-                num(d.greeting_us),
-                num(d.echo_close_us),
-                num(d.total_us()),
+                name.to_string(),
+                num(x.connect_us),
+                num(x.greeting_us),
+                num(x.echo_close_us),
+                num(x.total_us),
+            ]
+        };
+        let added = |a: f64, b: f64| format!("{:+.0}", b - a);
+        print_grid(
+            &["path", "connect", "greeting", "echo and close", "total"],
+            &[
+                row("direct", d),
+                row("podlink", p),
+                vec![
+                    "added".into(),
+                    added(d.connect_us, p.connect_us),
+                    added(d.greeting_us, p.greeting_us),
+                    added(d.echo_close_us, p.echo_close_us),
+                    added(d.total_us, p.total_us),
+                ],
             ],
-            vec![
-                "podlink".into(),
-                num(p.connect_us),
-                num(p.greeting_us),
-                num(p.echo_close_us),
-                num(p.total_us()),
-            ],
-            vec![
-                "added".into(),
-                added(d.connect_us, p.connect_us),
-                added(d.greeting_us, p.greeting_us),
-                added(d.echo_close_us, p.echo_close_us),
-                added(d.total_us(), p.total_us()),
-            ],
-        ],
-    );
+        );
+    } else {
+        println!("  (no connection completed on one of the paths)");
+    }
 
     println!();
     println!(

@@ -293,15 +293,9 @@ impl ProxyState {
     /// `connection_limit` or `handshake_limit` failure) and warns of it through
     /// `log`, at its bounded rate.
     pub(crate) fn refused_at_limit(&self, log: &RateLimited, budget: Budget, refusal: &Refusal) {
-        let (kind, limit) = match budget {
-            Budget::Connection => (
-                FailureKind::ConnectionLimit,
-                format!("{} connections", self.config.max_connections),
-            ),
-            Budget::Handshake => (
-                FailureKind::HandshakeLimit,
-                format!("{} handshakes under way", self.max_handshakes()),
-            ),
+        let kind = match budget {
+            Budget::Connection => FailureKind::ConnectionLimit,
+            Budget::Handshake => FailureKind::HandshakeLimit,
         };
         self.metrics.failed(refusal.direction, kind);
         let Refusal {
@@ -310,12 +304,17 @@ impl ProxyState {
             after_handshakes,
             ..
         } = refusal;
-        let when = if *after_handshakes {
-            " after its handshakes"
-        } else {
-            ""
-        };
+        // Worded only when the warning is given, not for each refusal.
         log.warn(|n| {
+            let limit = match budget {
+                Budget::Connection => format!("{} connections", self.config.max_connections),
+                Budget::Handshake => format!("{} handshakes under way", self.max_handshakes()),
+            };
+            let when = if *after_handshakes {
+                " after its handshakes"
+            } else {
+                ""
+            };
             format!("{listener} listener: at the limit of {limit}; refused {n} (from {peer} and others){when}")
         });
     }

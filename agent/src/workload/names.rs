@@ -13,6 +13,13 @@ pub fn is_dns1123_label(s: &str) -> bool {
     s.len() <= 63 && is_dns1123_part(s)
 }
 
+/// A DNS-1035 label (RFC 1035): 1 to 63 lowercase letters, digits and `-`,
+/// starting with a letter and ending with a letter or digit. Service names are
+/// DNS-1035 labels.
+pub fn is_dns1035_label(s: &str) -> bool {
+    is_dns1123_label(s) && s.as_bytes()[0].is_ascii_lowercase()
+}
+
 /// A DNS-1123 subdomain: up to 253 characters of dot-separated parts, each of
 /// lowercase letters, digits and `-`, starting and ending with a letter or digit.
 /// Kubernetes limits only the total length, not each part's. Pod, service account,
@@ -68,6 +75,16 @@ mod tests {
         }
         for bad in ["", "-a", "a-", "A", "a.b", "a_b", "wéb", &"a".repeat(64)] {
             assert!(!is_dns1123_label(bad), "{bad:?}");
+        }
+    }
+
+    #[test]
+    fn dns1035_labels_start_with_a_letter() {
+        for good in ["a", "web-1", &"a".repeat(63)] {
+            assert!(is_dns1035_label(good), "{good:?}");
+        }
+        for bad in ["", "1web", "-a", "a-", "a.b", "Web", &"a".repeat(64)] {
+            assert!(!is_dns1035_label(bad), "{bad:?}");
         }
     }
 

@@ -11,7 +11,7 @@ use std::{
 
 use crate::workload::{
     k8s::{EndpointSlice, Namespace, Pod, Service},
-    names::{is_dns1123_label, is_dns1123_subdomain},
+    names::{is_dns1035_label, is_dns1123_label, is_dns1123_subdomain},
 };
 use serde_yaml_ng::Value;
 
@@ -325,7 +325,8 @@ fn check_namespace(ns: &Namespace) -> Result<(), String> {
     Ok(())
 }
 
-/// The object's `namespace/name`, checked as Kubernetes names.
+/// The object's `namespace/name`, checked as Kubernetes names: a Service's
+/// name is a DNS-1035 label, other objects' a DNS-1123 subdomain.
 fn object_name(kind: &str, meta: &crate::workload::k8s::ObjectMeta) -> Result<String, String> {
     let name = meta.name.as_deref().unwrap_or("");
     let namespace = meta.namespace_or_default();
@@ -333,7 +334,11 @@ fn object_name(kind: &str, meta: &crate::workload::k8s::ObjectMeta) -> Result<St
     if name.is_empty() {
         return Err(format!("{kind} has no metadata.name"));
     }
-    if !is_dns1123_subdomain(name) {
+    if kind == "Service" {
+        if !is_dns1035_label(name) {
+            return Err(format!("{who}: metadata.name is not a DNS-1035 label"));
+        }
+    } else if !is_dns1123_subdomain(name) {
         return Err(format!("{who}: metadata.name is not a DNS-1123 subdomain"));
     }
     if !is_dns1123_label(namespace) {
@@ -674,6 +679,11 @@ mod tests {
                 "discovery.k8s.io/v1",
                 "discovery.k8s.io/v1beta1",
                 "EndpointSlice has apiVersion",
+            ),
+            (
+                "{name: web, namespace: shop}",
+                "{name: 1web, namespace: shop}",
+                "Service shop/1web: metadata.name is not a DNS-1035 label",
             ),
         ] {
             let err = parse(Path::new("s.yaml"), &text.replace(from, to)).unwrap_err();
