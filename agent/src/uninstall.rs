@@ -146,10 +146,12 @@ pub fn uninstall(cfg: &UninstallConfig) -> Result<Vec<String>> {
     Ok(done)
 }
 
-/// Removes what podlink's CNI socket leaves on a node: the enrollment snapshot
-/// beside `socket` (only if it is one), its partial copy from an interrupted
-/// write, and the socket file if no agent serves it (one that was killed left
-/// it). Returns what was removed and, each named, what could not be.
+/// Removes what podlink's CNI socket leaves on a node: the socket file if no one
+/// accepts on it (an agent that was killed left it), then the enrollment
+/// snapshot beside it (only if it is one) and its partial copy from an
+/// interrupted write. A socket still served keeps all three: an agent (with
+/// another pin directory) uses them. Returns what was removed and, each named,
+/// what could not be.
 fn remove_cni_socket(socket: &Path) -> (Vec<PathBuf>, Vec<String>) {
     use std::os::unix::fs::FileTypeExt;
     let (mut removed, mut failures) = (Vec::new(), Vec::new());
@@ -157,6 +159,25 @@ fn remove_cni_socket(socket: &Path) -> (Vec<PathBuf>, Vec<String>) {
         Ok(()) => removed.push(path.to_path_buf()),
         Err(e) => failures.push(format!("removing {}: {e}", path.display())),
     };
+    match fs::symlink_metadata(socket) {
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+        Err(e) => failures.push(format!("reading {}: {e}", socket.display())),
+        Ok(meta) if !meta.file_type().is_socket() => failures.push(format!(
+            "{} is not a socket; left in place",
+            socket.display()
+        )),
+        Ok(_) => match is_served(socket) {
+            Ok(false) => remove(socket, &mut failures),
+            Ok(true) => {
+                failures.push(format!(
+                    "{} is served (an agent runs with another pin directory?); it and the enrollment snapshot beside it are left in place",
+                    socket.display()
+                ));
+                return (removed, failures);
+            }
+            Err(e) => failures.push(format!("connecting to {}: {e}", socket.display())),
+        },
+    }
     let snapshot = cni::snapshot::Snapshot::path_for(socket);
     let partial = snapshot.with_file_name(format!(".{}.podlink-partial", cni::snapshot::FILE_NAME));
     for path in [&snapshot, &partial] {
@@ -170,26 +191,24 @@ fn remove_cni_socket(socket: &Path) -> (Vec<PathBuf>, Vec<String>) {
             )),
         }
     }
-    match fs::symlink_metadata(socket) {
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
-        Err(e) => failures.push(format!("reading {}: {e}", socket.display())),
-        Ok(meta) if !meta.file_type().is_socket() => failures.push(format!(
-            "{} is not a socket; left in place",
-            socket.display()
-        )),
-        // A socket someone still accepts on is not a leftover.
-        Ok(_) => match std::os::unix::net::UnixStream::connect(socket) {
-            Ok(_) => failures.push(format!(
-                "{} is served (an agent runs with another pin directory?); left in place",
-                socket.display()
-            )),
-            Err(e) if e.kind() == std::io::ErrorKind::ConnectionRefused => {
-                remove(socket, &mut failures);
-            }
-            Err(e) => failures.push(format!("connecting to {}: {e}", socket.display())),
-        },
-    }
     (removed, failures)
+}
+
+/// Whether someone listens on the Unix socket `path`: a connection is accepted
+/// or queued, or the queue is full (`EAGAIN` from a non-blocking connect, which
+/// never waits). `ECONNREFUSED`: no one.
+///
+/// # Errors
+/// Any other error of `connect(2)`.
+fn is_served(path: &Path) -> std::io::Result<bool> {
+    use socket2::{Domain, SockAddr, Socket, Type};
+    let probe = Socket::new(Domain::UNIX, Type::STREAM.nonblocking(), None)?;
+    match probe.connect(&SockAddr::unix(path)?) {
+        Ok(()) => Ok(true),
+        Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => Ok(true),
+        Err(e) if e.kind() == std::io::ErrorKind::ConnectionRefused => Ok(false),
+        Err(e) => Err(e),
+    }
 }
 
 /// Whether `path` holds an enrollment snapshot (a JSON object with its fields),
@@ -241,16 +260,24 @@ mod tests {
         let served = UnixListener::bind(&socket).unwrap();
         let other = dir.path().join("enrollment.json");
         fs::write(&other, r#"{"someone": "else"}"#).unwrap();
+        let partial = dir.path().join(".enrollment.json.podlink-partial");
+        fs::write(&partial, "{").unwrap();
+        // Served: the socket, and what is beside it, are the serving agent's.
         let (removed, failures) = remove_cni_socket(&socket);
         assert!(removed.is_empty(), "{removed:?}");
-        assert_eq!(failures.len(), 2, "{failures:?}");
-        assert!(failures[0].contains("not podlink's enrollment snapshot"));
-        assert!(failures[1].contains("is served"), "{failures:?}");
-        assert!(socket.exists() && other.exists());
+        assert_eq!(failures.len(), 1, "{failures:?}");
+        assert!(failures[0].contains("is served"), "{failures:?}");
+        assert!(socket.exists() && other.exists() && partial.exists());
         drop(served);
+        // Not served any more: the socket and the partial copy go; a file that
+        // is not a snapshot stays.
+        let (removed, failures) = remove_cni_socket(&socket);
+        assert_eq!(removed, vec![socket.clone(), partial.clone()]);
+        assert_eq!(failures.len(), 1, "{failures:?}");
+        assert!(failures[0].contains("not podlink's enrollment snapshot"));
+        assert!(other.exists());
 
         // A socket path that is a regular file is left as it is.
-        fs::remove_file(&socket).unwrap();
         fs::write(&socket, "data").unwrap();
         let (_, failures) = remove_cni_socket(&socket);
         assert!(

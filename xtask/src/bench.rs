@@ -640,7 +640,7 @@ struct ClientRun {
 /// reading the echo to the end of the stream; and the whole. On the podlink
 /// path the greeting waits for the proxy's accept, the HBONE CONNECT, the
 /// upstream connection to the server pod and the greeting's way back through
-/// both proxies; the echo and the close make one round trip through both.
+/// both proxies; the echo and the close cross both proxies there and back.
 #[derive(Clone, Copy, Debug, Default, Serialize)]
 struct Phases {
     connect_us: f64,
