@@ -145,9 +145,6 @@ const PENDING_RETRY_MAX: Duration = Duration::from_secs(5);
 /// How long an enrolled pod of this node may have no host route (its sandbox
 /// starting) before the agent warns that none leads to it.
 const NO_ROUTE_WARNING: Duration = Duration::from_secs(30);
-/// The start of the error logged while a broken manifest may hold
-/// authorization policies (every inbound connection is denied meanwhile).
-const POLICIES_UNKNOWN: &str = "authorization policies cannot be known";
 
 /// Runs the agent until SIGTERM or SIGINT, then drains: the programs stop handing
 /// new connections of enrolled pods to the proxy (they drop them: fail closed),
@@ -274,6 +271,7 @@ pub async fn run(cfg: AgentConfig) -> Result<()> {
         policies: Arc::new(PolicySet::default()),
         services: Arc::new(ServiceIndex::default()),
         noted: HashSet::new(),
+        policies_unknown: false,
         dataplane,
         workload_ids: HashMap::new(),
         next_id: 1,
@@ -484,6 +482,9 @@ struct Reconciler {
     services: Arc<ServiceIndex>,
     /// Policy warnings and notes already logged, each logged once while it holds.
     noted: HashSet<String>,
+    /// Whether the last policy set was built while a broken file may hold
+    /// policies, so that their return is logged once.
+    policies_unknown: bool,
     dataplane: Dataplane,
     /// Stable numbers of workloads (`namespace/name`) for the pods map.
     workload_ids: HashMap<String, u32>,
@@ -588,18 +589,19 @@ impl Reconciler {
         }
         if let Some(error) = source.policies_unknown() {
             let message = format!(
-                "{POLICIES_UNKNOWN} while {} is broken ({}): every inbound connection to this node's pods is denied until it is fixed",
+                "authorization policies cannot be known while {} is broken ({}): every inbound connection to this node's pods is denied until it is fixed",
                 error.file.display(),
                 error.message
             );
             note(&mut noted, message, true);
             set.deny_all_unknown(format!("{} is broken", error.file.display()));
-        } else if self.noted.iter().any(|m| m.starts_with(POLICIES_UNKNOWN)) {
+        } else if self.policies_unknown {
             tracing::info!(
                 "authorization policies are known again: inbound connections are authorized by them"
             );
         }
         self.noted = noted;
+        self.policies_unknown = source.policies_unknown().is_some();
         set
     }
 
