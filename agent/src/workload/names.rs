@@ -6,6 +6,39 @@
 //! Manifests and authorization policies are checked with these, so that what the
 //! agent accepts is what a cluster would accept.
 
+/// Which syntax a kind of object's name follows (Pods, EndpointSlices and most
+/// others: a DNS-1123 subdomain; Namespaces: a DNS-1123 label; Services: a
+/// DNS-1035 label).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum NameRule {
+    /// [`is_dns1123_label`].
+    Dns1123Label,
+    /// [`is_dns1123_subdomain`].
+    Dns1123Subdomain,
+    /// [`is_dns1035_label`].
+    Dns1035Label,
+}
+
+impl NameRule {
+    /// Whether `name` follows the rule.
+    pub fn accepts(self, name: &str) -> bool {
+        match self {
+            NameRule::Dns1123Label => is_dns1123_label(name),
+            NameRule::Dns1123Subdomain => is_dns1123_subdomain(name),
+            NameRule::Dns1035Label => is_dns1035_label(name),
+        }
+    }
+
+    /// The rule as errors name it ("DNS-1123 subdomain").
+    pub fn describe(self) -> &'static str {
+        match self {
+            NameRule::Dns1123Label => "DNS-1123 label",
+            NameRule::Dns1123Subdomain => "DNS-1123 subdomain",
+            NameRule::Dns1035Label => "DNS-1035 label",
+        }
+    }
+}
+
 /// A DNS-1123 label (RFC 1123 as Kubernetes applies it): 1 to 63 lowercase letters,
 /// digits and `-`, starting and ending with a letter or digit. Namespaces are
 /// labels.

@@ -11,7 +11,7 @@ use std::{
 
 use crate::workload::{
     k8s::{EndpointSlice, Namespace, Pod, Service},
-    names::{is_dns1035_label, is_dns1123_label, is_dns1123_subdomain},
+    names::{NameRule, is_dns1123_label, is_dns1123_subdomain},
 };
 use serde_yaml_ng::Value;
 
@@ -325,24 +325,26 @@ fn check_namespace(ns: &Namespace) -> Result<(), String> {
     Ok(())
 }
 
-/// The object's `namespace/name`, checked as Kubernetes names: a Service's
-/// name is a DNS-1035 label, other objects' a DNS-1123 subdomain.
-fn object_name(kind: &str, meta: &crate::workload::k8s::ObjectMeta) -> Result<String, String> {
+/// The object's `namespace/name`, its name checked by `rule` and its namespace
+/// as a DNS-1123 label.
+fn object_name(
+    kind: &str,
+    meta: &crate::workload::k8s::ObjectMeta,
+    rule: NameRule,
+) -> Result<String, String> {
     let name = meta.name.as_deref().unwrap_or("");
     let namespace = meta.namespace_or_default();
     let who = format!("{kind} {namespace}/{name}");
     if name.is_empty() {
         return Err(format!("{kind} has no metadata.name"));
     }
-    if kind == "Service" {
-        if !is_dns1035_label(name) {
-            return Err(format!("{who}: metadata.name is not a DNS-1035 label"));
-        }
-    } else if !is_dns1123_subdomain(name) {
-        return Err(format!("{who}: metadata.name is not a DNS-1123 subdomain"));
+    if !rule.accepts(name) {
+        return Err(format!("{who}: metadata.name is not a {}", rule.describe()));
     }
     if !is_dns1123_label(namespace) {
-        return Err(format!("{who}: metadata.namespace is not a DNS-1123 label"));
+        return Err(format!(
+            "{who}: metadata.namespace {namespace:?} is not a DNS-1123 label"
+        ));
     }
     Ok(who)
 }
@@ -359,7 +361,7 @@ fn check_port(who: &str, field: &str, port: i32) -> Result<(), String> {
 
 /// Checks what resolving a ClusterIP relies on: addresses and ports.
 fn check_service(service: &Service) -> Result<(), String> {
-    let who = object_name("Service", &service.metadata)?;
+    let who = object_name("Service", &service.metadata, NameRule::Dns1035Label)?;
     let Some(spec) = &service.spec else {
         return Ok(());
     };
@@ -384,7 +386,7 @@ fn check_service(service: &Service) -> Result<(), String> {
 }
 
 fn check_endpoint_slice(slice: &EndpointSlice) -> Result<(), String> {
-    let who = object_name("EndpointSlice", &slice.metadata)?;
+    let who = object_name("EndpointSlice", &slice.metadata, NameRule::Dns1123Subdomain)?;
     for (i, port) in slice.ports.iter().flatten().enumerate() {
         if let Some(n) = port.port {
             check_port(&who, &format!("ports[{i}].port"), n)?;
@@ -415,20 +417,7 @@ fn check_policy(policy: &Policy) -> Result<(), String> {
 
 /// Checks what the enrollment and the proxy rely on.
 fn check_pod(pod: &Pod) -> Result<(), String> {
-    let name = pod.metadata.name.as_deref().unwrap_or("");
-    if name.is_empty() {
-        return Err("Pod has no metadata.name".into());
-    }
-    let namespace = pod.metadata.namespace_or_default();
-    let who = format!("Pod {namespace}/{name}");
-    if !is_dns1123_subdomain(name) {
-        return Err(format!("{who}: metadata.name is not a DNS-1123 subdomain"));
-    }
-    if !is_dns1123_label(namespace) {
-        return Err(format!(
-            "{who}: metadata.namespace {namespace:?} is not a DNS-1123 label"
-        ));
-    }
+    let who = object_name("Pod", &pod.metadata, NameRule::Dns1123Subdomain)?;
     if let Some(spec) = &pod.spec {
         for (field, value) in [
             ("spec.serviceAccountName", &spec.service_account_name),
