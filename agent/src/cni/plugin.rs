@@ -393,12 +393,8 @@ fn execute(inv: &Invocation) -> Result<String, CniError> {
             } else {
                 AGENT_REFUSED
             },
-            // The agent's messages about a pod mostly name it already.
-            if message.starts_with(&format!("pod {key} ")) {
-                format!("podlink agent: {message}")
-            } else {
-                format!("podlink agent: pod {key}: {message}")
-            },
+            // The agent's messages do not name the pod: its request did.
+            format!("podlink agent: pod {key}: {message}"),
         )),
         Err(unreachable) if inv.command == Command::Del => {
             // Nothing to undo without the agent: it forgets the pod by itself.

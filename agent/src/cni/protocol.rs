@@ -132,7 +132,8 @@ pub enum Reply {
     /// DEL: done (also when the pod was unknown).
     Removed,
     /// The request failed; `retry`: the condition may pass (the runtime should
-    /// try again later, CNI error code 11).
+    /// try again later, CNI error code 11). The message does not name the pod:
+    /// the plugin, which sent its name, puts it in front.
     Error {
         /// What went wrong.
         message: String,

@@ -392,10 +392,10 @@ impl Enroller {
                 None if !expired => None,
                 None => Some(Reply::Error {
                     message: if p.request.command == Command::Check {
-                        format!("pod {key} is not known to the agent's workload source")
+                        "not known to the agent's workload source".to_string()
                     } else {
                         format!(
-                            "pod {key} is not known to the agent's workload source after {} s",
+                            "not known to the agent's workload source after {} s",
                             ENROLL_WAIT.as_secs()
                         )
                     },
@@ -410,7 +410,7 @@ impl Enroller {
                     {
                         expired.then(|| Reply::Error {
                             message: format!(
-                                "the agent does not know namespace {} or has not listed every workload yet, so it cannot tell whether pod {key} is to be enrolled",
+                                "the agent does not know namespace {} or has not listed every workload yet, so it cannot tell whether the pod is to be enrolled",
                                 p.request.namespace
                             ),
                             retry: true,
@@ -422,7 +422,7 @@ impl Enroller {
                     crate::workload::Enrollment::Enrolled if !index.is_local(w) => {
                         Some(Reply::Error {
                             message: format!(
-                                "pod {key} is to be enrolled but its spec.nodeName is {:?}, not this agent's node {}",
+                                "to be enrolled but its spec.nodeName is {:?}, not this agent's node {}",
                                 w.node.as_deref().unwrap_or(""),
                                 self.node
                             ),
@@ -451,7 +451,7 @@ impl Enroller {
                                 .collect();
                             Reply::Error {
                                 message: format!(
-                                    "pod {key} is to be enrolled but its address is also claimed by another pod ({}): no pod is served on it until only one claims it",
+                                    "to be enrolled but its address is also claimed by another pod ({}): no pod is served on it until only one claims it",
                                     claims.join("; ")
                                 ),
                                 retry: true,
@@ -518,11 +518,11 @@ impl Enroller {
                                 Some(Reply::Error {
                                     message: if p.request.command == Command::Check {
                                         format!(
-                                            "pod {key} is to be enrolled but is not attached: {why}"
+                                            "to be enrolled but is not attached: {why}"
                                         )
                                     } else {
                                         format!(
-                                            "pod {key} is to be enrolled but was not attached within {} s: {why}",
+                                            "to be enrolled but was not attached within {} s: {why}",
                                             ENROLL_WAIT.as_secs()
                                         )
                                     },
