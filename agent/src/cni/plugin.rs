@@ -367,7 +367,9 @@ fn execute(inv: &Invocation) -> Result<String, CniError> {
     let key = request.key();
     // The agent reads at most MAX_MESSAGE bytes and resets a longer request, which
     // would read here as an agent that cannot be reached.
-    let size = serde_json::to_vec(&request).map_or(0, |v| v.len()) + 1;
+    let mut line = serde_json::to_vec(&request).expect("a request serializes");
+    line.push(b'\n');
+    let size = line.len();
     if size > protocol::MAX_MESSAGE {
         let message = format!(
             "the request to the podlink agent for pod {key} would be {size} bytes, over its limit of {}: the prevResult's addresses or interface name, CNI_CONTAINERID, or the pod's namespace or name in CNI_ARGS, are too long",
@@ -379,7 +381,7 @@ fn execute(inv: &Invocation) -> Result<String, CniError> {
         }
         return Err(CniError::new(INVALID_NETWORK_CONFIG, message));
     }
-    match ask(&inv.socket, &request) {
+    match ask(&inv.socket, &line) {
         Ok(Reply::Enrolled { .. } | Reply::NotEnrolled { .. } | Reply::Removed) => {
             Ok(if inv.command == Command::Add {
                 passthrough()
@@ -450,9 +452,9 @@ fn execute(inv: &Invocation) -> Result<String, CniError> {
 /// How long connecting to the agent's socket may take.
 pub const CONNECT_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(2);
 
-/// One exchange with the agent; `Err` says why it could not be had (the agent
-/// is then taken as unreachable).
-fn ask(socket: &Path, request: &Request) -> Result<Reply, String> {
+/// One exchange with the agent: sends `line` (a request as JSON and a newline);
+/// `Err` says why it could not be had (the agent is then taken as unreachable).
+fn ask(socket: &Path, line: &[u8]) -> Result<Reply, String> {
     // Not a plain connect: with the agent wedged and its listen backlog full it
     // would block for ever. A full backlog fails at once (EAGAIN) this way.
     let connect = || -> std::io::Result<UnixStream> {
@@ -469,9 +471,7 @@ fn ask(socket: &Path, request: &Request) -> Result<Reply, String> {
     stream
         .set_write_timeout(Some(protocol::REQUEST_TIMEOUT))
         .map_err(io)?;
-    let mut line = serde_json::to_vec(request).map_err(|e| e.to_string())?;
-    line.push(b'\n');
-    stream.write_all(&line).map_err(io)?;
+    stream.write_all(line).map_err(io)?;
     stream.shutdown(std::net::Shutdown::Write).map_err(io)?;
     let mut reply = Vec::new();
     stream
