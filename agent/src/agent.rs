@@ -539,7 +539,7 @@ impl Reconciler {
                 source.pods(),
                 source.namespaces(),
             );
-            for warning in warnings {
+            for warning in warnings.iter().chain(&source.duplicate_pods()) {
                 tracing::warn!("{warning}");
             }
             self.index = Arc::new(index);

@@ -115,6 +115,15 @@ impl Source {
         }
     }
 
+    /// Pods defined more than once, worded with where (see
+    /// [`ManifestDir::duplicate_pods`]); the Kubernetes API has none.
+    pub fn duplicate_pods(&self) -> Vec<String> {
+        match self {
+            Source::Manifests { dir, .. } => dir.duplicate_pods(),
+            Source::Kubernetes(_) => Vec::new(),
+        }
+    }
+
     /// All namespaces.
     pub fn namespaces(&self) -> Box<dyn Iterator<Item = &Namespace> + '_> {
         match self {

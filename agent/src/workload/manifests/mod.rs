@@ -514,6 +514,39 @@ impl ManifestDir {
         self.files.values().flat_map(|f| &f.objects.pods)
     }
 
+    /// Pods defined more than once (by namespace and name; finished pods do not
+    /// count, as they name no workload), each worded with the files that define
+    /// it. The workload index uses the first definition in file name order and
+    /// skips the others.
+    pub fn duplicate_pods(&self) -> Vec<String> {
+        let mut first: HashMap<(&str, &str), &Path> = HashMap::new();
+        let mut warnings = Vec::new();
+        for (path, file) in &self.files {
+            for pod in &file.objects.pods {
+                let Some(name) = pod.metadata.name.as_deref() else {
+                    continue;
+                };
+                if super::is_finished(pod) {
+                    continue;
+                }
+                let namespace = pod.metadata.namespace_or_default();
+                let Some(&earlier) = first.get(&(namespace, name)) else {
+                    first.insert((namespace, name), path);
+                    continue;
+                };
+                let place = if earlier == path {
+                    format!("twice in {}", path.display())
+                } else {
+                    format!("in {} and again in {}", earlier.display(), path.display())
+                };
+                warnings.push(format!(
+                    "pod {namespace}/{name} is defined {place}; the first definition (in file name order) is used"
+                ));
+            }
+        }
+        warnings
+    }
+
     /// All namespaces of all files.
     pub fn namespaces(&self) -> impl Iterator<Item = &Namespace> {
         self.files.values().flat_map(|f| &f.objects.namespaces)
@@ -599,6 +632,44 @@ mod tests {
             assert!(unknown.file.ends_with(name), "{unknown}");
             fs::remove_file(dir.join(name)).unwrap();
         }
+    }
+
+    /// A pod defined in two files, or twice in one, is named with its files;
+    /// a finished pod of the same name does not count.
+    #[test]
+    fn duplicate_pods_are_named_with_their_files() {
+        let guard = tempfile::tempdir().unwrap();
+        let dir = guard.path();
+        // A first scan reads every file at once.
+        let duplicates = || {
+            let mut source = ManifestDir::new(dir).unwrap();
+            source.rescan();
+            source.duplicate_pods()
+        };
+        fs::write(dir.join("a.yaml"), POD).unwrap();
+        let finished = format!("{POD}  phase: Succeeded\n");
+        fs::write(dir.join("0-done.yaml"), finished).unwrap();
+        let mut source = ManifestDir::new(dir).unwrap();
+        assert!(source.rescan().errors.is_empty());
+        assert_eq!(source.pods().count(), 2);
+        assert!(source.duplicate_pods().is_empty());
+
+        fs::write(dir.join("b.yaml"), format!("{POD}---\n{POD}")).unwrap();
+        let (a, b) = (dir.join("a.yaml"), dir.join("b.yaml"));
+        let again = format!(
+            "pod shop/web is defined in {} and again in {}; the first definition (in file name order) is used",
+            a.display(),
+            b.display()
+        );
+        assert_eq!(duplicates(), [again.clone(), again]);
+        fs::remove_file(&a).unwrap();
+        assert_eq!(
+            duplicates(),
+            [format!(
+                "pod shop/web is defined twice in {}; the first definition (in file name order) is used",
+                b.display()
+            )]
+        );
     }
 
     #[test]
