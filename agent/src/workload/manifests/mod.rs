@@ -515,12 +515,11 @@ impl ManifestDir {
     }
 
     /// Pods defined more than once (by namespace and name; finished pods do not
-    /// count, as they name no workload), each worded with the files that define
-    /// it. The workload index uses the first definition in file name order and
-    /// skips the others.
+    /// count, as they name no workload): one warning per pod, naming every file
+    /// that defines it, a file once per definition, in file name order. The
+    /// workload index uses the first definition and skips the others.
     pub fn duplicate_pods(&self) -> Vec<String> {
-        let mut first: HashMap<(&str, &str), &Path> = HashMap::new();
-        let mut warnings = Vec::new();
+        let mut defined: BTreeMap<(&str, &str), Vec<&Path>> = BTreeMap::new();
         for (path, file) in &self.files {
             for pod in &file.objects.pods {
                 let Some(name) = pod.metadata.name.as_deref() else {
@@ -530,21 +529,21 @@ impl ManifestDir {
                     continue;
                 }
                 let namespace = pod.metadata.namespace_or_default();
-                let Some(&earlier) = first.get(&(namespace, name)) else {
-                    first.insert((namespace, name), path);
-                    continue;
-                };
-                let place = if earlier == path {
-                    format!("twice in {}", path.display())
-                } else {
-                    format!("in {} and again in {}", earlier.display(), path.display())
-                };
-                warnings.push(format!(
-                    "pod {namespace}/{name} is defined {place}; the first definition (in file name order) is used"
-                ));
+                defined.entry((namespace, name)).or_default().push(path);
             }
         }
-        warnings
+        defined
+            .into_iter()
+            .filter(|(_, files)| files.len() > 1)
+            .map(|((namespace, name), files)| {
+                let files: Vec<String> = files.iter().map(|f| f.display().to_string()).collect();
+                format!(
+                    "pod {namespace}/{name} is defined {} times, in {}; the first definition is used",
+                    files.len(),
+                    files.join(", ")
+                )
+            })
+            .collect()
     }
 
     /// All namespaces of all files.
@@ -634,8 +633,8 @@ mod tests {
         }
     }
 
-    /// A pod defined in two files, or twice in one, is named with its files;
-    /// a finished pod of the same name does not count.
+    /// A pod defined more than once is warned about once, with every file that
+    /// defines it; a finished pod of the same name does not count.
     #[test]
     fn duplicate_pods_are_named_with_their_files() {
         let guard = tempfile::tempdir().unwrap();
@@ -656,17 +655,21 @@ mod tests {
 
         fs::write(dir.join("b.yaml"), format!("{POD}---\n{POD}")).unwrap();
         let (a, b) = (dir.join("a.yaml"), dir.join("b.yaml"));
-        let again = format!(
-            "pod shop/web is defined in {} and again in {}; the first definition (in file name order) is used",
-            a.display(),
-            b.display()
+        assert_eq!(
+            duplicates(),
+            [format!(
+                "pod shop/web is defined 3 times, in {}, {}, {}; the first definition is used",
+                a.display(),
+                b.display(),
+                b.display()
+            )]
         );
-        assert_eq!(duplicates(), [again.clone(), again]);
         fs::remove_file(&a).unwrap();
         assert_eq!(
             duplicates(),
             [format!(
-                "pod shop/web is defined twice in {}; the first definition (in file name order) is used",
+                "pod shop/web is defined 2 times, in {}, {}; the first definition is used",
+                b.display(),
                 b.display()
             )]
         );
