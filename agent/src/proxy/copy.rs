@@ -20,36 +20,10 @@ use tokio::{
     net::TcpStream,
 };
 
-/// Plaintext of a full TLS record (bytes): 2^14 (RFC 8446 §5.1).
-const TLS_RECORD: usize = 16 * 1024;
-/// An HTTP/2 frame header (bytes; RFC 9113 §4.1).
-const FRAME_HEADER: usize = 9;
-
-/// A room of `records` TLS records less a frame header (bytes): a full read sent on
-/// an HBONE stream as one DATA frame fills that many records exactly. A room of
-/// 64 KiB made frames of 65,545 bytes, and rustls takes at most 64 KiB per write:
-/// the last 9 bytes of every frame went as a record of their own, in a system
-/// call of their own (an `strace` of a single stream: 10,084 `writev`s of 31
-/// bytes beside 8,903 of four full records).
-const fn room_of(records: usize) -> usize {
-    records * TLS_RECORD - FRAME_HEADER
-}
-
 /// The first read's room (bytes): what most requests and responses fit in.
-const FIRST_READ: usize = room_of(1);
-/// The largest read (bytes), reached by doubling the records of a room while reads
-/// fill it.
-const LARGEST_READ: usize = room_of(4);
-
-/// The room after `room` (bytes): twice its records, at most [`LARGEST_READ`].
-const fn grown(room: usize) -> usize {
-    let next = room_of((room + FRAME_HEADER) / TLS_RECORD * 2);
-    if next < LARGEST_READ {
-        next
-    } else {
-        LARGEST_READ
-    }
-}
+const FIRST_READ: usize = 16 * 1024;
+/// The largest read (bytes), reached by doubling while reads fill their room.
+const LARGEST_READ: usize = 64 * 1024;
 
 /// One direction's bytes in flight.
 pub struct Chunk {
@@ -104,7 +78,7 @@ pub trait Source: AsyncRead + Unpin {
         let offered = room.capacity();
         let n = ready!(tokio_util::io::poll_read_buf(Pin::new(self), cx, room))?;
         if n == offered {
-            chunk.next = grown(chunk.next);
+            chunk.next = (chunk.next * 2).min(LARGEST_READ);
         }
         // A small read is copied out so that the room is kept: a chunk handed on
         // (to h2's send queue) holds its whole allocation until it is written.
@@ -306,17 +280,12 @@ mod tests {
             sizes,
             [
                 FIRST_READ,
-                grown(FIRST_READ),
+                FIRST_READ * 2,
                 LARGEST_READ,
                 LARGEST_READ,
                 LARGEST_READ
             ]
         );
-        // Each, as a DATA frame, fills whole TLS records.
-        for size in sizes {
-            assert_eq!((size + FRAME_HEADER) % TLS_RECORD, 0, "{size}");
-        }
-        assert_eq!(grown(FIRST_READ), 2 * TLS_RECORD - FRAME_HEADER);
         assert_eq!(chunk.next, LARGEST_READ);
         // Once at its largest, the same room is reused whole.
         assert!(at[2] == at[3] && at[3] == at[4], "{at:?}");

@@ -37,6 +37,21 @@ pub const CONNECTION_WINDOW: u32 = 4 * 1024 * 1024;
 /// Largest frame payload this side accepts (bytes): the `SETTINGS_MAX_FRAME_SIZE`
 /// it announces (RFC 9113 §6.5.2); the peer's setting bounds what it sends.
 pub const MAX_FRAME_SIZE: u32 = 64 * 1024;
+/// What rustls takes per write and holds unsent on an HBONE connection (bytes;
+/// rustls's default is 64 KiB): room for a DATA frame of the copier's largest
+/// read (64 KiB) with its 9-byte header (RFC 9113 §4.1), and for what an
+/// earlier write left unsent, so that h2's one write of a frame is one `writev`
+/// of its TLS records. With the default, the frame of a 64 KiB read left its
+/// last 9 bytes to a second write: a record and a system call of their own. It
+/// also bounds the TLS records a connection holds while its socket is full.
+pub const TLS_BUFFER_LIMIT: usize = 128 * 1024;
+
+/// Sets [`TLS_BUFFER_LIMIT`] on an HBONE connection's TLS session, once its
+/// handshake is done.
+pub fn take_whole_frames<D>(tls: &mut rustls::ConnectionCommon<D>) {
+    tls.set_buffer_limit(Some(TLS_BUFFER_LIMIT));
+}
+
 /// Concurrent streams one HBONE connection accepts.
 pub const MAX_CONCURRENT_STREAMS: u32 = 1000;
 /// Largest request header block a server accepts (bytes).
@@ -311,6 +326,29 @@ mod tests {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
     use super::*;
+
+    /// A DATA frame of a 64 KiB read, with its header, is taken in one write
+    /// (rustls's default takes 64 KiB).
+    #[test]
+    fn a_whole_frame_is_taken_in_one_write() {
+        use std::io::Write;
+        let connection = || {
+            let provider = Arc::new(rustls::crypto::ring::default_provider());
+            let config = rustls::ClientConfig::builder_with_provider(provider)
+                .with_protocol_versions(&[&rustls::version::TLS13])
+                .unwrap()
+                .with_root_certificates(rustls::RootCertStore::empty())
+                .with_no_client_auth();
+            let name = rustls_pki_types::ServerName::try_from("10.0.0.1").unwrap();
+            rustls::ClientConnection::new(Arc::new(config), name).unwrap()
+        };
+        let frame = vec![0u8; 64 * 1024 + 9];
+        let mut tls = connection();
+        assert_eq!(tls.writer().write(&frame).unwrap(), 64 * 1024);
+        let mut tls = connection();
+        take_whole_frames(&mut tls);
+        assert_eq!(tls.writer().write(&frame).unwrap(), frame.len());
+    }
 
     #[test]
     fn forwarded_header_forms() {

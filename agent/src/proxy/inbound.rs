@@ -89,10 +89,11 @@ pub async fn handle(
     };
     socket::set_liveness(&tcp);
     let accepted = tokio::time::timeout(HANDSHAKE_TIMEOUT, async {
-        let tls = TlsAcceptor::from(server)
+        let mut tls = TlsAcceptor::from(server)
             .accept(tcp)
             .await
             .map_err(|e| format!("TLS handshake refused: {e}"))?;
+        hbone::take_whole_frames(tls.get_mut().1);
         if tls.get_ref().1.alpn_protocol() != Some(ALPN_H2) {
             return Err("TLS handshake refused: the client did not negotiate ALPN h2".into());
         }

@@ -270,7 +270,7 @@ impl Pool {
                 source,
             })?;
         socket::set_liveness(&tcp);
-        let tls = TlsConnector::from(config)
+        let mut tls = TlsConnector::from(config)
             .connect(ServerName::IpAddress(key.dst.ip().into()), tcp)
             .await
             .map_err(|source| HboneError::Tls {
@@ -278,6 +278,7 @@ impl Pool {
                 id: key.dst_id.clone(),
                 source,
             })?;
+        hbone::take_whole_frames(tls.get_mut().1);
         let (sender, connection) =
             hbone::client_builder()
                 .handshake(tls)
