@@ -539,7 +539,13 @@ impl Reconciler {
                 source.pods(),
                 source.namespaces(),
             );
-            for warning in warnings.iter().chain(&source.duplicate_pods()) {
+            // Which files define a pod twice is looked for only when one does.
+            let duplicates = if index.has_duplicates() {
+                source.duplicate_pods()
+            } else {
+                Vec::new()
+            };
+            for warning in warnings.iter().chain(&duplicates) {
                 tracing::warn!("{warning}");
             }
             self.index = Arc::new(index);

@@ -213,13 +213,16 @@ pub struct WorkloadIndex {
     by_ip: HashMap<IpAddr, Arc<Workload>>,
     /// Addresses claimed by more than one live pod, with their `namespace/name`s.
     conflicts: HashMap<IpAddr, Vec<String>>,
+    /// Whether some pod was defined more than once.
+    duplicates: bool,
 }
 
 impl WorkloadIndex {
     /// Builds the index for node `node`. Returns warnings for conflicts (live pods
     /// claiming one address: it is served for none of them). Of a pod defined
-    /// twice, the first definition is used and the others are skipped: the source
-    /// words those (see [`manifests::ManifestDir::duplicate_pods`]).
+    /// twice, the first definition is used and the others are skipped
+    /// ([`WorkloadIndex::has_duplicates`]; the source words those, see
+    /// [`manifests::ManifestDir::duplicate_pods`]).
     pub fn build<'a>(
         node: &str,
         trust_domain: &str,
@@ -267,6 +270,7 @@ impl WorkloadIndex {
             key.push('/');
             key.push_str(name);
             if index.workloads.contains_key(key.as_str()) {
+                index.duplicates = true;
                 continue;
             }
             let spec = pod.spec.as_ref();
@@ -390,6 +394,12 @@ impl WorkloadIndex {
     /// The pods that claim `ip` when more than one does.
     pub fn conflict(&self, ip: IpAddr) -> Option<&[String]> {
         self.conflicts.get(&ip).map(Vec::as_slice)
+    }
+
+    /// Whether some pod was defined more than once (only its first definition
+    /// was used).
+    pub fn has_duplicates(&self) -> bool {
+        self.duplicates
     }
 }
 
@@ -545,6 +555,9 @@ mod tests {
             WorkloadIndex::build("n1", "cluster.local", [&first, &second], [&amb]);
         // Not a conflict of addresses: the second definition is not looked at.
         assert!(warnings.is_empty(), "{warnings:?}");
+        assert!(index.has_duplicates());
+        let (index, _) = WorkloadIndex::build("n1", "cluster.local", [&first], [&amb]);
+        assert!(!index.has_duplicates());
         assert!(index.by_ip("10.0.0.1".parse().unwrap()).is_some());
         assert!(index.by_ip("10.0.0.9".parse().unwrap()).is_none());
     }
