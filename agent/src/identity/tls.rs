@@ -254,7 +254,7 @@ impl ClientCertVerifier for SpiffeClientVerifier {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use std::time::Duration;
 
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -263,14 +263,15 @@ mod tests {
     use super::*;
     use crate::identity::ca::{CertificateAuthority, init};
 
-    struct Mesh {
+    /// A local CA for tests, with its roots.
+    pub(crate) struct Mesh {
         ca: CertificateAuthority,
-        roots: Arc<RootCertStore>,
+        pub(crate) roots: Arc<RootCertStore>,
         _dir: tempfile::TempDir,
     }
 
     impl Mesh {
-        fn new() -> Self {
+        pub(crate) fn new() -> Self {
             let dir = tempfile::tempdir().unwrap();
             init(dir.path()).unwrap();
             let ca = CertificateAuthority::load(dir.path()).unwrap();
@@ -282,7 +283,8 @@ mod tests {
             }
         }
 
-        fn key(&self, id: &SpiffeId) -> Arc<CertifiedKey> {
+        /// A certificate of `id` from the CA, with its key.
+        pub(crate) fn key(&self, id: &SpiffeId) -> Arc<CertifiedKey> {
             let cert = self.ca.issue(id, Duration::from_secs(600)).unwrap();
             let key = provider().key_provider.load_private_key(cert.key).unwrap();
             Arc::new(CertifiedKey::new(cert.chain, key))

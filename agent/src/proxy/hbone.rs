@@ -37,13 +37,14 @@ pub const CONNECTION_WINDOW: u32 = 4 * 1024 * 1024;
 /// Largest frame payload this side accepts (bytes): the `SETTINGS_MAX_FRAME_SIZE`
 /// it announces (RFC 9113 §6.5.2); the peer's setting bounds what it sends.
 pub const MAX_FRAME_SIZE: u32 = 64 * 1024;
-/// What rustls takes per write and holds unsent on an HBONE connection (bytes;
-/// rustls's default is 64 KiB): room for a DATA frame of the copier's largest
-/// read (64 KiB) with its 9-byte header (RFC 9113 §4.1), and for what an
-/// earlier write left unsent, so that h2's one write of a frame is one `writev`
-/// of its TLS records. With the default, the frame of a 64 KiB read left its
-/// last 9 bytes to a second write: a record and a system call of their own. It
-/// also bounds the TLS records a connection holds while its socket is full.
+/// The unsent TLS records rustls holds on an HBONE connection, which bounds what
+/// it takes per write (bytes; rustls's default is 64 KiB). A write is taken whole
+/// while the records already waiting and its own (16 KiB of plaintext each, plus
+/// 22 bytes) fit: with none waiting, a DATA frame of the copier's largest read
+/// (64 KiB) and its 9-byte header (RFC 9113 §4.1) is taken in one write and goes
+/// out in one `writev`. With the default, that frame's last 9 bytes went in a
+/// second write, a record and a system call of their own. A connection whose
+/// socket is full holds up to this much, twice the default.
 pub const TLS_BUFFER_LIMIT: usize = 128 * 1024;
 
 /// Sets [`TLS_BUFFER_LIMIT`] on an HBONE connection's TLS session, once its
@@ -327,27 +328,55 @@ mod tests {
 
     use super::*;
 
-    /// A DATA frame of a 64 KiB read, with its header, is taken in one write
-    /// (rustls's default takes 64 KiB).
+    /// After a handshake, h2's vectored write of a DATA frame of a 64 KiB read
+    /// and its header is taken whole and goes out as its TLS records together
+    /// (rustls's default takes 64 KiB and leaves the last 9 bytes to another write).
     #[test]
     fn a_whole_frame_is_taken_in_one_write() {
-        use std::io::Write;
-        let connection = || {
-            let provider = Arc::new(rustls::crypto::ring::default_provider());
-            let config = rustls::ClientConfig::builder_with_provider(provider)
-                .with_protocol_versions(&[&rustls::version::TLS13])
-                .unwrap()
-                .with_root_certificates(rustls::RootCertStore::empty())
-                .with_no_client_auth();
-            let name = rustls_pki_types::ServerName::try_from("10.0.0.1").unwrap();
-            rustls::ClientConnection::new(Arc::new(config), name).unwrap()
+        use std::io::{IoSlice, Write};
+
+        use crate::identity::{
+            SpiffeId,
+            tls::{client_config, server_config, tests::Mesh},
         };
-        let frame = vec![0u8; 64 * 1024 + 9];
-        let mut tls = connection();
-        assert_eq!(tls.writer().write(&frame).unwrap(), 64 * 1024);
-        let mut tls = connection();
-        take_whole_frames(&mut tls);
-        assert_eq!(tls.writer().write(&frame).unwrap(), frame.len());
+
+        let mesh = Mesh::new();
+        let server_id = SpiffeId::new("cluster.local", "ns2", "server");
+        let client_id = SpiffeId::new("cluster.local", "ns1", "client");
+        let server =
+            server_config(mesh.key(&server_id), mesh.roots.clone(), "cluster.local").unwrap();
+        let client = client_config(mesh.key(&client_id), mesh.roots.clone(), server_id).unwrap();
+        let name = rustls_pki_types::ServerName::try_from("10.0.0.1").unwrap();
+        let mut c = rustls::ClientConnection::new(Arc::new(client), name).unwrap();
+        let mut s = rustls::ServerConnection::new(Arc::new(server)).unwrap();
+        while c.is_handshaking() || s.is_handshaking() {
+            let mut wire = Vec::new();
+            c.write_tls(&mut wire).unwrap();
+            s.read_tls(&mut &wire[..]).unwrap();
+            s.process_new_packets().unwrap();
+            wire.clear();
+            s.write_tls(&mut wire).unwrap();
+            c.read_tls(&mut &wire[..]).unwrap();
+            c.process_new_packets().unwrap();
+        }
+        let mut wire = Vec::new();
+        c.write_tls(&mut wire).unwrap();
+
+        let (head, payload) = ([0u8; 9], vec![1u8; 64 * 1024]);
+        let frame = [IoSlice::new(&head), IoSlice::new(&payload)];
+        let mut write = |c: &mut rustls::ClientConnection| {
+            let taken = c.writer().write_vectored(&frame).unwrap();
+            let mut wire = Vec::new();
+            while c.wants_write() {
+                c.write_tls(&mut wire).unwrap();
+            }
+            (taken, wire.len())
+        };
+        // Four full records: 16 KiB, a content type, a 16-byte tag, a 5-byte header.
+        let record = 16 * 1024 + 1 + 16 + 5;
+        assert_eq!(write(&mut c), (64 * 1024, 4 * record));
+        take_whole_frames(&mut c);
+        assert_eq!(write(&mut c), (64 * 1024 + 9, 4 * record + 9 + 22));
     }
 
     #[test]
