@@ -364,7 +364,7 @@ mod tests {
 
         let (head, payload) = ([0u8; 9], vec![1u8; 64 * 1024]);
         let frame = [IoSlice::new(&head), IoSlice::new(&payload)];
-        let mut write = |c: &mut rustls::ClientConnection| {
+        let write = |c: &mut rustls::ClientConnection| {
             let taken = c.writer().write_vectored(&frame).unwrap();
             let mut wire = Vec::new();
             while c.wants_write() {
