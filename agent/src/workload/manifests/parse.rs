@@ -319,8 +319,12 @@ fn check_namespace(ns: &Namespace) -> Result<(), String> {
     if name.is_empty() {
         return Err("Namespace has no metadata.name".into());
     }
-    if !is_dns1123_label(name) {
-        return Err(format!("Namespace name {name:?} is not a DNS-1123 label"));
+    let rule = NameRule::Dns1123Label;
+    if !rule.accepts(name) {
+        return Err(format!(
+            "Namespace name {name:?} is not a {}",
+            rule.describe()
+        ));
     }
     Ok(())
 }
