@@ -593,7 +593,8 @@ impl Reconciler {
                 );
             }
         }
-        if let Some(error) = source.policies_unknown() {
+        let unknown = source.policies_unknown();
+        if let Some(error) = unknown {
             let message = format!(
                 "authorization policies cannot be known while {} is broken ({}): every inbound connection to this node's pods is denied until it is fixed",
                 error.file.display(),
@@ -607,7 +608,7 @@ impl Reconciler {
             );
         }
         self.noted = noted;
-        self.policies_unknown = source.policies_unknown().is_some();
+        self.policies_unknown = unknown.is_some();
         set
     }
 
