@@ -283,6 +283,20 @@ pub(crate) mod tests {
             }
         }
 
+        /// The server configuration of `server` and the client configuration of
+        /// `client` expecting it, both of this CA.
+        pub(crate) fn configs(
+            &self,
+            server: &SpiffeId,
+            client: &SpiffeId,
+        ) -> (ServerConfig, ClientConfig) {
+            let server_config =
+                server_config(self.key(server), self.roots.clone(), "cluster.local").unwrap();
+            let client_config =
+                client_config(self.key(client), self.roots.clone(), server.clone()).unwrap();
+            (server_config, client_config)
+        }
+
         /// A certificate of `id` from the CA, with its key.
         pub(crate) fn key(&self, id: &SpiffeId) -> Arc<CertifiedKey> {
             let cert = self.ca.issue(id, Duration::from_secs(600)).unwrap();
@@ -334,9 +348,7 @@ pub(crate) mod tests {
         let mesh = Mesh::new();
         let client_id = SpiffeId::new("cluster.local", "ns1", "client");
         let server_id = SpiffeId::new("cluster.local", "ns2", "server");
-        let server =
-            server_config(mesh.key(&server_id), mesh.roots.clone(), "cluster.local").unwrap();
-        let client = client_config(mesh.key(&client_id), mesh.roots.clone(), server_id).unwrap();
+        let (server, client) = mesh.configs(&server_id, &client_id);
         assert_eq!(handshake(server, client).await.unwrap(), client_id);
     }
 

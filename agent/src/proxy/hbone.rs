@@ -335,17 +335,12 @@ mod tests {
     fn a_whole_frame_is_taken_in_one_write() {
         use std::io::{IoSlice, Write};
 
-        use crate::identity::{
-            SpiffeId,
-            tls::{client_config, server_config, tests::Mesh},
-        };
+        use crate::identity::{SpiffeId, tls::tests::Mesh};
 
         let mesh = Mesh::new();
         let server_id = SpiffeId::new("cluster.local", "ns2", "server");
         let client_id = SpiffeId::new("cluster.local", "ns1", "client");
-        let server =
-            server_config(mesh.key(&server_id), mesh.roots.clone(), "cluster.local").unwrap();
-        let client = client_config(mesh.key(&client_id), mesh.roots.clone(), server_id).unwrap();
+        let (server, client) = mesh.configs(&server_id, &client_id);
         let name = rustls_pki_types::ServerName::try_from("10.0.0.1").unwrap();
         let mut c = rustls::ClientConnection::new(Arc::new(client), name).unwrap();
         let mut s = rustls::ServerConnection::new(Arc::new(server)).unwrap();
