@@ -618,7 +618,7 @@ async fn accept_loop<F, Fut>(
         let Ok(local) = stream.local_addr() else {
             continue;
         };
-        let _ = stream.set_nodelay(true);
+        // `TCP_NODELAY` comes from the listener (`socket::transparent_listener`).
         tokio::spawn(handle(state.clone(), stream, peer, local, permit));
     }
     drop(listener);

@@ -21,14 +21,22 @@ const BACKLOG: i32 = 4096;
 /// assigned by the TC programs reach it; the accepted socket's local address is the
 /// connection's original destination).
 ///
+/// The listener has `TCP_NODELAY`, which Linux copies into every socket it accepts
+/// (`sk_clone_lock` copies the listener's `tcp_sock`), as it does `SO_MARK`: an
+/// accepted connection needs no option call of its own.
+///
 /// # Errors
 /// Socket, option (needs `CAP_NET_ADMIN`) or bind failures.
 pub fn transparent_listener(addr: SocketAddr, mark: u32) -> io::Result<TcpListener> {
-    let socket = Socket::new(Domain::for_address(addr), Type::STREAM, Some(Protocol::TCP))?;
+    let socket = Socket::new(
+        Domain::for_address(addr),
+        Type::STREAM.nonblocking(),
+        Some(Protocol::TCP),
+    )?;
     socket.set_reuse_address(true)?;
     set_transparent(&socket, addr.ip())?;
     socket.set_mark(mark)?;
-    socket.set_nonblocking(true)?;
+    socket.set_tcp_nodelay(true)?;
     socket.bind(&addr.into())?;
     socket.listen(BACKLOG)?;
     TcpListener::from_std(socket.into())
@@ -71,7 +79,12 @@ fn set_bind_address_no_port(socket: &Socket) -> io::Result<()> {
 /// # Errors
 /// Socket errors, and the connect's own failure (refused, unreachable, timed out).
 pub async fn connect(src: Option<IpAddr>, dst: SocketAddr, mark: u32) -> io::Result<TcpStream> {
-    let socket = Socket::new(Domain::for_address(dst), Type::STREAM, Some(Protocol::TCP))?;
+    // Made non-blocking at once (`SOCK_NONBLOCK`): no `fcntl` calls per connection.
+    let socket = Socket::new(
+        Domain::for_address(dst),
+        Type::STREAM.nonblocking(),
+        Some(Protocol::TCP),
+    )?;
     socket.set_mark(mark)?;
     socket.set_tcp_nodelay(true)?;
     if let Some(src) = src {
@@ -81,7 +94,6 @@ pub async fn connect(src: Option<IpAddr>, dst: SocketAddr, mark: u32) -> io::Res
         }
         socket.bind(&SocketAddr::new(src, 0).into())?;
     }
-    socket.set_nonblocking(true)?;
     let std: std::net::TcpStream = socket.into();
     let stream = TcpSocket::from_std_stream(std).connect(dst).await?;
     Ok(stream)
@@ -116,4 +128,39 @@ pub fn close_gracefully(stream: &TcpStream) {
 /// sees a failed connection as failed.
 pub fn reset_on_close(stream: &TcpStream) {
     let _ = socket2::SockRef::from(stream).set_linger(Some(Duration::ZERO));
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn is_nonblocking(stream: &TcpStream) -> bool {
+        // SAFETY: F_GETFL on an open descriptor.
+        let flags = unsafe { libc::fcntl(stream.as_raw_fd(), libc::F_GETFL) };
+        assert!(flags >= 0, "fcntl: {}", io::Error::last_os_error());
+        flags & libc::O_NONBLOCK != 0
+    }
+
+    /// The kernel copies the listener's `TCP_NODELAY` and mark into the sockets it
+    /// accepts, and `connect` makes non-blocking, marked sockets without `fcntl`.
+    /// Needs root (`IP_TRANSPARENT` wants `CAP_NET_ADMIN`); loopback only.
+    #[tokio::test]
+    async fn accepted_and_connected_sockets_have_nodelay_and_the_mark() {
+        const MARK: u32 = 0x539;
+        let listener = transparent_listener("127.0.0.1:0".parse().unwrap(), MARK)
+            .expect("a transparent listener: this test needs root (CAP_NET_ADMIN)");
+        let addr = listener.local_addr().unwrap();
+        let client = connect(None, addr, MARK).await.unwrap();
+        let (accepted, peer) = listener.accept().await.unwrap();
+        assert_eq!(peer, client.local_addr().unwrap());
+        for (which, stream) in [("accepted", &accepted), ("connected", &client)] {
+            assert!(stream.nodelay().unwrap(), "{which}: TCP_NODELAY");
+            assert_eq!(
+                socket2::SockRef::from(stream).mark().unwrap(),
+                MARK,
+                "{which}"
+            );
+            assert!(is_nonblocking(stream), "{which}: O_NONBLOCK");
+        }
+    }
 }
