@@ -47,7 +47,7 @@ use crate::{
     },
     proxy::{self, Listeners, ProxyConfig, ProxyState, View},
     telemetry::{
-        logging::LogControl,
+        logging::{HeldMessages, LogControl, Severity},
         scrape::DataplaneMaps,
         server::{self, Readiness},
     },
@@ -270,7 +270,9 @@ pub async fn run(cfg: AgentConfig) -> Result<()> {
         root_namespace: cfg.root_namespace.clone(),
         policies: Arc::new(PolicySet::default()),
         services: Arc::new(ServiceIndex::default()),
-        noted: HashSet::new(),
+        index_messages: HeldMessages::default(),
+        service_messages: HeldMessages::default(),
+        policy_messages: HeldMessages::default(),
         policies_unknown: false,
         dataplane,
         workload_ids: HashMap::new(),
@@ -480,8 +482,12 @@ struct Reconciler {
     policies: Arc<PolicySet>,
     /// The Services as last read.
     services: Arc<ServiceIndex>,
-    /// Policy warnings and notes already logged, each logged once while it holds.
-    noted: HashSet<String>,
+    /// The workload index's warnings (address conflicts, pods defined twice),
+    /// the Service index's and the policies' (with their notes), each logged
+    /// once while it holds.
+    index_messages: HeldMessages,
+    service_messages: HeldMessages,
+    policy_messages: HeldMessages,
     /// Whether the last policy set was built while a broken file may hold
     /// policies, so that their return is logged once.
     policies_unknown: bool,
@@ -545,15 +551,18 @@ impl Reconciler {
             } else {
                 Vec::new()
             };
-            for warning in warnings.iter().chain(&duplicates) {
-                tracing::warn!("{warning}");
-            }
+            self.index_messages.log(
+                warnings
+                    .into_iter()
+                    .chain(duplicates)
+                    .map(|w| (Severity::Warn, w))
+                    .collect(),
+            );
             self.index = Arc::new(index);
             let (services, warnings) =
                 ServiceIndex::build(source.services(), source.endpoint_slices());
-            for warning in warnings {
-                tracing::warn!("{warning}");
-            }
+            self.service_messages
+                .log(warnings.into_iter().map(|w| (Severity::Warn, w)).collect());
             self.services = Arc::new(services);
         }
         // A file that breaks may make the policies unknown without changing any
@@ -565,49 +574,35 @@ impl Reconciler {
     }
 
     /// The policies of the source; all requests are denied while a broken file
-    /// may hold some. Notes on how a policy is enforced at layer 4 are logged once.
+    /// may hold some. Warnings and notes on how a policy is enforced at layer 4
+    /// are logged once while they hold.
     fn policy_set(&mut self, source: &Source) -> PolicySet {
         let (mut set, warnings) =
             PolicySet::build(&self.root_namespace, source.policies().cloned());
-        // Each message is logged once, while it holds.
-        let mut noted = HashSet::new();
-        let note = |noted: &mut HashSet<String>, message: String, error: bool| {
-            if !self.noted.contains(&message) {
-                if error {
-                    tracing::error!("{message}");
-                } else {
-                    tracing::warn!("{message}");
-                }
-            }
-            noted.insert(message);
-        };
-        for warning in warnings {
-            note(&mut noted, warning, false);
-        }
+        let mut messages: Vec<(Severity, String)> =
+            warnings.into_iter().map(|w| (Severity::Warn, w)).collect();
         for policy in set.policies() {
             for n in &policy.notes {
-                note(
-                    &mut noted,
-                    format!("AuthorizationPolicy {policy}: {n}"),
-                    false,
-                );
+                messages.push((Severity::Warn, format!("AuthorizationPolicy {policy}: {n}")));
             }
         }
         let unknown = source.policies_unknown();
         if let Some(error) = unknown {
-            let message = format!(
-                "authorization policies cannot be known while {} is broken ({}): every inbound connection to this node's pods is denied until it is fixed",
-                error.file.display(),
-                error.message
-            );
-            note(&mut noted, message, true);
+            messages.push((
+                Severity::Error,
+                format!(
+                    "authorization policies cannot be known while {} is broken ({}): every inbound connection to this node's pods is denied until it is fixed",
+                    error.file.display(),
+                    error.message
+                ),
+            ));
             set.deny_all_unknown(format!("{} is broken", error.file.display()));
         } else if self.policies_unknown {
             tracing::info!(
                 "authorization policies are known again: inbound connections are authorized by them"
             );
         }
-        self.noted = noted;
+        self.policy_messages.log(messages);
         self.policies_unknown = unknown.is_some();
         set
     }

@@ -99,3 +99,48 @@ fn an_enrolled_pod_without_a_veth_is_reported() {
     // The agent goes on serving the pods it has.
     assert!(c.is_captured(&a).unwrap());
 }
+
+/// A pod defined in two files is warned about once, naming both files, and not
+/// again at each rebuild while it stays so; once fixed and broken again, it is
+/// warned about again.
+#[test]
+fn a_pod_defined_twice_is_warned_about_once_while_it_is() {
+    let mut c = Cluster::with_namespaces(1, &[("mesh", true)]).unwrap();
+    let a = c.add_pod(PodSpec::new("a", "mesh", 0)).unwrap();
+    c.start_agent(0).unwrap();
+    c.wait_captured(&a, true).unwrap();
+    let copy = std::fs::read_to_string(c.manifests.join("pod-mesh-a.yaml")).unwrap();
+    let needles = [
+        "pod mesh/a is defined 2 times",
+        "copy-of-a.yaml",
+        "pod-mesh-a.yaml",
+    ];
+    let warnings = |c: &Cluster| {
+        c.agent_log(0)
+            .lines()
+            .filter(|line| needles.iter().all(|n| line.contains(n)))
+            .count()
+    };
+    c.write_manifest("copy-of-a.yaml", &copy).unwrap();
+    c.wait_log_lines(0, &needles, 1, Duration::from_secs(10))
+        .unwrap();
+
+    // Two more pods: the workload index is rebuilt for each while a stays
+    // defined twice.
+    for name in ["b", "d"] {
+        let pod = c.add_pod(PodSpec::new(name, "mesh", 0)).unwrap();
+        c.wait_captured(&pod, true).unwrap();
+    }
+    assert_eq!(warnings(&c), 1, "{}", c.agent_log(0));
+    assert!(c.is_captured(&a).unwrap());
+
+    // Fixed (the copy removed: a removal is applied once it has settled, with
+    // nothing to show for it, hence the wait), then defined twice again: a new
+    // warning.
+    c.remove_manifest("copy-of-a.yaml").unwrap();
+    std::thread::sleep(podlink_agent::workload::manifests::SETTLE * 10);
+    assert_eq!(warnings(&c), 1, "{}", c.agent_log(0));
+    c.write_manifest("copy-of-a.yaml", &copy).unwrap();
+    c.wait_log_lines(0, &needles, 2, Duration::from_secs(10))
+        .unwrap();
+}

@@ -2,7 +2,7 @@
 //! filtered by a tracing `EnvFilter` that can be replaced at run time (the admin
 //! endpoint's `/logging`) through `tracing-subscriber`'s reload layer.
 
-use std::fmt;
+use std::{collections::HashSet, fmt};
 
 use tracing_subscriber::{
     EnvFilter, Registry, filter::LevelFilter, layer::SubscriberExt, reload, util::SubscriberInitExt,
@@ -144,6 +144,53 @@ pub fn init(filter: &str, format: LogFormat) -> anyhow::Result<LogControl> {
     Ok(LogControl { handle })
 }
 
+/// How a [`HeldMessages`] message is logged.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Severity {
+    /// `tracing::warn!`.
+    Warn,
+    /// `tracing::error!`.
+    Error,
+}
+
+/// Messages about a condition that holds over time (two pods claiming one
+/// address, a policy enforced only in part, a broken manifest file), found anew
+/// each time the state behind them is rebuilt. Each is logged when it first
+/// appears and not again while every rebuild finds it; once a rebuild no longer
+/// finds it, its return is logged again.
+#[derive(Debug, Default)]
+pub struct HeldMessages {
+    /// The messages of the last rebuild.
+    held: HashSet<String>,
+}
+
+impl HeldMessages {
+    /// Takes the messages of a rebuild, all of those that hold now, and returns
+    /// the ones the last rebuild did not have (to be logged), in their order.
+    pub fn update(&mut self, messages: Vec<(Severity, String)>) -> Vec<(Severity, String)> {
+        let mut held = HashSet::with_capacity(messages.len());
+        let mut fresh = Vec::new();
+        for (severity, message) in messages {
+            if !self.held.contains(&message) && !held.contains(&message) {
+                fresh.push((severity, message.clone()));
+            }
+            held.insert(message);
+        }
+        self.held = held;
+        fresh
+    }
+
+    /// [`HeldMessages::update`], logging what is new.
+    pub fn log(&mut self, messages: Vec<(Severity, String)>) {
+        for (severity, message) in self.update(messages) {
+            match severity {
+                Severity::Warn => tracing::warn!("{message}"),
+                Severity::Error => tracing::error!("{message}"),
+            }
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -173,5 +220,35 @@ mod tests {
             let e = parse_filter(bad).unwrap_err();
             assert!(e.to_string().contains(named), "{bad}: {e}");
         }
+    }
+
+    #[test]
+    fn held_messages_are_logged_once_while_they_hold() {
+        use Severity::{Error, Warn};
+        let mut held = HeldMessages::default();
+        let round = |items: &[(Severity, &str)]| {
+            items
+                .iter()
+                .map(|(s, m)| (*s, m.to_string()))
+                .collect::<Vec<_>>()
+        };
+        let conflict = (Warn, "pods a, b all claim address 10.0.0.1");
+        let broken = (Error, "policies.yaml is broken");
+        assert_eq!(
+            held.update(round(&[conflict, broken])),
+            round(&[conflict, broken])
+        );
+        // Every rebuild finds both: nothing new.
+        assert_eq!(held.update(round(&[broken, conflict])), vec![]);
+        // The conflict ends, a message repeated in one rebuild is new once.
+        let other = (Warn, "pod shop/web is defined 2 times");
+        assert_eq!(held.update(round(&[broken, other, other])), round(&[other]));
+        // The conflict returns: logged again.
+        assert_eq!(
+            held.update(round(&[conflict, broken, other])),
+            round(&[conflict])
+        );
+        assert_eq!(held.update(vec![]), vec![]);
+        assert_eq!(held.update(round(&[broken])), round(&[broken]));
     }
 }
