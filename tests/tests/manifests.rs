@@ -109,7 +109,11 @@ fn a_pod_defined_twice_is_warned_about_once_while_it_is() {
     let a = c.add_pod(PodSpec::new("a", "mesh", 0)).unwrap();
     c.start_agent(0).unwrap();
     c.wait_captured(&a, true).unwrap();
-    let copy = std::fs::read_to_string(c.manifests.join("pod-mesh-a.yaml")).unwrap();
+    // The copy carries a label of its own, so that the agent's view shows which
+    // definition it uses: the copy's, since its file sorts first.
+    let original = std::fs::read_to_string(c.manifests.join("pod-mesh-a.yaml")).unwrap();
+    let copy = original.replace("labels: {}", "labels: {copy: \"yes\"}");
+    assert_ne!(copy, original, "pod manifests changed shape: {original}");
     let needles = [
         "pod mesh/a is defined 2 times",
         "copy-of-a.yaml",
@@ -121,9 +125,21 @@ fn a_pod_defined_twice_is_warned_about_once_while_it_is() {
             .filter(|line| needles.iter().all(|n| line.contains(n)))
             .count()
     };
+    let copy_used = |c: &Cluster| {
+        let dump = c.config_dump(0).unwrap();
+        let a = dump["workloads"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|w| w["namespace"] == "mesh" && w["name"] == "a")
+            .cloned()
+            .unwrap_or_else(|| panic!("no workload mesh/a in {dump}"));
+        a["labels"]["copy"] == "yes"
+    };
     c.write_manifest("copy-of-a.yaml", &copy).unwrap();
     c.wait_log_lines(0, &needles, 1, Duration::from_secs(10))
         .unwrap();
+    assert!(copy_used(&c));
 
     // Two more pods: the workload index is rebuilt for each while a stays
     // defined twice.
@@ -134,11 +150,18 @@ fn a_pod_defined_twice_is_warned_about_once_while_it_is() {
     assert_eq!(warnings(&c), 1, "{}", c.agent_log(0));
     assert!(c.is_captured(&a).unwrap());
 
-    // Fixed (the copy removed: a removal is applied once it has settled, with
-    // nothing to show for it, hence the wait), then defined twice again: a new
-    // warning.
+    // Fixed (the copy removed: applied once the agent uses the original
+    // definition again), then defined twice again: a new warning.
     c.remove_manifest("copy-of-a.yaml").unwrap();
-    std::thread::sleep(podlink_agent::workload::manifests::SETTLE * 10);
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while copy_used(&c) {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the copy's removal was never applied:\n{}",
+            c.agent_log(0)
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
     assert_eq!(warnings(&c), 1, "{}", c.agent_log(0));
     c.write_manifest("copy-of-a.yaml", &copy).unwrap();
     c.wait_log_lines(0, &needles, 2, Duration::from_secs(10))

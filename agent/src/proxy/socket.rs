@@ -142,13 +142,19 @@ mod tests {
     }
 
     /// The kernel copies the listener's `TCP_NODELAY` and mark into the sockets it
-    /// accepts, and `connect` makes non-blocking, marked sockets without `fcntl`.
+    /// accepts; the listener and `connect`'s sockets are non-blocking and marked.
     /// Needs root (`IP_TRANSPARENT` wants `CAP_NET_ADMIN`); loopback only.
     #[tokio::test]
     async fn accepted_and_connected_sockets_have_nodelay_and_the_mark() {
         const MARK: u32 = 0x539;
         let listener = transparent_listener("127.0.0.1:0".parse().unwrap(), MARK)
             .expect("a transparent listener: this test needs root (CAP_NET_ADMIN)");
+        // SAFETY: F_GETFL on the listener's open descriptor.
+        let flags = unsafe { libc::fcntl(listener.as_raw_fd(), libc::F_GETFL) };
+        assert!(
+            flags >= 0 && flags & libc::O_NONBLOCK != 0,
+            "listener: O_NONBLOCK"
+        );
         let addr = listener.local_addr().unwrap();
         let client = connect(None, addr, MARK).await.unwrap();
         let (accepted, peer) = listener.accept().await.unwrap();

@@ -154,10 +154,10 @@ pub enum Severity {
 }
 
 /// Messages about a condition that holds over time (two pods claiming one
-/// address, a policy enforced only in part, a broken manifest file), found anew
-/// each time the state behind them is rebuilt. Each is logged when it first
-/// appears and not again while every rebuild finds it; once a rebuild no longer
-/// finds it, its return is logged again.
+/// address, a policy enforced only in part, policies unknown while a file is
+/// broken), found anew each time the state behind them is rebuilt. Each is
+/// logged when it first appears and not again while every rebuild finds it; once
+/// a rebuild no longer finds it, its return is logged again.
 #[derive(Debug, Default)]
 pub struct HeldMessages {
     /// The messages of the last rebuild.
