@@ -825,6 +825,11 @@ impl Cluster {
         }
     }
 
+    /// How many lines of a node agent's log so far contain all of `needles`.
+    pub fn log_lines(&self, node: usize, needles: &[&str]) -> usize {
+        count_lines(&self.agent_log(node), needles)
+    }
+
     /// Waits (up to `limit`) until a node agent's log has `count` lines containing
     /// all of `needles`; returns the log, or fails with it. For events that happen
     /// more than once (CA reloads), or later than [`Cluster::wait_log`] waits
@@ -839,10 +844,7 @@ impl Cluster {
         let deadline = Instant::now() + limit;
         loop {
             let log = self.agent_log(node);
-            let found = log
-                .lines()
-                .filter(|line| needles.iter().all(|n| line.contains(n)))
-                .count();
+            let found = count_lines(&log, needles);
             if found >= count {
                 return Ok(log);
             }
@@ -1160,6 +1162,13 @@ status:
 {status}",
         labels = yaml_labels(labels),
     )
+}
+
+/// How many lines of `log` contain all of `needles`.
+fn count_lines(log: &str, needles: &[&str]) -> usize {
+    log.lines()
+        .filter(|line| needles.iter().all(|n| line.contains(n)))
+        .count()
 }
 
 fn truncate_ifname(name: &str) -> String {

@@ -119,12 +119,7 @@ fn a_pod_defined_twice_is_warned_about_once_while_it_is() {
         "copy-of-a.yaml",
         "pod-mesh-a.yaml",
     ];
-    let warnings = |c: &Cluster| {
-        c.agent_log(0)
-            .lines()
-            .filter(|line| needles.iter().all(|n| line.contains(n)))
-            .count()
-    };
+    let warnings = |c: &Cluster| c.log_lines(0, &needles);
     let copy_used = |c: &Cluster| {
         let dump = c.config_dump(0).unwrap();
         let a = dump["workloads"]

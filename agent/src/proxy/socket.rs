@@ -134,9 +134,9 @@ pub fn reset_on_close(stream: &TcpStream) {
 mod tests {
     use super::*;
 
-    fn is_nonblocking(stream: &TcpStream) -> bool {
+    fn is_nonblocking(socket: &impl AsRawFd) -> bool {
         // SAFETY: F_GETFL on an open descriptor.
-        let flags = unsafe { libc::fcntl(stream.as_raw_fd(), libc::F_GETFL) };
+        let flags = unsafe { libc::fcntl(socket.as_raw_fd(), libc::F_GETFL) };
         assert!(flags >= 0, "fcntl: {}", io::Error::last_os_error());
         flags & libc::O_NONBLOCK != 0
     }
@@ -149,12 +149,7 @@ mod tests {
         const MARK: u32 = 0x539;
         let listener = transparent_listener("127.0.0.1:0".parse().unwrap(), MARK)
             .expect("a transparent listener: this test needs root (CAP_NET_ADMIN)");
-        // SAFETY: F_GETFL on the listener's open descriptor.
-        let flags = unsafe { libc::fcntl(listener.as_raw_fd(), libc::F_GETFL) };
-        assert!(
-            flags >= 0 && flags & libc::O_NONBLOCK != 0,
-            "listener: O_NONBLOCK"
-        );
+        assert!(is_nonblocking(&listener), "listener: O_NONBLOCK");
         let addr = listener.local_addr().unwrap();
         let client = connect(None, addr, MARK).await.unwrap();
         let (accepted, peer) = listener.accept().await.unwrap();
