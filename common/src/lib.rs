@@ -44,7 +44,16 @@ pub const PROG_TO_POD: &str = "to_pod";
 /// `<pin-dir>/v<LAYOUT_VERSION>/`; an agent finding another version there migrates
 /// it or refuses to start, so that its programs never read maps of another layout.
 /// Raise it with any change to a map's layout or to the pin paths.
-pub const LAYOUT_VERSION: u32 = 1;
+///
+/// * 1: the maps of [`MAP_NAMES`] and `links/`, as before versions (which kept them
+///   directly under `<pin-dir>`).
+/// * 2: [`MAP_CAPTURED_FLOWS`]' value is the host veth ifindex (`u32`) a flow was
+///   taken over on, where it was a `u8` (1), so that the programs' fast path needs
+///   no lookup of the pod.
+pub const LAYOUT_VERSION: u32 = 2;
+/// The layout version before [`LAYOUT_VERSION`], which agents migrate from: the
+/// same maps and pin paths but for [`MAP_CAPTURED_FLOWS`]' value (`u8`).
+pub const PREVIOUS_LAYOUT_VERSION: u32 = 1;
 /// Directory, under the versioned pin directory, of the TCX link pins
 /// (`<ifindex>_<program>`).
 pub const LINKS_DIR: &str = "links";
@@ -59,8 +68,10 @@ pub const MAP_EXCLUDED_CIDRS: &str = "excluded_cidrs";
 pub const MAP_EXCLUDED_PORTS: &str = "excluded_ports";
 /// Map: host veth ifindex (`u32`) → per-CPU [`PodCounters`].
 pub const MAP_COUNTERS: &str = "pod_counters";
-/// Map (LRU): [`FlowKey`] → `u8`; flows the proxy took over, so that their stray
-/// packets are dropped rather than passed once the proxy's socket is gone.
+/// Map (LRU): [`FlowKey`] → host veth ifindex (`u32`); flows the proxy took over and
+/// the veth it took each over on, so that later packets on that veth are delivered
+/// to the proxy with one lookup, and stray packets are dropped rather than passed
+/// once the proxy's socket is gone.
 pub const MAP_CAPTURED_FLOWS: &str = "captured_flows";
 /// All maps the programs use, in pin order.
 pub const MAP_NAMES: [&str; 6] = [

@@ -72,13 +72,37 @@ fn not_tcp4(packet: Packet, ifindex: u32) -> i32 {
 #[classifier]
 pub fn from_pod(ctx: TcContext) -> i32 {
     let ifindex = unsafe { (*ctx.skb.skb).ifindex };
-    let Some(pod) = maps::pod(ifindex) else {
-        return PASS;
-    };
     let Some(cfg) = maps::config() else {
         return PASS;
     };
     let packet = parse::parse(&ctx);
+    // The host veth the proxy took this 4-tuple over on, if it has (or had) it: the
+    // captured-flows map is filled when a flow's SYN is assigned, and when a socket
+    // lookup below finds the proxy's socket.
+    let flow = match &packet {
+        Packet::Tcp4(pkt) => maps::captured_on(pkt),
+        _ => None,
+    };
+    // 1. Fast path, one hash lookup per packet: a later packet of a flow the proxy
+    //    took over on this very veth is only marked for local delivery; the
+    //    kernel's own socket lookup (tcp_v4_rcv) then finds the proxy's socket, as
+    //    it does for TPROXY. Were the socket gone, the packet would end in the
+    //    local stack, never on the network. The veth stands for the pod's
+    //    addresses: the flow was remembered here after the checks below, so only
+    //    this pod (or `to_pod`'s bounce into it) sends its 4-tuple here. It is not
+    //    counted: the proxy counts the flow's bytes. A draining or stopped proxy
+    //    takes the slow path, which tells such packets apart and counts them.
+    if let Packet::Tcp4(pkt) = &packet
+        && flow == Some(ifindex)
+        && !pkt.is_syn()
+        && cfg.flags & CONFIG_DRAINING == 0
+    {
+        socket::deliver_locally(&ctx, cfg);
+        return OK;
+    }
+    let Some(pod) = maps::pod(ifindex) else {
+        return PASS;
+    };
     // What leaves an enrolled pod carries its own address (the node accepts local
     // source addresses on host veths, for the node's replies bounced back in, so it
     // must not accept them from the pod). Bounced packets are addressed to the pod.
@@ -94,11 +118,13 @@ pub fn from_pod(ctx: TcContext) -> i32 {
         return DROP;
     }
     match packet {
-        Packet::Tcp4(pkt) => from_pod_tcp4(&ctx, pod, cfg, ifindex, &pkt),
+        Packet::Tcp4(pkt) => from_pod_tcp4(&ctx, pod, cfg, ifindex, &pkt, flow),
         other => not_tcp4(other, ifindex),
     }
 }
 
+/// The slow path of a TCP packet from the pod (or bounced into its veth): `flow` is
+/// the host veth the proxy took its 4-tuple over on, if any.
 #[inline(always)]
 fn from_pod_tcp4(
     ctx: &TcContext,
@@ -106,27 +132,16 @@ fn from_pod_tcp4(
     cfg: &Config,
     ifindex: u32,
     pkt: &Tcp4,
+    flow: Option<u32>,
 ) -> i32 {
     // A packet addressed to the pod itself was bounced in by `to_pod`: it is
     // inbound. Anything else comes from the pod: outbound.
     let bounced = parse::is_pod_ipv4(pod, pkt.daddr);
     let syn = pkt.is_syn();
-    // Whether the proxy has (or had) this 4-tuple: the captured-flows map, filled
-    // when a flow's SYN is assigned, and when a socket lookup below finds the
-    // proxy's socket.
-    let known = maps::is_captured_flow(pkt);
-
-    // 1. Fast path, one hash lookup per packet: a later packet of a flow the proxy
-    //    took over is only marked for local delivery; the kernel's own socket
-    //    lookup (tcp_v4_rcv) then finds the proxy's socket, as it does for TPROXY.
-    //    Were the socket gone, the packet would end in the local stack, never on
-    //    the network. It is not counted: the proxy counts the flow's bytes. A
-    //    draining or stopped proxy takes the slow path, which tells such packets
-    //    apart and counts them.
-    if known && !syn && cfg.flags & CONFIG_DRAINING == 0 {
-        socket::deliver_locally(ctx, cfg);
-        return OK;
-    }
+    // Whether the proxy has (or had) this 4-tuple, here or on another veth (a pod
+    // whose address moved to a new veth).
+    let known = flow.is_some();
+    let remembered_here = flow == Some(ifindex);
 
     // 2. Slow path: a proxy socket (or any socket of this netns) owns this
     //    4-tuple: replies to connections the proxy opened itself, flows whose map
@@ -138,8 +153,8 @@ fn from_pod_tcp4(
     {
         return match socket::assign(ctx, sk, cfg) {
             Ok(()) => {
-                if !known {
-                    maps::remember_flow(pkt);
+                if !remembered_here {
+                    maps::remember_flow(pkt, ifindex);
                 }
                 count(ifindex, |c| &mut c.assigned_established);
                 OK
@@ -209,8 +224,8 @@ fn from_pod_tcp4(
     };
     match socket::assign(ctx, sk, cfg) {
         Ok(()) => {
-            if !known {
-                maps::remember_flow(pkt);
+            if !remembered_here {
+                maps::remember_flow(pkt, ifindex);
             }
             if !bounced {
                 count(ifindex, |c| &mut c.captured_outbound);
@@ -242,34 +257,47 @@ pub fn to_pod(ctx: TcContext) -> i32 {
     let packet = parse::parse(&ctx);
     // SAFETY: reading the context's mark.
     let mark = unsafe { (*ctx.skb.skb).mark };
-    if mark & cfg.proxy_mark_mask == cfg.proxy_mark {
-        // The proxy's own connection to the pod: most of what enters a pod, so
-        // checked before the pod's entry is looked up (the verdict does not depend
-        // on it; a veth without one only has links pinned by an agent that is
-        // gone, and a flow remembered there is harmless). Remember it, so that
-        // the pod's replies take `from_pod`'s fast path and are never passed in
-        // plain text once the proxy's socket is gone. Counted once, at its SYN:
-        // the proxy counts the flow's bytes.
-        if let Packet::Tcp4(pkt) = &packet
-            && pkt.is_syn()
-        {
-            maps::remember_reply_flow(pkt);
+    // The proxy's own connection to the pod: most of what enters a pod, so checked
+    // before the pod's entry is looked up (the verdict does not depend on it; a
+    // veth without one only has links pinned by an agent that is gone, and a flow
+    // remembered there is harmless).
+    let proxy_own = mark & cfg.proxy_mark_mask == cfg.proxy_mark;
+    // One match on the packet: testing it for TCP twice made LLVM read the flags
+    // on a path where they were never set, which the verifier refuses.
+    let pkt = match packet {
+        Packet::Tcp4(pkt) => pkt,
+        other => {
+            if proxy_own || maps::pod(ifindex).is_none() {
+                return PASS;
+            }
+            return not_tcp4(other, ifindex);
+        }
+    };
+    let syn = pkt.is_syn();
+    if proxy_own {
+        // Remember it, so that the pod's replies take `from_pod`'s fast path and
+        // are never passed in plain text once the proxy's socket is gone. Counted
+        // once, at its SYN: the proxy counts the flow's bytes.
+        if syn {
+            maps::remember_reply_flow(&pkt, ifindex);
             count(ifindex, |c| &mut c.passed);
         }
         return PASS;
     }
+    // Fast path: a later packet of a flow the proxy took over on this veth (keyed
+    // as `from_pod` sees the bounced packet; remembered here only for packets
+    // addressed to this pod). Not counted: the proxy counts the flow's bytes.
+    if !syn && maps::captured_on(&pkt) == Some(ifindex) {
+        return redirect_to_ingress(ifindex);
+    }
     let Some(pod) = maps::pod(ifindex) else {
         return PASS;
-    };
-    let pkt = match packet {
-        Packet::Tcp4(pkt) => pkt,
-        other => return not_tcp4(other, ifindex),
     };
     if !parse::is_pod_ipv4(pod, pkt.daddr) {
         count(ifindex, |c| &mut c.passed);
         return PASS;
     }
-    let bounce = if pkt.is_syn() {
+    let bounce = if syn {
         // New connections from the node itself (kubelet probes) and to excluded
         // ports are not captured.
         let capture = !is_node_addr(cfg, pkt.saddr) && !maps::is_excluded_port(pkt.dport);
@@ -278,14 +306,11 @@ pub fn to_pod(ctx: TcContext) -> i32 {
             maps::forget_flow(&pkt);
         }
         capture
-    } else if maps::is_captured_flow(&pkt) {
-        // Fast path: a flow the proxy took over (keyed as `from_pod` sees the
-        // bounced packet). Not counted: the proxy counts the flow's bytes.
-        return redirect_to_ingress(ifindex);
     } else if socket::proxy_socket_exists(&ctx, &pkt) {
         // Packets of the proxy's flows, from anywhere (the node's own replies to a
-        // connection the proxy opened); later ones take the fast path.
-        maps::remember_flow(&pkt);
+        // connection the proxy opened), not remembered on this veth yet; later
+        // ones take the fast path.
+        maps::remember_flow(&pkt, ifindex);
         true
     } else {
         // Anything else predates enrollment.

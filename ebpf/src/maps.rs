@@ -31,9 +31,10 @@ static EXCLUDED_PORTS: HashMap<u16, u8, { MAX_EXCLUDED_PORTS as usize }> = HashM
 #[btf_map(name = "pod_counters")]
 static COUNTERS: PerCpuHashMap<u32, PodCounters, { MAX_PODS as usize }> = PerCpuHashMap::new();
 
-/// Flows the proxy took over (see [`remember_flow`]).
+/// Flows the proxy took over (see [`remember_flow`]) → the host veth ifindex they
+/// were taken over on.
 #[btf_map(name = "captured_flows")]
-static CAPTURED_FLOWS: LruHashMap<FlowKey, u8, { MAX_CAPTURED_FLOWS as usize }> =
+static CAPTURED_FLOWS: LruHashMap<FlowKey, u32, { MAX_CAPTURED_FLOWS as usize }> =
     LruHashMap::new();
 
 #[inline(always)]
@@ -41,11 +42,12 @@ fn flow_key(saddr: u32, daddr: u32, sport: u16, dport: u16) -> FlowKey {
     FlowKey::ipv4(saddr.to_ne_bytes(), daddr.to_ne_bytes(), sport, dport)
 }
 
-/// Records that the flow of `pkt` (a SYN seen by `from_pod`) is the proxy's.
+/// Records that the flow of `pkt` (as `from_pod` sees it on host veth `ifindex`)
+/// is the proxy's.
 #[inline(always)]
-pub fn remember_flow(pkt: &Tcp4) {
+pub fn remember_flow(pkt: &Tcp4, ifindex: u32) {
     let key = flow_key(pkt.saddr, pkt.daddr, pkt.sport, pkt.dport);
-    let _ = CAPTURED_FLOWS.insert(key, 1, 0);
+    let _ = CAPTURED_FLOWS.insert(key, ifindex, 0);
 }
 
 /// Forgets the flow of `pkt` (a SYN that is not captured), so that an earlier
@@ -57,23 +59,25 @@ pub fn forget_flow(pkt: &Tcp4) {
 }
 
 /// Records the flow of the proxy's own connection into the pod (a SYN seen by
-/// `to_pod`), keyed as `from_pod` will see the pod's replies.
+/// `to_pod` on host veth `ifindex`), keyed as `from_pod` will see the pod's
+/// replies.
 #[inline(always)]
-pub fn remember_reply_flow(pkt: &Tcp4) {
+pub fn remember_reply_flow(pkt: &Tcp4, ifindex: u32) {
     let key = flow_key(pkt.daddr, pkt.saddr, pkt.dport, pkt.sport);
-    // SAFETY: only the presence is read. An update of a present key would
-    // replace its element: looking first is cheaper when 4-tuples are reused.
-    if unsafe { CAPTURED_FLOWS.get(key) }.is_none() {
-        let _ = CAPTURED_FLOWS.insert(key, 1, 0);
+    // SAFETY: a plain value read. An update of a present key would replace its
+    // element: looking first is cheaper when 4-tuples are reused.
+    if unsafe { CAPTURED_FLOWS.get(key) }.copied() != Some(ifindex) {
+        let _ = CAPTURED_FLOWS.insert(key, ifindex, 0);
     }
 }
 
-/// Whether the flow of `pkt` (as `from_pod` sees it) was taken over by the proxy.
+/// The host veth ifindex on which the proxy took over the flow of `pkt` (keyed as
+/// `from_pod` sees it), if it did.
 #[inline(always)]
-pub fn is_captured_flow(pkt: &Tcp4) -> bool {
+pub fn captured_on(pkt: &Tcp4) -> Option<u32> {
     let key = flow_key(pkt.saddr, pkt.daddr, pkt.sport, pkt.dport);
-    // SAFETY: only the presence is read.
-    unsafe { CAPTURED_FLOWS.get(key).is_some() }
+    // SAFETY: a plain value read.
+    unsafe { CAPTURED_FLOWS.get(key) }.copied()
 }
 
 #[inline(always)]

@@ -48,7 +48,11 @@ fn inspect_shows_pods_links_counters_and_dangling_links() {
     // With the agent running.
     let seen_by_bpftool = c.counters(&client).unwrap();
     let report = c.inspect(0).unwrap();
-    assert_eq!(report["layout"], "v1", "{report:#}");
+    assert_eq!(
+        report["layout"],
+        format!("v{}", podlink_common::LAYOUT_VERSION),
+        "{report:#}"
+    );
     assert_eq!(report["problems"], serde_json::json!([]), "{report:#}");
     let kernel_links: Value = serde_json::from_slice(
         &netns::run(Command::new("bpftool").args(["-j", "link", "show"]))

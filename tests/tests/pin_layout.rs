@@ -1,16 +1,26 @@
-//! The pin layout carries its version (`<pin-dir>/v1/`): an agent finding the
-//! unversioned layout of earlier agents moves its pins over without detaching
-//! anything (same links, same maps with their entries), and one finding a newer
-//! layout refuses to start, naming it.
+//! The pin layout carries its version (`<pin-dir>/v2/`): an agent finding an
+//! earlier layout (the unversioned one of the first agents, or version 1, whose
+//! captured flows had no host veth) moves its pins over without detaching anything
+//! (same links, same maps with their entries), copies its captured flows into the
+//! new map with their pods' host veths, and one finding a newer layout refuses to
+//! start, naming it.
 
-use std::{fs, process::Command};
+use std::{
+    fs,
+    path::{Path, PathBuf},
+    process::Command,
+};
 
-use podlink_common::{LAYOUT_VERSION, LINKS_DIR, MAP_NAMES};
+use aya::maps::{HashMap, Map, MapData};
+use podlink_common::{
+    FlowKey, LAYOUT_VERSION, LINKS_DIR, MAP_CAPTURED_FLOWS, MAP_NAMES, MAX_CAPTURED_FLOWS,
+    PREVIOUS_LAYOUT_VERSION,
+};
 use podlink_tests::{Cluster, PodSpec, app, netns};
 use serde_json::Value;
 
 /// The kernel's id of the map pinned at `path`.
-fn map_id(path: &std::path::Path) -> u64 {
+fn map_id(path: &Path) -> u64 {
     let out = netns::run(
         Command::new("bpftool")
             .args(["-j", "map", "show", "pinned"])
@@ -21,8 +31,56 @@ fn map_id(path: &std::path::Path) -> u64 {
     v["id"].as_u64().unwrap()
 }
 
-#[test]
-fn the_unversioned_layout_is_migrated_with_its_links_and_maps() {
+/// The entries of a pinned captured-flows map whose values are `V`.
+fn flows<V: aya::Pod>(path: &Path) -> Vec<(FlowKey, V)> {
+    let map: HashMap<MapData, FlowKey, V> =
+        HashMap::try_from(Map::LruHashMap(MapData::from_pin(path).unwrap())).unwrap();
+    map.iter().map(Result::unwrap).collect()
+}
+
+/// The maps other than the captured flows, whose objects a migration keeps.
+fn kept_maps() -> impl Iterator<Item = &'static str> {
+    MAP_NAMES.into_iter().filter(|m| *m != MAP_CAPTURED_FLOWS)
+}
+
+/// Turns the stopped agent's pins into those of an earlier layout, in `into` (the
+/// pin directory itself for the unversioned layout, `v1/` for version 1): the
+/// maps and links are moved, and the captured flows are written into a map of
+/// version 1's layout (value `u8`, 1), as its agents made it. Returns the flows
+/// with the host veths the current layout had for them.
+fn make_previous_layout(pins: &Path, into: &Path) -> Vec<(FlowKey, u32)> {
+    fs::create_dir_all(into).unwrap();
+    for name in kept_maps().chain([LINKS_DIR]) {
+        fs::rename(pins.join(name), into.join(name)).unwrap();
+    }
+    let current = flows::<u32>(&pins.join(MAP_CAPTURED_FLOWS));
+    assert!(!current.is_empty(), "no captured flows to carry");
+    let old = into.join(MAP_CAPTURED_FLOWS);
+    netns::run(
+        Command::new("bpftool")
+            .args(["map", "create"])
+            .arg(&old)
+            .args(["type", "lru_hash", "key"])
+            .arg(size_of::<FlowKey>().to_string())
+            .args(["value", "1", "entries"])
+            .arg(MAX_CAPTURED_FLOWS.to_string())
+            .args(["name", MAP_CAPTURED_FLOWS]),
+    )
+    .unwrap();
+    let mut map: HashMap<MapData, FlowKey, u8> =
+        HashMap::try_from(Map::LruHashMap(MapData::from_pin(&old).unwrap())).unwrap();
+    for (key, _) in &current {
+        map.insert(key, 1, 0).unwrap();
+    }
+    fs::remove_file(pins.join(MAP_CAPTURED_FLOWS)).unwrap();
+    fs::remove_dir(pins).unwrap();
+    current
+}
+
+/// Captures two pods, stops the agent, puts its pins in an earlier layout (see
+/// [`make_previous_layout`]), starts it again and checks the migration: the same
+/// maps and links, the captured flows with their veths, traffic as before.
+fn migrates_from(layout: &str, logged: &str) {
     let mut c = Cluster::with_namespaces(1, &[("mesh", true)]).unwrap();
     let client = c.add_pod(PodSpec::new("client", "mesh", 0)).unwrap();
     let server = c.add_pod(PodSpec::new("server", "mesh", 0)).unwrap();
@@ -32,42 +90,39 @@ fn the_unversioned_layout_is_migrated_with_its_links_and_maps() {
     app::exchange(&client.netns, server.addr(8000), b"before").unwrap();
     c.stop_agent(0).unwrap();
 
-    // Put the pins where agents before layout versions had them.
     let node = c.nodes[0].clone();
-    let versioned = node.pins();
-    for name in MAP_NAMES.iter().copied().chain([LINKS_DIR]) {
-        fs::rename(versioned.join(name), node.pin_dir.join(name)).unwrap();
-    }
-    fs::remove_dir(&versioned).unwrap();
+    let pins = node.pins();
+    let old_dir: PathBuf = if layout == "unversioned" {
+        node.pin_dir.clone()
+    } else {
+        node.pin_dir.join(layout)
+    };
+    let flows_before = make_previous_layout(&pins, &old_dir);
     let old = c.inspect(0).unwrap();
-    assert_eq!(old["layout"], "unversioned", "{old:#}");
+    assert_eq!(old["layout"], layout, "{old:#}");
     assert_eq!(old["problems"], serde_json::json!([]), "{old:#}");
-    let map_ids: Vec<u64> = MAP_NAMES
-        .iter()
-        .map(|m| map_id(&node.pin_dir.join(m)))
-        .collect();
-    let flows = c.dump_map_at(&node.pin_dir.join("captured_flows")).unwrap();
-    assert!(!flows.as_array().unwrap().is_empty());
+    let map_ids: Vec<u64> = kept_maps().map(|m| map_id(&old_dir.join(m))).collect();
 
     c.start_agent(0).unwrap();
     let log = c.agent_log(0);
     assert!(
-        log.contains("migrated the unversioned pin layout to layout version 1"),
+        log.contains(&format!(
+            "migrated {logged} to layout version {LAYOUT_VERSION}"
+        )),
         "{log}"
     );
-    // Everything moved: only v1 is left, holding the very same maps and links.
+    assert!(log.contains("captured flows carried over"), "{log}");
+    // Everything moved: only the current layout is left, holding the very same
+    // maps and links.
     let left: Vec<String> = fs::read_dir(&node.pin_dir)
         .unwrap()
         .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
         .collect();
     assert_eq!(left, [format!("v{LAYOUT_VERSION}")]);
-    let moved: Vec<u64> = MAP_NAMES
-        .iter()
-        .map(|m| map_id(&versioned.join(m)))
-        .collect();
+    let moved: Vec<u64> = kept_maps().map(|m| map_id(&pins.join(m))).collect();
     assert_eq!(moved, map_ids);
     let new = c.inspect(0).unwrap();
-    assert_eq!(new["layout"], "v1");
+    assert_eq!(new["layout"], format!("v{LAYOUT_VERSION}"));
     assert_eq!(new["problems"], serde_json::json!([]), "{new:#}");
     let ids = |report: &Value| -> Vec<u64> {
         report["links"]
@@ -87,18 +142,32 @@ fn the_unversioned_layout_is_migrated_with_its_links_and_maps() {
             .collect()
     };
     assert_eq!(pods(&new), pods(&old));
-    // Captured flows carried over (the same map; the agent only adds to it).
-    let carried = c.dump_map(0, "captured_flows").unwrap();
-    for flow in flows.as_array().unwrap() {
+    // The captured flows were carried over, each with the veth it was taken over
+    // on (read from the pods' addresses).
+    let carried = flows::<u32>(&pins.join(MAP_CAPTURED_FLOWS));
+    for flow in &flows_before {
         assert!(
-            carried.as_array().unwrap().contains(flow),
-            "{flow} was lost"
+            carried.contains(flow),
+            "{flow:?} was lost or given another veth: {carried:?}"
         );
     }
     assert!(c.is_captured(&client).unwrap());
     let ex = app::exchange(&client.netns, server.addr(8000), b"after").unwrap();
     assert_eq!(ex.echoed, b"after");
     assert_eq!(echo.accepted(), 2);
+}
+
+#[test]
+fn the_unversioned_layout_is_migrated_with_its_links_maps_and_flows() {
+    migrates_from("unversioned", "the unversioned pin layout");
+}
+
+#[test]
+fn layout_version_1_is_migrated_with_its_links_maps_and_flows() {
+    migrates_from(
+        &format!("v{PREVIOUS_LAYOUT_VERSION}"),
+        &format!("pin layout version {PREVIOUS_LAYOUT_VERSION}"),
+    );
 }
 
 #[test]

@@ -142,7 +142,7 @@ impl Programs {
         p.test_run(opts).expect("BPF_PROG_TEST_RUN").return_value
     }
 
-    fn flows(&mut self) -> HashMap<&mut MapData, FlowKey, u8> {
+    fn flows(&mut self) -> HashMap<&mut MapData, FlowKey, u32> {
         HashMap::try_from(self.ebpf.map_mut(MAP_CAPTURED_FLOWS).unwrap()).unwrap()
     }
 
@@ -271,7 +271,7 @@ fn decisions_on_crafted_packets() {
         // delivery (OK, no socket lookup), where the kernel's own lookup finds the
         // proxy's socket; it counts nothing (the proxy counts the bytes).
         let taken = flow(POD, PEER, 1234, 80);
-        p.flows().insert(taken, 1, 0).unwrap();
+        p.flows().insert(taken, IFINDEX, 0).unwrap();
         let counted = p.counters();
         assert_eq!(p.run("from_pod", &tcp(POD, PEER, 1234, 80, ACK), 0), OK);
         assert_eq!(p.counters(), counted);
@@ -281,10 +281,16 @@ fn decisions_on_crafted_packets() {
         assert_eq!(p.run("from_pod", &tcp(POD, PEER, 1234, 80, ACK), 0), DROP);
         assert_eq!(p.counters().dropped_flow_gone, before.dropped_flow_gone + 1);
         p.set_flag(CONFIG_DRAINING, false);
+        // The fast path holds for the veth the flow was taken over on only: the
+        // same 4-tuple remembered on another veth (a pod whose address moved)
+        // takes the slow path, which finds no socket and drops it.
+        p.flows().insert(taken, IFINDEX + 1, 0).unwrap();
+        assert_eq!(p.run("from_pod", &tcp(POD, PEER, 1234, 80, ACK), 0), DROP);
+        assert_eq!(p.counters().dropped_flow_gone, before.dropped_flow_gone + 2);
         // A SYN of the same 4-tuple that is not captured (an excluded port here)
         // forgets the earlier flow, so that its packets are not steered.
         let excluded_flow = FlowKey { dport: 22, ..taken };
-        p.flows().insert(excluded_flow, 1, 0).unwrap();
+        p.flows().insert(excluded_flow, IFINDEX, 0).unwrap();
         assert_eq!(p.run("from_pod", &tcp(POD, PEER, 1234, 22, SYN), 0), PASS);
         assert!(
             p.flows().get(&excluded_flow, 0).is_err(),
@@ -327,16 +333,17 @@ fn decisions_on_crafted_packets() {
         // ... and the proxy's connection is remembered as the pod's replies will
         // look to from_pod.
         let reply = flow(POD, PEER, 80, 1000);
-        assert!(
-            p.flows().get(&reply, 0).is_ok(),
-            "proxy flow not remembered"
+        assert_eq!(
+            p.flows().get(&reply, 0).ok(),
+            Some(IFINDEX),
+            "proxy flow not remembered on its veth"
         );
         // The pod's replies to it take the fast path.
         assert_eq!(p.run("from_pod", &tcp(POD, PEER, 80, 1000, ACK), 0), OK);
         // A connection from the node is not captured, and forgets an earlier
         // captured flow of its 4-tuple.
         let from_node = flow(NODE, POD, 1000, 80);
-        p.flows().insert(from_node, 1, 0).unwrap();
+        p.flows().insert(from_node, IFINDEX, 0).unwrap();
         assert_eq!(p.run("to_pod", &tcp(NODE, POD, 1000, 80, SYN), 0), PASS);
         assert!(p.flows().get(&from_node, 0).is_err(), "flow not forgotten");
         assert_eq!(p.run("to_pod", &tcp(PEER, POD, 1000, 80, ACK), 0), PASS);
@@ -360,7 +367,7 @@ fn decisions_on_crafted_packets() {
         // Data of a flow the proxy took over (keyed as from_pod sees the bounced
         // packet) is bounced without a socket lookup.
         let inbound = flow(PEER, POD, 1000, 8080);
-        p.flows().insert(inbound, 1, 0).unwrap();
+        p.flows().insert(inbound, IFINDEX, 0).unwrap();
         assert_eq!(
             p.run("to_pod", &tcp(PEER, POD, 1000, 8080, ACK), 0),
             REDIRECT
@@ -388,7 +395,7 @@ fn cost_per_path() {
     in_fresh_netns(|| {
         let mut p = Programs::load();
         let taken = flow(POD, PEER, 1234, 80);
-        p.flows().insert(taken, 1, 0).unwrap();
+        p.flows().insert(taken, IFINDEX, 0).unwrap();
         let mut udp = tcp(POD, PEER, 1000, 53, 0);
         udp[23] = 17;
         let paths = [

@@ -24,7 +24,7 @@ use aya::{
 };
 use podlink_common::{
     LAYOUT_VERSION, LINKS_DIR, MAP_COUNTERS, MAP_PODS, POD_ENROLLED, POD_HAS_IPV4, POD_HAS_IPV6,
-    PROG_FROM_POD, PROG_TO_POD, PodCounters, PodInfo,
+    PREVIOUS_LAYOUT_VERSION, PROG_FROM_POD, PROG_TO_POD, PodCounters, PodInfo,
 };
 use serde::Serialize;
 
@@ -40,8 +40,9 @@ use super::{
 pub struct Inspection {
     /// The pin directory read.
     pub pin_dir: PathBuf,
-    /// The layout found: `"v1"`, `"unversioned"` (before layout versions), or
-    /// `null` when nothing is pinned.
+    /// The layout found: `"v2"`, `"v1"` (the previous version, until an agent
+    /// migrates it), `"unversioned"` (before layout versions), or `null` when
+    /// nothing is pinned.
     pub layout: Option<String>,
     /// Entries of the `pods` map, by host veth index.
     pub pods: Vec<PodReport>,
@@ -96,7 +97,8 @@ pub struct LinkReport {
 #[derive(Clone, Debug, PartialEq, Eq, Serialize)]
 pub struct Problem {
     /// `link_interface_gone`, `link_interface_not_veth`, `link_without_pod`,
-    /// `pod_interface_gone`, `pod_without_links`, `unversioned_pins_left`.
+    /// `pod_interface_gone`, `pod_without_links`, `unversioned_pins_left`,
+    /// `previous_layout_pins_left`.
     pub kind: &'static str,
     /// The interface index concerned (0 when none).
     pub ifindex: u32,
@@ -162,32 +164,57 @@ pub fn inspect(pin_dir: &Path) -> Result<Inspection> {
         ..Default::default()
     };
     let contents = pins::survey(pin_dir)?;
-    if let Some(other) = contents.versions.iter().find(|v| **v != LAYOUT_VERSION) {
+    if let Some(other) = contents
+        .versions
+        .iter()
+        .find(|v| **v != LAYOUT_VERSION && **v != PREVIOUS_LAYOUT_VERSION)
+    {
         bail!(
             "{} holds pins of layout version {other}, which this podlink (layout version {LAYOUT_VERSION}) cannot read",
             pin_dir.join(format!("v{other}")).display()
         );
     }
-    let dir = if contents.versions.contains(&LAYOUT_VERSION) {
-        report.layout = Some(format!("v{LAYOUT_VERSION}"));
+    let previous = pin_dir.join(format!("v{PREVIOUS_LAYOUT_VERSION}"));
+    let has_previous = contents.versions.contains(&PREVIOUS_LAYOUT_VERSION);
+    let mut left = |kind: &'static str, what: &str, under: &Path| {
+        report.problems.push(Problem {
+            kind,
+            ifindex: 0,
+            message: format!(
+                "pins of {what} are left under {}; the next agent moves them",
+                under.display()
+            ),
+        });
+    };
+    // The newest layout found is read; what is left of older ones is reported.
+    let (dir, version) = if contents.versions.contains(&LAYOUT_VERSION) {
         if contents.legacy {
-            report.problems.push(Problem {
-                kind: "unversioned_pins_left",
-                ifindex: 0,
-                message: format!(
-                    "pins of the unversioned layout are left directly under {}; the next agent moves them",
-                    pin_dir.display()
-                ),
-            });
+            left("unversioned_pins_left", "the unversioned layout", pin_dir);
         }
-        pins::versioned_dir(pin_dir)
+        if has_previous {
+            left(
+                "previous_layout_pins_left",
+                &format!("layout version {PREVIOUS_LAYOUT_VERSION}"),
+                &previous,
+            );
+        }
+        (pins::versioned_dir(pin_dir), LAYOUT_VERSION)
+    } else if has_previous {
+        if contents.legacy {
+            left("unversioned_pins_left", "the unversioned layout", pin_dir);
+        }
+        (previous, PREVIOUS_LAYOUT_VERSION)
     } else if contents.legacy {
-        report.layout = Some("unversioned".into());
-        pin_dir.to_path_buf()
+        (pin_dir.to_path_buf(), PREVIOUS_LAYOUT_VERSION)
     } else {
         return Ok(report);
     };
-    check_pinned_layouts(&dir)?;
+    report.layout = Some(if dir == pin_dir {
+        "unversioned".into()
+    } else {
+        format!("v{version}")
+    });
+    check_pinned_layouts(&dir, version)?;
     let interfaces = net::interfaces().context("listing the node's interfaces")?;
     let name_of = |ifindex: u32| interfaces.get(&ifindex).map(|(name, _)| name.clone());
 
@@ -468,7 +495,7 @@ mod tests {
             ifindex,
             interface: None,
             program,
-            pin: PathBuf::from(format!("/pins/v1/links/{ifindex}_{program}")),
+            pin: PathBuf::from(format!("/pins/v2/links/{ifindex}_{program}")),
             link_id: Some(1),
             program_id: Some(2),
             program_name: Some(program.to_string()),

@@ -1,19 +1,22 @@
 //! The maps' layouts: what this agent's programs expect of pinned maps it reuses,
+//! what the previous layout version held, the captured flows carried over from it,
 //! and the config value it writes.
 
 use std::{net::Ipv4Addr, path::Path};
 
 use anyhow::{Context, Result, bail};
-use aya::maps::{MapInfo, MapType};
+use aya::maps::{HashMap as BpfHashMap, Map, MapData, MapInfo, MapType};
 use podlink_common::{
     CidrKey, Config, FlowKey, MAP_CAPTURED_FLOWS, MAP_CONFIG, MAP_COUNTERS, MAP_EXCLUDED_CIDRS,
     MAP_EXCLUDED_PORTS, MAP_NAMES, MAP_PODS, MAX_CAPTURED_FLOWS, MAX_EXCLUDED_CIDRS,
-    MAX_EXCLUDED_PORTS, MAX_NODE_ADDRS, MAX_PODS, PodCounters, PodInfo, ipv4_mapped,
+    MAX_EXCLUDED_PORTS, MAX_NODE_ADDRS, MAX_PODS, POD_HAS_IPV4, PREVIOUS_LAYOUT_VERSION,
+    PodCounters, PodInfo, ipv4_mapped,
 };
 
-/// The layout this agent's programs expect of each map: type, key size, value size,
-/// capacity.
-fn expected_layout(name: &str) -> Option<(MapType, usize, usize, u32)> {
+/// The layout of each map in layout `version` ([`podlink_common::LAYOUT_VERSION`] or
+/// [`PREVIOUS_LAYOUT_VERSION`], whose captured flows had a `u8` value): type, key
+/// size, value size, capacity.
+fn expected_layout(name: &str, version: u32) -> Option<(MapType, usize, usize, u32)> {
     Some(match name {
         MAP_PODS => (MapType::Hash, 4, size_of::<PodInfo>(), MAX_PODS),
         MAP_CONFIG => (MapType::Array, 4, size_of::<Config>(), 1),
@@ -28,18 +31,22 @@ fn expected_layout(name: &str) -> Option<(MapType, usize, usize, u32)> {
         MAP_CAPTURED_FLOWS => (
             MapType::LruHash,
             size_of::<FlowKey>(),
-            1,
+            if version == PREVIOUS_LAYOUT_VERSION {
+                1
+            } else {
+                size_of::<u32>()
+            },
             MAX_CAPTURED_FLOWS,
         ),
         _ => return None,
     })
 }
 
-/// Refuses pinned maps whose layout differs from what the programs expect: reusing
-/// them would make the programs read garbage.
+/// Refuses pinned maps whose layout differs from that of layout `version`: the
+/// programs would read garbage from them, or a migration would misread them.
 /// `pin_dir` is the directory holding the maps: a layout's `v<N>`, or the pin
-/// directory itself for the unversioned layout.
-pub(super) fn check_pinned_layouts(pin_dir: &Path) -> Result<()> {
+/// directory itself for the unversioned layout (that of version 1).
+pub(super) fn check_pinned_layouts(pin_dir: &Path, version: u32) -> Result<()> {
     // The directory `podlink uninstall` takes.
     let versioned = pin_dir
         .file_name()
@@ -63,7 +70,7 @@ pub(super) fn check_pinned_layouts(pin_dir: &Path) -> Result<()> {
             info.max_entries(),
         );
         let (kind, key, value, entries) =
-            expected_layout(name).expect("every map name has a layout");
+            expected_layout(name, version).expect("every map name has a layout");
         if found != (Some(kind), key, value, entries) {
             bail!(
                 "the pinned map {} ({:?}, key {} B, value {} B, {} entries) was made by an incompatible podlink; this agent expects {kind:?}, key {key} B, value {value} B, {entries} entries. Remove its pins with `podlink uninstall --pin-dir {}` (this detaches capture) and start again",
@@ -77,6 +84,49 @@ pub(super) fn check_pinned_layouts(pin_dir: &Path) -> Result<()> {
         }
     }
     Ok(())
+}
+
+/// Copies the captured flows of a map of the previous layout (pinned at `old`,
+/// `u8` values) into `flows`, this layout's map, each with the host veth of the
+/// enrolled pod it belongs to: the pod whose IPv4 address is the flow's source (a
+/// flow leaving it) or else its destination (a flow bounced into it), from `pods`
+/// (host ifindex and entry, as the pods map holds them). Flows of no enrolled pod
+/// are left out. A flow given the wrong veth (both ends enrolled here) only takes
+/// the programs' slow path once, which remembers its veth. Keeping the flows keeps
+/// the stray packets of a proxy flow whose socket is gone dropped across the
+/// upgrade, as they are across any restart. Returns the flows copied and left out.
+///
+/// # Errors
+/// When the old map cannot be opened or read, or an insert fails (the new map is
+/// an LRU: it does not fill up).
+pub(super) fn carry_captured_flows(
+    old: &Path,
+    flows: &mut BpfHashMap<&mut MapData, FlowKey, u32>,
+    pods: &[(u32, PodInfo)],
+) -> Result<(usize, usize)> {
+    let old_map: BpfHashMap<MapData, FlowKey, u8> = BpfHashMap::try_from(Map::LruHashMap(
+        MapData::from_pin(old).with_context(|| format!("opening {}", old.display()))?,
+    ))
+    .with_context(|| format!("reading {}", old.display()))?;
+    let pod_of = |addr: &[u8; 16]| {
+        pods.iter()
+            .find(|(_, pod)| pod.flags & POD_HAS_IPV4 != 0 && pod.ipv4 == *addr)
+            .map(|(ifindex, _)| *ifindex)
+    };
+    let (mut copied, mut left_out) = (0, 0);
+    for key in old_map.keys() {
+        let key = key.with_context(|| format!("reading {}", old.display()))?;
+        match pod_of(&key.saddr).or_else(|| pod_of(&key.daddr)) {
+            Some(ifindex) => {
+                flows
+                    .insert(key, ifindex, 0)
+                    .context("writing a captured flow")?;
+                copied += 1;
+            }
+            None => left_out += 1,
+        }
+    }
+    Ok((copied, left_out))
 }
 
 /// `config` with the node's addresses filled in (at most [`MAX_NODE_ADDRS`]).

@@ -3,9 +3,9 @@
 //!
 //! Pins (under the pin directory, default `/sys/fs/bpf/podlink`, in the directory
 //! of the layout version, see [`pins`]):
-//! * `v1/<map>` for each map in [`podlink_common::MAP_NAMES`], readable with
-//!   `bpftool map dump pinned <pin-dir>/v1/<map>` (field names from BTF);
-//! * `v1/links/<ifindex>_<program>` for each TCX link, so that capture outlives the
+//! * `v2/<map>` for each map in [`podlink_common::MAP_NAMES`], readable with
+//!   `bpftool map dump pinned <pin-dir>/v2/<map>` (field names from BTF);
+//! * `v2/links/<ifindex>_<program>` for each TCX link, so that capture outlives the
 //!   agent: while no proxy listens, enrolled pods' new connections are dropped
 //!   (fail closed), never sent in plain text.
 //!
@@ -56,9 +56,10 @@ use aya::{
 };
 use nix::fcntl::Flock;
 use podlink_common::{
-    CONFIG_DRAINING, CidrKey, Config, LINKS_DIR, MAP_CONFIG, MAP_COUNTERS, MAP_EXCLUDED_CIDRS,
-    MAP_EXCLUDED_PORTS, MAP_NAMES, MAP_PODS, MAX_NODE_ADDRS, POD_ENROLLED, POD_HAS_IPV4,
-    PROG_FROM_POD, PROG_TO_POD, PodCounters, PodInfo, ipv4_mapped,
+    CONFIG_DRAINING, CidrKey, Config, FlowKey, LAYOUT_VERSION, LINKS_DIR, MAP_CAPTURED_FLOWS,
+    MAP_CONFIG, MAP_COUNTERS, MAP_EXCLUDED_CIDRS, MAP_EXCLUDED_PORTS, MAP_NAMES, MAP_PODS,
+    MAX_NODE_ADDRS, POD_ENROLLED, POD_HAS_IPV4, PROG_FROM_POD, PROG_TO_POD, PodCounters, PodInfo,
+    ipv4_mapped,
 };
 
 /// The pin directory by default (on the host's bpffs).
@@ -149,6 +150,35 @@ struct Attachment {
     links: Vec<Link>,
 }
 
+/// Copies the captured flows of earlier layouts' maps (`old_flows`) into the loaded
+/// `captured_flows`, each with its pod's host veth from `pods` (the previous
+/// agent's entries), and logs what was copied.
+fn carry_flows(
+    ebpf: &mut Ebpf,
+    pods: &BpfHashMap<MapData, u32, PodInfo>,
+    old_flows: &[PathBuf],
+) -> Result<()> {
+    let pods: Vec<(u32, PodInfo)> = pods
+        .iter()
+        .collect::<Result<_, _>>()
+        .context("reading the pods map")?;
+    let mut flows: BpfHashMap<&mut MapData, FlowKey, u32> = BpfHashMap::try_from(
+        ebpf.map_mut(MAP_CAPTURED_FLOWS)
+            .ok_or_else(|| anyhow!("map {MAP_CAPTURED_FLOWS} missing from the object"))?,
+    )?;
+    for old in old_flows {
+        let (copied, left_out) = layout::carry_captured_flows(old, &mut flows, &pods)
+            .with_context(|| format!("carrying the captured flows of {}", old.display()))?;
+        tracing::info!(
+            from = %old.display(),
+            copied,
+            left_out,
+            "captured flows carried over to layout version {LAYOUT_VERSION}"
+        );
+    }
+    Ok(())
+}
+
 /// The loaded programs, their maps and the current attachments.
 pub struct Dataplane {
     ebpf: Ebpf,
@@ -198,8 +228,9 @@ impl Dataplane {
         }
         bpffs::ensure(&cfg.pin_dir)?;
         let lock = pins::lock(&cfg.pin_dir)?;
-        let pin_dir = pins::prepare(&cfg.pin_dir)?;
-        check_pinned_layouts(&pin_dir)?;
+        let prepared = pins::prepare(&cfg.pin_dir)?;
+        let pin_dir = prepared.dir;
+        check_pinned_layouts(&pin_dir, LAYOUT_VERSION)?;
         let mut loader = EbpfLoader::new();
         let pin_paths: Vec<(&str, PathBuf)> = MAP_NAMES
             .iter()
@@ -224,7 +255,12 @@ impl Dataplane {
             ebpf.take_map(name)
                 .ok_or_else(|| anyhow!("map {name} missing from the object"))
         };
-        let pods = BpfHashMap::try_from(take(&mut ebpf, MAP_PODS)?)?;
+        let pods: BpfHashMap<MapData, u32, PodInfo> =
+            BpfHashMap::try_from(take(&mut ebpf, MAP_PODS)?)?;
+        if !prepared.old_flows.is_empty() {
+            carry_flows(&mut ebpf, &pods, &prepared.old_flows)?;
+            pins::finish_migration(&cfg.pin_dir, &prepared.old_flows)?;
+        }
         let counters = PerCpuHashMap::try_from(take(&mut ebpf, MAP_COUNTERS)?)?;
         let config = with_node_addrs(cfg.config, &cfg.node_addrs);
         let mut config_map: Array<MapData, Config> = Array::try_from(take(&mut ebpf, MAP_CONFIG)?)?;
@@ -619,7 +655,7 @@ impl Dataplane {
                     .ebpf
                     .map(name)
                     .ok_or_else(|| anyhow!("map {name} missing from the object"))?;
-                let flows: BpfHashMap<&MapData, podlink_common::FlowKey, u8> =
+                let flows: BpfHashMap<&MapData, podlink_common::FlowKey, u32> =
                     BpfHashMap::try_from(map).with_context(|| format!("map {name}"))?;
                 dup(flows.map())
             }

@@ -4,12 +4,20 @@
 //! * `v<N>/<map>` for each map in [`MAP_NAMES`];
 //! * `v<N>/links/<ifindex>_<program>` for each TCX link.
 //!
-//! The layout before versions (issue 2) had the same maps and links directly under
-//! `<pin-dir>`: an agent finding it moves each pin into `v1/` by renaming it on the
-//! bpffs (`rename(2)`; the map or link object is the same, so pods' entries,
-//! counters and captured flows carry over and every link stays attached), then
-//! adopts the links as after any restart. A `v<M>` of another version makes the
-//! agent refuse to start: it cannot know that layout.
+//! Earlier layouts are migrated by renaming pins on the bpffs (`rename(2)`; the
+//! map or link object is the same, so pods' entries and counters carry over and
+//! every link stays attached), then the links are adopted as after any restart:
+//! * the layout before versions (issue 2) had version 1's maps and links directly
+//!   under `<pin-dir>`;
+//! * version 1 ([`PREVIOUS_LAYOUT_VERSION`]) differs from version 2 in the value of
+//!   `captured_flows` only (a `u8`, now the host veth's ifindex). Every other map
+//!   and the links are renamed into `v2/`; the old `captured_flows` stays until
+//!   the agent has loaded its programs and copied its flows into the new map (see
+//!   [`super::layout`]), then goes with its directory ([`finish_migration`]).
+//!
+//! Each step is idempotent: an agent stopped halfway finishes the move on its next
+//! start. A `v<M>` of any other version makes the agent refuse to start: it cannot
+//! know that layout.
 //!
 //! The pin directory itself is locked (`flock(2)` on the directory) by the agent
 //! using it, so that `podlink uninstall` can tell that one is running.
@@ -22,7 +30,10 @@ use std::{
 
 use anyhow::{Context, Result, bail};
 use nix::fcntl::{Flock, FlockArg};
-use podlink_common::{LAYOUT_VERSION, LINKS_DIR, MAP_NAMES, PROG_FROM_POD, PROG_TO_POD};
+use podlink_common::{
+    LAYOUT_VERSION, LINKS_DIR, MAP_CAPTURED_FLOWS, MAP_NAMES, PREVIOUS_LAYOUT_VERSION,
+    PROG_FROM_POD, PROG_TO_POD,
+};
 
 use super::layout::check_pinned_layouts;
 
@@ -89,9 +100,14 @@ pub fn survey(pin_dir: &Path) -> Result<PinDirContents> {
     Ok(contents)
 }
 
-/// Refuses layouts this agent does not know: any `v<M>` other than its own.
+/// Refuses layouts this agent does not know: any `v<M>` other than its own and the
+/// previous one.
 fn refuse_other_versions(pin_dir: &Path, contents: &PinDirContents) -> Result<()> {
-    if let Some(&other) = contents.versions.iter().find(|v| **v != LAYOUT_VERSION) {
+    if let Some(&other) = contents
+        .versions
+        .iter()
+        .find(|v| **v != LAYOUT_VERSION && **v != PREVIOUS_LAYOUT_VERSION)
+    {
         let path = pin_dir.join(format!("v{other}"));
         let advice = if other > LAYOUT_VERSION {
             "it was made by a newer podlink: run that version, or remove it with `podlink uninstall` (this detaches capture)"
@@ -106,69 +122,121 @@ fn refuse_other_versions(pin_dir: &Path, contents: &PinDirContents) -> Result<()
     Ok(())
 }
 
+/// This agent's layout directory, ready, and what is left of an earlier layout's
+/// migration.
+#[derive(Debug)]
+pub(super) struct Prepared {
+    /// `<pin_dir>/v<LAYOUT_VERSION>`, with its `links` directory.
+    pub dir: PathBuf,
+    /// The `captured_flows` maps of earlier layouts (the unversioned layout's,
+    /// version 1's), whose flows are to be copied into this layout's map once the
+    /// programs are loaded, before [`finish_migration`] removes them.
+    pub old_flows: Vec<PathBuf>,
+}
+
 /// Makes `<pin_dir>/v<N>/links` ready for this agent: refuses other versions and
-/// migrates the unversioned layout. Returns the versioned directory.
+/// moves the unversioned layout's and version 1's pins into it, but for their
+/// `captured_flows` (see [`Prepared::old_flows`]).
 ///
 /// # Errors
-/// A pin directory of another layout version, unversioned maps of an incompatible
+/// A pin directory of an unknown layout version, earlier maps of an unexpected
 /// layout, or a failed rename or directory creation.
-pub(super) fn prepare(pin_dir: &Path) -> Result<PathBuf> {
+pub(super) fn prepare(pin_dir: &Path) -> Result<Prepared> {
     let contents = survey(pin_dir)?;
     refuse_other_versions(pin_dir, &contents)?;
     let dir = versioned_dir(pin_dir);
     let links = dir.join(LINKS_DIR);
     fs::create_dir_all(&links).with_context(|| format!("creating {}", links.display()))?;
+    let mut old_flows = Vec::new();
+    let mut earlier = Vec::new();
     if contents.legacy {
-        migrate_unversioned(pin_dir, &dir)?;
+        earlier.push((
+            pin_dir.to_path_buf(),
+            "the unversioned pin layout".to_string(),
+        ));
     }
-    Ok(dir)
+    if contents.versions.contains(&PREVIOUS_LAYOUT_VERSION) {
+        earlier.push((
+            pin_dir.join(format!("v{PREVIOUS_LAYOUT_VERSION}")),
+            format!("pin layout version {PREVIOUS_LAYOUT_VERSION}"),
+        ));
+    }
+    for (from, what) in earlier {
+        migrate(&from, &dir, &what)?;
+        let flows = from.join(MAP_CAPTURED_FLOWS);
+        if flows.exists() {
+            old_flows.push(flows);
+        }
+    }
+    Ok(Prepared { dir, old_flows })
 }
 
-/// Moves the unversioned layout's pins (same maps, same link names) into `dir`.
-/// Each step is a rename and the whole is idempotent, so an agent stopped halfway
-/// finishes the move on its next start.
-fn migrate_unversioned(pin_dir: &Path, dir: &Path) -> Result<()> {
-    check_pinned_layouts(pin_dir).context("migrating the unversioned pin layout")?;
+/// Moves the pins of an earlier layout (version 1's maps and links, in `from`) into
+/// `dir`, but for `captured_flows`. Each step is a rename, and a pin already in
+/// `dir` is kept, so that the move is idempotent.
+fn migrate(from: &Path, dir: &Path, what: &str) -> Result<()> {
+    check_pinned_layouts(from, PREVIOUS_LAYOUT_VERSION)
+        .with_context(|| format!("migrating {what}"))?;
     let mut moved = 0;
-    for name in MAP_NAMES {
-        let (from, to) = (pin_dir.join(name), dir.join(name));
-        if from.exists() && !to.exists() {
-            fs::rename(&from, &to)
-                .with_context(|| format!("moving {} to {}", from.display(), to.display()))?;
+    for name in MAP_NAMES.into_iter().filter(|n| *n != MAP_CAPTURED_FLOWS) {
+        let (old, new) = (from.join(name), dir.join(name));
+        if !old.exists() {
+            continue;
+        }
+        if new.exists() {
+            // A map this layout already has (an earlier move): it stays.
+            fs::remove_file(&old).with_context(|| format!("removing {}", old.display()))?;
+        } else {
+            fs::rename(&old, &new)
+                .with_context(|| format!("moving {} to {}", old.display(), new.display()))?;
             moved += 1;
         }
     }
-    let old_links = pin_dir.join(LINKS_DIR);
+    let old_links = from.join(LINKS_DIR);
     if old_links.is_dir() {
         for entry in
             fs::read_dir(&old_links).with_context(|| format!("reading {}", old_links.display()))?
         {
-            let from = entry?.path();
-            let Some(name) = from.file_name() else {
+            let old = entry?.path();
+            let Some(name) = old.file_name() else {
                 continue;
             };
-            let to = dir.join(LINKS_DIR).join(name);
-            if to.exists() {
-                // A second link on the same hook: the versioned one stays.
-                let _ = fs::remove_file(&from);
+            let new = dir.join(LINKS_DIR).join(name);
+            if new.exists() {
+                // A second link on the same hook: the one in this layout stays.
+                let _ = fs::remove_file(&old);
             } else {
-                fs::rename(&from, &to)
-                    .with_context(|| format!("moving {} to {}", from.display(), to.display()))?;
+                fs::rename(&old, &new)
+                    .with_context(|| format!("moving {} to {}", old.display(), new.display()))?;
                 moved += 1;
             }
         }
         fs::remove_dir(&old_links).with_context(|| format!("removing {}", old_links.display()))?;
     }
-    // Maps of the old layout that a versioned map of the same name replaced.
-    for name in MAP_NAMES {
-        let _ = fs::remove_file(pin_dir.join(name));
-    }
     tracing::info!(
-        from = %pin_dir.display(),
+        from = %from.display(),
         to = %dir.display(),
         pins = moved,
-        "migrated the unversioned pin layout to layout version {LAYOUT_VERSION}"
+        "migrated {what} to layout version {LAYOUT_VERSION}"
     );
+    Ok(())
+}
+
+/// Ends a migration once the flows of `old_flows` ([`Prepared::old_flows`]) are
+/// copied: removes those pins, and version 1's directory when nothing else is left
+/// in it (what podlink does not name stays, and so does the directory).
+///
+/// # Errors
+/// A pin that cannot be removed.
+pub(super) fn finish_migration(pin_dir: &Path, old_flows: &[PathBuf]) -> Result<()> {
+    for flows in old_flows {
+        fs::remove_file(flows).with_context(|| format!("removing {}", flows.display()))?;
+    }
+    let previous = pin_dir.join(format!("v{PREVIOUS_LAYOUT_VERSION}"));
+    if previous.is_dir() {
+        // Fails, and leaves it, when something else is still in it.
+        let _ = fs::remove_dir(&previous);
+    }
     Ok(())
 }
 
@@ -322,18 +390,40 @@ mod tests {
     }
 
     #[test]
+    fn the_previous_layout_is_taken_and_an_older_one_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let previous = dir.path().join(format!("v{PREVIOUS_LAYOUT_VERSION}"));
+        fs::create_dir_all(previous.join(LINKS_DIR)).unwrap();
+        let prepared = prepare(dir.path()).unwrap();
+        assert_eq!(prepared.dir, versioned_dir(dir.path()));
+        assert!(prepared.dir.join(LINKS_DIR).is_dir());
+        assert!(prepared.old_flows.is_empty());
+        // Its emptied links directory went; the directory itself goes once the
+        // flows are carried.
+        assert!(!previous.join(LINKS_DIR).exists());
+        finish_migration(dir.path(), &prepared.old_flows).unwrap();
+        assert!(!previous.exists());
+
+        let older = dir.path().join("v0");
+        fs::create_dir(&older).unwrap();
+        let error = format!("{:#}", prepare(dir.path()).unwrap_err());
+        assert!(error.contains(&older.display().to_string()), "{error}");
+        assert!(error.contains("no migration from it"), "{error}");
+    }
+
+    #[test]
     fn removal_leaves_what_podlink_does_not_name() {
         let dir = tempfile::tempdir().unwrap();
-        let v1 = versioned_dir(dir.path());
-        fs::create_dir_all(v1.join(LINKS_DIR)).unwrap();
-        fs::write(v1.join(LINKS_DIR).join("7_from_pod"), "").unwrap();
-        fs::write(v1.join("pods"), "").unwrap();
+        let current = versioned_dir(dir.path());
+        fs::create_dir_all(current.join(LINKS_DIR)).unwrap();
+        fs::write(current.join(LINKS_DIR).join("7_from_pod"), "").unwrap();
+        fs::write(current.join("pods"), "").unwrap();
         fs::write(dir.path().join("pods"), "").unwrap();
         fs::write(dir.path().join("someone_elses"), "").unwrap();
         let removed = remove_all(dir.path()).unwrap();
-        assert!(removed.contains(&v1.join(LINKS_DIR).join("7_from_pod")));
+        assert!(removed.contains(&current.join(LINKS_DIR).join("7_from_pod")));
         assert!(removed.contains(&dir.path().join("pods")));
-        assert!(!v1.exists());
+        assert!(!current.exists());
         assert!(dir.path().join("someone_elses").exists());
         assert!(remove_all(dir.path()).unwrap().is_empty());
         fs::remove_file(dir.path().join("someone_elses")).unwrap();

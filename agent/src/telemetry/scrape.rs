@@ -22,7 +22,7 @@ use crate::{dataplane::Dataplane, proxy::ProxyState};
 pub struct DataplaneMaps {
     pods: BpfHashMap<MapData, u32, PodInfo>,
     counters: PerCpuHashMap<MapData, u32, PodCounters>,
-    captured_flows: BpfHashMap<MapData, FlowKey, u8>,
+    captured_flows: BpfHashMap<MapData, FlowKey, u32>,
 }
 
 impl DataplaneMaps {
