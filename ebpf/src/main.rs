@@ -88,10 +88,14 @@ pub fn from_pod(ctx: TcContext) -> i32 {
     //    kernel's own socket lookup (tcp_v4_rcv) then finds the proxy's socket, as
     //    it does for TPROXY. Were the socket gone, the packet would end in the
     //    local stack, never on the network. The veth stands for the pod's
-    //    addresses: the flow was remembered here after the checks below, so only
-    //    this pod (or `to_pod`'s bounce into it) sends its 4-tuple here. It is not
-    //    counted: the proxy counts the flow's bytes. A draining or stopped proxy
-    //    takes the slow path, which tells such packets apart and counts them.
+    //    addresses: every entry of this veth was remembered for a packet carrying
+    //    the pod's address (after the anti-spoofing check below, or in `to_pod`
+    //    for a packet addressed to the pod), so a packet of its 4-tuple carries it
+    //    too. (An entry outlives a new address of the pod on the same veth, which
+    //    the agent does not sweep the map for: the pod could still send from its
+    //    old address, into the proxy sockets of its own earlier flows only.) It is
+    //    not counted: the proxy counts the flow's bytes. A draining or stopped
+    //    proxy takes the slow path, which tells such packets apart and counts them.
     if let Packet::Tcp4(pkt) = &packet
         && flow == Some(ifindex)
         && !pkt.is_syn()
@@ -276,18 +280,27 @@ pub fn to_pod(ctx: TcContext) -> i32 {
     let syn = pkt.is_syn();
     if proxy_own {
         // Remember it, so that the pod's replies take `from_pod`'s fast path and
-        // are never passed in plain text once the proxy's socket is gone. Counted
-        // once, at its SYN: the proxy counts the flow's bytes.
+        // are never passed in plain text once the proxy's socket is gone: only a
+        // connection to the pod's own address, as the fast path takes the veth for
+        // the pod's addresses (one pod lookup per connection). Counted once, at
+        // its SYN: the proxy counts the flow's bytes.
         if syn {
-            maps::remember_reply_flow(&pkt, ifindex);
+            if let Some(pod) = maps::pod(ifindex)
+                && parse::is_pod_ipv4(pod, pkt.daddr)
+            {
+                maps::remember_reply_flow(&pkt, ifindex);
+            }
             count(ifindex, |c| &mut c.passed);
         }
         return PASS;
     }
-    // Fast path: a later packet of a flow the proxy took over on this veth (keyed
-    // as `from_pod` sees the bounced packet; remembered here only for packets
-    // addressed to this pod). Not counted: the proxy counts the flow's bytes.
-    if !syn && maps::captured_on(&pkt) == Some(ifindex) {
+    // The veth the proxy took this flow over on, if it did (keyed as `from_pod`
+    // sees the bounced packet). A SYN is a new connection, whatever was before.
+    let flow = if syn { None } else { maps::captured_on(&pkt) };
+    // Fast path: a later packet of a flow the proxy took over on this veth
+    // (remembered here only for packets addressed to this pod). Not counted: the
+    // proxy counts the flow's bytes.
+    if flow == Some(ifindex) {
         return redirect_to_ingress(ifindex);
     }
     let Some(pod) = maps::pod(ifindex) else {
@@ -306,6 +319,12 @@ pub fn to_pod(ctx: TcContext) -> i32 {
             maps::forget_flow(&pkt);
         }
         capture
+    } else if flow.is_some() {
+        // A flow the proxy took over on another veth (a pod whose address moved
+        // here): bounced, uncounted, as on the fast path. `from_pod` finds the
+        // proxy's socket and remembers this veth, or drops the packet; it never
+        // enters the pod in plain text.
+        return redirect_to_ingress(ifindex);
     } else if socket::proxy_socket_exists(&ctx, &pkt) {
         // Packets of the proxy's flows, from anywhere (the node's own replies to a
         // connection the proxy opened), not remembered on this veth yet; later

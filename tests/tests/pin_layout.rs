@@ -79,8 +79,11 @@ fn make_previous_layout(pins: &Path, into: &Path) -> Vec<(FlowKey, u32)> {
 
 /// Captures two pods, stops the agent, puts its pins in an earlier layout (see
 /// [`make_previous_layout`]), starts it again and checks the migration: the same
-/// maps and links, the captured flows with their veths, traffic as before.
-fn migrates_from(layout: &str, logged: &str) {
+/// maps and links, the captured flows with their veths, traffic as before. With
+/// `interrupted`, the maps and links are already back in the current layout, as an
+/// agent stopped after its renames leaves them, and only the old captured flows
+/// are left to carry.
+fn migrates_from(layout: &str, logged: &str, interrupted: bool) {
     let mut c = Cluster::with_namespaces(1, &[("mesh", true)]).unwrap();
     let client = c.add_pod(PodSpec::new("client", "mesh", 0)).unwrap();
     let server = c.add_pod(PodSpec::new("server", "mesh", 0)).unwrap();
@@ -98,10 +101,30 @@ fn migrates_from(layout: &str, logged: &str) {
         node.pin_dir.join(layout)
     };
     let flows_before = make_previous_layout(&pins, &old_dir);
+    let moved_to = if interrupted {
+        fs::create_dir(&pins).unwrap();
+        for name in kept_maps().chain([LINKS_DIR]) {
+            fs::rename(old_dir.join(name), pins.join(name)).unwrap();
+        }
+        &pins
+    } else {
+        &old_dir
+    };
     let old = c.inspect(0).unwrap();
-    assert_eq!(old["layout"], layout, "{old:#}");
-    assert_eq!(old["problems"], serde_json::json!([]), "{old:#}");
-    let map_ids: Vec<u64> = kept_maps().map(|m| map_id(&old_dir.join(m))).collect();
+    if interrupted {
+        assert_eq!(old["layout"], format!("v{LAYOUT_VERSION}"), "{old:#}");
+        let kinds: Vec<&Value> = old["problems"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|p| &p["kind"])
+            .collect();
+        assert_eq!(kinds, ["previous_layout_pins_left"], "{old:#}");
+    } else {
+        assert_eq!(old["layout"], layout, "{old:#}");
+        assert_eq!(old["problems"], serde_json::json!([]), "{old:#}");
+    }
+    let map_ids: Vec<u64> = kept_maps().map(|m| map_id(&moved_to.join(m))).collect();
 
     c.start_agent(0).unwrap();
     let log = c.agent_log(0);
@@ -159,7 +182,7 @@ fn migrates_from(layout: &str, logged: &str) {
 
 #[test]
 fn the_unversioned_layout_is_migrated_with_its_links_maps_and_flows() {
-    migrates_from("unversioned", "the unversioned pin layout");
+    migrates_from("unversioned", "the unversioned pin layout", false);
 }
 
 #[test]
@@ -167,6 +190,16 @@ fn layout_version_1_is_migrated_with_its_links_maps_and_flows() {
     migrates_from(
         &format!("v{PREVIOUS_LAYOUT_VERSION}"),
         &format!("pin layout version {PREVIOUS_LAYOUT_VERSION}"),
+        false,
+    );
+}
+
+#[test]
+fn a_migration_stopped_after_its_renames_is_finished() {
+    migrates_from(
+        &format!("v{PREVIOUS_LAYOUT_VERSION}"),
+        &format!("pin layout version {PREVIOUS_LAYOUT_VERSION}"),
+        true,
     );
 }
 

@@ -340,6 +340,17 @@ fn decisions_on_crafted_packets() {
         );
         // The pod's replies to it take the fast path.
         assert_eq!(p.run("from_pod", &tcp(POD, PEER, 80, 1000, ACK), 0), OK);
+        // A proxy connection to an address that is not the pod's is not remembered:
+        // the fast path takes the veth for the pod's addresses.
+        let elsewhere = Ipv4Addr::new(10, 244, 1, 99);
+        assert_eq!(
+            p.run("to_pod", &tcp(PEER, elsewhere, 1000, 80, SYN), PROXY_MARK),
+            PASS
+        );
+        assert!(
+            p.flows().get(&flow(elsewhere, PEER, 80, 1000), 0).is_err(),
+            "a flow of another address was remembered"
+        );
         // A connection from the node is not captured, and forgets an earlier
         // captured flow of its 4-tuple.
         let from_node = flow(NODE, POD, 1000, 80);
@@ -375,6 +386,17 @@ fn decisions_on_crafted_packets() {
         assert_eq!(p.counters().bounced, bounced + 1);
         // ... and its bounced packet is delivered locally by from_pod.
         assert_eq!(p.run("from_pod", &tcp(PEER, POD, 1000, 8080, ACK), 0), OK);
+        // Remembered on another veth (a pod whose address moved here), it is still
+        // bounced, never let into the pod in plain text, and from_pod, finding no
+        // proxy socket for it, drops it.
+        p.flows().insert(inbound, IFINDEX + 1, 0).unwrap();
+        assert_eq!(
+            p.run("to_pod", &tcp(PEER, POD, 1000, 8080, ACK), 0),
+            REDIRECT
+        );
+        let misses = p.counters().dropped_bounce_miss;
+        assert_eq!(p.run("from_pod", &tcp(PEER, POD, 1000, 8080, ACK), 0), DROP);
+        assert_eq!(p.counters().dropped_bounce_miss, misses + 1);
 
         // Fail open (a flag, off by default): with no listener, an outbound SYN
         // passes; an inbound one is still dropped.

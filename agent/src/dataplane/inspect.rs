@@ -24,7 +24,7 @@ use aya::{
 };
 use podlink_common::{
     LAYOUT_VERSION, LINKS_DIR, MAP_COUNTERS, MAP_PODS, POD_ENROLLED, POD_HAS_IPV4, POD_HAS_IPV6,
-    PREVIOUS_LAYOUT_VERSION, PROG_FROM_POD, PROG_TO_POD, PodCounters, PodInfo,
+    PROG_FROM_POD, PROG_TO_POD, PodCounters, PodInfo,
 };
 use serde::Serialize;
 
@@ -167,48 +167,51 @@ pub fn inspect(pin_dir: &Path) -> Result<Inspection> {
     if let Some(other) = contents
         .versions
         .iter()
-        .find(|v| **v != LAYOUT_VERSION && **v != PREVIOUS_LAYOUT_VERSION)
+        .find(|v| !pins::is_known_version(**v))
     {
         bail!(
             "{} holds pins of layout version {other}, which this podlink (layout version {LAYOUT_VERSION}) cannot read",
-            pin_dir.join(format!("v{other}")).display()
+            pins::layout_dir(pin_dir, *other).display()
         );
     }
-    let previous = pin_dir.join(format!("v{PREVIOUS_LAYOUT_VERSION}"));
-    let has_previous = contents.versions.contains(&PREVIOUS_LAYOUT_VERSION);
-    let mut left = |kind: &'static str, what: &str, under: &Path| {
+    // The newest layout found is read (as the agent keeps the newest pins);
+    // what is left of older ones is reported.
+    let mut layouts = pins::earlier_layouts(pin_dir, &contents);
+    if contents.versions.contains(&LAYOUT_VERSION) {
+        layouts.insert(
+            0,
+            pins::FoundLayout {
+                dir: pins::versioned_dir(pin_dir),
+                version: LAYOUT_VERSION,
+                what: String::new(),
+            },
+        );
+    }
+    let Some((read, left)) = layouts.split_first() else {
+        return Ok(report);
+    };
+    for layout in left {
+        let (kind, what) = if layout.dir == pin_dir {
+            (
+                "unversioned_pins_left",
+                "the unversioned layout".to_string(),
+            )
+        } else {
+            (
+                "previous_layout_pins_left",
+                format!("layout version {}", layout.version),
+            )
+        };
         report.problems.push(Problem {
             kind,
             ifindex: 0,
             message: format!(
                 "pins of {what} are left under {}; the next agent moves them",
-                under.display()
+                layout.dir.display()
             ),
         });
-    };
-    // The newest layout found is read; what is left of older ones is reported.
-    let (dir, version) = if contents.versions.contains(&LAYOUT_VERSION) {
-        if contents.legacy {
-            left("unversioned_pins_left", "the unversioned layout", pin_dir);
-        }
-        if has_previous {
-            left(
-                "previous_layout_pins_left",
-                &format!("layout version {PREVIOUS_LAYOUT_VERSION}"),
-                &previous,
-            );
-        }
-        (pins::versioned_dir(pin_dir), LAYOUT_VERSION)
-    } else if has_previous {
-        if contents.legacy {
-            left("unversioned_pins_left", "the unversioned layout", pin_dir);
-        }
-        (previous, PREVIOUS_LAYOUT_VERSION)
-    } else if contents.legacy {
-        (pin_dir.to_path_buf(), PREVIOUS_LAYOUT_VERSION)
-    } else {
-        return Ok(report);
-    };
+    }
+    let (dir, version) = (read.dir.clone(), read.version);
     report.layout = Some(if dir == pin_dir {
         "unversioned".into()
     } else {

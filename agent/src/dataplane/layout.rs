@@ -2,21 +2,26 @@
 //! what the previous layout version held, the captured flows carried over from it,
 //! and the config value it writes.
 
-use std::{net::Ipv4Addr, path::Path};
+use std::{collections::HashMap, net::Ipv4Addr, path::Path};
 
 use anyhow::{Context, Result, bail};
 use aya::maps::{HashMap as BpfHashMap, Map, MapData, MapInfo, MapType};
 use podlink_common::{
-    CidrKey, Config, FlowKey, MAP_CAPTURED_FLOWS, MAP_CONFIG, MAP_COUNTERS, MAP_EXCLUDED_CIDRS,
-    MAP_EXCLUDED_PORTS, MAP_NAMES, MAP_PODS, MAX_CAPTURED_FLOWS, MAX_EXCLUDED_CIDRS,
-    MAX_EXCLUDED_PORTS, MAX_NODE_ADDRS, MAX_PODS, POD_HAS_IPV4, PREVIOUS_LAYOUT_VERSION,
-    PodCounters, PodInfo, ipv4_mapped,
+    Addr, CidrKey, Config, FlowKey, MAP_CAPTURED_FLOWS, MAP_CONFIG, MAP_COUNTERS,
+    MAP_EXCLUDED_CIDRS, MAP_EXCLUDED_PORTS, MAP_NAMES, MAP_PODS, MAX_CAPTURED_FLOWS,
+    MAX_EXCLUDED_CIDRS, MAX_EXCLUDED_PORTS, MAX_NODE_ADDRS, MAX_PODS, POD_HAS_IPV4, PodCounters,
+    PodInfo, ipv4_mapped,
 };
 
-/// The layout of each map in layout `version` ([`podlink_common::LAYOUT_VERSION`] or
-/// [`PREVIOUS_LAYOUT_VERSION`], whose captured flows had a `u8` value): type, key
-/// size, value size, capacity.
+/// The layout of map `name` in layout `version` (1 or 2): type, key size, value
+/// size, capacity; `None` for another map or version.
 fn expected_layout(name: &str, version: u32) -> Option<(MapType, usize, usize, u32)> {
+    // Version 2 made the captured flows' value the host veth's ifindex.
+    let flow_value = match version {
+        1 => 1,
+        2 => size_of::<u32>(),
+        _ => return None,
+    };
     Some(match name {
         MAP_PODS => (MapType::Hash, 4, size_of::<PodInfo>(), MAX_PODS),
         MAP_CONFIG => (MapType::Array, 4, size_of::<Config>(), 1),
@@ -31,11 +36,7 @@ fn expected_layout(name: &str, version: u32) -> Option<(MapType, usize, usize, u
         MAP_CAPTURED_FLOWS => (
             MapType::LruHash,
             size_of::<FlowKey>(),
-            if version == PREVIOUS_LAYOUT_VERSION {
-                1
-            } else {
-                size_of::<u32>()
-            },
+            flow_value,
             MAX_CAPTURED_FLOWS,
         ),
         _ => return None,
@@ -69,8 +70,9 @@ pub(super) fn check_pinned_layouts(pin_dir: &Path, version: u32) -> Result<()> {
             info.value_size() as usize,
             info.max_entries(),
         );
-        let (kind, key, value, entries) =
-            expected_layout(name, version).expect("every map name has a layout");
+        let Some((kind, key, value, entries)) = expected_layout(name, version) else {
+            bail!("no map layout is known for layout version {version}");
+        };
         if found != (Some(kind), key, value, entries) {
             bail!(
                 "the pinned map {} ({:?}, key {} B, value {} B, {} entries) was made by an incompatible podlink; this agent expects {kind:?}, key {key} B, value {value} B, {entries} entries. Remove its pins with `podlink uninstall --pin-dir {}` (this detaches capture) and start again",
@@ -86,8 +88,8 @@ pub(super) fn check_pinned_layouts(pin_dir: &Path, version: u32) -> Result<()> {
     Ok(())
 }
 
-/// Copies the captured flows of a map of the previous layout (pinned at `old`,
-/// `u8` values) into `flows`, this layout's map, each with the host veth of the
+/// Copies the captured flows of a map of layout version 1 (pinned at `old`, `u8`
+/// values) into `flows`, this layout's map, each with the host veth of the
 /// enrolled pod it belongs to: the pod whose IPv4 address is the flow's source (a
 /// flow leaving it) or else its destination (a flow bounced into it), from `pods`
 /// (host ifindex and entry, as the pods map holds them). Flows of no enrolled pod
@@ -108,11 +110,12 @@ pub(super) fn carry_captured_flows(
         MapData::from_pin(old).with_context(|| format!("opening {}", old.display()))?,
     ))
     .with_context(|| format!("reading {}", old.display()))?;
-    let pod_of = |addr: &[u8; 16]| {
-        pods.iter()
-            .find(|(_, pod)| pod.flags & POD_HAS_IPV4 != 0 && pod.ipv4 == *addr)
-            .map(|(ifindex, _)| *ifindex)
-    };
+    let by_addr: HashMap<Addr, u32> = pods
+        .iter()
+        .filter(|(_, pod)| pod.flags & POD_HAS_IPV4 != 0)
+        .map(|(ifindex, pod)| (pod.ipv4, *ifindex))
+        .collect();
+    let pod_of = |addr: &Addr| by_addr.get(addr).copied();
     let (mut copied, mut left_out) = (0, 0);
     for key in old_map.keys() {
         let key = key.with_context(|| format!("reading {}", old.display()))?;

@@ -212,13 +212,14 @@ pub struct Dataplane {
 }
 
 impl Dataplane {
-    /// Locks the pin directory, migrates an unversioned pin layout, loads the
-    /// programs (reusing pinned maps), writes the config map and adopts the pinned
-    /// links of a previous agent.
+    /// Locks the pin directory, migrates an earlier pin layout (version 1, or the
+    /// unversioned one; see [`pins`]), loads the programs (reusing pinned maps),
+    /// carries an earlier layout's captured flows over, writes the config map and
+    /// adopts the pinned links of a previous agent.
     ///
     /// # Errors
     /// When the pin directory cannot be put on a bpffs, another agent holds it, it
-    /// holds pins of another layout version or maps of an incompatible layout, the
+    /// holds pins of an unknown layout version or maps of an incompatible layout, the
     /// object was not embedded, or the kernel refuses the programs or maps.
     pub fn load(cfg: &DataplaneConfig) -> Result<Self> {
         if EBPF_OBJECT.is_empty() {
@@ -257,9 +258,17 @@ impl Dataplane {
         };
         let pods: BpfHashMap<MapData, u32, PodInfo> =
             BpfHashMap::try_from(take(&mut ebpf, MAP_PODS)?)?;
-        if !prepared.old_flows.is_empty() {
-            carry_flows(&mut ebpf, &pods, &prepared.old_flows)?;
-            pins::finish_migration(&cfg.pin_dir, &prepared.old_flows)?;
+        if prepared.migrated {
+            // Without the old flows, only their stray packets would pass instead of
+            // being dropped (see `carry_captured_flows`): a failure is no reason to
+            // leave the node without its proxy. The old maps stay for the next
+            // start to try again.
+            match carry_flows(&mut ebpf, &pods, &prepared.old_flows) {
+                Ok(()) => pins::finish_migration(&cfg.pin_dir, &prepared.old_flows)?,
+                Err(e) => tracing::warn!(
+                    "captured flows of the earlier pin layout not carried over, to be tried again at the next start: {e:#}"
+                ),
+            }
         }
         let counters = PerCpuHashMap::try_from(take(&mut ebpf, MAP_COUNTERS)?)?;
         let config = with_node_addrs(cfg.config, &cfg.node_addrs);

@@ -37,9 +37,58 @@ use podlink_common::{
 
 use super::layout::check_pinned_layouts;
 
+/// The layout of the pins of the first agents, directly under the pin directory:
+/// version 1's maps and links.
+pub const UNVERSIONED_LAYOUT: u32 = 1;
+
 /// The directory of this agent's layout: `<pin_dir>/v<LAYOUT_VERSION>`.
 pub fn versioned_dir(pin_dir: &Path) -> PathBuf {
-    pin_dir.join(format!("v{LAYOUT_VERSION}"))
+    layout_dir(pin_dir, LAYOUT_VERSION)
+}
+
+/// The directory of layout `version`: `<pin_dir>/v<version>`.
+pub fn layout_dir(pin_dir: &Path, version: u32) -> PathBuf {
+    pin_dir.join(format!("v{version}"))
+}
+
+/// Whether this podlink knows layout `version`: its own, and the previous one,
+/// which it migrates.
+pub fn is_known_version(version: u32) -> bool {
+    version == LAYOUT_VERSION || version == PREVIOUS_LAYOUT_VERSION
+}
+
+/// A layout found under the pin directory.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct FoundLayout {
+    /// Where its maps and `links` are: `v<N>`, or the pin directory itself.
+    pub dir: PathBuf,
+    /// The version of its maps' layouts.
+    pub version: u32,
+    /// What it is, for messages: "pin layout version 1", "the unversioned pin
+    /// layout" (empty for this agent's own).
+    pub what: String,
+}
+
+/// The earlier layouts in `contents`, in the order they are migrated and read:
+/// version 1 first, then the unversioned layout, so that where both pin the same
+/// map or link, version 1's (the newer) is kept.
+pub fn earlier_layouts(pin_dir: &Path, contents: &PinDirContents) -> Vec<FoundLayout> {
+    let mut earlier = Vec::new();
+    if contents.versions.contains(&PREVIOUS_LAYOUT_VERSION) {
+        earlier.push(FoundLayout {
+            dir: layout_dir(pin_dir, PREVIOUS_LAYOUT_VERSION),
+            version: PREVIOUS_LAYOUT_VERSION,
+            what: format!("pin layout version {PREVIOUS_LAYOUT_VERSION}"),
+        });
+    }
+    if contents.legacy {
+        earlier.push(FoundLayout {
+            dir: pin_dir.to_path_buf(),
+            version: UNVERSIONED_LAYOUT,
+            what: "the unversioned pin layout".into(),
+        });
+    }
+    earlier
 }
 
 /// The pin name of a TCX link: `<ifindex>_<program>`.
@@ -103,12 +152,8 @@ pub fn survey(pin_dir: &Path) -> Result<PinDirContents> {
 /// Refuses layouts this agent does not know: any `v<M>` other than its own and the
 /// previous one.
 fn refuse_other_versions(pin_dir: &Path, contents: &PinDirContents) -> Result<()> {
-    if let Some(&other) = contents
-        .versions
-        .iter()
-        .find(|v| **v != LAYOUT_VERSION && **v != PREVIOUS_LAYOUT_VERSION)
-    {
-        let path = pin_dir.join(format!("v{other}"));
+    if let Some(&other) = contents.versions.iter().find(|v| !is_known_version(**v)) {
+        let path = layout_dir(pin_dir, other);
         let advice = if other > LAYOUT_VERSION {
             "it was made by a newer podlink: run that version, or remove it with `podlink uninstall` (this detaches capture)"
         } else {
@@ -128,15 +173,19 @@ fn refuse_other_versions(pin_dir: &Path, contents: &PinDirContents) -> Result<()
 pub(super) struct Prepared {
     /// `<pin_dir>/v<LAYOUT_VERSION>`, with its `links` directory.
     pub dir: PathBuf,
-    /// The `captured_flows` maps of earlier layouts (the unversioned layout's,
-    /// version 1's), whose flows are to be copied into this layout's map once the
+    /// Whether an earlier layout was found (and its pins moved): the migration is
+    /// to be ended with [`finish_migration`].
+    pub migrated: bool,
+    /// The `captured_flows` maps of earlier layouts (version 1's, the unversioned
+    /// layout's), whose flows are to be copied into this layout's map once the
     /// programs are loaded, before [`finish_migration`] removes them.
     pub old_flows: Vec<PathBuf>,
 }
 
-/// Makes `<pin_dir>/v<N>/links` ready for this agent: refuses other versions and
-/// moves the unversioned layout's and version 1's pins into it, but for their
-/// `captured_flows` (see [`Prepared::old_flows`]).
+/// Makes `<pin_dir>/v<N>/links` ready for this agent: refuses unknown versions and
+/// moves version 1's and the unversioned layout's pins into it, but for their
+/// `captured_flows` (see [`Prepared::old_flows`]). Nothing is made or moved
+/// unless every earlier layout's maps are as expected.
 ///
 /// # Errors
 /// A pin directory of an unknown layout version, earlier maps of an unexpected
@@ -144,39 +193,34 @@ pub(super) struct Prepared {
 pub(super) fn prepare(pin_dir: &Path) -> Result<Prepared> {
     let contents = survey(pin_dir)?;
     refuse_other_versions(pin_dir, &contents)?;
+    let earlier = earlier_layouts(pin_dir, &contents);
+    for layout in &earlier {
+        check_pinned_layouts(&layout.dir, layout.version)
+            .with_context(|| format!("migrating {}", layout.what))?;
+    }
     let dir = versioned_dir(pin_dir);
     let links = dir.join(LINKS_DIR);
     fs::create_dir_all(&links).with_context(|| format!("creating {}", links.display()))?;
     let mut old_flows = Vec::new();
-    let mut earlier = Vec::new();
-    if contents.legacy {
-        earlier.push((
-            pin_dir.to_path_buf(),
-            "the unversioned pin layout".to_string(),
-        ));
-    }
-    if contents.versions.contains(&PREVIOUS_LAYOUT_VERSION) {
-        earlier.push((
-            pin_dir.join(format!("v{PREVIOUS_LAYOUT_VERSION}")),
-            format!("pin layout version {PREVIOUS_LAYOUT_VERSION}"),
-        ));
-    }
-    for (from, what) in earlier {
-        migrate(&from, &dir, &what)?;
-        let flows = from.join(MAP_CAPTURED_FLOWS);
+    for layout in &earlier {
+        migrate(layout, &dir)?;
+        let flows = layout.dir.join(MAP_CAPTURED_FLOWS);
         if flows.exists() {
             old_flows.push(flows);
         }
     }
-    Ok(Prepared { dir, old_flows })
+    Ok(Prepared {
+        dir,
+        migrated: !earlier.is_empty(),
+        old_flows,
+    })
 }
 
-/// Moves the pins of an earlier layout (version 1's maps and links, in `from`) into
-/// `dir`, but for `captured_flows`. Each step is a rename, and a pin already in
-/// `dir` is kept, so that the move is idempotent.
-fn migrate(from: &Path, dir: &Path, what: &str) -> Result<()> {
-    check_pinned_layouts(from, PREVIOUS_LAYOUT_VERSION)
-        .with_context(|| format!("migrating {what}"))?;
+/// Moves the pins of an earlier layout (checked by [`prepare`]) into `dir`, but
+/// for `captured_flows`. Each step is a rename, and a pin already in `dir` is
+/// kept (the old one removed), so that the move is idempotent.
+fn migrate(layout: &FoundLayout, dir: &Path) -> Result<()> {
+    let from = &layout.dir;
     let mut moved = 0;
     for name in MAP_NAMES.into_iter().filter(|n| *n != MAP_CAPTURED_FLOWS) {
         let (old, new) = (from.join(name), dir.join(name));
@@ -217,12 +261,13 @@ fn migrate(from: &Path, dir: &Path, what: &str) -> Result<()> {
         from = %from.display(),
         to = %dir.display(),
         pins = moved,
-        "migrated {what} to layout version {LAYOUT_VERSION}"
+        "migrated {} to layout version {LAYOUT_VERSION}",
+        layout.what
     );
     Ok(())
 }
 
-/// Ends a migration once the flows of `old_flows` ([`Prepared::old_flows`]) are
+/// Ends a migration ([`Prepared::migrated`]) once the flows of `old_flows` are
 /// copied: removes those pins, and version 1's directory when nothing else is left
 /// in it (what podlink does not name stays, and so does the directory).
 ///
@@ -232,7 +277,7 @@ pub(super) fn finish_migration(pin_dir: &Path, old_flows: &[PathBuf]) -> Result<
     for flows in old_flows {
         fs::remove_file(flows).with_context(|| format!("removing {}", flows.display()))?;
     }
-    let previous = pin_dir.join(format!("v{PREVIOUS_LAYOUT_VERSION}"));
+    let previous = layout_dir(pin_dir, PREVIOUS_LAYOUT_VERSION);
     if previous.is_dir() {
         // Fails, and leaves it, when something else is still in it.
         let _ = fs::remove_dir(&previous);
@@ -272,7 +317,7 @@ pub fn remove_all(pin_dir: &Path) -> Result<Vec<PathBuf>> {
     let mut roots: Vec<PathBuf> = contents
         .versions
         .iter()
-        .map(|v| pin_dir.join(format!("v{v}")))
+        .map(|v| layout_dir(pin_dir, *v))
         .collect();
     if contents.legacy {
         roots.push(pin_dir.to_path_buf());
@@ -397,6 +442,10 @@ mod tests {
         let prepared = prepare(dir.path()).unwrap();
         assert_eq!(prepared.dir, versioned_dir(dir.path()));
         assert!(prepared.dir.join(LINKS_DIR).is_dir());
+        assert!(
+            prepared.migrated,
+            "an empty v1 is an earlier layout to finish"
+        );
         assert!(prepared.old_flows.is_empty());
         // Its emptied links directory went; the directory itself goes once the
         // flows are carried.
@@ -409,6 +458,34 @@ mod tests {
         let error = format!("{:#}", prepare(dir.path()).unwrap_err());
         assert!(error.contains(&older.display().to_string()), "{error}");
         assert!(error.contains("no migration from it"), "{error}");
+    }
+
+    #[test]
+    fn earlier_layouts_are_taken_newest_first() {
+        let dir = Path::new("/pins");
+        let both = PinDirContents {
+            versions: vec![PREVIOUS_LAYOUT_VERSION, LAYOUT_VERSION],
+            legacy: true,
+        };
+        let found: Vec<(PathBuf, u32)> = earlier_layouts(dir, &both)
+            .into_iter()
+            .map(|l| (l.dir, l.version))
+            .collect();
+        assert_eq!(
+            found,
+            [
+                (
+                    layout_dir(dir, PREVIOUS_LAYOUT_VERSION),
+                    PREVIOUS_LAYOUT_VERSION
+                ),
+                (dir.to_path_buf(), UNVERSIONED_LAYOUT)
+            ]
+        );
+        let current = PinDirContents {
+            versions: vec![LAYOUT_VERSION],
+            legacy: false,
+        };
+        assert!(earlier_layouts(dir, &current).is_empty());
     }
 
     #[test]
