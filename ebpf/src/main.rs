@@ -262,9 +262,8 @@ pub fn to_pod(ctx: TcContext) -> i32 {
     // SAFETY: reading the context's mark.
     let mark = unsafe { (*ctx.skb.skb).mark };
     // The proxy's own connection to the pod: most of what enters a pod, so checked
-    // before the pod's entry is looked up (the verdict does not depend on it; a
-    // veth without one only has links pinned by an agent that is gone, and a flow
-    // remembered there is harmless).
+    // before the pod's entry is looked up (the verdict does not depend on it; only
+    // its SYN looks the pod up, to remember the flow).
     let proxy_own = mark & cfg.proxy_mark_mask == cfg.proxy_mark;
     // One match on the packet: testing it for TCP twice made LLVM read the flags
     // on a path where they were never set, which the verifier refuses.

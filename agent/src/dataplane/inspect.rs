@@ -175,13 +175,17 @@ pub fn inspect(pin_dir: &Path) -> Result<Inspection> {
         );
     }
     // The newest layout found is read (as the agent keeps the newest pins);
-    // what is left of older ones is reported.
+    // what is left of older ones is reported. A `v2/` without its pods map yet
+    // (a migration stopped before its first rename) is not read over them.
     let mut layouts = pins::earlier_layouts(pin_dir, &contents);
-    if contents.versions.contains(&LAYOUT_VERSION) {
+    let current = pins::versioned_dir(pin_dir);
+    if contents.versions.contains(&LAYOUT_VERSION)
+        && (layouts.is_empty() || current.join(MAP_PODS).exists())
+    {
         layouts.insert(
             0,
             pins::FoundLayout {
-                dir: pins::versioned_dir(pin_dir),
+                dir: current,
                 version: LAYOUT_VERSION,
                 what: String::new(),
             },

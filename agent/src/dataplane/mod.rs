@@ -259,16 +259,17 @@ impl Dataplane {
         let pods: BpfHashMap<MapData, u32, PodInfo> =
             BpfHashMap::try_from(take(&mut ebpf, MAP_PODS)?)?;
         if prepared.migrated {
-            // Without the old flows, only their stray packets would pass instead of
-            // being dropped (see `carry_captured_flows`): a failure is no reason to
-            // leave the node without its proxy. The old maps stay for the next
-            // start to try again.
-            match carry_flows(&mut ebpf, &pods, &prepared.old_flows) {
-                Ok(()) => pins::finish_migration(&cfg.pin_dir, &prepared.old_flows)?,
-                Err(e) => tracing::warn!(
-                    "captured flows of the earlier pin layout not carried over, to be tried again at the next start: {e:#}"
-                ),
+            // Without the old flows, packets of connections open across the upgrade
+            // whose proxy socket is gone pass instead of being dropped (see
+            // `carry_captured_flows`): a failure is no reason to leave the node
+            // without its proxy. The old flows are dropped, not tried again later,
+            // when they could steer a new connection of the same 4-tuple.
+            if let Err(e) = carry_flows(&mut ebpf, &pods, &prepared.old_flows) {
+                tracing::warn!(
+                    "captured flows of the earlier pin layout not carried over (packets of connections open across the upgrade may pass once their proxy socket is gone): {e:#}"
+                );
             }
+            pins::finish_migration(&cfg.pin_dir, &prepared.old_flows)?;
         }
         let counters = PerCpuHashMap::try_from(take(&mut ebpf, MAP_COUNTERS)?)?;
         let config = with_node_addrs(cfg.config, &cfg.node_addrs);

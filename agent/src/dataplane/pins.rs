@@ -194,11 +194,15 @@ pub(super) fn prepare(pin_dir: &Path) -> Result<Prepared> {
     let contents = survey(pin_dir)?;
     refuse_other_versions(pin_dir, &contents)?;
     let earlier = earlier_layouts(pin_dir, &contents);
+    let dir = versioned_dir(pin_dir);
+    if !earlier.is_empty() {
+        // A migration keeps this layout's maps over earlier ones of the same name.
+        check_pinned_layouts(&dir, LAYOUT_VERSION)?;
+    }
     for layout in &earlier {
         check_pinned_layouts(&layout.dir, layout.version)
             .with_context(|| format!("migrating {}", layout.what))?;
     }
-    let dir = versioned_dir(pin_dir);
     let links = dir.join(LINKS_DIR);
     fs::create_dir_all(&links).with_context(|| format!("creating {}", links.display()))?;
     let mut old_flows = Vec::new();
