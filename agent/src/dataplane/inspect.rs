@@ -195,22 +195,17 @@ pub fn inspect(pin_dir: &Path) -> Result<Inspection> {
         return Ok(report);
     };
     for layout in left {
-        let (kind, what) = if layout.dir == pin_dir {
-            (
-                "unversioned_pins_left",
-                "the unversioned layout".to_string(),
-            )
+        let kind = if layout.dir == pin_dir {
+            "unversioned_pins_left"
         } else {
-            (
-                "previous_layout_pins_left",
-                format!("layout version {}", layout.version),
-            )
+            "previous_layout_pins_left"
         };
         report.problems.push(Problem {
             kind,
             ifindex: 0,
             message: format!(
-                "pins of {what} are left under {}; the next agent moves them",
+                "pins of {} are left under {}; the next agent moves them",
+                layout.what,
                 layout.dir.display()
             ),
         });

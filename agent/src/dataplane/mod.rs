@@ -29,7 +29,7 @@ pub mod pins;
 pub mod rcu;
 
 use journal::SysctlJournal;
-use layout::{check_pinned_layouts, with_node_addrs};
+use layout::with_node_addrs;
 use pins::{link_pin_name, parse_link_pin_name};
 use rcu::ExpeditedAttach;
 
@@ -231,7 +231,6 @@ impl Dataplane {
         let lock = pins::lock(&cfg.pin_dir)?;
         let prepared = pins::prepare(&cfg.pin_dir)?;
         let pin_dir = prepared.dir;
-        check_pinned_layouts(&pin_dir, LAYOUT_VERSION)?;
         let mut loader = EbpfLoader::new();
         let pin_paths: Vec<(&str, PathBuf)> = MAP_NAMES
             .iter()

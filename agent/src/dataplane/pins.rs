@@ -185,7 +185,7 @@ pub(super) struct Prepared {
 /// Makes `<pin_dir>/v<N>/links` ready for this agent: refuses unknown versions and
 /// moves version 1's and the unversioned layout's pins into it, but for their
 /// `captured_flows` (see [`Prepared::old_flows`]). Nothing is made or moved
-/// unless every earlier layout's maps are as expected.
+/// unless this layout's maps and every earlier layout's are as expected.
 ///
 /// # Errors
 /// A pin directory of an unknown layout version, earlier maps of an unexpected
@@ -195,10 +195,9 @@ pub(super) fn prepare(pin_dir: &Path) -> Result<Prepared> {
     refuse_other_versions(pin_dir, &contents)?;
     let earlier = earlier_layouts(pin_dir, &contents);
     let dir = versioned_dir(pin_dir);
-    if !earlier.is_empty() {
-        // A migration keeps this layout's maps over earlier ones of the same name.
-        check_pinned_layouts(&dir, LAYOUT_VERSION)?;
-    }
+    // Before anything moves: a migration keeps this layout's maps over earlier
+    // ones of the same name, and the programs reuse them.
+    check_pinned_layouts(&dir, LAYOUT_VERSION)?;
     for layout in &earlier {
         check_pinned_layouts(&layout.dir, layout.version)
             .with_context(|| format!("migrating {}", layout.what))?;
