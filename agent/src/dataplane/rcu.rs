@@ -22,11 +22,16 @@
 //! * A knob at `1` that this agent did not set (the node administrator's) is left
 //!   alone. One set to `1` by the administrator inside an agent's window of about
 //!   0.1 ms would be put back to `0`.
-//! * Before setting it, the agent writes a marker file (`rcu_expedited.set` in its
-//!   state directory); an agent killed inside the window leaves the marker, and
-//!   the next agent on that state directory (at start) or `podlink uninstall` puts
-//!   `0` back. An agent with another state directory cannot tell that `1` from the
-//!   administrator's and leaves it.
+//! * Before setting it, the agent marks a file (`rcu_expedited.set` in its state
+//!   directory) held, and marks it released once `0` is back: its first byte is
+//!   `1` or `0`. An agent killed inside the window leaves it held, and the next
+//!   agent on that state directory (at start) or `podlink uninstall` puts `0`
+//!   back. An agent with another state directory cannot tell that `1` from the
+//!   administrator's and leaves it. The file is made at the first window and kept
+//!   open: making and removing it around every window cost a third of the agent's
+//!   CPU while pods were enrolled one after the other on ext4, whose inode
+//!   allocation looks past every inode freed in the last seconds. A marker of an
+//!   earlier version (present only while held, with other text) counts as held.
 //! * With `rcupdate.rcu_normal=1` the kernel ignores the knob: attachments then
 //!   take the normal grace period.
 //!
@@ -37,9 +42,14 @@
 //! Turned off with `podlink agent --no-expedite-attach`.
 
 use std::{
-    fs, io,
+    fs::{self, File},
+    io,
+    os::unix::fs::FileExt,
     path::{Path, PathBuf},
-    sync::atomic::{AtomicBool, Ordering},
+    sync::{
+        Arc, Mutex, PoisonError,
+        atomic::{AtomicBool, Ordering},
+    },
 };
 
 use anyhow::{Context, Result};
@@ -50,12 +60,19 @@ pub const KNOB: &str = "/sys/kernel/rcu_expedited";
 /// agent had the knob at `1`.
 pub const MARKER_FILE: &str = "rcu_expedited.set";
 
+/// The marker's first byte while an agent has the knob at `1`.
+const HELD: &[u8] = b"1";
+/// The marker's first byte once the agent put `0` back.
+const RELEASED: &[u8] = b"0";
+
 /// Expedites the grace periods of this agent's attachments (see the module
 /// documentation).
 #[derive(Debug)]
 pub struct ExpeditedAttach {
     knob: PathBuf,
     marker: PathBuf,
+    /// The marker, open from the first window on.
+    marker_file: Mutex<Option<Arc<File>>>,
     /// Cleared after the first failure to use the knob (not writable in this
     /// container, no such file), so that the warning is given once.
     enabled: AtomicBool,
@@ -65,7 +82,7 @@ pub struct ExpeditedAttach {
 #[must_use = "the grace periods are expedited until this is dropped"]
 pub struct Window {
     /// The knob and the marker, when this window set the knob.
-    held: Option<(PathBuf, PathBuf)>,
+    held: Option<(PathBuf, Arc<File>)>,
 }
 
 impl ExpeditedAttach {
@@ -79,6 +96,7 @@ impl ExpeditedAttach {
         Self {
             knob: knob.to_path_buf(),
             marker: state_dir.join(MARKER_FILE),
+            marker_file: Mutex::new(None),
             enabled: AtomicBool::new(enabled),
         }
     }
@@ -92,10 +110,14 @@ impl ExpeditedAttach {
         if !self.marker.exists() {
             return Ok(false);
         }
-        let restored = read_value(&self.knob)? == "1";
+        let restored = self.marker_held()? && read_value(&self.knob)? == "1";
         if restored {
             write_value(&self.knob, "0")?;
         }
+        *self
+            .marker_file
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner) = None;
         match fs::remove_file(&self.marker) {
             Ok(()) => {}
             Err(e) if e.kind() == io::ErrorKind::NotFound => {}
@@ -129,33 +151,72 @@ impl ExpeditedAttach {
     fn try_begin(&self) -> Result<Window> {
         match read_value(&self.knob)?.as_str() {
             "0" => {}
-            // Ours: a window whose end failed to write 0 left its marker.
-            "1" if self.marker.exists() => {}
+            // Ours: a window whose end failed to write 0 left its marker held.
+            "1" if self.marker_held()? => {}
             // The administrator's setting: already expedited, or theirs to keep.
             _ => return Ok(Window { held: None }),
+        }
+        let marker = self.marker_file()?;
+        mark(&marker, HELD).with_context(|| format!("writing {}", self.marker.display()))?;
+        if let Err(e) = write_value(&self.knob, "1") {
+            let _ = mark(&marker, RELEASED);
+            return Err(e);
+        }
+        Ok(Window {
+            held: Some((self.knob.clone(), marker)),
+        })
+    }
+
+    /// The marker, made (with its directory) and opened at the first call.
+    fn marker_file(&self) -> Result<Arc<File>> {
+        let mut open = self
+            .marker_file
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        if let Some(file) = &*open {
+            return Ok(file.clone());
         }
         if let Some(dir) = self.marker.parent() {
             fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
         }
-        fs::write(&self.marker, format!("{} was 0\n", self.knob.display()))
-            .with_context(|| format!("writing {}", self.marker.display()))?;
-        if let Err(e) = write_value(&self.knob, "1") {
-            let _ = fs::remove_file(&self.marker);
-            return Err(e);
-        }
-        Ok(Window {
-            held: Some((self.knob.clone(), self.marker.clone())),
-        })
+        let file = fs::OpenOptions::new()
+            .create(true)
+            .truncate(false)
+            .write(true)
+            .open(&self.marker)
+            .with_context(|| format!("opening {}", self.marker.display()))?;
+        let file = Arc::new(file);
+        *open = Some(file.clone());
+        Ok(file)
     }
+
+    /// Whether the marker says an agent has the knob at `1`: it exists and its
+    /// first byte is not `0` (an empty marker was made by a window that never
+    /// set the knob).
+    fn marker_held(&self) -> Result<bool> {
+        match fs::read(&self.marker) {
+            Ok(text) => Ok(text.first().is_some_and(|b| *b != RELEASED[0])),
+            Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(false),
+            Err(e) => Err(e).with_context(|| format!("reading {}", self.marker.display())),
+        }
+    }
+}
+
+/// Writes the marker's first byte (`HELD` or `RELEASED`).
+fn mark(marker: &File, state: &[u8]) -> io::Result<()> {
+    marker.write_all_at(state, 0)
 }
 
 impl Drop for Window {
     fn drop(&mut self) {
         if let Some((knob, marker)) = self.held.take() {
             match write_value(&knob, "0") {
-                // The marker stays when this failed, for the next window or agent.
+                // The marker stays held when this failed, for the next window or
+                // agent.
                 Ok(()) => {
-                    let _ = fs::remove_file(&marker);
+                    if let Err(e) = mark(&marker, RELEASED) {
+                        tracing::warn!("marking the RCU knob released: {e}");
+                    }
                 }
                 Err(e) => tracing::warn!("putting the RCU knob back: {e:#}"),
             }
@@ -176,6 +237,8 @@ fn write_value(knob: &Path, value: &str) -> Result<()> {
 
 #[cfg(test)]
 mod tests {
+    use std::os::unix::fs::MetadataExt;
+
     use super::*;
 
     fn bed(value: &str) -> (tempfile::TempDir, ExpeditedAttach) {
@@ -198,17 +261,26 @@ mod tests {
         let (dir, e) = bed("0");
         let window = e.begin();
         assert_eq!(knob(&dir), "1");
-        assert!(e.marker.exists());
+        assert!(e.marker_held().unwrap());
         drop(window);
         assert_eq!(knob(&dir), "0");
-        assert!(!e.marker.exists());
+        assert!(!e.marker_held().unwrap());
+        // Later windows mark the same file: none is made or removed.
+        let inode = || fs::metadata(&e.marker).unwrap().ino();
+        let first = inode();
+        let window = e.begin();
+        assert!(e.marker_held().unwrap());
+        assert_eq!(inode(), first);
+        drop(window);
+        assert_eq!(fs::read(&e.marker).unwrap(), RELEASED);
+        assert_eq!(inode(), first);
     }
 
     #[test]
     fn an_administrators_value_is_left_alone() {
         let (dir, e) = bed("1");
         let window = e.begin();
-        assert!(!e.marker.exists());
+        assert!(!e.marker_held().unwrap());
         drop(window);
         assert_eq!(knob(&dir), "1");
     }
@@ -256,7 +328,7 @@ mod tests {
         assert!(window.held.is_some());
         drop(window);
         assert_eq!(knob(&dir), "0");
-        assert!(!e.marker.exists());
+        assert!(!e.marker_held().unwrap());
     }
 
     #[test]
@@ -277,6 +349,35 @@ mod tests {
         assert_eq!(knob(&dir), "0");
         drop(b.begin());
         assert_eq!(knob(&dir), "0");
-        assert!(!a.marker.exists() && !b.marker.exists());
+        assert!(!a.marker_held().unwrap() && !b.marker_held().unwrap());
+    }
+
+    #[test]
+    fn an_earlier_versions_marker_counts_as_held() {
+        // Earlier agents made the marker, with this text, only while they held
+        // the knob at 1.
+        let (dir, e) = bed("1");
+        fs::create_dir_all(e.marker.parent().unwrap()).unwrap();
+        fs::write(&e.marker, format!("{} was 0\n", dir.path().display())).unwrap();
+        assert!(e.recover().unwrap());
+        assert_eq!(knob(&dir), "0");
+        assert!(!e.marker.exists());
+    }
+
+    #[test]
+    fn a_released_marker_leaves_the_administrators_value() {
+        let (dir, e) = bed("0");
+        drop(e.begin());
+        // The administrator sets 1 after the window: not this agent's to undo.
+        fs::write(dir.path().join("rcu_expedited"), "1\n").unwrap();
+        assert!(!e.recover().unwrap());
+        assert_eq!(knob(&dir), "1");
+        // The marker is gone, and the next window makes it again.
+        assert!(!e.marker.exists());
+        fs::write(dir.path().join("rcu_expedited"), "0\n").unwrap();
+        let window = e.begin();
+        assert!(e.marker_held().unwrap());
+        drop(window);
+        assert!(!e.marker_held().unwrap());
     }
 }
