@@ -44,7 +44,7 @@
 use std::{
     fs::{self, File},
     io,
-    os::unix::fs::FileExt,
+    os::unix::fs::{FileExt, MetadataExt},
     path::{Path, PathBuf},
     sync::{
         Arc, Mutex, PoisonError,
@@ -102,7 +102,7 @@ impl ExpeditedAttach {
     }
 
     /// Puts the knob back to `0` if an earlier agent was killed while it had it at
-    /// `1` (its marker is still there). Returns whether it did.
+    /// `1` (its marker is still held). Returns whether it did.
     ///
     /// # Errors
     /// When the knob cannot be read or written, or the marker not removed.
@@ -167,13 +167,18 @@ impl ExpeditedAttach {
         })
     }
 
-    /// The marker, made (with its directory) and opened at the first call.
+    /// The marker, made (with its directory) and opened at the first call, and
+    /// made again when the open one no longer has a name (removed by hand, or by
+    /// the start of an agent on the same state directory): a window marked in a
+    /// file nobody can find would leave a killed agent's `1` unrepaired.
     fn marker_file(&self) -> Result<Arc<File>> {
         let mut open = self
             .marker_file
             .lock()
             .unwrap_or_else(PoisonError::into_inner);
-        if let Some(file) = &*open {
+        if let Some(file) = &*open
+            && file.metadata().is_ok_and(|m| m.nlink() > 0)
+        {
             return Ok(file.clone());
         }
         if let Some(dir) = self.marker.parent() {
@@ -237,8 +242,6 @@ fn write_value(knob: &Path, value: &str) -> Result<()> {
 
 #[cfg(test)]
 mod tests {
-    use std::os::unix::fs::MetadataExt;
-
     use super::*;
 
     fn bed(value: &str) -> (tempfile::TempDir, ExpeditedAttach) {
@@ -350,6 +353,41 @@ mod tests {
         drop(b.begin());
         assert_eq!(knob(&dir), "0");
         assert!(!a.marker_held().unwrap() && !b.marker_held().unwrap());
+    }
+
+    #[test]
+    fn a_removed_marker_is_made_again_for_the_next_window() {
+        let (dir, e) = bed("0");
+        drop(e.begin());
+        fs::remove_file(&e.marker).unwrap();
+        // Killed inside the next window: its marker must be found.
+        std::mem::forget(e.begin());
+        assert!(e.marker_held().unwrap());
+        assert!(e.recover().unwrap());
+        assert_eq!(knob(&dir), "0");
+    }
+
+    #[test]
+    fn an_empty_marker_is_not_held() {
+        // Made by a window killed before it marked it: the knob was not set.
+        let (dir, e) = bed("1");
+        fs::create_dir_all(e.marker.parent().unwrap()).unwrap();
+        fs::write(&e.marker, "").unwrap();
+        assert!(!e.recover().unwrap());
+        assert_eq!(knob(&dir), "1");
+        assert!(!e.marker.exists());
+    }
+
+    #[test]
+    fn a_window_takes_up_an_earlier_versions_held_marker() {
+        let (dir, e) = bed("1");
+        fs::create_dir_all(e.marker.parent().unwrap()).unwrap();
+        fs::write(&e.marker, format!("{} was 0\n", dir.path().display())).unwrap();
+        let window = e.begin();
+        assert!(window.held.is_some());
+        drop(window);
+        assert_eq!(knob(&dir), "0");
+        assert!(!e.marker_held().unwrap());
     }
 
     #[test]
