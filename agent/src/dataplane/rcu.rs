@@ -259,6 +259,26 @@ mod tests {
             .to_string()
     }
 
+    /// Puts a marker with `text` in place, as an earlier agent left it.
+    fn plant_marker(e: &ExpeditedAttach, text: &str) {
+        fs::create_dir_all(e.marker.parent().unwrap()).unwrap();
+        fs::write(&e.marker, text).unwrap();
+    }
+
+    /// The marker an earlier version made, only while it held the knob at 1.
+    fn earlier_versions_marker(dir: &tempfile::TempDir) -> String {
+        format!("{} was 0\n", dir.path().display())
+    }
+
+    /// The next window takes a held knob at 1 for its own, and puts 0 back.
+    fn assert_next_window_takes_it_up(dir: &tempfile::TempDir, e: &ExpeditedAttach) {
+        let window = e.begin();
+        assert!(window.held.is_some());
+        drop(window);
+        assert_eq!(knob(dir), "0");
+        assert!(!e.marker_held().unwrap());
+    }
+
     #[test]
     fn a_window_sets_the_knob_and_puts_it_back() {
         let (dir, e) = bed("0");
@@ -327,11 +347,7 @@ mod tests {
         let (dir, e) = bed("0");
         std::mem::forget(e.begin());
         // Still 1 with this agent's marker: its own, not the administrator's.
-        let window = e.begin();
-        assert!(window.held.is_some());
-        drop(window);
-        assert_eq!(knob(&dir), "0");
-        assert!(!e.marker_held().unwrap());
+        assert_next_window_takes_it_up(&dir, &e);
     }
 
     #[test]
@@ -371,8 +387,7 @@ mod tests {
     fn an_empty_marker_is_not_held() {
         // Made by a window killed before it marked it: the knob was not set.
         let (dir, e) = bed("1");
-        fs::create_dir_all(e.marker.parent().unwrap()).unwrap();
-        fs::write(&e.marker, "").unwrap();
+        plant_marker(&e, "");
         assert!(!e.recover().unwrap());
         assert_eq!(knob(&dir), "1");
         assert!(!e.marker.exists());
@@ -381,22 +396,14 @@ mod tests {
     #[test]
     fn a_window_takes_up_an_earlier_versions_held_marker() {
         let (dir, e) = bed("1");
-        fs::create_dir_all(e.marker.parent().unwrap()).unwrap();
-        fs::write(&e.marker, format!("{} was 0\n", dir.path().display())).unwrap();
-        let window = e.begin();
-        assert!(window.held.is_some());
-        drop(window);
-        assert_eq!(knob(&dir), "0");
-        assert!(!e.marker_held().unwrap());
+        plant_marker(&e, &earlier_versions_marker(&dir));
+        assert_next_window_takes_it_up(&dir, &e);
     }
 
     #[test]
     fn an_earlier_versions_marker_counts_as_held() {
-        // Earlier agents made the marker, with this text, only while they held
-        // the knob at 1.
         let (dir, e) = bed("1");
-        fs::create_dir_all(e.marker.parent().unwrap()).unwrap();
-        fs::write(&e.marker, format!("{} was 0\n", dir.path().display())).unwrap();
+        plant_marker(&e, &earlier_versions_marker(&dir));
         assert!(e.recover().unwrap());
         assert_eq!(knob(&dir), "0");
         assert!(!e.marker.exists());
