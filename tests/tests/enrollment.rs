@@ -138,13 +138,7 @@ fn pods_are_attached_on_creation_and_detached_on_deletion() {
     // marker released: first byte `0`, or no marker at all where no window was
     // opened (the knob was at 1, the machine's or another test bed's agent's).
     wait_rcu_knob(&knob_before);
-    match std::fs::read(c.nodes[0].state_dir.join("rcu_expedited.set")) {
-        Ok(marker) => assert!(
-            marker.first().is_none_or(|b| *b == b'0'),
-            "marker held: {marker:?}"
-        ),
-        Err(e) => assert_eq!(e.kind(), std::io::ErrorKind::NotFound, "{e}"),
-    }
+    assert!(!podlink_agent::dataplane::rcu::marker_held(&c.nodes[0].state_dir).unwrap());
     assert!(
         !c.agent_log(0).contains("cannot be used"),
         "{}",

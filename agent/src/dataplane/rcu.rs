@@ -61,9 +61,27 @@ pub const KNOB: &str = "/sys/kernel/rcu_expedited";
 pub const MARKER_FILE: &str = "rcu_expedited.set";
 
 /// The marker's first byte while an agent has the knob at `1`.
-const HELD: &[u8] = b"1";
+const HELD: u8 = b'1';
 /// The marker's first byte once the agent put `0` back.
-const RELEASED: &[u8] = b"0";
+const RELEASED: u8 = b'0';
+
+/// Whether the marker in `state_dir` says an agent has the knob at `1`: it exists
+/// and its first byte is not `0` (an empty marker was made by a window that never
+/// set the knob; an earlier version's, present only while held, starts otherwise).
+///
+/// # Errors
+/// When the marker exists but cannot be read.
+pub fn marker_held(state_dir: &Path) -> Result<bool> {
+    held_at(&state_dir.join(MARKER_FILE))
+}
+
+fn held_at(marker: &Path) -> Result<bool> {
+    match fs::read(marker) {
+        Ok(text) => Ok(text.first().is_some_and(|b| *b != RELEASED)),
+        Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(false),
+        Err(e) => Err(e).with_context(|| format!("reading {}", marker.display())),
+    }
+}
 
 /// Expedites the grace periods of this agent's attachments (see the module
 /// documentation).
@@ -195,21 +213,15 @@ impl ExpeditedAttach {
         Ok(file)
     }
 
-    /// Whether the marker says an agent has the knob at `1`: it exists and its
-    /// first byte is not `0` (an empty marker was made by a window that never
-    /// set the knob).
+    /// Whether this agent's marker is held ([`marker_held`]).
     fn marker_held(&self) -> Result<bool> {
-        match fs::read(&self.marker) {
-            Ok(text) => Ok(text.first().is_some_and(|b| *b != RELEASED[0])),
-            Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(false),
-            Err(e) => Err(e).with_context(|| format!("reading {}", self.marker.display())),
-        }
+        held_at(&self.marker)
     }
 }
 
 /// Writes the marker's first byte (`HELD` or `RELEASED`).
-fn mark(marker: &File, state: &[u8]) -> io::Result<()> {
-    marker.write_all_at(state, 0)
+fn mark(marker: &File, state: u8) -> io::Result<()> {
+    marker.write_all_at(&[state], 0)
 }
 
 impl Drop for Window {
@@ -295,7 +307,7 @@ mod tests {
         assert!(e.marker_held().unwrap());
         assert_eq!(inode(), first);
         drop(window);
-        assert_eq!(fs::read(&e.marker).unwrap(), RELEASED);
+        assert_eq!(fs::read(&e.marker).unwrap(), [RELEASED]);
         assert_eq!(inode(), first);
     }
 
