@@ -42,7 +42,7 @@ use crate::{
         netlink::{Netlink, NodeNetwork},
     },
     identity::{
-        CertManager, CertSource,
+        CertManager, CertSource, SpiffeId,
         istio_ca::{IstioCaClient, IstioCaConfig},
     },
     proxy::{self, Listeners, ProxyConfig, ProxyState, View},
@@ -137,6 +137,11 @@ fn raise_nofile_limit() -> u64 {
         Err(_) => 1024,
     }
 }
+
+/// The most pods a change may touch for the workload index to be updated pod
+/// by pod; beyond, it is rebuilt (each pod's update looks through all pods of
+/// the source for its definitions).
+const MAX_POD_UPDATES: usize = 32;
 
 /// Retry delays for pods that wait for their host veth (or failed to attach):
 /// quick at first, then slower, so a pod that never gets one costs little.
@@ -279,9 +284,11 @@ pub async fn run(cfg: AgentConfig) -> Result<()> {
         next_id: 1,
         pending_retry: None,
         index: Arc::new(WorkloadIndex::default()),
+        snapshot_due: false,
         wanted: Vec::new(),
         waiting: false,
         warned: HashSet::new(),
+        pruned_at: None,
         no_route_since: HashMap::new(),
         netlink,
         network,
@@ -500,12 +507,18 @@ struct Reconciler {
     pending_retry: Option<Duration>,
     /// The workloads of the source as last read.
     index: Arc<WorkloadIndex>,
+    /// The enrollment snapshot was not written while the source was
+    /// incomplete: write it at the next change.
+    snapshot_due: bool,
     /// The pods to capture, as last planned.
     wanted: Vec<CapturedPod>,
     /// Some pod waits for its host route (or the lookup failed).
     waiting: bool,
     /// Workloads already warned about (warnings are given once).
     warned: HashSet<String>,
+    /// The index's [`WorkloadIndex::removals`] when `workload_ids`, `warned`
+    /// and `no_route_since` last dropped the workloads it no longer has.
+    pruned_at: Option<u64>,
     /// When each enrolled local pod without a host route was first seen so
     /// ([`NO_ROUTE_WARNING`]).
     no_route_since: HashMap<String, std::time::Instant>,
@@ -522,7 +535,9 @@ struct Reconciler {
 }
 
 impl Reconciler {
-    /// Rescans the workload source and, if it changed, rebuilds the workload index.
+    /// Rescans the workload source and, if it changed, updates the workload
+    /// index: pod by pod when the source says which pods changed (and no
+    /// Namespace did), else by a rebuild.
     fn publish(&mut self, source: &mut Source) -> manifests::Rescan {
         let mut rescan = source.rescan();
         for error in &rescan.errors {
@@ -531,22 +546,43 @@ impl Reconciler {
         let first = self.index.node().is_empty();
         // Addresses podlink-cni reported stand in for those of pods whose
         // object has none yet.
-        rescan.changed |= self.cni.take_changed();
+        let reported = self.cni.take_changed();
+        rescan.changed |= !reported.is_empty();
         if rescan.changed || first {
-            let pods = self.cni.pods(source.pods());
-            let (index, warnings) = self.index.rebuild(
-                &self.node,
-                &self.trust_domain,
-                pods.iter().map(|p| &**p),
-                source.namespaces(),
-            );
-            self.cni.update_snapshot(
-                source.removal() == Removal::All,
-                source.pods(),
-                source.namespaces(),
-            );
+            let changes = rescan.changes.as_ref().filter(|c| {
+                !first && !c.namespaces && c.pods.len() + reported.len() <= MAX_POD_UPDATES
+            });
+            let warnings = match changes {
+                Some(changes) => {
+                    let mut index = WorkloadIndex::clone(&self.index);
+                    for key in changes.pods.union(&reported) {
+                        self.update_workload(&mut index, source, key);
+                    }
+                    let warnings = index.warnings();
+                    self.index = Arc::new(index);
+                    warnings
+                }
+                None => {
+                    let pods = self.cni.pods(source.pods());
+                    let (index, warnings) = self.index.rebuild(
+                        &self.node,
+                        &self.trust_domain,
+                        pods.iter().map(|p| &**p),
+                        source.namespaces(),
+                    );
+                    self.index = Arc::new(index);
+                    warnings
+                }
+            };
+            // The snapshot holds the namespaces' and pods' mode labels only.
+            if changes.is_none_or(|c| c.mode_labels) || self.snapshot_due {
+                let complete = source.removal() == Removal::All;
+                self.cni
+                    .update_snapshot(complete, source.pods(), source.namespaces());
+                self.snapshot_due = !complete;
+            }
             // Which files define a pod twice is looked for only when one does.
-            let duplicates = if index.has_duplicates() {
+            let duplicates = if self.index.has_duplicates() {
                 source.duplicate_pods()
             } else {
                 Vec::new()
@@ -558,12 +594,13 @@ impl Reconciler {
                     .map(|w| (Severity::Warn, w))
                     .collect(),
             );
-            self.index = Arc::new(index);
-            let (services, warnings) =
-                ServiceIndex::build(source.services(), source.endpoint_slices());
-            self.service_messages
-                .log(warnings.into_iter().map(|w| (Severity::Warn, w)).collect());
-            self.services = Arc::new(services);
+            if changes.is_none_or(|c| c.services) {
+                let (services, warnings) =
+                    ServiceIndex::build(source.services(), source.endpoint_slices());
+                self.service_messages
+                    .log(warnings.into_iter().map(|w| (Severity::Warn, w)).collect());
+                self.services = Arc::new(services);
+            }
         }
         // A file that breaks may make the policies unknown without changing any
         // object.
@@ -571,6 +608,31 @@ impl Reconciler {
             self.policies = Arc::new(self.policy_set(source));
         }
         rescan
+    }
+
+    /// Updates pod `key`'s (`namespace/name`) workload in `index` from its
+    /// definitions in the source, with the addresses podlink-cni reported.
+    fn update_workload(&self, index: &mut WorkloadIndex, source: &Source, key: &str) {
+        let Some((namespace, name)) = key.split_once('/') else {
+            return;
+        };
+        let definitions: Vec<_> = source
+            .pods()
+            .filter(|p| {
+                p.metadata.name.as_deref() == Some(name)
+                    && p.metadata.namespace_or_default() == namespace
+            })
+            .map(|p| self.cni.overlaid(p))
+            .collect();
+        let namespace_object = source
+            .namespaces()
+            .find(|ns| ns.metadata.name.as_deref() == Some(namespace));
+        index.update(
+            &self.trust_domain,
+            key,
+            definitions.iter().map(|p| &**p),
+            namespace_object,
+        );
     }
 
     /// The policies of the source; all requests are denied while a broken file
@@ -625,15 +687,16 @@ impl Reconciler {
                 policies: self.policies.clone(),
                 services: self.services.clone(),
             });
-            // Certificates are only needed for this node's enrolled workloads.
-            let local: HashSet<_> = self
+            // Certificates are only needed for this node's enrolled workloads
+            // (often many pods to one identity: each is copied once).
+            let local: HashSet<&SpiffeId> = self
                 .index
                 .workloads()
                 .filter(|w| w.enrollment.is_enrolled() && self.index.is_local(w))
-                .map(|w| w.identity.clone())
+                .map(|w| &w.identity)
                 .collect();
             state.certs.retain(|id| local.contains(id));
-            state.certs.prefetch(local);
+            state.certs.prefetch(local.into_iter().cloned());
         }
     }
 
@@ -666,10 +729,14 @@ impl Reconciler {
         }
         source.captured(&captured);
         self.attached = captured;
+        // What is kept per workload goes with it.
         let index = &self.index;
-        self.workload_ids.retain(|k, _| index.get(k).is_some());
-        self.warned.retain(|k| index.get(k).is_some());
-        self.no_route_since.retain(|k, _| index.get(k).is_some());
+        if self.pruned_at != Some(index.removals()) {
+            self.workload_ids.retain(|k, _| index.get(k).is_some());
+            self.warned.retain(|k| index.get(k).is_some());
+            self.no_route_since.retain(|k, _| index.get(k).is_some());
+            self.pruned_at = Some(index.removals());
+        }
         self.pending_retry = (retry || removal == Removal::Nothing).then(|| {
             self.pending_retry
                 .map_or(PENDING_RETRY_MIN, |d| (d * 2).min(PENDING_RETRY_MAX))

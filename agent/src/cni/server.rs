@@ -11,7 +11,7 @@
 
 use std::{
     borrow::Cow,
-    collections::{HashMap, HashSet},
+    collections::{BTreeSet, HashMap, HashSet},
     fs,
     net::IpAddr,
     os::unix::fs::{DirBuilderExt as _, FileTypeExt as _, MetadataExt as _, PermissionsExt as _},
@@ -234,7 +234,9 @@ pub struct Enroller {
     snapshot_path: PathBuf,
     written: Option<Snapshot>,
     overlay: HashMap<String, Reported>,
-    changed: bool,
+    /// The pods (`namespace/name`) whose reported addresses changed since
+    /// [`Enroller::take_changed`].
+    changed: BTreeSet<String>,
     pending: Vec<Pending>,
 }
 
@@ -269,7 +271,7 @@ impl Enroller {
             snapshot_path: Snapshot::path_for(socket),
             written: None,
             overlay: HashMap::new(),
-            changed: false,
+            changed: BTreeSet::new(),
             pending: Vec::new(),
         }
     }
@@ -289,8 +291,8 @@ impl Enroller {
                     host_interface: request.host_interface.clone(),
                 };
                 if self.overlay.get(&key) != Some(&reported) {
+                    self.changed.insert(key.clone());
                     self.overlay.insert(key, reported);
-                    self.changed = true;
                 }
                 self.pending.push(Pending {
                     request,
@@ -310,7 +312,7 @@ impl Enroller {
                     .is_some_and(|r| r.container_id == request.container_id)
                 {
                     self.overlay.remove(&key);
-                    self.changed = true;
+                    self.changed.insert(key.clone());
                 }
                 for p in self.pending.extract_if(.., |p| {
                     p.request.key() == key && p.request.container_id == request.container_id
@@ -325,9 +327,10 @@ impl Enroller {
         }
     }
 
-    /// Whether the reported addresses changed since the last call (the workload
-    /// index is to be rebuilt with [`Enroller::pods`]).
-    pub fn take_changed(&mut self) -> bool {
+    /// The pods (`namespace/name`) whose reported addresses changed since the
+    /// last call: their workloads are to be made again with
+    /// [`Enroller::overlaid`].
+    pub fn take_changed(&mut self) -> BTreeSet<String> {
         std::mem::take(&mut self.changed)
     }
 
@@ -345,34 +348,34 @@ impl Enroller {
     /// live sandbox's addresses win over the object's, which may still be those
     /// of an earlier sandbox (until the kubelet updates the status) or none yet.
     pub fn pods<'a>(&self, pods: impl Iterator<Item = &'a Pod>) -> Vec<Cow<'a, Pod>> {
-        pods.map(|pod| {
-            if self.overlay.is_empty() {
-                return Cow::Borrowed(pod);
+        pods.map(|pod| self.overlaid(pod)).collect()
+    }
+
+    /// `pod` as [`Enroller::pods`] gives it.
+    pub fn overlaid<'a>(&self, pod: &'a Pod) -> Cow<'a, Pod> {
+        if self.overlay.is_empty() {
+            return Cow::Borrowed(pod);
+        }
+        let Some(name) = &pod.metadata.name else {
+            return Cow::Borrowed(pod);
+        };
+        let key = format!("{}/{name}", pod.metadata.namespace_or_default());
+        match self.overlay.get(&key) {
+            Some(reported) if !reported.ips.is_empty() && !has_addresses(pod, &reported.ips) => {
+                let mut pod = pod.clone();
+                let status = pod.status.get_or_insert_with(PodStatus::default);
+                status.pod_ip = Some(reported.ips[0].to_string());
+                status.pod_ips = Some(
+                    reported
+                        .ips
+                        .iter()
+                        .map(|ip| PodIP { ip: ip.to_string() })
+                        .collect(),
+                );
+                Cow::Owned(pod)
             }
-            let Some(name) = &pod.metadata.name else {
-                return Cow::Borrowed(pod);
-            };
-            let key = format!("{}/{name}", pod.metadata.namespace_or_default());
-            match self.overlay.get(&key) {
-                Some(reported)
-                    if !reported.ips.is_empty() && !has_addresses(pod, &reported.ips) =>
-                {
-                    let mut pod = pod.clone();
-                    let status = pod.status.get_or_insert_with(PodStatus::default);
-                    status.pod_ip = Some(reported.ips[0].to_string());
-                    status.pod_ips = Some(
-                        reported
-                            .ips
-                            .iter()
-                            .map(|ip| PodIP { ip: ip.to_string() })
-                            .collect(),
-                    );
-                    Cow::Owned(pod)
-                }
-                _ => Cow::Borrowed(pod),
-            }
-        })
-        .collect()
+            _ => Cow::Borrowed(pod),
+        }
     }
 
     /// Answers the waiting requests that can be answered after a reconcile:
@@ -693,8 +696,8 @@ mod tests {
         out_request.ips = vec!["10.244.1.10".parse().unwrap()];
         let mut add_out = send(&mut e, out_request);
         let mut add_unknown = send(&mut e, request(Command::Add, "ghost", "c3"));
-        assert!(e.take_changed());
-        assert!(!e.take_changed());
+        assert!(!e.take_changed().is_empty());
+        assert!(e.take_changed().is_empty());
         let pods = e.pods([&new, &out].into_iter());
         assert!(matches!(pods[0], Cow::Owned(_)));
         let (index, _) = WorkloadIndex::build(
@@ -790,7 +793,7 @@ mod tests {
                 .unwrap(),
             Reply::Removed
         );
-        assert!(!e.take_changed());
+        assert!(e.take_changed().is_empty());
         for _ in 0..2 {
             assert_eq!(
                 send(&mut e, request(Command::Del, "new", "c1"))
@@ -799,7 +802,7 @@ mod tests {
                 Reply::Removed
             );
         }
-        assert!(e.take_changed());
+        assert!(!e.take_changed().is_empty());
         assert!(matches!(e.pods([&new].into_iter())[0], Cow::Borrowed(_)));
         e.stop();
         assert!(matches!(

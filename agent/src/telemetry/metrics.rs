@@ -490,6 +490,7 @@ mod tests {
             ips: vec!["10.244.1.2".parse().unwrap()],
             enrollment: Enrollment::Enrolled,
             terminating: false,
+            host_network: false,
             labels: labels
                 .iter()
                 .map(|(k, v)| (k.to_string(), v.to_string()))

@@ -18,7 +18,7 @@ pub mod services;
 pub mod source;
 
 use std::{
-    collections::{BTreeMap, HashMap, hash_map::Entry},
+    collections::{BTreeMap, BTreeSet, HashMap, hash_map::Entry},
     net::IpAddr,
     sync::Arc,
 };
@@ -106,6 +106,10 @@ pub struct Workload {
     /// The workload's SPIFFE ID.
     #[serde(serialize_with = "serialize_display")]
     pub identity: SpiffeId,
+    /// `spec.hostNetwork`: the pod's addresses are its node's, so they name no
+    /// workload.
+    #[serde(skip)]
+    pub(crate) host_network: bool,
 }
 
 fn serialize_display<S: serde::Serializer>(
@@ -206,15 +210,65 @@ fn pod_ips_are(pod: &Pod, ips: &[IpAddr]) -> bool {
 }
 
 /// All workloads of the cluster, indexed by address, from this node's point of view.
-#[derive(Debug, Default)]
+///
+/// Made whole by [`WorkloadIndex::build`] (or [`WorkloadIndex::rebuild`]), then
+/// kept up to date pod by pod with [`WorkloadIndex::update`]: an index updated
+/// for a set of pods is the one a build from the same pods would make, so that
+/// one changed pod costs its own work, not a walk of every pod.
+#[derive(Clone, Debug, Default)]
 pub struct WorkloadIndex {
     node: String,
     workloads: BTreeMap<Arc<str>, Arc<Workload>>,
+    /// Each address's owner: its only claimant, or the one [`settle`] picks.
+    ///
+    /// [`settle`]: WorkloadIndex::settle
     by_ip: HashMap<IpAddr, Arc<Workload>>,
-    /// Addresses claimed by more than one live pod, with their `namespace/name`s.
-    conflicts: HashMap<IpAddr, Vec<String>>,
-    /// Whether some pod was defined more than once.
-    duplicates: bool,
+    /// Addresses claimed by more than one workload, with all their claimants by
+    /// `namespace/name`.
+    contested: BTreeMap<IpAddr, BTreeMap<Arc<str>, Arc<Workload>>>,
+    /// Contested addresses without an owner (more than one live claimant), with
+    /// their live claimants' `namespace/name`s in that order.
+    conflicts: BTreeMap<IpAddr, Vec<String>>,
+    /// Pods defined more than once (`namespace/name`).
+    duplicated: BTreeSet<Arc<str>>,
+    /// How many times a workload left the index (a rebuild counts as one).
+    removals: u64,
+}
+
+/// The workload `pod` makes, keyed `key`: `previous` (the same `Arc`) when it
+/// is what `pod` makes, else a new one.
+fn workload_of(
+    previous: Option<&Arc<Workload>>,
+    key: &str,
+    pod: &Pod,
+    namespace: Option<&Namespace>,
+    trust_domain: &str,
+) -> Arc<Workload> {
+    let spec = pod.spec.as_ref();
+    let service_account = spec
+        .and_then(|s| s.service_account_name.as_deref())
+        .filter(|s| !s.is_empty())
+        .unwrap_or("default");
+    let enrollment = enrollment(pod, namespace);
+    match previous {
+        Some(w) if w.is_made_from(pod, service_account, enrollment, trust_domain) => w.clone(),
+        _ => {
+            let pod_namespace = pod.metadata.namespace_or_default();
+            Arc::new(Workload {
+                key: Arc::from(key),
+                identity: SpiffeId::new(trust_domain, pod_namespace, service_account),
+                enrollment,
+                node: spec.and_then(|s| s.node_name.clone()),
+                terminating: pod.metadata.deletion_timestamp.is_some(),
+                labels: pod.metadata.labels.clone().unwrap_or_default(),
+                ips: pod_ips(pod),
+                host_network: spec.and_then(|s| s.host_network).unwrap_or(false),
+                namespace: pod_namespace.to_string(),
+                name: pod.metadata.name.clone().unwrap_or_default(),
+                service_account: service_account.to_string(),
+            })
+        }
+    }
 }
 
 impl WorkloadIndex {
@@ -250,12 +304,9 @@ impl WorkloadIndex {
         let mut index = WorkloadIndex {
             node: node.to_string(),
             by_ip: HashMap::with_capacity(self.by_ip.len()),
+            removals: self.removals + 1,
             ..Default::default()
         };
-        let mut warnings = Vec::new();
-        // Addresses claimed more than once, with all their claimants in order;
-        // the others' single claimant is in `by_ip` already.
-        let mut contested: BTreeMap<IpAddr, Vec<Arc<Workload>>> = BTreeMap::new();
         let mut key = String::new();
         for pod in pods {
             let Some(name) = pod.metadata.name.as_deref() else {
@@ -269,74 +320,174 @@ impl WorkloadIndex {
             key.push_str(namespace);
             key.push('/');
             key.push_str(name);
-            if index.workloads.contains_key(key.as_str()) {
-                index.duplicates = true;
+            if let Some((key, _)) = index.workloads.get_key_value(key.as_str()) {
+                index.duplicated.insert(key.clone());
                 continue;
             }
-            let spec = pod.spec.as_ref();
-            let service_account = spec
-                .and_then(|s| s.service_account_name.as_deref())
-                .filter(|s| !s.is_empty())
-                .unwrap_or("default");
-            let host_network = spec.and_then(|s| s.host_network).unwrap_or(false);
-            let enrollment = enrollment(pod, namespaces.get(namespace).copied());
-            let workload = match self.workloads.get(key.as_str()) {
-                Some(w) if w.is_made_from(pod, service_account, enrollment, trust_domain) => {
-                    w.clone()
-                }
-                _ => Arc::new(Workload {
-                    key: Arc::from(key.as_str()),
-                    identity: SpiffeId::new(trust_domain, namespace, service_account),
-                    enrollment,
-                    node: spec.and_then(|s| s.node_name.clone()),
-                    terminating: pod.metadata.deletion_timestamp.is_some(),
-                    labels: pod.metadata.labels.clone().unwrap_or_default(),
-                    ips: pod_ips(pod),
-                    namespace: namespace.to_string(),
-                    name: name.to_string(),
-                    service_account: service_account.to_string(),
-                }),
-            };
-            // A hostNetwork pod's address is its node's: it names no workload.
-            if !host_network {
-                for ip in &workload.ips {
-                    match index.by_ip.entry(*ip) {
-                        Entry::Vacant(e) => {
-                            e.insert(workload.clone());
-                        }
-                        Entry::Occupied(e) => contested
-                            .entry(*ip)
-                            .or_insert_with(|| vec![e.get().clone()])
-                            .push(workload.clone()),
-                    }
-                }
-            }
-            index.workloads.insert(workload.key.clone(), workload);
+            let workload = workload_of(
+                self.workloads.get(key.as_str()),
+                &key,
+                pod,
+                namespaces.get(namespace).copied(),
+                trust_domain,
+            );
+            index.insert(workload);
         }
-        for (ip, claimants) in contested {
-            // A terminating pod gives way to one that is not.
-            let live: Vec<&Arc<Workload>> = claimants.iter().filter(|w| !w.terminating).collect();
-            let owner = match live.as_slice() {
-                [] => claimants.first(),
-                [one] => Some(*one),
-                _ => None,
-            };
-            match owner {
-                Some(owner) => {
-                    index.by_ip.insert(ip, owner.clone());
-                }
-                None => {
-                    index.by_ip.remove(&ip);
-                    let names: Vec<String> = live.iter().map(|w| w.key().to_string()).collect();
-                    warnings.push(format!(
-                        "pods {} all claim address {ip}: it is served for none of them (its connections are refused) until only one does",
-                        names.join(", ")
-                    ));
-                    index.conflicts.insert(ip, names);
-                }
-            }
-        }
+        let warnings = index.warnings();
         (index, warnings)
+    }
+
+    /// Updates the workload `key` (`namespace/name`) from `definitions`: every
+    /// pod of the source with that namespace and name, in the source's order
+    /// (none when it is gone), as [`WorkloadIndex::build`] would see them;
+    /// `namespace` is the pod's Namespace object, if the source has one. The
+    /// index is then the one a build would make. Warnings are those of
+    /// [`WorkloadIndex::warnings`], asked once all pods are updated.
+    pub fn update<'a>(
+        &mut self,
+        trust_domain: &str,
+        key: &str,
+        definitions: impl IntoIterator<Item = &'a Pod>,
+        namespace: Option<&Namespace>,
+    ) {
+        let mut live = definitions.into_iter().filter(|pod| !is_finished(pod));
+        let first = live.next();
+        let workload = first
+            .map(|pod| workload_of(self.workloads.get(key), key, pod, namespace, trust_domain));
+        let previous = self.workloads.get(key).cloned();
+        let unchanged = matches!((&previous, &workload), (Some(p), Some(w)) if Arc::ptr_eq(p, w));
+        if !unchanged {
+            if let Some(previous) = previous {
+                self.remove(&previous);
+                if workload.is_none() {
+                    self.removals += 1;
+                }
+            }
+            if let Some(workload) = workload.clone() {
+                self.insert(workload);
+            }
+        }
+        match (workload, live.next().is_some()) {
+            (Some(w), true) => {
+                self.duplicated.insert(w.key.clone());
+            }
+            _ => {
+                self.duplicated.remove(key);
+            }
+        }
+    }
+
+    /// Adds `workload` (whose key is not in the index) and its address claims.
+    fn insert(&mut self, workload: Arc<Workload>) {
+        // A hostNetwork pod's address is its node's: it names no workload.
+        if !workload.host_network {
+            for ip in &workload.ips {
+                self.claim(*ip, &workload);
+            }
+        }
+        self.workloads.insert(workload.key.clone(), workload);
+    }
+
+    /// Removes `workload` (the index's own) and its address claims.
+    fn remove(&mut self, workload: &Arc<Workload>) {
+        self.workloads.remove(&workload.key);
+        if workload.host_network {
+            return;
+        }
+        for ip in &workload.ips {
+            if let Some(claimants) = self.contested.get_mut(ip) {
+                claimants.remove(&workload.key);
+                if claimants.len() > 1 {
+                    self.settle(*ip);
+                    continue;
+                }
+                let only = claimants.pop_first().map(|(_, w)| w);
+                self.contested.remove(ip);
+                self.conflicts.remove(ip);
+                if let Some(only) = only {
+                    self.by_ip.insert(*ip, only);
+                }
+            } else if self
+                .by_ip
+                .get(ip)
+                .is_some_and(|owner| owner.key == workload.key)
+            {
+                self.by_ip.remove(ip);
+            }
+        }
+    }
+
+    /// Records that `workload` claims `ip`.
+    fn claim(&mut self, ip: IpAddr, workload: &Arc<Workload>) {
+        if let Some(claimants) = self.contested.get_mut(&ip) {
+            claimants.insert(workload.key.clone(), workload.clone());
+        } else {
+            match self.by_ip.entry(ip) {
+                Entry::Vacant(e) => {
+                    e.insert(workload.clone());
+                    return;
+                }
+                // The same address listed twice by one pod.
+                Entry::Occupied(e) if e.get().key == workload.key => return,
+                Entry::Occupied(e) => {
+                    let other = e.get().clone();
+                    self.contested.insert(
+                        ip,
+                        BTreeMap::from([
+                            (other.key.clone(), other),
+                            (workload.key.clone(), workload.clone()),
+                        ]),
+                    );
+                }
+            }
+        }
+        self.settle(ip);
+    }
+
+    /// Picks the owner of contested address `ip`: its only live claimant; the
+    /// first (by `namespace/name`) when all are terminating, since a terminating
+    /// pod gives way to one that is not; none when several are live (a
+    /// conflict: it is served for none of them).
+    fn settle(&mut self, ip: IpAddr) {
+        let Some(claimants) = self.contested.get(&ip) else {
+            return;
+        };
+        let live: Vec<&Arc<Workload>> = claimants.values().filter(|w| !w.terminating).collect();
+        let owner = match live.as_slice() {
+            [] => claimants.values().next(),
+            [one] => Some(*one),
+            _ => None,
+        };
+        match owner {
+            Some(owner) => {
+                self.by_ip.insert(ip, owner.clone());
+                self.conflicts.remove(&ip);
+            }
+            None => {
+                let names = live.iter().map(|w| w.key().to_string()).collect();
+                self.by_ip.remove(&ip);
+                self.conflicts.insert(ip, names);
+            }
+        }
+    }
+
+    /// One warning per conflict (live pods claiming one address), by address.
+    pub fn warnings(&self) -> Vec<String> {
+        self.conflicts
+            .iter()
+            .map(|(ip, names)| {
+                format!(
+                    "pods {} all claim address {ip}: it is served for none of them (its connections are refused) until only one does",
+                    names.join(", ")
+                )
+            })
+            .collect()
+    }
+
+    /// How many times a workload has left the index: unchanged, no workload
+    /// known before is gone.
+    pub fn removals(&self) -> u64 {
+        self.removals
     }
 
     /// The workload `namespace/name`.
@@ -399,7 +550,7 @@ impl WorkloadIndex {
     /// Whether some pod was defined more than once (only its first definition
     /// was used).
     pub fn has_duplicates(&self) -> bool {
-        self.duplicates
+        !self.duplicated.is_empty()
     }
 }
 
@@ -523,7 +674,7 @@ mod tests {
         ];
         let (index, warnings) = WorkloadIndex::build("n1", "cluster.local", &pods, [&amb]);
         assert_eq!(warnings.len(), 1, "{warnings:?}");
-        assert!(warnings[0].contains("amb/b, amb/a"), "{warnings:?}");
+        assert!(warnings[0].contains("amb/a, amb/b"), "{warnings:?}");
         // Served for neither, but still captured where it is local.
         let ip = "10.0.0.1".parse().unwrap();
         assert!(index.by_ip(ip).is_none());
@@ -667,6 +818,109 @@ mod tests {
         unlabelled[0].metadata.labels = None;
         let (next, _) = first.rebuild("n1", "cluster.local", &unlabelled, [&amb]);
         assert!(Arc::ptr_eq(&a(&first), &a(&next)));
+    }
+
+    /// What an index serves, comparable: its workloads, each address's owner,
+    /// conflicts, duplicates, warnings and captured pods.
+    fn served(index: &WorkloadIndex) -> impl PartialEq + std::fmt::Debug {
+        let owners: BTreeMap<IpAddr, String> = index
+            .by_ip
+            .iter()
+            .map(|(ip, w)| (*ip, w.key().to_string()))
+            .collect();
+        let workloads: Vec<Workload> = index.workloads().map(|w| (**w).clone()).collect();
+        let captured: Vec<String> = index.captured().map(|w| w.key().to_string()).collect();
+        (
+            workloads,
+            owners,
+            index.conflicts.clone(),
+            index.has_duplicates(),
+            index.warnings(),
+            captured,
+        )
+    }
+
+    /// Pod by pod updates give the index a build from the same pods gives,
+    /// through conflicts, terminating claimants, hostNetwork and finished pods,
+    /// duplicates and address changes.
+    #[test]
+    fn updates_make_the_index_a_build_makes() {
+        let amb = ns("amb", true);
+        let key = |pod: &Pod| format!("amb/{}", pod.metadata.name.as_deref().unwrap());
+        let terminating = |mut pod: Pod| {
+            pod.metadata.deletion_timestamp = Some("2026-01-01T00:00:00Z".into());
+            pod
+        };
+        let finished = |mut pod: Pod| {
+            pod.status.as_mut().unwrap().phase = Some("Failed".into());
+            pod
+        };
+        // Each step replaces (or adds) the pods of one name, or removes them.
+        let steps: Vec<(&str, Vec<Pod>)> = vec![
+            ("a", vec![p("a", "amb", "", false, "10.0.0.1", "n1")]),
+            ("b", vec![p("b", "amb", "", false, "10.0.0.1", "n1")]),
+            ("c", vec![p("c", "amb", "", false, "10.0.0.1", "n2")]),
+            (
+                "b",
+                vec![terminating(p("b", "amb", "", false, "10.0.0.1", "n1"))],
+            ),
+            ("c", vec![]),
+            (
+                "a",
+                vec![terminating(p("a", "amb", "", false, "10.0.0.1", "n1"))],
+            ),
+            ("h", vec![p("h", "amb", "", true, "10.0.0.1", "n1")]),
+            ("b", vec![]),
+            (
+                "d",
+                vec![
+                    p("d", "amb", "", false, "10.0.0.4", "n1"),
+                    p("d", "amb", "", false, "10.0.0.5", "n1"),
+                ],
+            ),
+            (
+                "d",
+                vec![
+                    finished(p("d", "amb", "", false, "10.0.0.4", "n1")),
+                    p("d", "amb", "", false, "10.0.0.5", "n1"),
+                ],
+            ),
+            (
+                "e",
+                vec![finished(p("e", "amb", "", false, "10.0.0.5", "n1"))],
+            ),
+            (
+                "a",
+                vec![p("a", "amb", "app: web", false, "10.0.0.5", "n1")],
+            ),
+            ("d", vec![p("d", "amb", "", false, "10.0.0.6", "n1")]),
+            ("a", vec![p("a", "amb", "", false, "10.0.0.6", "n1")]),
+            ("f", vec![p("f", "amb", "", false, "10.0.0.6", "n1")]),
+            ("a", vec![]),
+            ("h", vec![]),
+        ];
+        let mut pods: Vec<Pod> = Vec::new();
+        let mut index = WorkloadIndex::build("n1", "cluster.local", &pods, [&amb]).0;
+        for (i, (name, definitions)) in steps.into_iter().enumerate() {
+            let changed = format!("amb/{name}");
+            // A changed pod's definitions move to the end, as a new file's would.
+            pods.retain(|p| key(p) != changed);
+            pods.extend(definitions);
+            let removals = index.removals();
+            let had = index.get(&changed).is_some();
+            index.update(
+                "cluster.local",
+                &changed,
+                pods.iter().filter(|p| key(p) == changed),
+                Some(&amb),
+            );
+            let (built, _) = WorkloadIndex::build("n1", "cluster.local", &pods, [&amb]);
+            assert_eq!(served(&index), served(&built), "step {i} ({name})");
+            let gone = had && index.get(&changed).is_none();
+            assert_eq!(index.removals() > removals, gone, "step {i} ({name})");
+        }
+        // The steps went through a conflict and a duplicate.
+        assert!(index.by_ip("10.0.0.6".parse().unwrap()).is_none());
     }
 
     #[test]

@@ -25,7 +25,7 @@
 //! such full rescan. Parsing is in [`parse`].
 
 use std::{
-    collections::{BTreeMap, HashMap, HashSet},
+    collections::{BTreeMap, BTreeSet, HashMap, HashSet},
     fs,
     os::unix::fs::MetadataExt,
     path::{Path, PathBuf},
@@ -33,7 +33,10 @@ use std::{
     time::{Duration, Instant},
 };
 
-use crate::workload::k8s::{EndpointSlice, Namespace, Pod, Service};
+use crate::workload::{
+    DATAPLANE_MODE_LABEL,
+    k8s::{EndpointSlice, Namespace, Pod, Service},
+};
 
 use crate::authz::Policy;
 
@@ -147,10 +150,72 @@ pub struct ManifestDir {
 pub struct Rescan {
     /// Whether any file's objects changed (added, removed, or re-read successfully).
     pub changed: bool,
+    /// Which objects changed; `None` when not known (the first rescan, or a
+    /// source that does not tell): anything may have.
+    pub changes: Option<Changes>,
     /// Problems found in files that changed since the last rescan.
     pub errors: Vec<ManifestError>,
     /// Changes wait for their files to settle: rescan again after [`SETTLE`].
     pub unsettled: bool,
+}
+
+/// Which objects a rescan changed, found by comparing each changed file's
+/// objects before and after.
+#[derive(Debug, Default, PartialEq, Eq)]
+pub struct Changes {
+    /// The pods (`namespace/name`) whose definitions in some file were added,
+    /// removed or changed.
+    pub pods: BTreeSet<String>,
+    /// Some of those definitions, before or after, carry the label
+    /// [`DATAPLANE_MODE_LABEL`]: the pod may have opted in or out.
+    pub mode_labels: bool,
+    /// Some Namespace object was added, removed or changed.
+    pub namespaces: bool,
+    /// Some Service or EndpointSlice was added, removed or changed.
+    pub services: bool,
+}
+
+impl Changes {
+    /// Records a file's change from `old` to `new` objects (`None`: no file).
+    fn record(&mut self, old: Option<&Objects>, new: Option<&Objects>) {
+        let none = Objects::default();
+        let (old, new) = (old.unwrap_or(&none), new.unwrap_or(&none));
+        self.namespaces |= old.namespaces != new.namespaces;
+        self.services |= old.services != new.services || old.endpoint_slices != new.endpoint_slices;
+        // Each pod's definitions in the file, in order.
+        fn by_key(pods: &[Pod]) -> HashMap<String, Vec<&Pod>> {
+            let mut by_key: HashMap<String, Vec<&Pod>> = HashMap::new();
+            for pod in pods {
+                if let Some(name) = &pod.metadata.name {
+                    let key = format!("{}/{name}", pod.metadata.namespace_or_default());
+                    by_key.entry(key).or_default().push(pod);
+                }
+            }
+            by_key
+        }
+        let (before, after) = (by_key(&old.pods), by_key(&new.pods));
+        let labelled = |defs: &[&Pod]| {
+            defs.iter().any(|p| {
+                p.metadata
+                    .labels
+                    .as_ref()
+                    .is_some_and(|l| l.contains_key(DATAPLANE_MODE_LABEL))
+            })
+        };
+        for (key, defs) in &before {
+            let now = after.get(key);
+            if now != Some(defs) {
+                self.mode_labels |= labelled(defs) || now.is_some_and(|d| labelled(d));
+                self.pods.insert(key.clone());
+            }
+        }
+        for (key, defs) in after {
+            if !before.contains_key(&key) {
+                self.mode_labels |= labelled(&defs);
+                self.pods.insert(key);
+            }
+        }
+    }
 }
 
 /// The version of the file at `path`, following symlinks (ConfigMap mounts are
@@ -324,7 +389,10 @@ impl ManifestDir {
     /// Looks at the files inotify named, or at every file (see the module's
     /// documentation).
     pub fn rescan(&mut self) -> Rescan {
-        let mut rescan = Rescan::default();
+        let mut rescan = Rescan {
+            changes: self.scanned.then(Changes::default),
+            ..Rescan::default()
+        };
         let now = Instant::now();
         let scope = self.scope(now);
         let seen = match &scope {
@@ -360,7 +428,10 @@ impl ManifestDir {
             .collect();
         for path in gone {
             if self.settled_change(&path, None, now) != Settle::Wait {
-                self.files.remove(&path);
+                if let (Some(file), Some(changes)) = (self.files.remove(&path), &mut rescan.changes)
+                {
+                    changes.record(Some(&file.objects), None);
+                }
                 rescan.changed = true;
             } else {
                 rescan.unsettled = true;
@@ -450,6 +521,9 @@ impl ManifestDir {
             }
             match result {
                 Ok(objects) => {
+                    if let Some(changes) = &mut rescan.changes {
+                        changes.record(self.files.get(&path).map(|f| &f.objects), Some(&objects));
+                    }
                     self.files.insert(
                         path,
                         FileState {
@@ -673,6 +747,74 @@ mod tests {
                 b.display()
             )]
         );
+    }
+
+    /// A rescan says which pods changed, and whether namespaces, Services or
+    /// mode labels did: per file, by comparing its objects before and after.
+    #[test]
+    fn a_rescan_names_what_changed() {
+        let guard = tempfile::tempdir().unwrap();
+        let dir = guard.path();
+        let pod = |name: &str, ip: &str, labels: &str| {
+            format!(
+                "apiVersion: v1\nkind: Pod\nmetadata: {{name: {name}, namespace: shop, labels: {{{labels}}}}}\nspec: {{nodeName: node1}}\nstatus: {{podIP: {ip}}}\n"
+            )
+        };
+        let namespace = "apiVersion: v1\nkind: Namespace\nmetadata: {name: shop}\n";
+        let service = "apiVersion: v1\nkind: Service\nmetadata: {name: web, namespace: shop}\nspec: {clusterIP: 10.96.0.10, ports: [{port: 80}]}\n";
+        fs::write(dir.join("a.yaml"), pod("a", "10.1.1.1", "")).unwrap();
+        fs::write(
+            dir.join("b.yaml"),
+            [pod("b", "10.1.1.2", ""), pod("c", "10.1.1.3", "")].join("---\n"),
+        )
+        .unwrap();
+        let mut source = ManifestDir::with_settle(dir, Duration::ZERO).unwrap();
+        let first = source.rescan();
+        assert!(first.changed && first.changes.is_none(), "{first:?}");
+        // Rescans until the change is applied (it settles first).
+        let mut apply = |path: &str, text: Option<String>| {
+            match text {
+                Some(text) => fs::write(dir.join(path), text).unwrap(),
+                None => fs::remove_file(dir.join(path)).unwrap(),
+            }
+            for _ in 0..10 {
+                let rescan = source.rescan();
+                assert!(rescan.errors.is_empty(), "{rescan:?}");
+                if rescan.changed {
+                    return rescan.changes.unwrap();
+                }
+            }
+            panic!("{path} was not applied");
+        };
+        let pods = |changes: &Changes| changes.pods.iter().cloned().collect::<Vec<_>>();
+
+        // One pod of two changed: only it.
+        let changes = apply(
+            "b.yaml",
+            Some([pod("b", "10.1.1.9", ""), pod("c", "10.1.1.3", "")].join("---\n")),
+        );
+        assert_eq!(pods(&changes), ["shop/b"]);
+        assert!(!changes.mode_labels && !changes.namespaces && !changes.services);
+        // A new file: its pods, its namespace, its Service.
+        let changes = apply(
+            "c.yaml",
+            Some([pod("d", "10.1.1.4", ""), namespace.into(), service.into()].join("---\n")),
+        );
+        assert_eq!(pods(&changes), ["shop/d"]);
+        assert!(changes.namespaces && changes.services && !changes.mode_labels);
+        // A pod opting out, then its file gone.
+        let changes = apply(
+            "a.yaml",
+            Some(pod("a", "10.1.1.1", "istio.io/dataplane-mode: none")),
+        );
+        assert_eq!(pods(&changes), ["shop/a"]);
+        assert!(changes.mode_labels && !changes.namespaces);
+        let changes = apply("a.yaml", None);
+        assert_eq!(pods(&changes), ["shop/a"]);
+        assert!(changes.mode_labels);
+        let changes = apply("c.yaml", None);
+        assert_eq!(pods(&changes), ["shop/d"]);
+        assert!(changes.namespaces && changes.services);
     }
 
     #[test]
