@@ -624,9 +624,11 @@ impl Reconciler {
             })
             .map(|p| self.cni.overlaid(p))
             .collect();
+        // The last of that name, as a rebuild's lookup keeps.
         let namespace_object = source
             .namespaces()
-            .find(|ns| ns.metadata.name.as_deref() == Some(namespace));
+            .filter(|ns| ns.metadata.name.as_deref() == Some(namespace))
+            .last();
         index.update(
             &self.trust_domain,
             key,
