@@ -370,13 +370,17 @@ pub async fn run(cfg: AgentConfig) -> Result<()> {
             || reconciler.cni.has_pending()
         {
             reconciler.read_network(idle_resync).await;
+            let network_read = started.elapsed();
             tokio::task::block_in_place(|| {
                 reconciler.plan(&state);
                 let planned = started.elapsed();
                 reconciler.apply(&mut source);
+                // Each step's time (µs): the source and the index, the node's
+                // network, the plan, the attachments.
                 tracing::debug!(
                     read_us = published.as_micros() as u64,
-                    plan_us = (planned - published).as_micros() as u64,
+                    network_us = (network_read - published).as_micros() as u64,
+                    plan_us = (planned - network_read).as_micros() as u64,
                     apply_us = (started.elapsed() - planned).as_micros() as u64,
                     "reconciled"
                 );
@@ -507,8 +511,8 @@ struct Reconciler {
     pending_retry: Option<Duration>,
     /// The workloads of the source as last read.
     index: Arc<WorkloadIndex>,
-    /// The enrollment snapshot was not written while the source was
-    /// incomplete: write it at the next change.
+    /// The enrollment snapshot may be out of date (not written while the
+    /// source was incomplete, or its write failed): write it at the next change.
     snapshot_due: bool,
     /// The pods to capture, as last planned.
     wanted: Vec<CapturedPod>,
@@ -536,8 +540,10 @@ struct Reconciler {
 
 impl Reconciler {
     /// Rescans the workload source and, if it changed, updates the workload
-    /// index: pod by pod when the source says which pods changed (and no
-    /// Namespace did), else by a rebuild.
+    /// index: pod by pod when the source says which pods changed, no Namespace
+    /// did and at most [`MAX_POD_UPDATES`] pods did; else (the first read, the
+    /// Kubernetes source, which does not say) by a rebuild. A change that
+    /// touches no pod keeps the index as it is.
     fn publish(&mut self, source: &mut Source) -> manifests::Rescan {
         let mut rescan = source.rescan();
         for error in &rescan.errors {
@@ -553,6 +559,9 @@ impl Reconciler {
                 !first && !c.namespaces && c.pods.len() + reported.len() <= MAX_POD_UPDATES
             });
             let warnings = match changes {
+                Some(changes) if changes.pods.is_empty() && reported.is_empty() => {
+                    self.index.warnings()
+                }
                 Some(changes) => {
                     let mut index = WorkloadIndex::clone(&self.index);
                     for key in changes.pods.union(&reported) {
@@ -577,9 +586,10 @@ impl Reconciler {
             // The snapshot holds the namespaces' and pods' mode labels only.
             if changes.is_none_or(|c| c.mode_labels) || self.snapshot_due {
                 let complete = source.removal() == Removal::All;
-                self.cni
-                    .update_snapshot(complete, source.pods(), source.namespaces());
-                self.snapshot_due = !complete;
+                self.snapshot_due =
+                    !self
+                        .cni
+                        .update_snapshot(complete, source.pods(), source.namespaces());
             }
             // Which files define a pod twice is looked for only when one does.
             let duplicates = if self.index.has_duplicates() {
@@ -773,8 +783,8 @@ impl Reconciler {
     fn wanted(&mut self) -> Vec<CapturedPod> {
         let index = self.index.clone();
         let network = std::mem::take(&mut self.network);
-        let mut wanted: Vec<CapturedPod> = Vec::new();
-        let mut owners: HashMap<u32, &str> = HashMap::new();
+        let mut wanted: Vec<CapturedPod> = Vec::with_capacity(self.wanted.len() + 1);
+        let mut owners: HashMap<u32, &str> = HashMap::with_capacity(self.wanted.len() + 1);
         for workload in index.captured() {
             let key = workload.key();
             let Some(ipv4) = workload.ipv4() else {
@@ -793,7 +803,9 @@ impl Reconciler {
                 }
                 continue;
             };
-            self.no_route_since.remove(key);
+            if !self.no_route_since.is_empty() {
+                self.no_route_since.remove(key);
+            }
             if network.unresolved.contains(&ifindex) {
                 self.waiting = true;
                 continue;

@@ -136,7 +136,7 @@ fn a_pod_defined_twice_is_warned_about_once_while_it_is() {
         .unwrap();
     assert!(copy_used(&c));
 
-    // Two more pods: the workload index is rebuilt for each while a stays
+    // Two more pods: the workload index is updated for each while a stays
     // defined twice.
     for name in ["b", "d"] {
         let pod = c.add_pod(PodSpec::new(name, "mesh", 0)).unwrap();

@@ -557,26 +557,32 @@ impl Enroller {
     /// Writes the enrollment snapshot of `pods` and `namespaces` if it changed
     /// since the last write. `complete`: the source has listed everything (an
     /// incomplete view is not written: it could make the plugin let an enrolled
-    /// pod start uncaptured).
+    /// pod start uncaptured). Returns whether the file now holds this snapshot:
+    /// false while the source is incomplete or after a failed write (logged),
+    /// so that the caller asks again.
     pub fn update_snapshot<'a>(
         &mut self,
         complete: bool,
         pods: impl IntoIterator<Item = &'a Pod>,
         namespaces: impl IntoIterator<Item = &'a Namespace>,
-    ) {
+    ) -> bool {
         if !complete {
-            return;
+            return false;
         }
         let snapshot = Snapshot::build(&self.node, pods, namespaces);
         if self.written.as_ref() == Some(&snapshot) {
-            return;
+            return true;
         }
         match snapshot.write(&self.snapshot_path) {
             Ok(()) => {
                 tracing::debug!(path = %self.snapshot_path.display(), "enrollment snapshot written");
                 self.written = Some(snapshot);
+                true
             }
-            Err(e) => tracing::warn!("writing the enrollment snapshot: {e:#}"),
+            Err(e) => {
+                tracing::warn!("writing the enrollment snapshot: {e:#}");
+                false
+            }
         }
     }
 
@@ -696,7 +702,11 @@ mod tests {
         out_request.ips = vec!["10.244.1.10".parse().unwrap()];
         let mut add_out = send(&mut e, out_request);
         let mut add_unknown = send(&mut e, request(Command::Add, "ghost", "c3"));
-        assert!(!e.take_changed().is_empty());
+        // The pods whose reported addresses changed, each once.
+        assert_eq!(
+            e.take_changed(),
+            BTreeSet::from(["amb/ghost", "amb/new", "amb/out"].map(String::from))
+        );
         assert!(e.take_changed().is_empty());
         let pods = e.pods([&new, &out].into_iter());
         assert!(matches!(pods[0], Cow::Owned(_)));
@@ -802,7 +812,7 @@ mod tests {
                 Reply::Removed
             );
         }
-        assert!(!e.take_changed().is_empty());
+        assert_eq!(e.take_changed(), BTreeSet::from(["amb/new".to_string()]));
         assert!(matches!(e.pods([&new].into_iter())[0], Cow::Borrowed(_)));
         e.stop();
         assert!(matches!(

@@ -809,12 +809,49 @@ mod tests {
         );
         assert_eq!(pods(&changes), ["shop/a"]);
         assert!(changes.mode_labels && !changes.namespaces);
-        let changes = apply("a.yaml", None);
-        assert_eq!(pods(&changes), ["shop/a"]);
+        // Its label dropped again, in a file that now also holds a pod of the
+        // default namespace.
+        let unlabelled = format!(
+            "{}---\napiVersion: v1\nkind: Pod\nmetadata: {{name: x}}\n",
+            pod("a", "10.1.1.1", "")
+        );
+        let changes = apply("a.yaml", Some(unlabelled.clone()));
+        assert_eq!(pods(&changes), ["default/x", "shop/a"]);
         assert!(changes.mode_labels);
+        // The same objects written again: read, but nothing changed.
+        let changes = apply("a.yaml", Some(format!("# again\n{unlabelled}")));
+        assert_eq!(changes, Changes::default());
+        // Only the Service changed.
+        let changes = apply(
+            "c.yaml",
+            Some(
+                [
+                    pod("d", "10.1.1.4", ""),
+                    namespace.into(),
+                    service.replace("80", "8080"),
+                ]
+                .join("---\n"),
+            ),
+        );
+        assert!(changes.pods.is_empty() && changes.services && !changes.namespaces);
+        let changes = apply("a.yaml", None);
+        assert_eq!(pods(&changes), ["default/x", "shop/a"]);
+        assert!(!changes.mode_labels);
         let changes = apply("c.yaml", None);
         assert_eq!(pods(&changes), ["shop/d"]);
         assert!(changes.namespaces && changes.services);
+        // A broken file changes nothing and keeps its objects.
+        fs::write(dir.join("b.yaml"), "kind: Pod\nmetadata: [\n").unwrap();
+        for _ in 0..10 {
+            let rescan = source.rescan();
+            if !rescan.errors.is_empty() {
+                assert!(!rescan.changed, "{rescan:?}");
+                assert_eq!(rescan.changes, Some(Changes::default()));
+                assert_eq!(source.pods().count(), 2);
+                return;
+            }
+        }
+        panic!("the broken file was not reported");
     }
 
     #[test]
