@@ -533,7 +533,7 @@ struct Reconciler {
     /// waiting for an answer, the enrollment snapshot.
     cni: Enroller,
     /// The planned pods attached by the last apply (`namespace/name`).
-    attached: HashSet<String>,
+    attached: HashSet<Arc<str>>,
     /// The planned pods whose attach failed in the last apply, with the error.
     attach_errors: HashMap<String, String>,
 }
@@ -727,14 +727,14 @@ impl Reconciler {
                 "workload source incomplete for now: detaching less"
             );
         }
-        let mut captured: HashSet<String> =
+        let mut captured: HashSet<Arc<str>> =
             self.wanted.iter().map(|p| p.workload.clone()).collect();
         self.attach_errors.clear();
         for (pod, error) in self.dataplane.reconcile(&self.wanted, removal) {
             tracing::warn!(workload = %pod.workload, ifname = %pod.ifname, "capture failed: {error:#}");
             captured.remove(&pod.workload);
             self.attach_errors
-                .insert(pod.workload.clone(), format!("{error:#}"));
+                .insert(pod.workload.to_string(), format!("{error:#}"));
             // Its name may have changed: ask again.
             self.netlink.forget(pod.ifindex);
             retry = true;
@@ -833,7 +833,7 @@ impl Reconciler {
                 }
             };
             wanted.push(CapturedPod {
-                workload: key.to_string(),
+                workload: workload.key.clone(),
                 workload_id,
                 ipv4,
                 ifname: ifname.clone(),

@@ -257,7 +257,7 @@ pub struct Attached<'a> {
     /// The pods planned for capture.
     pub wanted: &'a [CapturedPod],
     /// Those attached now (`namespace/name`).
-    pub captured: &'a HashSet<String>,
+    pub captured: &'a HashSet<Arc<str>>,
     /// Those that failed, with the error.
     pub errors: &'a HashMap<String, String>,
 }
@@ -462,21 +462,21 @@ impl Enroller {
                         })
                     }
                     crate::workload::Enrollment::Enrolled => {
-                        let planned = attached.wanted.iter().find(|c| c.workload == key);
+                        let planned = attached.wanted.iter().find(|c| *c.workload == *key);
                         // Attached where the plugin says the pod is: its host
                         // interface and one of its addresses.
                         let here = |pod: &CapturedPod| {
                             p.request
                                 .host_interface
                                 .as_ref()
-                                .is_none_or(|i| *i == pod.ifname)
+                                .is_none_or(|i| **i == *pod.ifname)
                                 && (p.request.ips.is_empty()
                                     || p.request.ips.contains(&IpAddr::V4(pod.ipv4)))
                         };
                         match planned {
-                            Some(pod) if attached.captured.contains(&key) && here(pod) => {
+                            Some(pod) if attached.captured.contains(key.as_str()) && here(pod) => {
                                 Some(Reply::Enrolled {
-                                    interface: pod.ifname.clone(),
+                                    interface: pod.ifname.to_string(),
                                 })
                             }
                             _ if !expired => None,
@@ -756,7 +756,7 @@ mod tests {
         assert!(matches!(add_out.try_recv(), Ok(Reply::NotEnrolled { .. })));
         assert!(add.try_recv().is_err());
         let wanted = [new_on_veth9()];
-        let captured = HashSet::from(["amb/new".to_string()]);
+        let captured = HashSet::from([Arc::from("amb/new")]);
         // Attached, but on another interface than the plugin reported: not
         // answered as enrolled.
         let elsewhere = [CapturedPod {
@@ -845,7 +845,7 @@ mod tests {
         );
         assert_eq!(warnings.len(), 1, "{warnings:?}");
         let wanted = [new_on_veth9()];
-        let captured = HashSet::from(["amb/new".to_string()]);
+        let captured = HashSet::from([Arc::from("amb/new")]);
         let errors = HashMap::new();
         let attached = Attached {
             wanted: &wanted,

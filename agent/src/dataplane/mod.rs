@@ -38,6 +38,7 @@ use std::{
     fs::{self, File},
     net::Ipv4Addr,
     path::{Path, PathBuf},
+    sync::Arc,
 };
 
 use anyhow::{Context, Result, anyhow, bail};
@@ -115,14 +116,14 @@ pub enum Removal {
 /// A pod the dataplane should capture.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct CapturedPod {
-    /// `namespace/name`, for logs.
-    pub workload: String,
+    /// `namespace/name`, for logs (the workload's own key, shared).
+    pub workload: Arc<str>,
     /// The agent's number for the workload (`PodInfo::workload_id`).
     pub workload_id: u32,
     /// The pod's IPv4 address.
     pub ipv4: Ipv4Addr,
     /// The host veth.
-    pub ifname: String,
+    pub ifname: Arc<str>,
     /// The host veth's interface index in the node namespace.
     pub ifindex: u32,
 }

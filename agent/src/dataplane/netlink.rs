@@ -21,6 +21,7 @@ use std::{
     collections::{HashMap, HashSet},
     io,
     net::{IpAddr, Ipv4Addr},
+    sync::Arc,
 };
 
 use anyhow::{Context, Result};
@@ -48,7 +49,7 @@ pub struct NodeNetwork {
     /// point-to-point CNI plugin (such as `ptp`) adds one per pod to its host veth.
     pub host_routes: HashMap<Ipv4Addr, u32>,
     /// The interfaces host routes lead to that are veths: index → name.
-    pub veths: HashMap<u32, String>,
+    pub veths: HashMap<u32, Arc<str>>,
     /// Interfaces host routes lead to whose kind could not be read this time.
     pub unresolved: std::collections::HashSet<u32>,
     /// The node's own IPv4 addresses except loopback, sorted, without duplicates.
@@ -62,7 +63,7 @@ pub struct Netlink {
     /// interface's kind never changes, so each is asked about once (a dump of
     /// every link would cost more than all the rest as pods grow in number);
     /// entries go when no host route leads to their interface any more.
-    kinds: std::sync::Mutex<HashMap<u32, Option<String>>>,
+    kinds: std::sync::Mutex<HashMap<u32, Option<Arc<str>>>>,
     /// Host routes and addresses since the last full read.
     tracked: std::sync::Mutex<Tracked>,
     /// Whether the notification socket's failure was logged.
@@ -441,7 +442,7 @@ impl Netlink {
     async fn veths(
         &self,
         host_routes: &HashMap<Ipv4Addr, u32>,
-    ) -> Result<(HashMap<u32, String>, std::collections::HashSet<u32>)> {
+    ) -> Result<(HashMap<u32, Arc<str>>, std::collections::HashSet<u32>)> {
         let wanted: std::collections::HashSet<u32> = host_routes.values().copied().collect();
         let unknown: Vec<u32> = {
             let mut kinds = self.kinds.lock().expect("kinds lock");
@@ -488,12 +489,12 @@ impl Netlink {
 }
 
 /// The link's name if it is a veth.
-fn veth_name(link: &rtnetlink::packet_route::link::LinkMessage) -> Option<String> {
+fn veth_name(link: &rtnetlink::packet_route::link::LinkMessage) -> Option<Arc<str>> {
     let mut name = None;
     let mut veth = false;
     for attribute in &link.attributes {
         match attribute {
-            LinkAttribute::IfName(n) => name = Some(n.clone()),
+            LinkAttribute::IfName(n) => name = Some(Arc::from(n.as_str())),
             LinkAttribute::LinkInfo(info) => {
                 veth |= info
                     .iter()
@@ -668,7 +669,7 @@ mod tests {
                 assert_eq!(full_read_at(), dumped_at);
                 let pod = Ipv4Addr::new(10, 99, 0, 5);
                 assert_eq!(after.host_routes, HashMap::from([(pod, index)]));
-                assert_eq!(after.veths, HashMap::from([(index, "nlhost0".to_string())]));
+                assert_eq!(after.veths, HashMap::from([(index, Arc::from("nlhost0"))]));
                 assert_eq!(after.addrs, vec![Ipv4Addr::new(10, 99, 0, 1)]);
                 // Set down, the kernel flushes the route without notifying it.
                 ip("link set nlhost0 down");
@@ -727,14 +728,14 @@ mod tests {
         assert_eq!(net.addrs, addrs);
         // The veths host routes lead to.
         let targets: std::collections::HashSet<u32> = net.host_routes.values().copied().collect();
-        let veths: HashMap<u32, String> = ip(&["-j", "-d", "link", "show", "type", "veth"])
+        let veths: HashMap<u32, Arc<str>> = ip(&["-j", "-d", "link", "show", "type", "veth"])
             .as_array()
             .unwrap()
             .iter()
             .map(|l| {
                 (
                     l["ifindex"].as_u64().unwrap() as u32,
-                    l["ifname"].as_str().unwrap().to_string(),
+                    Arc::from(l["ifname"].as_str().unwrap()),
                 )
             })
             .filter(|(i, _)| targets.contains(i))

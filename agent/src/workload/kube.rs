@@ -475,7 +475,7 @@ impl KubeSource {
     /// (`namespace/name`) and removes it from its other pods, by JSON merge patch
     /// (RFC 7386), in the background. A patch is sent again if the watch does not
     /// show it after `PATCH_RETRY`; failures are logged.
-    pub fn annotate(&mut self, captured: &HashSet<String>) {
+    pub fn annotate(&mut self, captured: &HashSet<Arc<str>>) {
         // Before the first lists nothing is detached, and pods the agent
         // does not know yet may still be captured: their annotation stays.
         if !self.ready() {
@@ -497,7 +497,7 @@ impl KubeSource {
                 .as_ref()
                 .and_then(|a| a.get(REDIRECTION_ANNOTATION))
                 .is_some_and(|v| v == REDIRECTION_ENABLED);
-            let want = captured.contains(&key) && pod.metadata.deletion_timestamp.is_none();
+            let want = captured.contains(key.as_str()) && pod.metadata.deletion_timestamp.is_none();
             if has == want {
                 self.patched.remove(&key);
                 continue;

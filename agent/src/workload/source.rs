@@ -193,7 +193,7 @@ impl Source {
 
     /// Tells the source which of this node's pods are captured now
     /// (`namespace/name`): the Kubernetes source annotates them.
-    pub fn captured(&mut self, captured: &HashSet<String>) {
+    pub fn captured(&mut self, captured: &HashSet<Arc<str>>) {
         if let Source::Kubernetes(kube) = self {
             kube.annotate(captured);
         }
