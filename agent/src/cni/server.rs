@@ -356,10 +356,9 @@ impl Enroller {
         if self.overlay.is_empty() {
             return Cow::Borrowed(pod);
         }
-        let Some(name) = &pod.metadata.name else {
+        let Some(key) = pod.key() else {
             return Cow::Borrowed(pod);
         };
-        let key = format!("{}/{name}", pod.metadata.namespace_or_default());
         match self.overlay.get(&key) {
             Some(reported) if !reported.ips.is_empty() && !has_addresses(pod, &reported.ips) => {
                 let mut pod = pod.clone();

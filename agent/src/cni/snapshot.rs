@@ -75,25 +75,15 @@ impl Snapshot {
             }
         }
         for pod in pods {
-            let (Some(name), Some(pod_node)) = (
-                &pod.metadata.name,
-                pod.spec.as_ref().and_then(|s| s.node_name.as_deref()),
-            ) else {
+            if pod.spec.as_ref().and_then(|s| s.node_name.as_deref()) != Some(node) {
                 continue;
+            }
+            let set = match mode(&pod.metadata.labels) {
+                Some(DATAPLANE_MODE_AMBIENT) => &mut snapshot.opted_in,
+                Some(DATAPLANE_MODE_NONE) => &mut snapshot.opted_out,
+                _ => continue,
             };
-            if pod_node != node {
-                continue;
-            }
-            let key = || format!("{}/{name}", pod.metadata.namespace_or_default());
-            match mode(&pod.metadata.labels) {
-                Some(DATAPLANE_MODE_AMBIENT) => {
-                    snapshot.opted_in.insert(key());
-                }
-                Some(DATAPLANE_MODE_NONE) => {
-                    snapshot.opted_out.insert(key());
-                }
-                _ => {}
-            }
+            set.extend(pod.key());
         }
         snapshot
     }

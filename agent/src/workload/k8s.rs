@@ -47,6 +47,15 @@ pub struct Pod {
     pub status: Option<PodStatus>,
 }
 
+impl Pod {
+    /// `namespace/name` (the namespace defaulted), the key podlink knows a pod
+    /// by; `None` without a name.
+    pub fn key(&self) -> Option<String> {
+        let name = self.metadata.name.as_deref()?;
+        Some(format!("{}/{name}", self.metadata.namespace_or_default()))
+    }
+}
+
 /// `Pod.spec`.
 #[derive(Clone, Debug, Default, PartialEq, Eq, Hash, Deserialize)]
 #[serde(rename_all = "camelCase")]

@@ -186,8 +186,7 @@ impl Changes {
         fn by_key(pods: &[Pod]) -> HashMap<String, Vec<&Pod>> {
             let mut by_key: HashMap<String, Vec<&Pod>> = HashMap::new();
             for pod in pods {
-                if let Some(name) = &pod.metadata.name {
-                    let key = format!("{}/{name}", pod.metadata.namespace_or_default());
+                if let Some(key) = pod.key() {
                     by_key.entry(key).or_default().push(pod);
                 }
             }
