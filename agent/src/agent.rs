@@ -541,9 +541,9 @@ struct Reconciler {
 impl Reconciler {
     /// Rescans the workload source and, if it changed, updates the workload
     /// index: pod by pod when the source says which pods changed, no Namespace
-    /// did and at most [`MAX_POD_UPDATES`] pods did; else (the first read, the
-    /// Kubernetes source, which does not say) by a rebuild. A change that
-    /// touches no pod keeps the index as it is.
+    /// did and at most [`MAX_POD_UPDATES`] pods did; else (the first read, a
+    /// Kubernetes watch that listed again) by a rebuild. A change that touches
+    /// no pod keeps the index as it is.
     fn publish(&mut self, source: &mut Source) -> manifests::Rescan {
         let mut rescan = source.rescan();
         for error in &rescan.errors {

@@ -16,12 +16,12 @@
 
 use std::{
     borrow::Cow,
-    collections::{BTreeMap, HashMap, HashSet},
+    collections::{BTreeMap, BTreeSet, HashMap, HashSet},
     hash::{Hash, Hasher},
     path::Path,
     sync::{
-        Arc,
-        atomic::{AtomicBool, AtomicU64, Ordering},
+        Arc, Mutex, PoisonError,
+        atomic::{AtomicBool, Ordering},
     },
     time::{Duration, Instant},
 };
@@ -37,14 +37,18 @@ use kube::{
     api::{Patch, PatchParams},
     runtime::{
         WatchStreamExt,
-        reflector::{self, Store},
+        reflector::{self, ObjectRef, Store},
         watcher,
     },
 };
 use serde::Deserialize;
 use tokio::sync::Notify;
 
-use super::k8s::{self, Namespace, Pod};
+use super::{
+    DATAPLANE_MODE_LABEL,
+    k8s::{self, Namespace, Pod},
+    manifests::{Changes, Rescan},
+};
 
 /// The annotation ztunnel's node agent sets on a pod whose traffic it captures
 /// (Istio ambient, `ambient.istio.io/redirection: enabled`); podlink sets it when
@@ -196,6 +200,102 @@ fn meta_of(meta: &ApiObjectMeta) -> k8s::ObjectMeta {
     }
 }
 
+/// What the watches saw change since the last [`KubeSource::refresh`].
+#[derive(Debug, Default)]
+struct Pending {
+    /// Pods (`namespace/name`) added, changed (in what podlink reads) or deleted.
+    pods: BTreeSet<String>,
+    /// A Namespace was added, changed or deleted, or the namespaces were listed.
+    namespaces: bool,
+    /// A pod watch listed (again): every pod is read anew.
+    everything: bool,
+}
+
+impl Pending {
+    fn is_empty(&self) -> bool {
+        self.pods.is_empty() && !self.namespaces && !self.everything
+    }
+}
+
+/// podlink's view of a watched pod.
+fn pod_of(pod: &ApiPod) -> Pod {
+    Pod {
+        metadata: meta_of(&pod.metadata),
+        spec: pod.spec.clone(),
+        status: pod.status.clone(),
+    }
+}
+
+/// The namespace and name of a pod, as the pod list is ordered.
+fn list_key(pod: &Pod) -> (&str, &str) {
+    (
+        pod.metadata.namespace.as_deref().unwrap_or(""),
+        pod.metadata.name.as_deref().unwrap_or(""),
+    )
+}
+
+/// Brings the pods `keys` (`namespace/name`) of `pods` (one per namespace/name,
+/// in that order) up to date with `current(namespace, name)` (`None`: gone), and
+/// returns what changed: those of them whose object was added, removed or
+/// changed, and whether one of them carries [`DATAPLANE_MODE_LABEL`] before or
+/// after.
+fn update_pods(
+    pods: &mut Vec<Pod>,
+    keys: BTreeSet<String>,
+    current: impl Fn(&str, &str) -> Option<Pod>,
+) -> Changes {
+    let labelled = |pod: &Pod| {
+        pod.metadata
+            .labels
+            .as_ref()
+            .is_some_and(|l| l.contains_key(DATAPLANE_MODE_LABEL))
+    };
+    let mut changes = Changes::default();
+    for key in keys {
+        let Some((ns, name)) = key.split_once('/') else {
+            continue;
+        };
+        let now = current(ns, name);
+        let at = pods.binary_search_by(|p| list_key(p).cmp(&(ns, name)));
+        let before = at.ok().map(|i| &pods[i]);
+        if before == now.as_ref() {
+            continue;
+        }
+        changes.mode_labels |= before.is_some_and(labelled) || now.as_ref().is_some_and(labelled);
+        match (at, now) {
+            (Ok(i), Some(pod)) => pods[i] = pod,
+            (Ok(i), None) => {
+                pods.remove(i);
+            }
+            (Err(i), Some(pod)) => pods.insert(i, pod),
+            (Err(_), None) => {}
+        }
+        changes.pods.insert(key);
+    }
+    changes
+}
+
+/// What a watch saw: a (new) list, or a change of the object `namespace/name`.
+enum Seen {
+    Listed,
+    Object(String),
+}
+
+/// Records what a pod watch saw.
+fn record_pod(pending: &mut Pending, seen: Seen) {
+    match seen {
+        Seen::Listed => pending.everything = true,
+        Seen::Object(key) => {
+            pending.pods.insert(key);
+        }
+    }
+}
+
+/// Records what the namespace watch saw.
+fn record_namespace(pending: &mut Pending, _: Seen) {
+    pending.namespaces = true;
+}
+
 /// One watch and its store.
 struct Watch<K: Resource<DynamicType = ()> + Clone + 'static> {
     store: Store<K>,
@@ -211,13 +311,15 @@ impl<K: Resource<DynamicType = ()> + Clone + 'static> Drop for Watch<K> {
 }
 
 /// Starts watching `api` into a reflector store; each change to the store that
-/// podlink reads ([`Projection`]) bumps `generation` and wakes `changes`.
+/// podlink reads ([`Projection`]) is recorded in `pending` by `record` and wakes
+/// `changes`.
 fn watch<K>(
     what: &'static str,
     api: Api<K>,
     config: watcher::Config,
     modify: fn(&mut K),
-    generation: Arc<AtomicU64>,
+    pending: Arc<Mutex<Pending>>,
+    record: fn(&mut Pending, Seen),
     changes: Arc<Notify>,
 ) -> Watch<K>
 where
@@ -258,28 +360,32 @@ where
                 )
             };
             while let Some(event) = stream.next().await {
+                // The reflector has stored the event's object when it is seen here.
                 let changed = match event {
                     Ok(watcher::Event::Init) => {
                         listing.clear();
-                        false
+                        None
                     }
                     Ok(watcher::Event::InitApply(o)) => {
                         listing.insert(key(&o), o.projection());
-                        false
+                        None
                     }
                     Ok(watcher::Event::InitDone) => {
                         if !ready.swap(true, Ordering::Relaxed) {
                             tracing::info!(watch = what, "listed");
                         }
                         seen = std::mem::take(&mut listing);
-                        true
+                        Some(Seen::Listed)
                     }
                     Ok(watcher::Event::Apply(o)) => {
-                        seen.insert(key(&o), o.projection()) != Some(o.projection())
+                        let key = key(&o);
+                        (seen.insert(key.clone(), o.projection()) != Some(o.projection()))
+                            .then_some(Seen::Object(key))
                     }
                     Ok(watcher::Event::Delete(o)) => {
-                        seen.remove(&key(&o));
-                        true
+                        let key = key(&o);
+                        seen.remove(&key);
+                        Some(Seen::Object(key))
                     }
                     Err(e) => {
                         // The backoff spaces the retries; the store keeps its state.
@@ -295,8 +401,11 @@ where
                 if std::mem::take(&mut failing) {
                     tracing::info!(watch = what, "watching again");
                 }
-                if changed {
-                    generation.fetch_add(1, Ordering::Relaxed);
+                if let Some(seen) = changed {
+                    record(
+                        &mut pending.lock().unwrap_or_else(PoisonError::into_inner),
+                        seen,
+                    );
                     changes.notify_one();
                 }
             }
@@ -312,9 +421,12 @@ pub struct KubeSource {
     all_pods: Watch<ApiPod>,
     local_pods: Watch<ApiPod>,
     namespaces: Watch<ApiNamespace>,
-    generation: Arc<AtomicU64>,
-    seen: u64,
+    /// What changed since the last refresh.
+    pending: Arc<Mutex<Pending>>,
+    /// Whether [`Self::refresh`] has read the stores once.
+    refreshed: bool,
     changes: Arc<Notify>,
+    /// All pods, one per namespace/name, in that order.
     pods: Vec<Pod>,
     namespace_list: Vec<Namespace>,
     /// Annotation patches sent: pod → (wanted, when), until the watch shows them.
@@ -350,7 +462,7 @@ impl KubeSource {
         let cluster = config.cluster_url.to_string();
         let client = Client::try_from(config).context("making the Kubernetes client")?;
         tracing::info!(api = %cluster, node, "watching the Kubernetes API");
-        let generation = Arc::new(AtomicU64::new(0));
+        let pending = Arc::new(Mutex::new(Pending::default()));
         let changes = Arc::new(Notify::new());
         let pod_modify: fn(&mut ApiPod) = |p| trim(&mut p.metadata);
         let ns_modify: fn(&mut ApiNamespace) = |n| trim(&mut n.metadata);
@@ -359,7 +471,8 @@ impl KubeSource {
             Api::all(client.clone()),
             watcher::Config::default(),
             pod_modify,
-            generation.clone(),
+            pending.clone(),
+            record_pod,
             changes.clone(),
         );
         let local_pods = watch(
@@ -367,7 +480,8 @@ impl KubeSource {
             Api::all(client.clone()),
             watcher::Config::default().fields(&format!("spec.nodeName={node}")),
             pod_modify,
-            generation.clone(),
+            pending.clone(),
+            record_pod,
             changes.clone(),
         );
         let namespaces = watch(
@@ -375,7 +489,8 @@ impl KubeSource {
             Api::all(client.clone()),
             watcher::Config::default(),
             ns_modify,
-            generation.clone(),
+            pending.clone(),
+            record_namespace,
             changes.clone(),
         );
         Ok(KubeSource {
@@ -384,8 +499,8 @@ impl KubeSource {
             all_pods,
             local_pods,
             namespaces,
-            generation,
-            seen: u64::MAX,
+            pending,
+            refreshed: false,
             changes,
             pods: Vec::new(),
             namespace_list: Vec::new(),
@@ -419,15 +534,55 @@ impl KubeSource {
         self.changes.notified().await;
     }
 
-    /// Takes the stores' current state if it changed; returns whether it did.
-    pub fn refresh(&mut self) -> bool {
-        let generation = self.generation.load(Ordering::Relaxed);
-        if generation == self.seen {
-            return false;
+    /// Takes the stores' current state if it changed. The rescan says which pods
+    /// changed (see [`Changes`]), unless this is the first refresh or a pod watch
+    /// listed again since the last: then every pod is read anew and
+    /// `changes` is `None`. Namespaces are read anew whenever one changed.
+    pub fn refresh(&mut self) -> Rescan {
+        let pending =
+            std::mem::take(&mut *self.pending.lock().unwrap_or_else(PoisonError::into_inner));
+        if self.refreshed && pending.is_empty() {
+            return Rescan::default();
         }
-        self.seen = generation;
-        // This node's pods come from their own watch too (it may be ahead of, or
-        // working while, the cluster-wide one); one object per namespace/name.
+        let changes = if !self.refreshed || pending.everything {
+            self.refreshed = true;
+            self.pods = self.read_all_pods();
+            None
+        } else {
+            let mut changes = update_pods(&mut self.pods, pending.pods, |ns, name| {
+                let key = ObjectRef::new(name).within(ns);
+                // This node's pods come from their own watch too, which may be
+                // ahead of the cluster-wide one: it is preferred, as in a full read.
+                self.local_pods
+                    .store
+                    .get(&key)
+                    .or_else(|| self.all_pods.store.get(&key))
+                    .map(|p| pod_of(&p))
+            });
+            changes.namespaces = pending.namespaces;
+            Some(changes)
+        };
+        if changes.is_none() || pending.namespaces {
+            self.namespace_list = self
+                .namespaces
+                .store
+                .state()
+                .iter()
+                .map(|ns| Namespace {
+                    metadata: meta_of(&ns.metadata),
+                })
+                .collect();
+        }
+        Rescan {
+            changed: true,
+            changes,
+            ..Rescan::default()
+        }
+    }
+
+    /// Every pod of both pod stores, one per namespace/name (this node's watch
+    /// preferred), in that order.
+    fn read_all_pods(&self) -> Vec<Pod> {
         let mut pods: BTreeMap<(String, String), Pod> = BTreeMap::new();
         for pod in self
             .all_pods
@@ -439,26 +594,9 @@ impl KubeSource {
             let (Some(ns), Some(name)) = (&pod.metadata.namespace, &pod.metadata.name) else {
                 continue;
             };
-            pods.insert(
-                (ns.clone(), name.clone()),
-                Pod {
-                    metadata: meta_of(&pod.metadata),
-                    spec: pod.spec.clone(),
-                    status: pod.status.clone(),
-                },
-            );
+            pods.insert((ns.clone(), name.clone()), pod_of(&pod));
         }
-        self.pods = pods.into_values().collect();
-        self.namespace_list = self
-            .namespaces
-            .store
-            .state()
-            .iter()
-            .map(|ns| Namespace {
-                metadata: meta_of(&ns.metadata),
-            })
-            .collect();
-        true
+        pods.into_values().collect()
     }
 
     /// The pods as last refreshed.
@@ -621,6 +759,107 @@ mod tests {
         let base = pod("1", false, "Running").projection();
         assert_eq!(pod("2", true, "Running").projection(), base);
         assert_ne!(pod("3", true, "Succeeded").projection(), base);
+    }
+
+    /// Pod by pod, the list becomes what a full read of the objects makes, and
+    /// the changes name exactly the pods whose object changed.
+    #[test]
+    fn updates_make_the_pod_list_a_full_read_makes() {
+        let pod = |ns: &str, name: &str, ip: &str, label: Option<&str>| {
+            let mut p = api_pod(serde_json::json!({
+                "metadata": {"name": name, "namespace": ns},
+                "spec": {"nodeName": "n1"},
+                "status": {"podIP": ip},
+            }));
+            if let Some(v) = label {
+                p.metadata.labels =
+                    Some([(DATAPLANE_MODE_LABEL.to_string(), v.to_string())].into());
+            }
+            pod_of(&p)
+        };
+        let mut objects: BTreeMap<(String, String), Pod> = BTreeMap::new();
+        let mut list: Vec<Pod> = Vec::new();
+        // Each step: objects written (`Some`) or deleted (`None`), the keys the
+        // watches report (a superset: a report may change nothing), the pods
+        // expected changed and whether a mode label is involved.
+        type Step<'a> = (
+            Vec<(&'a str, &'a str, Option<Pod>)>,
+            Vec<&'a str>,
+            Vec<&'a str>,
+            bool,
+        );
+        let steps: Vec<Step> = vec![
+            (
+                vec![("b", "web", Some(pod("b", "web", "10.0.0.2", None)))],
+                vec!["b/web"],
+                vec!["b/web"],
+                false,
+            ),
+            (
+                vec![
+                    ("a", "z", Some(pod("a", "z", "10.0.0.1", Some("ambient")))),
+                    ("c", "a", Some(pod("c", "a", "10.0.0.3", None))),
+                    ("b", "api", Some(pod("b", "api", "10.0.0.4", None))),
+                ],
+                vec!["a/z", "c/a", "b/api"],
+                vec!["a/z", "b/api", "c/a"],
+                true,
+            ),
+            // Reported but unchanged, and reported but never there.
+            (vec![], vec!["b/web", "x/gone"], vec![], false),
+            (
+                vec![("b", "web", Some(pod("b", "web", "10.0.0.9", None)))],
+                vec!["b/web"],
+                vec!["b/web"],
+                false,
+            ),
+            (
+                vec![("b", "web", Some(pod("b", "web", "10.0.0.9", Some("none"))))],
+                vec!["b/web"],
+                vec!["b/web"],
+                true,
+            ),
+            (
+                vec![("a", "z", None), ("b", "api", None)],
+                vec!["a/z", "b/api"],
+                vec!["a/z", "b/api"],
+                true,
+            ),
+            (
+                vec![
+                    ("c", "a", None),
+                    ("a", "a", Some(pod("a", "a", "10.0.0.5", None))),
+                ],
+                vec!["c/a", "a/a"],
+                vec!["a/a", "c/a"],
+                false,
+            ),
+        ];
+        for (n, (writes, reported, changed, mode_labels)) in steps.into_iter().enumerate() {
+            for (ns, name, object) in writes {
+                let key = (ns.to_string(), name.to_string());
+                match object {
+                    Some(p) => objects.insert(key, p),
+                    None => objects.remove(&key),
+                };
+            }
+            let changes = update_pods(
+                &mut list,
+                reported.iter().map(|k| k.to_string()).collect(),
+                |ns, name| objects.get(&(ns.to_string(), name.to_string())).cloned(),
+            );
+            let full: Vec<Pod> = objects.values().cloned().collect();
+            assert_eq!(list, full, "step {n}");
+            assert_eq!(
+                changes,
+                Changes {
+                    pods: changed.iter().map(|k| k.to_string()).collect(),
+                    mode_labels,
+                    ..Changes::default()
+                },
+                "step {n}"
+            );
+        }
     }
 
     #[test]

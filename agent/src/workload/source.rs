@@ -88,10 +88,7 @@ impl Source {
     pub fn rescan(&mut self) -> Rescan {
         match self {
             Source::Manifests { dir, .. } => dir.rescan(),
-            Source::Kubernetes(kube) => Rescan {
-                changed: kube.refresh(),
-                ..Rescan::default()
-            },
+            Source::Kubernetes(kube) => kube.refresh(),
         }
     }
 

@@ -151,7 +151,7 @@ pub struct Rescan {
     /// Whether any file's objects changed (added, removed, or re-read successfully).
     pub changed: bool,
     /// Which objects changed; `None` when not known (the first rescan, or a
-    /// source that does not tell): anything may have.
+    /// Kubernetes watch that listed again): anything may have.
     pub changes: Option<Changes>,
     /// Problems found in files that changed since the last rescan.
     pub errors: Vec<ManifestError>,
@@ -159,12 +159,13 @@ pub struct Rescan {
     pub unsettled: bool,
 }
 
-/// Which objects a rescan changed, found by comparing each changed file's
-/// objects before and after.
+/// Which objects a rescan changed: for a manifests directory, found by
+/// comparing each changed file's objects before and after; for the Kubernetes
+/// API, the objects its watches reported changed in what podlink reads.
 #[derive(Debug, Default, PartialEq, Eq)]
 pub struct Changes {
-    /// The pods (`namespace/name`) whose definitions in some file were added,
-    /// removed or changed.
+    /// The pods (`namespace/name`) whose definitions in some file (or whose
+    /// object in the API) were added, removed or changed.
     pub pods: BTreeSet<String>,
     /// Some of those definitions, before or after, carry the label
     /// [`DATAPLANE_MODE_LABEL`]: the pod may have opted in or out.
