@@ -37,9 +37,63 @@ static COUNTERS: PerCpuHashMap<u32, PodCounters, { MAX_PODS as usize }> = PerCpu
 static CAPTURED_FLOWS: LruHashMap<FlowKey, u32, { MAX_CAPTURED_FLOWS as usize }> =
     LruHashMap::new();
 
+/// The bytes of a [`FlowKey`] for IPv4, written as words. Built as a
+/// `FlowKey` (16-byte arrays, 2-byte alignment), the key took two calls of a
+/// byte-by-byte `memset` subprogram (10 iterations each) and byte stores of the
+/// addresses per lookup: the verifier wants aligned stack accesses, so LLVM
+/// could not write the arrays wider than their alignment.
+#[repr(C, align(8))]
+struct FlowKeyWords {
+    /// Bytes 0..8 of the IPv4-mapped source address: zero.
+    saddr_zero: u64,
+    /// Bytes 8..12: `0, 0, 0xff, 0xff`.
+    saddr_mapped: u32,
+    /// The source address, network order.
+    saddr: u32,
+    daddr_zero: u64,
+    daddr_mapped: u32,
+    daddr: u32,
+    sport: u16,
+    dport: u16,
+}
+
+// The words lie where `FlowKey`'s fields are.
+const _: () = {
+    use core::mem::{offset_of, size_of};
+    assert!(offset_of!(FlowKeyWords, saddr) == offset_of!(FlowKey, saddr) + 12);
+    assert!(offset_of!(FlowKeyWords, daddr_zero) == offset_of!(FlowKey, daddr));
+    assert!(offset_of!(FlowKeyWords, daddr) == offset_of!(FlowKey, daddr) + 12);
+    assert!(offset_of!(FlowKeyWords, sport) == offset_of!(FlowKey, sport));
+    assert!(offset_of!(FlowKeyWords, dport) == offset_of!(FlowKey, dport));
+    assert!(size_of::<FlowKeyWords>() >= size_of::<FlowKey>());
+};
+
+/// `0, 0, 0xff, 0xff` (bytes 8..12 of an IPv4-mapped address) as a native word.
+const MAPPED: u32 = u32::from_ne_bytes([0, 0, 0xff, 0xff]);
+
+impl FlowKeyWords {
+    /// The key, as the map reads it.
+    #[inline(always)]
+    fn key(&self) -> &FlowKey {
+        // SAFETY: same size or larger, stricter alignment, and every byte of
+        // `FlowKey`'s layout written (offsets checked above); `FlowKey` is plain
+        // bytes and integers.
+        unsafe { &*(self as *const Self).cast::<FlowKey>() }
+    }
+}
+
 #[inline(always)]
-fn flow_key(saddr: u32, daddr: u32, sport: u16, dport: u16) -> FlowKey {
-    FlowKey::ipv4(saddr.to_ne_bytes(), daddr.to_ne_bytes(), sport, dport)
+fn flow_key(saddr: u32, daddr: u32, sport: u16, dport: u16) -> FlowKeyWords {
+    FlowKeyWords {
+        saddr_zero: 0,
+        saddr_mapped: MAPPED,
+        saddr,
+        daddr_zero: 0,
+        daddr_mapped: MAPPED,
+        daddr,
+        sport,
+        dport,
+    }
 }
 
 /// Records that the flow of `pkt` (as `from_pod` sees it on host veth `ifindex`)
@@ -47,7 +101,7 @@ fn flow_key(saddr: u32, daddr: u32, sport: u16, dport: u16) -> FlowKey {
 #[inline(always)]
 pub fn remember_flow(pkt: &Tcp4, ifindex: u32) {
     let key = flow_key(pkt.saddr, pkt.daddr, pkt.sport, pkt.dport);
-    let _ = CAPTURED_FLOWS.insert(key, ifindex, 0);
+    let _ = CAPTURED_FLOWS.insert(key.key(), ifindex, 0);
 }
 
 /// Forgets the flow of `pkt` (a SYN that is not captured), so that an earlier
@@ -55,7 +109,7 @@ pub fn remember_flow(pkt: &Tcp4, ifindex: u32) {
 #[inline(always)]
 pub fn forget_flow(pkt: &Tcp4) {
     let key = flow_key(pkt.saddr, pkt.daddr, pkt.sport, pkt.dport);
-    let _ = CAPTURED_FLOWS.remove(key);
+    let _ = CAPTURED_FLOWS.remove(key.key());
 }
 
 /// Records the flow of the proxy's own connection into the pod (a SYN seen by
@@ -66,8 +120,8 @@ pub fn remember_reply_flow(pkt: &Tcp4, ifindex: u32) {
     let key = flow_key(pkt.daddr, pkt.saddr, pkt.dport, pkt.sport);
     // SAFETY: a plain value read. An update of a present key would replace its
     // element: looking first is cheaper when 4-tuples are reused.
-    if unsafe { CAPTURED_FLOWS.get(key) }.copied() != Some(ifindex) {
-        let _ = CAPTURED_FLOWS.insert(key, ifindex, 0);
+    if unsafe { CAPTURED_FLOWS.get(key.key()) }.copied() != Some(ifindex) {
+        let _ = CAPTURED_FLOWS.insert(key.key(), ifindex, 0);
     }
 }
 
@@ -77,7 +131,7 @@ pub fn remember_reply_flow(pkt: &Tcp4, ifindex: u32) {
 pub fn captured_on(pkt: &Tcp4) -> Option<u32> {
     let key = flow_key(pkt.saddr, pkt.daddr, pkt.sport, pkt.dport);
     // SAFETY: a plain value read.
-    unsafe { CAPTURED_FLOWS.get(key) }.copied()
+    unsafe { CAPTURED_FLOWS.get(key.key()) }.copied()
 }
 
 #[inline(always)]
