@@ -218,17 +218,37 @@ impl Changes {
     }
 }
 
+/// Why a manifest's version cannot be had.
+#[derive(Clone, Debug, PartialEq, Eq)]
+enum Unreadable {
+    /// A directory, FIFO, socket or device with a manifest's name: never read,
+    /// so it holds no object.
+    NotRegular,
+    /// It cannot be looked at (a dangling symlink, no permission): what it
+    /// holds is unknown.
+    Error(String),
+}
+
+impl std::fmt::Display for Unreadable {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Unreadable::NotRegular => f.write_str("not a regular file"),
+            Unreadable::Error(e) => write!(f, "cannot be read: {e}"),
+        }
+    }
+}
+
 /// The version of the file at `path`, following symlinks (ConfigMap mounts are
 /// symlinks), or why it cannot be read.
-fn stamp_of(path: &Path) -> Result<Stamp, String> {
+fn stamp_of(path: &Path) -> Result<Stamp, Unreadable> {
     match fs::metadata(path) {
         Ok(meta) if meta.is_file() => Ok(Stamp {
             len: meta.len(),
             mtime_ns: i128::from(meta.mtime()) * 1_000_000_000 + i128::from(meta.mtime_nsec()),
             ino: meta.ino(),
         }),
-        Ok(_) => Err("not a regular file".to_string()),
-        Err(e) => Err(format!("cannot be read: {e}")),
+        Ok(_) => Err(Unreadable::NotRegular),
+        Err(e) => Err(Unreadable::Error(e.to_string())),
     }
 }
 
@@ -280,7 +300,7 @@ impl ManifestDir {
 
     /// The manifests of the directory: each file's version, or why it cannot be
     /// read (a dangling symlink, a directory or FIFO with a manifest's name).
-    fn stamps(&self) -> std::io::Result<HashMap<PathBuf, Result<Stamp, String>>> {
+    fn stamps(&self) -> std::io::Result<HashMap<PathBuf, Result<Stamp, Unreadable>>> {
         let mut seen = HashMap::new();
         for entry in fs::read_dir(&self.dir)?.flatten() {
             let path = entry.path();
@@ -329,7 +349,7 @@ impl ManifestDir {
     /// them).
     ///
     /// [`stamps`]: ManifestDir::stamps
-    fn stamps_of(scope: &HashSet<PathBuf>) -> HashMap<PathBuf, Result<Stamp, String>> {
+    fn stamps_of(scope: &HashSet<PathBuf>) -> HashMap<PathBuf, Result<Stamp, Unreadable>> {
         scope
             .iter()
             .filter(|p| {
@@ -440,23 +460,28 @@ impl ManifestDir {
         for (path, stamp) in seen {
             let stamp = match stamp {
                 Ok(stamp) => stamp,
-                Err(message) => {
+                Err(why) => {
                     // Not a file that can be read: a problem with it, not a deletion.
                     // What it held before stays.
                     self.pending.remove(&path);
                     let error = ManifestError {
                         file: path.clone(),
                         line: 0,
-                        message,
+                        message: why.to_string(),
                     };
                     let state = self.files.entry(path).or_insert_with(|| FileState {
                         stamp: Stamp::default(),
                         objects: Objects::default(),
                         error: None,
                         good: false,
-                        // Unreadable: what it holds is unknown.
                         mentions_policy: true,
                     });
+                    if !state.good {
+                        // What it holds is unknown if it cannot be looked at; a
+                        // directory or FIFO is never read and holds nothing, so
+                        // that a stray one does not deny every request.
+                        state.mentions_policy = why != Unreadable::NotRegular;
+                    }
                     state.stamp = Stamp::default();
                     if state.error.as_ref() != Some(&error) {
                         rescan.errors.push(error.clone());
@@ -705,6 +730,36 @@ mod tests {
             assert!(unknown.file.ends_with(name), "{unknown}");
             fs::remove_file(dir.join(name)).unwrap();
         }
+
+        // A manifest that cannot be looked at (a dangling symlink) may hold any
+        // policy; a directory or FIFO with a manifest's name is never read and
+        // holds none, whatever stood at its name before.
+        std::os::unix::fs::symlink(dir.join("missing.yaml"), dir.join("link.yaml")).unwrap();
+        let mut fresh = ManifestDir::new(dir).unwrap();
+        fresh.rescan();
+        let unknown = fresh.policies_unknown().expect("dangling symlink");
+        assert!(unknown.file.ends_with("link.yaml"), "{unknown}");
+        fs::remove_file(dir.join("link.yaml")).unwrap();
+        fs::create_dir(dir.join("link.yaml")).unwrap();
+        nix::unistd::mkfifo(&dir.join("fifo.yaml"), nix::sys::stat::Mode::S_IRWXU).unwrap();
+        let errors = fresh.rescan().errors;
+        assert_eq!(errors.len(), 2, "{errors:?}");
+        assert!(
+            fresh.policies_unknown().is_none(),
+            "{:?}",
+            fresh.policies_unknown()
+        );
+        assert_eq!(fresh.policies().count(), 1);
+        // Found so at a first scan too (besides the broken pod file).
+        let mut fresh = ManifestDir::new(dir).unwrap();
+        let not_regular = fresh
+            .rescan()
+            .errors
+            .iter()
+            .filter(|e| e.message == "not a regular file")
+            .count();
+        assert_eq!(not_regular, 2);
+        assert!(fresh.policies_unknown().is_none());
     }
 
     /// A pod defined more than once is warned about once, with every file that
