@@ -6,7 +6,7 @@ use aya_ebpf::{
 };
 use podlink_common::{
     Addr, Config, FlowKey, MAX_CAPTURED_FLOWS, MAX_EXCLUDED_CIDRS, MAX_EXCLUDED_PORTS,
-    MAX_NODE_ADDRS, MAX_PODS, PodCounters, PodInfo, ipv4_mapped,
+    MAX_NODE_ADDRS, MAX_PODS, PodCounters, PodInfo,
 };
 
 use crate::parse::{Tcp4, ipv4_of};
@@ -164,9 +164,44 @@ pub fn is_excluded(daddr: u32, dport: u16) -> bool {
     if is_excluded_port(dport) {
         return true;
     }
-    let b = daddr.to_ne_bytes();
-    let key = Key::new(128, ipv4_mapped(b));
-    EXCLUDED_CIDRS.get(&key).is_some()
+    let key = CidrKeyWords {
+        prefix_len: 128,
+        zero: [0; 2],
+        mapped: MAPPED,
+        addr: daddr,
+    };
+    EXCLUDED_CIDRS.get(key.key()).is_some()
+}
+
+/// The bytes of an excluded-CIDRs lookup key (a full-length IPv4-mapped
+/// address), written as words for the reason [`FlowKeyWords`] gives.
+#[repr(C, align(4))]
+struct CidrKeyWords {
+    prefix_len: u32,
+    /// Bytes 0..8 of the IPv4-mapped address: zero.
+    zero: [u32; 2],
+    /// Bytes 8..12: `0, 0, 0xff, 0xff`.
+    mapped: u32,
+    /// The address, network order.
+    addr: u32,
+}
+
+// The words lie where the trie key's fields are.
+const _: () = {
+    use core::mem::{offset_of, size_of};
+    assert!(offset_of!(CidrKeyWords, zero) == offset_of!(Key<Addr>, data));
+    assert!(offset_of!(CidrKeyWords, addr) == offset_of!(Key<Addr>, data) + 12);
+    assert!(size_of::<CidrKeyWords>() == size_of::<Key<Addr>>());
+};
+
+impl CidrKeyWords {
+    /// The key, as the trie reads it.
+    #[inline(always)]
+    fn key(&self) -> &Key<Addr> {
+        // SAFETY: the same size, stricter alignment (the trie key is packed),
+        // every byte written (offsets checked above), plain integers and bytes.
+        unsafe { &*(self as *const Self).cast::<Key<Addr>>() }
+    }
 }
 
 #[inline(always)]
