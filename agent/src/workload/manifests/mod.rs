@@ -99,6 +99,10 @@ struct FileState {
     good: bool,
     /// Whether the version read names `AuthorizationPolicy`.
     mentions_policy: bool,
+    /// The entry is a directory, FIFO or the like with a manifest's name: never
+    /// read, so that it adds no object and hides none (what an earlier good
+    /// version held stays, as for any file that cannot be read).
+    not_regular: bool,
 }
 
 /// A change seen but not applied yet: the file's new version (`None`: gone) and
@@ -475,12 +479,14 @@ impl ManifestDir {
                         error: None,
                         good: false,
                         mentions_policy: true,
+                        not_regular: false,
                     });
-                    if !state.good {
-                        // What it holds is unknown if it cannot be looked at; a
-                        // directory or FIFO is never read and holds nothing, so
-                        // that a stray one does not deny every request.
-                        state.mentions_policy = why != Unreadable::NotRegular;
+                    // A directory or FIFO is never read and holds nothing, so that
+                    // a stray one neither denies every request nor stops detaching.
+                    state.not_regular = why == Unreadable::NotRegular;
+                    if !state.good && !state.not_regular {
+                        // It cannot be looked at: what it holds is unknown.
+                        state.mentions_policy = true;
                     }
                     state.stamp = Stamp::default();
                     if state.error.as_ref() != Some(&error) {
@@ -557,6 +563,7 @@ impl ManifestDir {
                             error: None,
                             good: true,
                             mentions_policy,
+                            not_regular: false,
                         },
                     );
                     rescan.changed = true;
@@ -578,6 +585,7 @@ impl ManifestDir {
                             error: Some(error),
                             good,
                             mentions_policy,
+                            not_regular: false,
                         },
                     );
                 }
@@ -603,9 +611,12 @@ impl ManifestDir {
     }
 
     /// Whether a file is broken without a good version to stand in for it (as when
-    /// the agent starts with a broken file): pods it would name are unknown.
+    /// the agent starts with a broken file): pods it would name are unknown. A
+    /// directory or FIFO with a manifest's name names none.
     pub fn incomplete(&self) -> bool {
-        self.files.values().any(|f| !f.good && f.error.is_some())
+        self.files
+            .values()
+            .any(|f| !f.good && f.error.is_some() && !f.not_regular)
     }
 
     /// All pods of all files (the last good version of each).
@@ -671,7 +682,7 @@ impl ManifestDir {
     pub fn policies_unknown(&self) -> Option<&ManifestError> {
         self.files
             .values()
-            .find(|f| !f.good && f.mentions_policy)
+            .find(|f| !f.good && f.mentions_policy && !f.not_regular)
             .and_then(|f| f.error.as_ref())
     }
 
@@ -750,7 +761,10 @@ mod tests {
             fresh.policies_unknown()
         );
         assert_eq!(fresh.policies().count(), 1);
-        // Found so at a first scan too (besides the broken pod file).
+        // The broken pod file stops the agent from detaching others' pods ...
+        assert!(fresh.incomplete());
+        // ... a directory or FIFO does not; found so at a first scan too.
+        fs::remove_file(dir.join("other.yaml")).unwrap();
         let mut fresh = ManifestDir::new(dir).unwrap();
         let not_regular = fresh
             .rescan()
@@ -760,6 +774,7 @@ mod tests {
             .count();
         assert_eq!(not_regular, 2);
         assert!(fresh.policies_unknown().is_none());
+        assert!(!fresh.incomplete());
     }
 
     /// A pod defined more than once is warned about once, with every file that
