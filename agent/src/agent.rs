@@ -52,7 +52,7 @@ use crate::{
         server::{self, Readiness},
     },
     workload::{
-        WorkloadIndex,
+        MAX_POD_UPDATES, WorkloadIndex,
         manifests::{self},
         services::ServiceIndex,
         source::Source,
@@ -137,11 +137,6 @@ fn raise_nofile_limit() -> u64 {
         Err(_) => 1024,
     }
 }
-
-/// The most pods a change may touch for the workload index to be updated pod
-/// by pod; beyond, it is rebuilt (each pod's update looks through all pods of
-/// the source for its definitions).
-const MAX_POD_UPDATES: usize = 32;
 
 /// Retry delays for pods that wait for their host veth (or failed to attach):
 /// quick at first, then slower, so a pod that never gets one costs little.

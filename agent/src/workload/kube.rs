@@ -45,7 +45,7 @@ use serde::Deserialize;
 use tokio::sync::Notify;
 
 use super::{
-    DATAPLANE_MODE_LABEL,
+    DATAPLANE_MODE_LABEL, MAX_POD_UPDATES,
     k8s::{self, Namespace, Pod},
     manifests::{Changes, Rescan},
 };
@@ -234,6 +234,31 @@ fn list_key(pod: &Pod) -> (&str, &str) {
     )
 }
 
+/// Every pod of this node's store (`local`) and the cluster's (`all`), one per
+/// namespace/name, in that order. This node's pods come from their own watch
+/// too, which may be ahead of the cluster-wide one (or working while it fails):
+/// its object is preferred.
+fn read_all_pods(local: &Store<ApiPod>, all: &Store<ApiPod>) -> Vec<Pod> {
+    let mut pods: BTreeMap<(String, String), Pod> = BTreeMap::new();
+    for pod in all.state().into_iter().chain(local.state()) {
+        let (Some(ns), Some(name)) = (&pod.metadata.namespace, &pod.metadata.name) else {
+            continue;
+        };
+        pods.insert((ns.clone(), name.clone()), pod_of(&pod));
+    }
+    pods.into_values().collect()
+}
+
+/// Pod `namespace/name` as [`read_all_pods`] would give it, if either store
+/// has it.
+fn current_pod(local: &Store<ApiPod>, all: &Store<ApiPod>, ns: &str, name: &str) -> Option<Pod> {
+    let key = ObjectRef::new(name).within(ns);
+    local
+        .get(&key)
+        .or_else(|| all.get(&key))
+        .map(|p| pod_of(&p))
+}
+
 /// Brings the pods `keys` (`namespace/name`) of `pods` (one per namespace/name,
 /// in that order) up to date with `current(namespace, name)` (`None`: gone), and
 /// returns what changed: those of them whose object was added, removed or
@@ -417,7 +442,6 @@ where
 /// The Kubernetes API as a workload source.
 pub struct KubeSource {
     client: Client,
-    node: String,
     all_pods: Watch<ApiPod>,
     local_pods: Watch<ApiPod>,
     namespaces: Watch<ApiNamespace>,
@@ -495,7 +519,6 @@ impl KubeSource {
         );
         Ok(KubeSource {
             client,
-            node: node.to_string(),
             all_pods,
             local_pods,
             namespaces,
@@ -535,33 +558,29 @@ impl KubeSource {
     }
 
     /// Takes the stores' current state if it changed. The rescan says which pods
-    /// changed (see [`Changes`]), unless this is the first refresh or a pod watch
-    /// listed again since the last: then every pod is read anew and
-    /// `changes` is `None`. Namespaces are read anew whenever one changed.
+    /// changed (see [`Changes`]), unless this is the first refresh, a pod watch
+    /// listed again since the last, or more than [`MAX_POD_UPDATES`] pods were
+    /// reported: then every pod is read anew and `changes` is `None`.
+    /// Namespaces are read anew whenever one changed.
     pub fn refresh(&mut self) -> Rescan {
         let pending =
             std::mem::take(&mut *self.pending.lock().unwrap_or_else(PoisonError::into_inner));
         if self.refreshed && pending.is_empty() {
             return Rescan::default();
         }
-        let changes = if !self.refreshed || pending.everything {
-            self.refreshed = true;
-            self.pods = self.read_all_pods();
-            None
-        } else {
-            let mut changes = update_pods(&mut self.pods, pending.pods, |ns, name| {
-                let key = ObjectRef::new(name).within(ns);
-                // This node's pods come from their own watch too, which may be
-                // ahead of the cluster-wide one: it is preferred, as in a full read.
-                self.local_pods
-                    .store
-                    .get(&key)
-                    .or_else(|| self.all_pods.store.get(&key))
-                    .map(|p| pod_of(&p))
-            });
-            changes.namespaces = pending.namespaces;
-            Some(changes)
-        };
+        let changes =
+            if !self.refreshed || pending.everything || pending.pods.len() > MAX_POD_UPDATES {
+                self.refreshed = true;
+                self.pods = self.read_all_pods();
+                None
+            } else {
+                let (local, all) = (&self.local_pods.store, &self.all_pods.store);
+                let mut changes = update_pods(&mut self.pods, pending.pods, |ns, name| {
+                    current_pod(local, all, ns, name)
+                });
+                changes.namespaces = pending.namespaces;
+                Some(changes)
+            };
         if changes.is_none() || pending.namespaces {
             self.namespace_list = self
                 .namespaces
@@ -573,8 +592,13 @@ impl KubeSource {
                 })
                 .collect();
         }
+        // Both pod watches report a change to this node's pods: the second
+        // report, read at a later refresh, finds nothing new.
+        let changed = changes
+            .as_ref()
+            .is_none_or(|c| !c.pods.is_empty() || c.namespaces);
         Rescan {
-            changed: true,
+            changed,
             changes,
             ..Rescan::default()
         }
@@ -583,20 +607,7 @@ impl KubeSource {
     /// Every pod of both pod stores, one per namespace/name (this node's watch
     /// preferred), in that order.
     fn read_all_pods(&self) -> Vec<Pod> {
-        let mut pods: BTreeMap<(String, String), Pod> = BTreeMap::new();
-        for pod in self
-            .all_pods
-            .store
-            .state()
-            .into_iter()
-            .chain(self.local_pods.store.state())
-        {
-            let (Some(ns), Some(name)) = (&pod.metadata.namespace, &pod.metadata.name) else {
-                continue;
-            };
-            pods.insert((ns.clone(), name.clone()), pod_of(&pod));
-        }
-        pods.into_values().collect()
+        read_all_pods(&self.local_pods.store, &self.all_pods.store)
     }
 
     /// The pods as last refreshed.
@@ -621,10 +632,9 @@ impl KubeSource {
         }
         let now = Instant::now();
         let mut seen = HashSet::new();
-        for pod in &self.pods {
-            if pod.spec.as_ref().and_then(|s| s.node_name.as_deref()) != Some(self.node.as_str()) {
-                continue;
-            }
+        // This node's watch, not every pod of the cluster: the annotation is
+        // read where the patch shows up.
+        for pod in self.local_pods.store.state() {
             let (Some(ns), Some(name)) = (&pod.metadata.namespace, &pod.metadata.name) else {
                 continue;
             };
@@ -860,6 +870,68 @@ mod tests {
                 "step {n}"
             );
         }
+    }
+
+    /// With both pod stores, a pod's update takes the object a full read
+    /// takes: this node's watch first, also while the other watch lags behind
+    /// it (a delete seen by one watch only).
+    #[test]
+    fn updates_from_both_stores_match_a_full_read() {
+        let pod = |name: &str, ip: &str| {
+            api_pod(serde_json::json!({
+                "metadata": {"name": name, "namespace": "ns"},
+                "spec": {"nodeName": "n1"},
+                "status": {"podIP": ip},
+            }))
+        };
+        let (local, mut local_writer) = reflector::store::<ApiPod>();
+        let (all, mut all_writer) = reflector::store::<ApiPod>();
+        let mut list = Vec::new();
+        let check = |list: &mut Vec<Pod>, keys: &[&str]| {
+            update_pods(
+                list,
+                keys.iter().map(|k| k.to_string()).collect(),
+                |ns, name| current_pod(&local, &all, ns, name),
+            );
+            assert_eq!(*list, read_all_pods(&local, &all), "after {keys:?}");
+        };
+        let apply = |w: &mut reflector::store::Writer<ApiPod>, p: ApiPod| {
+            w.apply_watcher_event(&watcher::Event::Apply(p))
+        };
+        // The cluster's watch first, then this node's, newer.
+        apply(&mut all_writer, pod("a", "10.0.0.1"));
+        apply(&mut all_writer, pod("b", "10.0.0.2"));
+        check(&mut list, &["ns/a", "ns/b"]);
+        apply(&mut local_writer, pod("a", "10.0.0.9"));
+        check(&mut list, &["ns/a"]);
+        assert_eq!(
+            list[0].status.as_ref().unwrap().pod_ip.as_deref(),
+            Some("10.0.0.9")
+        );
+        // This node's watch sees the delete first: the cluster's object shows.
+        local_writer.apply_watcher_event(&watcher::Event::Delete(pod("a", "10.0.0.9")));
+        check(&mut list, &["ns/a"]);
+        assert_eq!(
+            list[0].status.as_ref().unwrap().pod_ip.as_deref(),
+            Some("10.0.0.1")
+        );
+        all_writer.apply_watcher_event(&watcher::Event::Delete(pod("a", "10.0.0.1")));
+        check(&mut list, &["ns/a"]);
+        assert_eq!(list.len(), 1);
+    }
+
+    #[test]
+    fn watches_record_what_they_saw() {
+        let mut pending = Pending::default();
+        assert!(pending.is_empty());
+        record_pod(&mut pending, Seen::Object("ns/a".into()));
+        record_pod(&mut pending, Seen::Object("ns/a".into()));
+        assert_eq!(pending.pods, BTreeSet::from(["ns/a".to_string()]));
+        assert!(!pending.everything && !pending.namespaces);
+        record_pod(&mut pending, Seen::Listed);
+        assert!(pending.everything);
+        record_namespace(&mut pending, Seen::Object("/shop".into()));
+        assert!(pending.namespaces);
     }
 
     #[test]

@@ -28,6 +28,12 @@ use serde::Serialize;
 
 use crate::identity::SpiffeId;
 
+/// The most pods a change may touch for the workload index to be updated pod
+/// by pod; beyond, it is rebuilt (each pod's update looks through all pods of
+/// the source for its definitions). The Kubernetes source reads every pod
+/// anew beyond it too.
+pub const MAX_POD_UPDATES: usize = 32;
+
 /// The label that selects the dataplane mode of a namespace or pod.
 pub const DATAPLANE_MODE_LABEL: &str = "istio.io/dataplane-mode";
 /// [`DATAPLANE_MODE_LABEL`] value that enrolls.
