@@ -1201,6 +1201,12 @@ struct Machine {
     /// machine may be shared).
     load_average_at_start: String,
     load_average_at_end: String,
+    /// How an idle CPU waits: the cpuidle driver and governor, and the guest
+    /// halt-polling window of the `haltpoll` driver in ns, e.g. "haltpoll/haltpoll,
+    /// guest_halt_poll_ns=0" (empty where sysfs has none). On a virtual machine a
+    /// vCPU that halts at once must be woken by an interrupt through the host, which
+    /// every hop of a mesh's path pays (kernel Documentation/virt/guest-halt-polling.rst).
+    cpu_idle: String,
 }
 
 /// The 1, 5 and 15 minute load averages.
@@ -1230,7 +1236,24 @@ fn machine() -> Machine {
         kernel,
         load_average_at_start: load_average(),
         load_average_at_end: String::new(),
+        cpu_idle: cpu_idle(),
     }
+}
+
+/// The idle policy for [`Machine::cpu_idle`], read from sysfs.
+fn cpu_idle() -> String {
+    let read = |p: &str| fs::read_to_string(p).map(|v| v.trim().to_string()).ok();
+    let mut parts = Vec::new();
+    if let Some(driver) = read("/sys/devices/system/cpu/cpuidle/current_driver") {
+        let governor = read("/sys/devices/system/cpu/cpuidle/current_governor")
+            .or_else(|| read("/sys/devices/system/cpu/cpuidle/current_governor_ro"))
+            .unwrap_or_default();
+        parts.push(format!("cpuidle {driver}/{governor}"));
+    }
+    if let Some(ns) = read("/sys/module/haltpoll/parameters/guest_halt_poll_ns") {
+        parts.push(format!("guest_halt_poll_ns={ns}"));
+    }
+    parts.join(", ")
 }
 
 #[derive(Serialize)]
@@ -1787,8 +1810,17 @@ fn print_report(r: &Report) {
         );
     }
     println!(
-        "podlink bench: {} cores, {}, kernel {}; load average {} at the start, {} at the end",
-        m.cores, m.cpu_model, m.kernel, m.load_average_at_start, m.load_average_at_end
+        "podlink bench: {} cores, {}, kernel {}{}; load average {} at the start, {} at the end",
+        m.cores,
+        m.cpu_model,
+        m.kernel,
+        if m.cpu_idle.is_empty() {
+            String::new()
+        } else {
+            format!(" ({})", m.cpu_idle)
+        },
+        m.load_average_at_start,
+        m.load_average_at_end
     );
     println!(
         "pod on node 1 -> pod on node 2; {} interleaved repetition(s): median [min-max]; agent CPU = both agents' utime+stime per podlink run",
