@@ -1202,10 +1202,11 @@ struct Machine {
     load_average_at_start: String,
     load_average_at_end: String,
     /// How an idle CPU waits: the cpuidle driver and governor, and the guest
-    /// halt-polling window of the `haltpoll` driver in ns, e.g. "haltpoll/haltpoll,
-    /// guest_halt_poll_ns=0" (empty where sysfs has none). On a virtual machine a
-    /// vCPU that halts at once must be woken by an interrupt through the host, which
-    /// every hop of a mesh's path pays (kernel Documentation/virt/guest-halt-polling.rst).
+    /// halt-polling window of the `haltpoll` driver in ns, e.g. "cpuidle
+    /// haltpoll/haltpoll, guest_halt_poll_ns=0" (empty where sysfs has neither).
+    /// On a virtual machine a vCPU that halts at once is woken by an interrupt
+    /// through the host, so the setting moves every figure whose threads sleep
+    /// between events (kernel Documentation/virt/guest-halt-polling.rst).
     cpu_idle: String,
 }
 
