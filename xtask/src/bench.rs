@@ -64,8 +64,9 @@
 //!
 //! With 1, 10 and 100 concurrent pod pairs (more pods made after the main table,
 //! each pair its own client and server pod, per path): the sum of single-stream
-//! iperf3 runs of 5 s, all pairs at once (with how long the batch took from the
-//! first start to the last exit: on two cores the runs do not all start at once),
+//! iperf3 runs of 5 s, all pairs at once (each client waits in its pod until all
+//! are ready, then all start; the table gives the seconds from that start to the
+//! first and the last exit, which show how far the runs overlapped),
 //! and the connection rate with one client thread per pair, all at once (3 s).
 //! Then the enrollment of the pods above (one at a time, as before) summarized
 //! over the first 10, 100 and 1,000: per-pod p50, p99 and max, and the time from
@@ -99,6 +100,9 @@ use anyhow::{Context, Result, bail};
 use podlink_tests::{Cluster, Pod, PodSpec, app, netns};
 use serde::Serialize;
 use serde_json::Value;
+
+mod probe;
+pub use probe::{Options as ProbeOptions, Row as ProbeRow};
 
 /// Length of each throughput run of the main table (iperf3 `-t`).
 const THROUGHPUT_SECONDS: u32 = 10;
@@ -204,6 +208,16 @@ enum Path2 {
 }
 
 impl Path2 {
+    /// Both paths in the order of repetition `rep`: which goes first
+    /// alternates, so that drift hits both alike.
+    fn order(rep: usize) -> [Path2; 2] {
+        if rep.is_multiple_of(2) {
+            [Path2::Direct, Path2::Podlink]
+        } else {
+            [Path2::Podlink, Path2::Direct]
+        }
+    }
+
     fn namespace(self) -> &'static str {
         match self {
             Path2::Direct => "direct",
@@ -547,10 +561,26 @@ fn wait_enrolled(c: &Cluster, pods: &[Pod]) -> Result<()> {
 
 fn iperf3_command(client: &Pod, server: &Pod, seconds: u32, streams: usize) -> Command {
     let mut cmd = netns::command_in(&client.netns, "iperf3");
-    cmd.args(["-c", &server.ip.to_string(), "-p", &IPERF_PORT.to_string()])
-        .args(["-t", &seconds.to_string(), "-P", &streams.to_string()])
-        .args(["--connect-timeout", "5000", "-J"]);
+    cmd.args(iperf3_args(server, seconds, streams));
     cmd
+}
+
+fn iperf3_args(server: &Pod, seconds: u32, streams: usize) -> Vec<String> {
+    [
+        "-c",
+        &server.ip.to_string(),
+        "-p",
+        &IPERF_PORT.to_string(),
+        "-t",
+        &seconds.to_string(),
+        "-P",
+        &streams.to_string(),
+        "--connect-timeout",
+        "5000",
+        "-J",
+    ]
+    .map(String::from)
+    .to_vec()
 }
 
 /// Bits per second received, from iperf3's JSON (all streams summed).
@@ -571,31 +601,112 @@ fn throughput(client: &Pod, server: &Pod, seconds: u32, streams: usize) -> Resul
     Ok(iperf3_received(&out.stdout)? / 1e9)
 }
 
-/// iperf3 single stream on every pair at once: the sum of what each received
-/// (Gbit/s), the runs that failed, and how long the whole batch took.
-fn throughput_concurrent(pairs: &[(Pod, Pod)], seconds: u32) -> Result<(f64, usize, f64)> {
-    let start = Instant::now();
-    let children = pairs
+/// What [`throughput_concurrent`] measured.
+struct Concurrent {
+    /// The sum of what each run received (Gbit/s).
+    gbps: f64,
+    failures: usize,
+    /// From the runs' start to their first and last exit (s).
+    first_exit_seconds: f64,
+    last_exit_seconds: f64,
+}
+
+/// iperf3 single stream on every pair at once, for `seconds`.
+///
+/// Each client first waits in its pod for a line on its standard input, and the
+/// line goes to all of them once every one waits: starting 100 `ip netns exec`
+/// processes takes seconds on a loaded machine, and would spread the runs apart
+/// so that their rates' sum measured runs that did not overlap. How far the
+/// runs' exits lie apart shows how well they did.
+fn throughput_concurrent(pairs: &[(Pod, Pod)], seconds: u32) -> Result<Concurrent> {
+    let mut children = pairs
         .iter()
         .map(|(client, server)| {
-            iperf3_command(client, server, seconds, 1)
+            netns::command_in(&client.netns, "sh")
+                .args(["-c", r#"read -r _ && exec iperf3 "$@""#, "sh"])
+                .args(iperf3_args(server, seconds, 1))
+                .stdin(Stdio::piped())
                 .stdout(Stdio::piped())
                 .stderr(Stdio::null())
                 .spawn()
                 .context("starting iperf3")
         })
         .collect::<Result<Vec<Child>>>()?;
-    let (mut sum, mut failed) = (0.0, 0);
-    for child in children {
-        match iperf3_received(&child.wait_with_output()?.stdout) {
-            Ok(bps) => sum += bps / 1e9,
+    wait_reading(&children)?;
+    let start = Instant::now();
+    for child in &mut children {
+        if let Some(mut stdin) = child.stdin.take() {
+            stdin.write_all(b"go\n").context("starting iperf3")?;
+        }
+    }
+    let ends: Vec<(f64, std::io::Result<std::process::Output>)> = std::thread::scope(|scope| {
+        let waits: Vec<_> = children
+            .into_iter()
+            .map(|child| {
+                scope.spawn(move || {
+                    let out = child.wait_with_output();
+                    (start.elapsed().as_secs_f64(), out)
+                })
+            })
+            .collect();
+        waits
+            .into_iter()
+            .map(|w| w.join().expect("waiting for iperf3 panicked"))
+            .collect()
+    });
+    let mut c = Concurrent {
+        gbps: 0.0,
+        failures: 0,
+        first_exit_seconds: f64::INFINITY,
+        last_exit_seconds: 0.0,
+    };
+    for (exit, out) in ends {
+        c.first_exit_seconds = c.first_exit_seconds.min(exit);
+        c.last_exit_seconds = c.last_exit_seconds.max(exit);
+        match iperf3_received(&out?.stdout) {
+            Ok(bps) => c.gbps += bps / 1e9,
             Err(e) => {
-                failed += 1;
+                c.failures += 1;
                 eprintln!("bench: {e:#}");
             }
         }
     }
-    Ok((sum, failed, start.elapsed().as_secs_f64()))
+    Ok(c)
+}
+
+/// Whether a `/proc/PID/stat` line ("pid (comm) state ...") is a shell's that
+/// sleeps. The command name may hold spaces and parentheses; the state follows
+/// its last closing parenthesis.
+fn is_sleeping_shell(stat: &str) -> bool {
+    let (comm, state) = stat
+        .split_once(" (")
+        .and_then(|(_, rest)| rest.rsplit_once(") "))
+        .map(|(comm, rest)| (comm, rest.chars().next()))
+        .unwrap_or_default();
+    comm == "sh" && state == Some('S')
+}
+
+/// Waits until every child is the shell of [`throughput_concurrent`], asleep
+/// (in its `read`), 60 s at most.
+fn wait_reading(children: &[Child]) -> Result<()> {
+    let limit = Instant::now() + Duration::from_secs(60);
+    for child in children {
+        loop {
+            let stat = fs::read_to_string(format!("/proc/{}/stat", child.id()))
+                .with_context(|| format!("iperf3 client {} exited early", child.id()))?;
+            if is_sleeping_shell(&stat) {
+                break;
+            }
+            if Instant::now() > limit {
+                bail!(
+                    "iperf3 client {} was not waiting after 60 s: {stat}",
+                    child.id()
+                );
+            }
+            std::thread::sleep(Duration::from_millis(1));
+        }
+    }
+    Ok(())
 }
 
 /// Round-trip times (µs) of `size`-byte messages on one connection: p50 and p99.
@@ -1243,7 +1354,12 @@ fn machine() -> Machine {
 
 /// The idle policy for [`Machine::cpu_idle`], read from sysfs.
 fn cpu_idle() -> String {
-    let read = |p: &str| fs::read_to_string(p).map(|v| v.trim().to_string()).ok();
+    cpu_idle_from(|p| fs::read_to_string(p).map(|v| v.trim().to_string()).ok())
+}
+
+/// [`cpu_idle`] with `read` for sysfs (a file's trimmed contents, `None` where
+/// it cannot be read).
+fn cpu_idle_from(read: impl Fn(&str) -> Option<String>) -> String {
     let mut parts = Vec::new();
     if let Some(driver) = read("/sys/devices/system/cpu/cpuidle/current_driver") {
         let governor = read("/sys/devices/system/cpu/cpuidle/current_governor")
@@ -1279,6 +1395,9 @@ struct ScalingRun {
     /// Sum of the pairs' single-stream iperf3 results.
     throughput_gbps: f64,
     throughput_failures: usize,
+    /// From the start of the concurrent iperf3 runs (all at once, see
+    /// `throughput_concurrent`) to the first one's exit.
+    throughput_first_exit_seconds: f64,
     /// How long the batch of concurrent iperf3 runs took, start to last exit.
     throughput_batch_seconds: f64,
     throughput_agent_cpu_seconds: f64,
@@ -1345,7 +1464,13 @@ struct Report {
 // ---------------------------------------------------------------------------
 // The run
 
-pub fn run(repeat: Option<usize>, quick: bool, json: Option<&Path>) -> Result<()> {
+/// The full bench, or with `probe` one measurement of it ([`probe`]).
+pub fn run(
+    repeat: Option<usize>,
+    quick: bool,
+    json: Option<&Path>,
+    probe: Option<ProbeOptions>,
+) -> Result<()> {
     if repeat == Some(0) {
         bail!("--repeat must be at least 1");
     }
@@ -1356,7 +1481,10 @@ pub fn run(repeat: Option<usize>, quick: bool, json: Option<&Path>) -> Result<()
         std::process::exit(130);
     })
     .context("installing the Ctrl-C handler")?;
-    let result = bench(Settings::new(quick, repeat), json);
+    let result = match probe {
+        Some(o) => probe::probe(&o),
+        None => bench(Settings::new(quick, repeat), json),
+    };
     restore_bpf_stats();
     netns::cleanup();
     result
@@ -1388,12 +1516,7 @@ fn bench(s: Settings, json: Option<&Path>) -> Result<()> {
     let mut c16 = Series::default();
     for rep in 0..s.repetitions {
         eprintln!("bench: repetition {}/{}", rep + 1, s.repetitions);
-        // Alternate which path goes first, so that drift hits both alike.
-        let order = if rep % 2 == 0 {
-            [Path2::Direct, Path2::Podlink]
-        } else {
-            [Path2::Podlink, Path2::Direct]
-        };
+        let order = Path2::order(rep);
         let pids = agent_pids(&bed.cluster);
         for (series, streams) in [(&mut t1, 1), (&mut t4, 4)] {
             for path in order {
@@ -1554,11 +1677,34 @@ fn bench(s: Settings, json: Option<&Path>) -> Result<()> {
 /// paths. Returns the setup time and the runs.
 fn scaling(bed: &mut Bed, s: &Settings) -> Result<(f64, Vec<ScalingRun>)> {
     let most = s.scaling_pairs.iter().copied().max().unwrap_or(0);
-    eprintln!("bench: scaling: making {most} pod pairs per path");
+    let (pairs, setup) = scaling_pairs(bed, most)?;
+    let mut runs = Vec::new();
+    for &n in &s.scaling_pairs {
+        for path in [Path2::Direct, Path2::Podlink] {
+            runs.push(scaling_run(
+                bed,
+                &pairs[path as usize][..n],
+                path,
+                s.scaling_throughput_seconds,
+                s.connect_seconds,
+            )?);
+        }
+    }
+    Ok((setup, runs))
+}
+
+/// Pod pairs (client on node 1, server on node 2) by [`Path2`].
+type PairsByPath = [Vec<(Pod, Pod)>; 2];
+
+/// Makes `n` more pod pairs per path, waits until the
+/// podlink ones are enrolled and starts their servers. Returns them and the
+/// time it took (s).
+fn scaling_pairs(bed: &mut Bed, n: usize) -> Result<(PairsByPath, f64)> {
+    eprintln!("bench: scaling: making {n} pod pairs per path");
     let t = Instant::now();
-    let mut pairs: [Vec<(Pod, Pod)>; 2] = Default::default();
+    let mut pairs = PairsByPath::default();
     for (p, path) in [Path2::Direct, Path2::Podlink].into_iter().enumerate() {
-        for i in 0..most {
+        for i in 0..n {
             let ns = path.namespace();
             let client = bed
                 .cluster
@@ -1578,35 +1724,40 @@ fn scaling(bed: &mut Bed, s: &Settings) -> Result<(f64, Vec<ScalingRun>)> {
         tune_client(client)?;
         bed.servers.serve(server)?;
     }
-    let setup = t.elapsed().as_secs_f64();
+    Ok((pairs, t.elapsed().as_secs_f64()))
+}
 
-    let mut runs = Vec::new();
-    for &n in &s.scaling_pairs {
-        for (p, path) in [Path2::Direct, Path2::Podlink].into_iter().enumerate() {
-            eprintln!("bench: scaling: {n} pairs, {path:?}");
-            let pairs = &pairs[p][..n];
-            let cpu = agents_cpu(&bed.cluster);
-            let (gbps, failures, batch) =
-                throughput_concurrent(pairs, s.scaling_throughput_seconds)?;
-            let tput_cpu = agents_cpu(&bed.cluster) - cpu;
-            let targets: Vec<(&Pod, SocketAddr)> =
-                pairs.iter().map(|(c, s)| (c, s.addr(ECHO_PORT))).collect();
-            let cpu = agents_cpu(&bed.cluster);
-            let conns = run_clients(&targets, 1, s.connect_seconds, false)?;
-            runs.push(ScalingRun {
-                pairs: n,
-                path,
-                throughput_gbps: gbps,
-                throughput_failures: failures,
-                throughput_batch_seconds: batch,
-                throughput_agent_cpu_seconds: tput_cpu,
-                connections_per_second: conns.rate(),
-                connection_failures: conns.failed,
-                connections_agent_cpu_seconds: agents_cpu(&bed.cluster) - cpu,
-            });
-        }
-    }
-    Ok((setup, runs))
+/// One size of the scaling table on one path: iperf3 on every pair at once for
+/// `throughput_seconds`, then one connecting client per pair for
+/// `connect_seconds`.
+fn scaling_run(
+    bed: &Bed,
+    pairs: &[(Pod, Pod)],
+    path: Path2,
+    throughput_seconds: u32,
+    connect_seconds: f64,
+) -> Result<ScalingRun> {
+    let n = pairs.len();
+    eprintln!("bench: scaling: {n} pairs, {path:?}");
+    let cpu = agents_cpu(&bed.cluster);
+    let batch = throughput_concurrent(pairs, throughput_seconds)?;
+    let tput_cpu = agents_cpu(&bed.cluster) - cpu;
+    let targets: Vec<(&Pod, SocketAddr)> =
+        pairs.iter().map(|(c, s)| (c, s.addr(ECHO_PORT))).collect();
+    let cpu = agents_cpu(&bed.cluster);
+    let conns = run_clients(&targets, 1, connect_seconds, false)?;
+    Ok(ScalingRun {
+        pairs: n,
+        path,
+        throughput_gbps: batch.gbps,
+        throughput_failures: batch.failures,
+        throughput_first_exit_seconds: batch.first_exit_seconds,
+        throughput_batch_seconds: batch.last_exit_seconds,
+        throughput_agent_cpu_seconds: tput_cpu,
+        connections_per_second: conns.rate(),
+        connection_failures: conns.failed,
+        connections_agent_cpu_seconds: agents_cpu(&bed.cluster) - cpu,
+    })
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -1949,8 +2100,11 @@ fn print_report(r: &Report) {
                 format!("{}{}", num(p.throughput_gbps), fails(p.throughput_failures)),
                 format!("{:.2} x", p.throughput_gbps / d.throughput_gbps),
                 format!(
-                    "{:.1}/{:.1}",
-                    d.throughput_batch_seconds, p.throughput_batch_seconds
+                    "{:.1}-{:.1}/{:.1}-{:.1}",
+                    d.throughput_first_exit_seconds,
+                    d.throughput_batch_seconds,
+                    p.throughput_first_exit_seconds,
+                    p.throughput_batch_seconds
                 ),
                 num(d.connections_per_second),
                 num(p.connections_per_second),
@@ -1971,7 +2125,7 @@ fn print_report(r: &Report) {
             "direct Gbit/s",
             "podlink Gbit/s",
             "ratio",
-            "batch s (d/p)",
+            "iperf3 exits s (d/p)",
             "direct conn/s",
             "podlink conn/s",
             "ratio",
@@ -1980,7 +2134,7 @@ fn print_report(r: &Report) {
         &rows,
     );
     println!(
-        "(pairs set up in {:.1} s; \"batch s\": start of the first iperf3 to the exit of the last, direct/podlink)",
+        "(pairs set up in {:.1} s; \"iperf3 exits\": from the runs' common start, each client waiting for it in its pod, to the first and the last exit, direct/podlink)",
         r.scaling.pairs_setup_seconds
     );
 
@@ -2046,4 +2200,61 @@ fn print_report(r: &Report) {
         t.enrollment_seconds,
         t.cleanup_seconds
     );
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn cpu_idle_names_driver_governor_and_polling() {
+        let haltpoll = |p: &str| {
+            Some(
+                match p.rsplit('/').next()? {
+                    "current_driver" => "haltpoll",
+                    "current_governor" => "haltpoll",
+                    "guest_halt_poll_ns" => "0",
+                    _ => return None,
+                }
+                .to_string(),
+            )
+        };
+        assert_eq!(
+            cpu_idle_from(haltpoll),
+            "cpuidle haltpoll/haltpoll, guest_halt_poll_ns=0"
+        );
+        // An older kernel names the governor only in the read-only file, and
+        // without the haltpoll module there is no polling window.
+        let acpi = |p: &str| {
+            Some(
+                match p.rsplit('/').next()? {
+                    "current_driver" => "acpi_idle",
+                    "current_governor_ro" => "menu",
+                    _ => return None,
+                }
+                .to_string(),
+            )
+        };
+        assert_eq!(cpu_idle_from(acpi), "cpuidle acpi_idle/menu");
+        assert_eq!(cpu_idle_from(|_| None), "");
+    }
+
+    #[test]
+    fn sleeping_shell_read_from_proc_stat() {
+        assert!(is_sleeping_shell("4242 (sh) S 4200 4242 1 0 -1"));
+        // Still `ip`, or the shell already running iperf3.
+        assert!(!is_sleeping_shell("4242 (ip) S 4200 4242 1 0 -1"));
+        assert!(!is_sleeping_shell("4242 (iperf3) S 4200 4242 1 0 -1"));
+        assert!(!is_sleeping_shell("4242 (sh) R 4200 4242 1 0 -1"));
+        // A name with ") S " in it is not taken for a sleeping shell.
+        assert!(!is_sleeping_shell("4242 (sh) S (x) R 4200 4242 1 0 -1"));
+        assert!(!is_sleeping_shell(""));
+    }
+
+    #[test]
+    fn paths_alternate_which_goes_first() {
+        assert_eq!(Path2::order(0), [Path2::Direct, Path2::Podlink]);
+        assert_eq!(Path2::order(1), [Path2::Podlink, Path2::Direct]);
+        assert_eq!(Path2::order(2), Path2::order(0));
+    }
 }

@@ -58,6 +58,28 @@ enum Cmd {
         /// 1,000 round trips, 10 s churn, fewer pods and pairs); the output says so.
         #[arg(long)]
         quick: bool,
+        /// Measure only this, on its own bed, and print each run (see
+        /// xtask/src/bench/probe.rs); --repeat defaults to 3 (1 for enrollment).
+        #[arg(long, value_enum, conflicts_with_all = ["json", "quick"])]
+        probe: Option<bench::ProbeRow>,
+        /// The length of each probe run, in seconds [default: 5].
+        #[arg(long, requires = "probe")]
+        seconds: Option<u32>,
+        /// Probe podlink only, without the direct path.
+        #[arg(long, requires = "probe")]
+        podlink_only: bool,
+        /// Set kernel.bpf_stats_enabled during the probe and print the programs'
+        /// cost per run.
+        #[arg(long, requires = "probe")]
+        ebpf: bool,
+        /// Pod pairs (--probe scaling, default 100) or pods (--probe enrollment,
+        /// default 200).
+        #[arg(long, requires = "probe")]
+        count: Option<usize>,
+        /// A shell command to start before the probe's runs, with the agents'
+        /// process ids in $AGENTS (comma-separated); the probe waits for it.
+        #[arg(long, requires = "probe")]
+        hook: Option<String>,
     },
 }
 
@@ -92,9 +114,28 @@ fn main() -> Result<()> {
             repeat,
             json,
             quick,
+            probe,
+            seconds,
+            podlink_only,
+            ebpf,
+            count,
+            hook,
         } => {
+            let probe = probe.map(|row| bench::ProbeOptions {
+                row,
+                repeat: repeat.unwrap_or(if row == bench::ProbeRow::Enrollment {
+                    1
+                } else {
+                    3
+                }),
+                seconds: seconds.unwrap_or(5),
+                podlink_only,
+                ebpf,
+                count,
+                hook,
+            });
             build()?;
-            bench::run(repeat, quick, json.as_deref())
+            bench::run(repeat, quick, json.as_deref(), probe)
         }
     }
 }
