@@ -19,9 +19,7 @@ mod parse;
 mod socket;
 
 use aya_ebpf::{
-    bindings::BPF_F_INGRESS,
-    helpers::generated::bpf_redirect,
-    macros::classifier,
+    bindings::BPF_F_INGRESS, helpers::generated::bpf_redirect, macros::classifier,
     programs::TcContext,
 };
 use podlink_common::{CONFIG_DRAINING, CONFIG_FAIL_OPEN, Config, PodInfo};
