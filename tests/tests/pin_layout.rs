@@ -208,15 +208,16 @@ fn a_newer_layout_is_refused_by_name() {
     let mut c = Cluster::with_namespaces(1, &[("mesh", true)]).unwrap();
     let newer = c.nodes[0].pin_dir.join(format!("v{}", LAYOUT_VERSION + 1));
     fs::create_dir_all(&newer).unwrap();
-    let error = c.start_agent(0).unwrap_err().to_string();
-    assert!(error.contains(&newer.display().to_string()), "{error}");
-    assert!(
-        error.contains(&format!(
-            "layout version {}, but this agent's layout version is {LAYOUT_VERSION}",
-            LAYOUT_VERSION + 1
-        )),
-        "{error}"
+    // The agent refuses to start, and inspect to read, naming it alike.
+    let refusal = format!(
+        "layout version {}, but this podlink's layout version is {LAYOUT_VERSION}: it was made by a newer podlink",
+        LAYOUT_VERSION + 1
     );
+    for error in [c.start_agent(0).unwrap_err(), c.inspect(0).unwrap_err()] {
+        let error = format!("{error:#}");
+        assert!(error.contains(&newer.display().to_string()), "{error}");
+        assert!(error.contains(&refusal), "{error}");
+    }
     // Nothing was pinned beside it.
     assert!(!c.nodes[0].pins().exists());
 }

@@ -14,7 +14,7 @@ use std::{
     path::{Path, PathBuf},
 };
 
-use anyhow::{Context, Result, bail};
+use anyhow::{Context, Result};
 use aya::{
     maps::{HashMap as BpfHashMap, Map, MapData, PerCpuHashMap},
     programs::{
@@ -164,16 +164,7 @@ pub fn inspect(pin_dir: &Path) -> Result<Inspection> {
         ..Default::default()
     };
     let contents = pins::survey(pin_dir)?;
-    if let Some(other) = contents
-        .versions
-        .iter()
-        .find(|v| !pins::is_known_version(**v))
-    {
-        bail!(
-            "{} holds pins of layout version {other}, which this podlink (layout version {LAYOUT_VERSION}) cannot read",
-            pins::layout_dir(pin_dir, *other).display()
-        );
-    }
+    pins::refuse_other_versions(pin_dir, &contents)?;
     // The newest layout found is read (as the agent keeps the newest pins);
     // what is left of older ones is reported. A `v2/` without its pods map yet
     // (a migration stopped before its first rename) is not read over them.

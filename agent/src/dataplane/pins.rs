@@ -149,9 +149,13 @@ pub fn survey(pin_dir: &Path) -> Result<PinDirContents> {
     Ok(contents)
 }
 
-/// Refuses layouts this agent does not know: any `v<M>` other than its own and the
-/// previous one.
-fn refuse_other_versions(pin_dir: &Path, contents: &PinDirContents) -> Result<()> {
+/// Refuses layouts this podlink does not know: any `v<M>` other than its own and
+/// the previous one (the agent before it changes anything, `podlink inspect`
+/// before it reads).
+///
+/// # Errors
+/// Names the unknown layout's directory and what to do about it.
+pub(crate) fn refuse_other_versions(pin_dir: &Path, contents: &PinDirContents) -> Result<()> {
     if let Some(&other) = contents.versions.iter().find(|v| !is_known_version(**v)) {
         let path = layout_dir(pin_dir, other);
         let advice = if other > LAYOUT_VERSION {
@@ -160,7 +164,7 @@ fn refuse_other_versions(pin_dir: &Path, contents: &PinDirContents) -> Result<()
             "this podlink has no migration from it: remove it with `podlink uninstall` (this detaches capture)"
         };
         bail!(
-            "{} holds pins of layout version {other}, but this agent's layout version is {LAYOUT_VERSION}: {advice}",
+            "{} holds pins of layout version {other}, but this podlink's layout version is {LAYOUT_VERSION}: {advice}",
             path.display()
         );
     }
