@@ -80,6 +80,8 @@
 //! `--quick` (one repetition, 2 s throughput runs, 1,000 round trips, 10 s of
 //! churn compared over 3 s windows, 50 pods for the enrollment row, 1 and 10 pairs
 //! and 10 and 100 pods for scaling): for development, never to judge the targets.
+//! `--probe ROW` and its flags measure one figure on its own bed instead
+//! ([`probe`]).
 
 use std::{
     collections::HashSet,
@@ -295,11 +297,7 @@ fn rss_kib(pid: u32) -> u64 {
 /// utime + stime of a process, seconds.
 fn cpu_seconds(pid: u32) -> f64 {
     let stat = fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
-    // The fields after the command name (in parentheses) start with field 3.
-    let fields: Vec<&str> = stat
-        .rsplit_once(')')
-        .map(|(_, rest)| rest.split_whitespace().collect())
-        .unwrap_or_default();
+    let fields = proc_stat(&stat).map(|(_, f)| f).unwrap_or_default();
     // SAFETY: sysconf has no preconditions.
     let ticks = unsafe { libc::sysconf(libc::_SC_CLK_TCK) } as f64;
     fields
@@ -627,16 +625,16 @@ fn throughput_concurrent(pairs: &[(Pod, Pod)], seconds: u32) -> Result<Concurren
                 .args(iperf3_args(server, seconds, 1))
                 .stdin(Stdio::piped())
                 .stdout(Stdio::piped())
-                .stderr(Stdio::null())
                 .spawn()
                 .context("starting iperf3")
         })
         .collect::<Result<Vec<Child>>>()?;
-    wait_reading(&children)?;
+    wait_reading(&mut children)?;
     let start = Instant::now();
     for child in &mut children {
+        // A client gone since it waited prints nothing: counted as failed.
         if let Some(mut stdin) = child.stdin.take() {
-            stdin.write_all(b"go\n").context("starting iperf3")?;
+            let _ = stdin.write_all(b"go\n");
         }
     }
     let ends: Vec<(f64, std::io::Result<std::process::Output>)> = std::thread::scope(|scope| {
@@ -657,11 +655,10 @@ fn throughput_concurrent(pairs: &[(Pod, Pod)], seconds: u32) -> Result<Concurren
     let mut c = Concurrent {
         gbps: 0.0,
         failures: 0,
-        first_exit_seconds: f64::INFINITY,
+        first_exit_seconds: ends.iter().map(|e| e.0).reduce(f64::min).unwrap_or(0.0),
         last_exit_seconds: 0.0,
     };
     for (exit, out) in ends {
-        c.first_exit_seconds = c.first_exit_seconds.min(exit);
         c.last_exit_seconds = c.last_exit_seconds.max(exit);
         match iperf3_received(&out?.stdout) {
             Ok(bps) => c.gbps += bps / 1e9,
@@ -674,26 +671,37 @@ fn throughput_concurrent(pairs: &[(Pod, Pod)], seconds: u32) -> Result<Concurren
     Ok(c)
 }
 
-/// Whether a `/proc/PID/stat` line ("pid (comm) state ...") is a shell's that
-/// sleeps. The command name may hold spaces and parentheses; the state follows
-/// its last closing parenthesis.
+/// A `/proc/PID/stat` line ("pid (comm) state ...", proc(5)): the command name
+/// and the fields after it, from field 3 (the state). The name may hold spaces
+/// and parentheses; the fields follow its last closing parenthesis.
+fn proc_stat(stat: &str) -> Option<(&str, Vec<&str>)> {
+    let (comm, rest) = stat.split_once(" (")?.1.rsplit_once(") ")?;
+    Some((comm, rest.split_whitespace().collect()))
+}
+
+/// Whether a `/proc/PID/stat` line is a shell's that sleeps.
 fn is_sleeping_shell(stat: &str) -> bool {
-    let (comm, state) = stat
-        .split_once(" (")
-        .and_then(|(_, rest)| rest.rsplit_once(") "))
-        .map(|(comm, rest)| (comm, rest.chars().next()))
-        .unwrap_or_default();
-    comm == "sh" && state == Some('S')
+    proc_stat(stat).is_some_and(|(comm, fields)| comm == "sh" && fields.first() == Some(&"S"))
 }
 
 /// Waits until every child is the shell of [`throughput_concurrent`], asleep
 /// (in its `read`), 60 s at most.
-fn wait_reading(children: &[Child]) -> Result<()> {
+///
+/// # Errors
+/// A child that exited (its `ip netns exec` failed, say), or one not waiting
+/// after 60 s.
+fn wait_reading(children: &mut [Child]) -> Result<()> {
     let limit = Instant::now() + Duration::from_secs(60);
     for child in children {
         loop {
+            if let Some(status) = child.try_wait()? {
+                bail!(
+                    "iperf3 client {} exited before its start: {status}",
+                    child.id()
+                );
+            }
             let stat = fs::read_to_string(format!("/proc/{}/stat", child.id()))
-                .with_context(|| format!("iperf3 client {} exited early", child.id()))?;
+                .with_context(|| format!("reading iperf3 client {}'s state", child.id()))?;
             if is_sleeping_shell(&stat) {
                 break;
             }
@@ -1398,8 +1406,10 @@ struct ScalingRun {
     /// From the start of the concurrent iperf3 runs (all at once, see
     /// `throughput_concurrent`) to the first one's exit.
     throughput_first_exit_seconds: f64,
-    /// How long the batch of concurrent iperf3 runs took, start to last exit.
-    throughput_batch_seconds: f64,
+    /// From the start of the concurrent iperf3 runs to the last one's exit
+    /// (before the clients started together, `throughput_batch_seconds`,
+    /// from the first client's start).
+    throughput_last_exit_seconds: f64,
     throughput_agent_cpu_seconds: f64,
     connections_per_second: f64,
     connection_failures: u64,
@@ -1752,7 +1762,7 @@ fn scaling_run(
         throughput_gbps: batch.gbps,
         throughput_failures: batch.failures,
         throughput_first_exit_seconds: batch.first_exit_seconds,
-        throughput_batch_seconds: batch.last_exit_seconds,
+        throughput_last_exit_seconds: batch.last_exit_seconds,
         throughput_agent_cpu_seconds: tput_cpu,
         connections_per_second: conns.rate(),
         connection_failures: conns.failed,
@@ -2102,9 +2112,9 @@ fn print_report(r: &Report) {
                 format!(
                     "{:.1}-{:.1}/{:.1}-{:.1}",
                     d.throughput_first_exit_seconds,
-                    d.throughput_batch_seconds,
+                    d.throughput_last_exit_seconds,
                     p.throughput_first_exit_seconds,
-                    p.throughput_batch_seconds
+                    p.throughput_last_exit_seconds
                 ),
                 num(d.connections_per_second),
                 num(p.connections_per_second),

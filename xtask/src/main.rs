@@ -62,22 +62,24 @@ enum Cmd {
         /// xtask/src/bench/probe.rs); --repeat defaults to 3 (1 for enrollment).
         #[arg(long, value_enum, conflicts_with_all = ["json", "quick"])]
         probe: Option<bench::ProbeRow>,
-        /// The length of each probe run, in seconds [default: 5].
+        /// The length of each probe run, in seconds (of the iperf3 runs for
+        /// scaling) [default: the full bench's for that row].
         #[arg(long, requires = "probe")]
         seconds: Option<u32>,
         /// Probe podlink only, without the direct path.
         #[arg(long, requires = "probe")]
         podlink_only: bool,
         /// Set kernel.bpf_stats_enabled during the probe and print the programs'
-        /// cost per run.
+        /// cost per podlink run (the probes of one pod pair).
         #[arg(long, requires = "probe")]
         ebpf: bool,
-        /// Pod pairs (--probe scaling, default 100) or pods (--probe enrollment,
-        /// default 200).
+        /// Pod pairs (--probe scaling, default 100, at most 120) or pods (--probe
+        /// enrollment, default 200).
         #[arg(long, requires = "probe")]
         count: Option<usize>,
         /// A shell command to start before the probe's runs, with the agents'
-        /// process ids in $AGENTS (comma-separated); the probe waits for it.
+        /// process ids in $AGENTS (comma-separated); after the runs its process
+        /// group gets SIGINT, and the probe waits for it.
         #[arg(long, requires = "probe")]
         hook: Option<String>,
     },
@@ -128,12 +130,16 @@ fn main() -> Result<()> {
                 } else {
                     3
                 }),
-                seconds: seconds.unwrap_or(5),
+                seconds,
                 podlink_only,
                 ebpf,
                 count,
                 hook,
             });
+            // Refused before the build, not after it.
+            if let Some(o) = &probe {
+                o.validate()?;
+            }
             build()?;
             bench::run(repeat, quick, json.as_deref(), probe)
         }

@@ -4,40 +4,70 @@
 //! A probe builds the same two-node bed as the full bench, then runs one kind of
 //! measurement `--repeat` times (default 3), the direct path and podlink one
 //! after the other in alternating order (podlink alone with `--podlink-only`),
-//! and prints each run's figure with the agents' CPU seconds over it and, with
-//! `--ebpf` (which sets `kernel.bpf_stats_enabled` as the full bench does), each
+//! for the full bench's run length unless `--seconds` gives another, and prints
+//! each run's figure with the agents' CPU seconds over it and, with `--ebpf`
+//! (which sets `kernel.bpf_stats_enabled` as the full bench does), each
 //! program's `run_time_ns / run_cnt` over each podlink run. Last come each
-//! path's median [min-max] and their ratio.
+//! path's median [min-max] and their comparison (the ratio, or for round trips
+//! the µs podlink adds).
 //!
-//! `--hook CMD` runs `sh -c CMD` once the bed is up, before the first run, with
-//! the agents' process ids in `$AGENTS` (comma-separated), for `perf record -p
-//! $AGENTS -- sleep 5` and the like; the probe waits for it to exit before it
-//! removes the bed.
+//! `--hook CMD` runs `sh -c CMD` in a process group of its own once the bed is
+//! up, before the first run, with the agents' process ids in `$AGENTS`
+//! (comma-separated), for `perf record -g -p $AGENTS` or `strace -c -f -p
+//! $AGENTS` (with `--podlink-only`, or it records the direct path's runs too).
+//! After the runs the group gets SIGINT, and the probe waits for the hook to
+//! exit before it removes the bed.
 
-use std::process::{Command, ExitStatus};
+use std::{os::unix::process::CommandExt, process::Command};
 
 use super::*;
 
 /// The measurements a probe can make: each is one of the full bench's, with
-/// the run length of `--seconds` where it has one.
+/// its run length unless `--seconds` gives another.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
 pub enum Row {
-    /// iperf3, one stream (Gbit/s).
+    /// iperf3, one stream (Gbit/s), 10 s runs.
     SingleStream,
-    /// iperf3 -P 4 (Gbit/s).
+    /// iperf3 -P 4 (Gbit/s), 10 s runs.
     FourStreams,
     /// 10,000 round trips of 1 byte on one connection (p50 µs).
     RoundTrips,
-    /// New connections per second, one client.
+    /// New connections per second, one client, 3 s runs.
     OneClient,
-    /// New connections per second, 16 clients.
+    /// New connections per second, 16 clients, 3 s runs.
     SixteenClients,
-    /// `--count` pod pairs (default 100) at once: single-stream iperf3 summed
-    /// (Gbit/s), then one connecting client per pair (connections/s).
+    /// `--count` pod pairs (default 100, at most [`MAX_SCALING_PAIRS`]) at
+    /// once: single-stream iperf3 for 5 s, summed (Gbit/s), then one connecting
+    /// client per pair for 3 s (connections/s).
     Scaling,
     /// `--count` pods (default 200) enrolled one at a time (p50, p99, max ms);
-    /// made once, so `--repeat` must be 1.
+    /// made once, so `--repeat` is 1.
     Enrollment,
+}
+
+/// The most pod pairs a scaling probe makes: their servers are on node 2,
+/// whose pods get addresses from one /24, beside the bed's four.
+pub const MAX_SCALING_PAIRS: usize = 120;
+
+impl Row {
+    /// The full bench's run length for this row (s), if it has one.
+    fn bench_seconds(self) -> Option<u32> {
+        match self {
+            Row::SingleStream | Row::FourStreams => Some(THROUGHPUT_SECONDS),
+            Row::OneClient | Row::SixteenClients => Some(CONNECT_SECONDS as u32),
+            Row::Scaling => Some(SCALING_THROUGHPUT_SECONDS),
+            Row::RoundTrips | Row::Enrollment => None,
+        }
+    }
+
+    fn unit(self) -> &'static str {
+        match self {
+            Row::SingleStream | Row::FourStreams | Row::Scaling => "Gbit/s",
+            Row::RoundTrips => "µs p50",
+            Row::OneClient | Row::SixteenClients => "connections/s",
+            Row::Enrollment => "ms",
+        }
+    }
 }
 
 /// What `--probe` and its flags asked for.
@@ -45,8 +75,9 @@ pub enum Row {
 pub struct Options {
     pub row: Row,
     pub repeat: usize,
-    /// Length of each run (s) of the rows that have one.
-    pub seconds: u32,
+    /// Length of each run (s), for the rows that have one (the iperf3 runs of
+    /// `scaling`); `None` for the full bench's.
+    pub seconds: Option<u32>,
     pub podlink_only: bool,
     pub ebpf: bool,
     /// Pod pairs (`scaling`) or pods (`enrollment`).
@@ -54,18 +85,57 @@ pub struct Options {
     pub hook: Option<String>,
 }
 
+impl Options {
+    /// Refuses flags the row has no use for, and values it cannot run with.
+    ///
+    /// # Errors
+    /// Names the flag and why.
+    pub fn validate(&self) -> Result<()> {
+        let row = self.row;
+        if self.repeat == 0 {
+            bail!("--repeat must be at least 1");
+        }
+        if self.seconds == Some(0) {
+            bail!("--seconds must be at least 1");
+        }
+        if self.seconds.is_some() && row.bench_seconds().is_none() {
+            bail!("--probe {row:?} has no run length to set with --seconds");
+        }
+        match (row, self.count) {
+            (Row::Scaling | Row::Enrollment, Some(0)) => bail!("--count must be at least 1"),
+            (Row::Scaling, Some(n)) if n > MAX_SCALING_PAIRS => bail!(
+                "--count {n}: the scaling probe makes at most {MAX_SCALING_PAIRS} pairs (node 2's pods share one /24)"
+            ),
+            (Row::Scaling | Row::Enrollment, _) | (_, None) => {}
+            (_, Some(_)) => bail!("--count is for the scaling and enrollment probes only"),
+        }
+        if row == Row::Enrollment {
+            if self.repeat != 1 {
+                bail!("the enrollment probe makes its pods once: give --repeat 1");
+            }
+            if self.podlink_only {
+                bail!("the enrollment probe has no direct path to leave out");
+            }
+        }
+        if self.ebpf && matches!(row, Row::Scaling | Row::Enrollment) {
+            bail!(
+                "--ebpf is for the probes of one pod pair (the scaling pairs' programs are not counted)"
+            );
+        }
+        Ok(())
+    }
+
+    fn seconds(&self) -> u32 {
+        self.seconds
+            .or(self.row.bench_seconds())
+            .unwrap_or_default()
+    }
+}
+
 /// Builds the bed, runs the probe, and leaves the removal of the bed to the
 /// caller's cleanup.
 pub fn probe(o: &Options) -> Result<()> {
-    if o.seconds == 0 {
-        bail!("--seconds must be at least 1");
-    }
-    if o.row == Row::Enrollment && o.repeat != 1 {
-        bail!("the enrollment probe makes its pods once: give --repeat 1");
-    }
-    if o.count.is_some() && !matches!(o.row, Row::Scaling | Row::Enrollment) {
-        bail!("--count is for the scaling and enrollment probes only");
-    }
+    o.validate()?;
     eprintln!("bench: building the two-node test bed");
     let mut bed = build_bed()?;
     std::thread::sleep(Duration::from_secs(2));
@@ -73,14 +143,16 @@ pub fn probe(o: &Options) -> Result<()> {
     let mut hook = o.hook.as_deref().map(|h| start_hook(&bed, h)).transpose()?;
     let result = run_rows(&mut bed, o);
     if let Some(child) = hook.as_mut() {
-        eprintln!("bench: waiting for the hook to exit");
-        let status: std::io::Result<ExitStatus> = child.wait();
-        netns::unregister(&netns::Resource::Process(child.id()));
-        if let Ok(status) = status
-            && !status.success()
-        {
-            eprintln!("bench: the hook exited with {status}");
+        eprintln!("bench: stopping the hook (SIGINT) and waiting for it");
+        // SAFETY: kill has no memory preconditions; the negative pid names
+        // the hook's own process group, which it leads.
+        unsafe { libc::kill(-(child.id() as i32), libc::SIGINT) };
+        match child.wait() {
+            Ok(status) if !status.success() => eprintln!("bench: the hook exited with {status}"),
+            Ok(_) => {}
+            Err(e) => eprintln!("bench: waiting for the hook: {e}"),
         }
+        netns::unregister(&netns::Resource::Process(child.id()));
     }
     drop(stats);
     result
@@ -95,6 +167,7 @@ fn start_hook(bed: &Bed, hook: &str) -> Result<Child> {
     let child = Command::new("sh")
         .args(["-c", hook])
         .env("AGENTS", agents.join(","))
+        .process_group(0)
         .spawn()
         .context("starting the hook")?;
     netns::register(netns::Resource::Process(child.id()));
@@ -129,7 +202,7 @@ fn run_rows(bed: &mut Bed, o: &Options) -> Result<()> {
                 .then(|| program_counters(&bed.cluster, prog_pods))
                 .transpose()?;
             let cpu = agents_cpu(&bed.cluster);
-            let secs = o.seconds;
+            let secs = o.seconds();
             let echo = server.addr(ECHO_PORT);
             let v = match o.row {
                 Row::SingleStream => throughput(client, server, secs, 1)?,
@@ -150,15 +223,16 @@ fn run_rows(bed: &mut Bed, o: &Options) -> Result<()> {
                 None => String::new(),
             };
             println!(
-                "probe {name} {}/{} {path:?}: {} agents' CPU {cpu:.2} s{ebpf}",
+                "probe {name} {}/{} {path:?}: {} {}, agents' CPU {cpu:.2} s{ebpf}",
                 rep + 1,
                 o.repeat,
-                num(v)
+                num(v),
+                o.row.unit()
             );
             values[path as usize].push(v);
         }
     }
-    summarize(&name, &values);
+    summarize(&name, &values, o.row == Row::RoundTrips);
     Ok(())
 }
 
@@ -186,7 +260,9 @@ fn per_program(delta: &[ProgCounters]) -> String {
         .collect()
 }
 
-fn summarize(name: &str, values: &[Vec<f64>; 2]) {
+/// Each path's median [min-max], then podlink / direct of the medians, or with
+/// `added` podlink − direct.
+fn summarize(name: &str, values: &[Vec<f64>; 2], added: bool) {
     let medians = [Path2::Direct, Path2::Podlink].map(|path| {
         let v = &values[path as usize];
         (!v.is_empty()).then(|| {
@@ -195,13 +271,18 @@ fn summarize(name: &str, values: &[Vec<f64>; 2]) {
             s.median
         })
     });
-    if let [Some(direct), Some(podlink)] = medians
-        && direct > 0.0
-    {
-        println!(
+    match medians {
+        [Some(direct), Some(podlink)] if added => {
+            println!(
+                "probe {name}: podlink adds {} (medians)",
+                num(podlink - direct)
+            )
+        }
+        [Some(direct), Some(podlink)] if direct > 0.0 => println!(
             "probe {name}: podlink / direct {:.2} (medians)",
             podlink / direct
-        );
+        ),
+        _ => {}
     }
 }
 
@@ -217,8 +298,8 @@ fn scaling_probe(bed: &mut Bed, o: &Options) -> Result<()> {
                 bed,
                 &pairs[path as usize],
                 path,
-                o.seconds,
-                o.seconds as f64,
+                o.seconds(),
+                CONNECT_SECONDS,
             )?;
             println!(
                 "probe Scaling {n} pairs {}/{} {path:?}: {} Gbit/s (iperf3 exits {:.2} to {:.2} s, {} failed, agents' CPU {:.2} s), {} connections/s ({} failed, agents' CPU {:.2} s)",
@@ -226,7 +307,7 @@ fn scaling_probe(bed: &mut Bed, o: &Options) -> Result<()> {
                 o.repeat,
                 num(run.throughput_gbps),
                 run.throughput_first_exit_seconds,
-                run.throughput_batch_seconds,
+                run.throughput_last_exit_seconds,
                 run.throughput_failures,
                 run.throughput_agent_cpu_seconds,
                 num(run.connections_per_second),
@@ -237,8 +318,8 @@ fn scaling_probe(bed: &mut Bed, o: &Options) -> Result<()> {
             rates[path as usize].push(run.connections_per_second);
         }
     }
-    summarize(&format!("Scaling {n} pairs, Gbit/s"), &gbps);
-    summarize(&format!("Scaling {n} pairs, connections/s"), &rates);
+    summarize(&format!("Scaling {n} pairs, Gbit/s"), &gbps, false);
+    summarize(&format!("Scaling {n} pairs, connections/s"), &rates, false);
     Ok(())
 }
 
@@ -250,7 +331,7 @@ mod tests {
         Options {
             row,
             repeat: 1,
-            seconds: 5,
+            seconds: None,
             podlink_only: false,
             ebpf: false,
             count: None,
@@ -258,31 +339,90 @@ mod tests {
         }
     }
 
-    /// Refused before any bed is built (these run without root).
     #[test]
     fn flags_that_do_not_apply_are_refused() {
-        let err = |o: Options| probe(&o).unwrap_err().to_string();
-        assert!(
-            err(Options {
+        let refused = |o: Options, what: &str| {
+            let e = o.validate().unwrap_err().to_string();
+            assert!(e.contains(what), "{e}");
+        };
+        refused(
+            Options {
                 count: Some(3),
                 ..options(Row::SingleStream)
-            })
-            .contains("--count is for the scaling and enrollment probes")
+            },
+            "--count is for the scaling and enrollment probes",
         );
-        assert!(
-            err(Options {
+        refused(
+            Options {
+                count: Some(MAX_SCALING_PAIRS + 1),
+                ..options(Row::Scaling)
+            },
+            "at most 120 pairs",
+        );
+        refused(
+            Options {
+                count: Some(0),
+                ..options(Row::Enrollment)
+            },
+            "--count must be at least 1",
+        );
+        refused(
+            Options {
                 repeat: 2,
                 ..options(Row::Enrollment)
-            })
-            .contains("give --repeat 1")
+            },
+            "give --repeat 1",
         );
-        assert!(
-            err(Options {
-                seconds: 0,
+        refused(
+            Options {
+                podlink_only: true,
+                ..options(Row::Enrollment)
+            },
+            "no direct path",
+        );
+        refused(
+            Options {
+                seconds: Some(0),
                 ..options(Row::OneClient)
-            })
-            .contains("--seconds must be at least 1")
+            },
+            "--seconds must be at least 1",
         );
+        refused(
+            Options {
+                seconds: Some(5),
+                ..options(Row::RoundTrips)
+            },
+            "no run length",
+        );
+        refused(
+            Options {
+                ebpf: true,
+                ..options(Row::Scaling)
+            },
+            "--ebpf is for the probes of one pod pair",
+        );
+        refused(
+            Options {
+                repeat: 0,
+                ..options(Row::FourStreams)
+            },
+            "--repeat must be at least 1",
+        );
+        for row in [Row::SingleStream, Row::Scaling, Row::Enrollment] {
+            options(row).validate().unwrap();
+        }
+    }
+
+    #[test]
+    fn runs_last_as_in_the_full_bench_unless_told() {
+        assert_eq!(options(Row::SingleStream).seconds(), THROUGHPUT_SECONDS);
+        assert_eq!(options(Row::OneClient).seconds(), CONNECT_SECONDS as u32);
+        assert_eq!(options(Row::Scaling).seconds(), SCALING_THROUGHPUT_SECONDS);
+        let told = Options {
+            seconds: Some(2),
+            ..options(Row::SixteenClients)
+        };
+        assert_eq!(told.seconds(), 2);
     }
 
     #[test]
