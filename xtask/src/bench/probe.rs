@@ -18,7 +18,10 @@
 //! After the runs the group gets SIGINT, and the probe waits for the hook to
 //! exit before it removes the bed.
 
-use std::{os::unix::process::CommandExt, process::Command};
+use std::{
+    os::unix::process::{CommandExt, ExitStatusExt},
+    process::Command,
+};
 
 use super::*;
 
@@ -60,6 +63,13 @@ impl Row {
         }
     }
 
+    /// The name `--probe` takes.
+    fn name(self) -> String {
+        clap::ValueEnum::to_possible_value(&self)
+            .map(|v| v.get_name().to_string())
+            .unwrap_or_default()
+    }
+
     fn unit(self) -> &'static str {
         match self {
             Row::SingleStream | Row::FourStreams | Row::Scaling => "Gbit/s",
@@ -99,7 +109,10 @@ impl Options {
             bail!("--seconds must be at least 1");
         }
         if self.seconds.is_some() && row.bench_seconds().is_none() {
-            bail!("--probe {row:?} has no run length to set with --seconds");
+            bail!(
+                "--probe {} has no run length to set with --seconds",
+                row.name()
+            );
         }
         match (row, self.count) {
             (Row::Scaling | Row::Enrollment, Some(0)) => bail!("--count must be at least 1"),
@@ -148,7 +161,10 @@ pub fn probe(o: &Options) -> Result<()> {
         // the hook's own process group, which it leads.
         unsafe { libc::kill(-(child.id() as i32), libc::SIGINT) };
         match child.wait() {
-            Ok(status) if !status.success() => eprintln!("bench: the hook exited with {status}"),
+            // Its end on the SIGINT it was sent is no failure.
+            Ok(status) if !status.success() && status.signal() != Some(libc::SIGINT) => {
+                eprintln!("bench: the hook exited with {status}")
+            }
             Ok(_) => {}
             Err(e) => eprintln!("bench: waiting for the hook: {e}"),
         }
@@ -175,7 +191,7 @@ fn start_hook(bed: &Bed, hook: &str) -> Result<Child> {
 }
 
 fn run_rows(bed: &mut Bed, o: &Options) -> Result<()> {
-    let name = format!("{:?}", o.row);
+    let name = o.row.name();
     match o.row {
         Row::Enrollment => {
             let n = o.count.unwrap_or(ENROLLMENT_PODS);
@@ -184,7 +200,7 @@ fn run_rows(bed: &mut Bed, o: &Options) -> Result<()> {
                 format!("only {} of {n} pods were enrolled", e.per_pod_ms.len())
             })?;
             println!(
-                "probe Enrollment of {n} pods: p50 {:.2} ms, p99 {:.2} ms, max {:.2} ms; agents' CPU {:.2} s; {} pods without a pods map entry",
+                "probe enrollment of {n} pods: p50 {:.2} ms, p99 {:.2} ms, max {:.2} ms; agents' CPU {:.2} s; {} pods without a pods map entry",
                 s.p50_ms, s.p99_ms, s.max_ms, e.agent_cpu_seconds, e.missing_map_entries
             );
             return Ok(());
@@ -245,9 +261,10 @@ fn order(rep: usize, podlink_only: bool) -> Vec<Path2> {
     }
 }
 
-/// " from_pod N ns (runs) to_pod N ns (runs)", both nodes' instances summed.
+/// "; from_pod N ns (N runs), to_pod N ns (N runs)", both nodes' instances
+/// summed.
 fn per_program(delta: &[ProgCounters]) -> String {
-    PROGRAMS
+    let each: Vec<String> = PROGRAMS
         .iter()
         .map(|name| {
             let (t, n) = delta
@@ -255,9 +272,10 @@ fn per_program(delta: &[ProgCounters]) -> String {
                 .filter(|c| c.name == *name)
                 .fold((0, 0), |(t, n), c| (t + c.run_time_ns, n + c.run_cnt));
             let ns = if n > 0 { t as f64 / n as f64 } else { 0.0 };
-            format!(" {name} {} ns ({n} runs)", num(ns))
+            format!("{name} {} ns ({n} runs)", num(ns))
         })
-        .collect()
+        .collect();
+    format!("; {}", each.join(", "))
 }
 
 /// Each path's median [min-max], then podlink / direct of the medians, or with
@@ -302,7 +320,7 @@ fn scaling_probe(bed: &mut Bed, o: &Options) -> Result<()> {
                 CONNECT_SECONDS,
             )?;
             println!(
-                "probe Scaling {n} pairs {}/{} {path:?}: {} Gbit/s (iperf3 exits {:.2} to {:.2} s, {} failed, agents' CPU {:.2} s), {} connections/s ({} failed, agents' CPU {:.2} s)",
+                "probe scaling {n} pairs {}/{} {path:?}: {} Gbit/s (iperf3 exits {:.2} to {:.2} s, {} failed, agents' CPU {:.2} s), {} connections/s ({} failed, agents' CPU {:.2} s)",
                 rep + 1,
                 o.repeat,
                 num(run.throughput_gbps),
@@ -318,8 +336,8 @@ fn scaling_probe(bed: &mut Bed, o: &Options) -> Result<()> {
             rates[path as usize].push(run.connections_per_second);
         }
     }
-    summarize(&format!("Scaling {n} pairs, Gbit/s"), &gbps, false);
-    summarize(&format!("Scaling {n} pairs, connections/s"), &rates, false);
+    summarize(&format!("scaling {n} pairs, Gbit/s"), &gbps, false);
+    summarize(&format!("scaling {n} pairs, connections/s"), &rates, false);
     Ok(())
 }
 
@@ -411,6 +429,12 @@ mod tests {
         for row in [Row::SingleStream, Row::Scaling, Row::Enrollment] {
             options(row).validate().unwrap();
         }
+    }
+
+    #[test]
+    fn rows_are_named_as_the_flag_takes_them() {
+        assert_eq!(Row::SixteenClients.name(), "sixteen-clients");
+        assert_eq!(Row::RoundTrips.name(), "round-trips");
     }
 
     #[test]
