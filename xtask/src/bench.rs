@@ -604,7 +604,8 @@ struct Concurrent {
     /// The sum of what each run received (Gbit/s).
     gbps: f64,
     failures: usize,
-    /// From the runs' start to their first and last exit (s).
+    /// From the runs' start to the first and the last exit of those that
+    /// measured something (s; 0 if none did).
     first_exit_seconds: f64,
     last_exit_seconds: f64,
 }
@@ -655,18 +656,26 @@ fn throughput_concurrent(pairs: &[(Pod, Pod)], seconds: u32) -> Result<Concurren
     let mut c = Concurrent {
         gbps: 0.0,
         failures: 0,
-        first_exit_seconds: ends.iter().map(|e| e.0).reduce(f64::min).unwrap_or(0.0),
+        first_exit_seconds: f64::INFINITY,
         last_exit_seconds: 0.0,
     };
+    // The exits of the runs that measured something: a failed one may have
+    // ended at once.
     for (exit, out) in ends {
-        c.last_exit_seconds = c.last_exit_seconds.max(exit);
         match iperf3_received(&out?.stdout) {
-            Ok(bps) => c.gbps += bps / 1e9,
+            Ok(bps) => {
+                c.gbps += bps / 1e9;
+                c.first_exit_seconds = c.first_exit_seconds.min(exit);
+                c.last_exit_seconds = c.last_exit_seconds.max(exit);
+            }
             Err(e) => {
                 c.failures += 1;
                 eprintln!("bench: {e:#}");
             }
         }
+    }
+    if c.first_exit_seconds.is_infinite() {
+        c.first_exit_seconds = 0.0;
     }
     Ok(c)
 }
@@ -1486,6 +1495,7 @@ pub fn run(
     }
     ctrlc::set_handler(|| {
         eprintln!("\ninterrupted: cleaning up");
+        probe::stop_hook();
         restore_bpf_stats();
         netns::cleanup();
         std::process::exit(130);

@@ -74,7 +74,7 @@ enum Cmd {
         #[arg(long, requires = "probe")]
         ebpf: bool,
         /// Pod pairs (--probe scaling, default 100, at most 120) or pods (--probe
-        /// enrollment, default 200).
+        /// enrollment, default 200, at most 2,000).
         #[arg(long, requires = "probe")]
         count: Option<usize>,
         /// A shell command to start before the probe's runs, with the agents'
@@ -87,6 +87,39 @@ enum Cmd {
 
 fn main() -> Result<()> {
     let cli = Cli::parse();
+    // The bench's flags are refused before setup installs or builds anything.
+    let probe = match &cli.command {
+        Cmd::Bench {
+            repeat: Some(0), ..
+        } => bail!("--repeat must be at least 1"),
+        Cmd::Bench {
+            probe: Some(row),
+            repeat,
+            seconds,
+            podlink_only,
+            ebpf,
+            count,
+            hook,
+            ..
+        } => {
+            let o = bench::ProbeOptions {
+                row: *row,
+                repeat: repeat.unwrap_or(if *row == bench::ProbeRow::Enrollment {
+                    1
+                } else {
+                    3
+                }),
+                seconds: *seconds,
+                podlink_only: *podlink_only,
+                ebpf: *ebpf,
+                count: *count,
+                hook: hook.clone(),
+            };
+            o.validate()?;
+            Some(o)
+        }
+        _ => None,
+    };
     setup::setup(match cli.command {
         Cmd::Setup | Cmd::ValidateDeploy | Cmd::Test { .. } => setup::Validator::Install,
         _ => setup::Validator::Skip,
@@ -116,30 +149,8 @@ fn main() -> Result<()> {
             repeat,
             json,
             quick,
-            probe,
-            seconds,
-            podlink_only,
-            ebpf,
-            count,
-            hook,
+            ..
         } => {
-            let probe = probe.map(|row| bench::ProbeOptions {
-                row,
-                repeat: repeat.unwrap_or(if row == bench::ProbeRow::Enrollment {
-                    1
-                } else {
-                    3
-                }),
-                seconds,
-                podlink_only,
-                ebpf,
-                count,
-                hook,
-            });
-            // Refused before the build, not after it.
-            if let Some(o) = &probe {
-                o.validate()?;
-            }
             build()?;
             bench::run(repeat, quick, json.as_deref(), probe)
         }

@@ -43,14 +43,18 @@ pub enum Row {
     /// once: single-stream iperf3 for 5 s, summed (Gbit/s), then one connecting
     /// client per pair for 3 s (connections/s).
     Scaling,
-    /// `--count` pods (default 200) enrolled one at a time (p50, p99, max ms);
-    /// made once, so `--repeat` is 1.
+    /// `--count` pods (default 200, at most [`MAX_ENROLLMENT_PODS`]) enrolled
+    /// one at a time (p50, p99, max ms); made once, so `--repeat` is 1.
     Enrollment,
 }
 
 /// The most pod pairs a scaling probe makes: their servers are on node 2,
-/// whose pods get addresses from one /24, beside the bed's four.
+/// whose pods get addresses from one /24 (253), beside the bed's four.
 pub const MAX_SCALING_PAIRS: usize = 120;
+
+/// The most pods an enrollment probe makes on node 1: its /24 and the bed's
+/// extra /21 hold about 2,290 beside the bed's own.
+pub const MAX_ENROLLMENT_PODS: usize = 2_000;
 
 impl Row {
     /// The full bench's run length for this row (s), if it has one.
@@ -119,6 +123,9 @@ impl Options {
             (Row::Scaling, Some(n)) if n > MAX_SCALING_PAIRS => bail!(
                 "--count {n}: the scaling probe makes at most {MAX_SCALING_PAIRS} pairs (node 2's pods share one /24)"
             ),
+            (Row::Enrollment, Some(n)) if n > MAX_ENROLLMENT_PODS => bail!(
+                "--count {n}: the enrollment probe makes at most {MAX_ENROLLMENT_PODS} pods (node 1's pod addresses)"
+            ),
             (Row::Scaling | Row::Enrollment, _) | (_, None) => {}
             (_, Some(_)) => bail!("--count is for the scaling and enrollment probes only"),
         }
@@ -153,41 +160,77 @@ pub fn probe(o: &Options) -> Result<()> {
     let mut bed = build_bed()?;
     std::thread::sleep(Duration::from_secs(2));
     let stats = o.ebpf.then(BpfStatsOn::enable).transpose()?;
-    let mut hook = o.hook.as_deref().map(|h| start_hook(&bed, h)).transpose()?;
-    let result = run_rows(&mut bed, o);
-    if let Some(child) = hook.as_mut() {
-        eprintln!("bench: stopping the hook (SIGINT) and waiting for it");
-        // SAFETY: kill has no memory preconditions; the negative pid names
-        // the hook's own process group, which it leads.
-        unsafe { libc::kill(-(child.id() as i32), libc::SIGINT) };
-        match child.wait() {
-            // Its end on the SIGINT it was sent is no failure.
-            Ok(status) if !status.success() && status.signal() != Some(libc::SIGINT) => {
-                eprintln!("bench: the hook exited with {status}")
-            }
-            Ok(_) => {}
-            Err(e) => eprintln!("bench: waiting for the hook: {e}"),
-        }
-        netns::unregister(&netns::Resource::Process(child.id()));
+    if let Some(hook) = &o.hook {
+        start_hook(&bed, hook)?;
     }
+    let result = run_rows(&mut bed, o);
+    stop_hook();
     drop(stats);
     result
 }
 
-fn start_hook(bed: &Bed, hook: &str) -> Result<Child> {
+/// The running hook (`sh -c CMD`, leading its own process group).
+static HOOK: Mutex<Option<Child>> = Mutex::new(None);
+
+/// How long the hook may take to exit after its SIGINT (perf writing its data,
+/// say) before its process group is killed.
+const HOOK_GRACE: Duration = Duration::from_secs(30);
+
+fn start_hook(bed: &Bed, hook: &str) -> Result<()> {
     let agents: Vec<String> = agent_pids(&bed.cluster)
         .iter()
         .map(u32::to_string)
         .collect();
     eprintln!("bench: agents {}; starting the hook", agents.join(","));
-    let child = Command::new("sh")
+    let mut child = Command::new("sh")
         .args(["-c", hook])
         .env("AGENTS", agents.join(","))
+        .stdin(Stdio::null())
         .process_group(0)
         .spawn()
         .context("starting the hook")?;
-    netns::register(netns::Resource::Process(child.id()));
-    Ok(child)
+    // A hook that cannot start (perf missing, say) is told now, not after
+    // the runs.
+    std::thread::sleep(Duration::from_secs(1));
+    if let Some(status) = child.try_wait()? {
+        eprintln!("bench: the hook exited before the runs: {status}");
+    }
+    *HOOK.lock().unwrap_or_else(|e| e.into_inner()) = Some(child);
+    Ok(())
+}
+
+/// Stops the hook, if one runs: SIGINT to its process group (which the
+/// terminal's Ctrl-C does not reach), then up to [`HOOK_GRACE`] for it to
+/// exit, then SIGKILL to the group. Also called on Ctrl-C, SIGTERM and SIGHUP.
+pub(super) fn stop_hook() {
+    let Some(mut child) = HOOK.lock().unwrap_or_else(|e| e.into_inner()).take() else {
+        return;
+    };
+    eprintln!("bench: stopping the hook (SIGINT) and waiting for it");
+    let group = -(child.id() as i32);
+    // SAFETY: kill has no memory preconditions; the negative pid names the
+    // hook's process group, which it leads and which stays while it is not
+    // reaped.
+    unsafe { libc::kill(group, libc::SIGINT) };
+    let limit = Instant::now() + HOOK_GRACE;
+    loop {
+        match child.try_wait() {
+            // sh ends by the SIGINT it was sent, whatever its command did.
+            Ok(Some(status)) if !status.success() && status.signal() != Some(libc::SIGINT) => {
+                eprintln!("bench: the hook exited with {status}");
+                return;
+            }
+            Ok(Some(_)) => return,
+            Ok(None) if Instant::now() < limit => std::thread::sleep(Duration::from_millis(50)),
+            Ok(None) | Err(_) => {
+                eprintln!("bench: the hook did not exit within {HOOK_GRACE:?}; killing it");
+                // SAFETY: as above.
+                unsafe { libc::kill(group, libc::SIGKILL) };
+                let _ = child.wait();
+                return;
+            }
+        }
+    }
 }
 
 fn run_rows(bed: &mut Bed, o: &Options) -> Result<()> {
@@ -292,7 +335,7 @@ fn summarize(name: &str, values: &[Vec<f64>; 2], added: bool) {
     match medians {
         [Some(direct), Some(podlink)] if added => {
             println!(
-                "probe {name}: podlink adds {} (medians)",
+                "probe {name}: podlink adds {} µs (medians)",
                 num(podlink - direct)
             )
         }
@@ -426,8 +469,34 @@ mod tests {
             },
             "--repeat must be at least 1",
         );
+        refused(
+            Options {
+                count: Some(0),
+                ..options(Row::Scaling)
+            },
+            "--count must be at least 1",
+        );
+        refused(
+            Options {
+                count: Some(MAX_ENROLLMENT_PODS + 1),
+                ..options(Row::Enrollment)
+            },
+            "at most 2000 pods",
+        );
         for row in [Row::SingleStream, Row::Scaling, Row::Enrollment] {
             options(row).validate().unwrap();
+        }
+        // The limits themselves are taken.
+        for (row, most) in [
+            (Row::Scaling, MAX_SCALING_PAIRS),
+            (Row::Enrollment, MAX_ENROLLMENT_PODS),
+        ] {
+            Options {
+                count: Some(most),
+                ..options(row)
+            }
+            .validate()
+            .unwrap();
         }
     }
 
@@ -439,9 +508,17 @@ mod tests {
 
     #[test]
     fn runs_last_as_in_the_full_bench_unless_told() {
-        assert_eq!(options(Row::SingleStream).seconds(), THROUGHPUT_SECONDS);
-        assert_eq!(options(Row::OneClient).seconds(), CONNECT_SECONDS as u32);
-        assert_eq!(options(Row::Scaling).seconds(), SCALING_THROUGHPUT_SECONDS);
+        let full = Settings::new(false, None);
+        for row in [Row::SingleStream, Row::FourStreams] {
+            assert_eq!(options(row).seconds(), full.throughput_seconds);
+        }
+        for row in [Row::OneClient, Row::SixteenClients] {
+            assert_eq!(options(row).seconds() as f64, full.connect_seconds);
+        }
+        assert_eq!(
+            options(Row::Scaling).seconds(),
+            full.scaling_throughput_seconds
+        );
         let told = Options {
             seconds: Some(2),
             ..options(Row::SixteenClients)
