@@ -104,11 +104,7 @@ fn main() -> Result<()> {
         } => {
             let o = bench::ProbeOptions {
                 row: *row,
-                repeat: repeat.unwrap_or(if *row == bench::ProbeRow::Enrollment {
-                    1
-                } else {
-                    3
-                }),
+                repeat: repeat.unwrap_or(row.default_repeat()),
                 seconds: *seconds,
                 podlink_only: *podlink_only,
                 ebpf: *ebpf,

@@ -15,8 +15,9 @@
 //! up, before the first run, with the agents' process ids in `$AGENTS`
 //! (comma-separated), for `perf record -g -p $AGENTS` or `strace -c -f -p
 //! $AGENTS` (with `--podlink-only`, or it records the direct path's runs too).
-//! After the runs the group gets SIGINT, and the probe waits for the hook to
-//! exit before it removes the bed.
+//! After the runs, or on Ctrl-C, SIGTERM or SIGHUP, the group gets SIGINT, and
+//! the probe waits up to 30 s for the hook to exit (then kills the group)
+//! before it removes the bed.
 
 use std::{
     os::unix::process::{CommandExt, ExitStatusExt},
@@ -65,6 +66,12 @@ impl Row {
             Row::Scaling => Some(SCALING_THROUGHPUT_SECONDS),
             Row::RoundTrips | Row::Enrollment => None,
         }
+    }
+
+    /// Repetitions without `--repeat`: 3, and 1 for enrollment (its pods are
+    /// made once).
+    pub fn default_repeat(self) -> usize {
+        if self == Row::Enrollment { 1 } else { 3 }
     }
 
     /// The name `--probe` takes.
@@ -152,10 +159,10 @@ impl Options {
     }
 }
 
-/// Builds the bed, runs the probe, and leaves the removal of the bed to the
-/// caller's cleanup.
+/// Builds the bed, runs the probe (its options [`Options::validate`]d, before
+/// setup and the build), and leaves the removal of the bed to the caller's
+/// cleanup.
 pub fn probe(o: &Options) -> Result<()> {
-    o.validate()?;
     eprintln!("bench: building the two-node test bed");
     let mut bed = build_bed()?;
     std::thread::sleep(Duration::from_secs(2));
@@ -256,31 +263,29 @@ fn run_rows(bed: &mut Bed, o: &Options) -> Result<()> {
     for rep in 0..o.repeat {
         for path in order(rep, o.podlink_only) {
             let (client, server) = bed.pair(path);
-            // The direct path runs no podlink program.
-            let before = (o.ebpf && path == Path2::Podlink)
-                .then(|| program_counters(&bed.cluster, prog_pods))
-                .transpose()?;
-            let cpu = agents_cpu(&bed.cluster);
             let secs = o.seconds();
             let echo = server.addr(ECHO_PORT);
-            let v = match o.row {
-                Row::SingleStream => throughput(client, server, secs, 1)?,
-                Row::FourStreams => throughput(client, server, secs, 4)?,
-                Row::RoundTrips => latency(client, echo, 1, ROUND_TRIPS)?[0],
-                Row::OneClient => run_clients(&[(client, echo)], 1, secs as f64, true)?.rate(),
+            let measure = || match o.row {
+                Row::SingleStream => throughput(client, server, secs, 1),
+                Row::FourStreams => throughput(client, server, secs, 4),
+                Row::RoundTrips => Ok(latency(client, echo, 1, ROUND_TRIPS)?[0]),
+                Row::OneClient => Ok(run_clients(&[(client, echo)], 1, secs as f64, true)?.rate()),
                 Row::SixteenClients => {
-                    run_clients(&[(client, echo)], MANY_CLIENTS, secs as f64, false)?.rate()
+                    Ok(run_clients(&[(client, echo)], MANY_CLIENTS, secs as f64, false)?.rate())
                 }
                 Row::Scaling | Row::Enrollment => unreachable!("handled above"),
             };
-            let cpu = agents_cpu(&bed.cluster) - cpu;
-            let ebpf = match before {
-                Some(before) => {
-                    let after = program_counters(&bed.cluster, prog_pods)?;
-                    per_program(&counters_delta(&before, &after))
-                }
-                None => String::new(),
+            let cpu = agents_cpu(&bed.cluster);
+            // The full bench's breakdown by kind of run, over this one run
+            // (nothing for the direct path, which runs no podlink program).
+            let mut ebpf = EbpfByWorkload::default();
+            let v = if o.ebpf {
+                ebpf.measure(&bed.cluster, prog_pods, "eBPF", path, measure)?
+            } else {
+                measure()?
             };
+            let cpu = agents_cpu(&bed.cluster) - cpu;
+            let ebpf: String = ebpf.lines().iter().map(|l| format!("; {l}")).collect();
             println!(
                 "probe {name} {}/{} {path:?}: {} {}, agents' CPU {cpu:.2} s{ebpf}",
                 rep + 1,
@@ -302,23 +307,6 @@ fn order(rep: usize, podlink_only: bool) -> Vec<Path2> {
     } else {
         Path2::order(rep).to_vec()
     }
-}
-
-/// "; from_pod N ns (N runs), to_pod N ns (N runs)", both nodes' instances
-/// summed.
-fn per_program(delta: &[ProgCounters]) -> String {
-    let each: Vec<String> = PROGRAMS
-        .iter()
-        .map(|name| {
-            let (t, n) = delta
-                .iter()
-                .filter(|c| c.name == *name)
-                .fold((0, 0), |(t, n), c| (t + c.run_time_ns, n + c.run_cnt));
-            let ns = if n > 0 { t as f64 / n as f64 } else { 0.0 };
-            format!("{name} {} ns ({n} runs)", num(ns))
-        })
-        .collect();
-    format!("; {}", each.join(", "))
 }
 
 /// Each path's median [min-max], then podlink / direct of the medians, or with
@@ -348,7 +336,7 @@ fn summarize(name: &str, values: &[Vec<f64>; 2], added: bool) {
 }
 
 fn scaling_probe(bed: &mut Bed, o: &Options) -> Result<()> {
-    let n = o.count.unwrap_or(100);
+    let n = o.count.unwrap_or(SCALING_PAIRS[SCALING_PAIRS.len() - 1]);
     let (pairs, setup) = scaling_pairs(bed, n)?;
     eprintln!("bench: {n} pairs per path made in {setup:.1} s");
     let mut gbps: [Vec<f64>; 2] = Default::default();
@@ -402,87 +390,58 @@ mod tests {
 
     #[test]
     fn flags_that_do_not_apply_are_refused() {
-        let refused = |o: Options, what: &str| {
+        type Set = fn(&mut Options);
+        let refusals: [(Row, Set, &str); 11] = [
+            (
+                Row::SingleStream,
+                |o| o.count = Some(3),
+                "--count is for the scaling and enrollment probes",
+            ),
+            (
+                Row::Scaling,
+                |o| o.count = Some(MAX_SCALING_PAIRS + 1),
+                "at most 120 pairs",
+            ),
+            (
+                Row::Scaling,
+                |o| o.count = Some(0),
+                "--count must be at least 1",
+            ),
+            (
+                Row::Enrollment,
+                |o| o.count = Some(0),
+                "--count must be at least 1",
+            ),
+            (
+                Row::Enrollment,
+                |o| o.count = Some(MAX_ENROLLMENT_PODS + 1),
+                "at most 2000 pods",
+            ),
+            (Row::Enrollment, |o| o.repeat = 2, "give --repeat 1"),
+            (Row::Enrollment, |o| o.podlink_only = true, "no direct path"),
+            (
+                Row::OneClient,
+                |o| o.seconds = Some(0),
+                "--seconds must be at least 1",
+            ),
+            (Row::RoundTrips, |o| o.seconds = Some(5), "no run length"),
+            (
+                Row::Scaling,
+                |o| o.ebpf = true,
+                "--ebpf is for the probes of one pod pair",
+            ),
+            (
+                Row::FourStreams,
+                |o| o.repeat = 0,
+                "--repeat must be at least 1",
+            ),
+        ];
+        for (row, set, what) in refusals {
+            let mut o = options(row);
+            set(&mut o);
             let e = o.validate().unwrap_err().to_string();
-            assert!(e.contains(what), "{e}");
-        };
-        refused(
-            Options {
-                count: Some(3),
-                ..options(Row::SingleStream)
-            },
-            "--count is for the scaling and enrollment probes",
-        );
-        refused(
-            Options {
-                count: Some(MAX_SCALING_PAIRS + 1),
-                ..options(Row::Scaling)
-            },
-            "at most 120 pairs",
-        );
-        refused(
-            Options {
-                count: Some(0),
-                ..options(Row::Enrollment)
-            },
-            "--count must be at least 1",
-        );
-        refused(
-            Options {
-                repeat: 2,
-                ..options(Row::Enrollment)
-            },
-            "give --repeat 1",
-        );
-        refused(
-            Options {
-                podlink_only: true,
-                ..options(Row::Enrollment)
-            },
-            "no direct path",
-        );
-        refused(
-            Options {
-                seconds: Some(0),
-                ..options(Row::OneClient)
-            },
-            "--seconds must be at least 1",
-        );
-        refused(
-            Options {
-                seconds: Some(5),
-                ..options(Row::RoundTrips)
-            },
-            "no run length",
-        );
-        refused(
-            Options {
-                ebpf: true,
-                ..options(Row::Scaling)
-            },
-            "--ebpf is for the probes of one pod pair",
-        );
-        refused(
-            Options {
-                repeat: 0,
-                ..options(Row::FourStreams)
-            },
-            "--repeat must be at least 1",
-        );
-        refused(
-            Options {
-                count: Some(0),
-                ..options(Row::Scaling)
-            },
-            "--count must be at least 1",
-        );
-        refused(
-            Options {
-                count: Some(MAX_ENROLLMENT_PODS + 1),
-                ..options(Row::Enrollment)
-            },
-            "at most 2000 pods",
-        );
+            assert!(e.contains(what), "{o:?}: {e}");
+        }
         for row in [Row::SingleStream, Row::Scaling, Row::Enrollment] {
             options(row).validate().unwrap();
         }
