@@ -46,20 +46,16 @@ use crate::{
         istio_ca::{IstioCaClient, IstioCaConfig},
     },
     proxy::{self, Listeners, ProxyConfig, ProxyState, View},
+    source::{Source, manifests},
+    state::{MAX_POD_UPDATES, WorkloadIndex, service::ServiceIndex},
     telemetry::{
         logging::{HeldMessages, LogControl, Severity},
         scrape::DataplaneMaps,
         server::{self, Readiness},
     },
-    workload::{
-        MAX_POD_UPDATES, WorkloadIndex,
-        manifests::{self},
-        services::ServiceIndex,
-        source::Source,
-    },
 };
 
-pub use crate::workload::source::WorkloadSourceConfig;
+pub use crate::source::WorkloadSourceConfig;
 
 /// Settings of `podlink agent`.
 #[derive(Clone, Debug)]

@@ -51,7 +51,7 @@ use std::{
 use ipnet::IpNet;
 use serde::Serialize;
 
-use crate::{identity::SpiffeId, workload::names};
+use crate::{identity::SpiffeId, k8s::names};
 use spec::{AuthorizationPolicy, ConditionSpec, OperationSpec, RuleSpec, SourceSpec};
 
 /// Istio's default root namespace: policies there apply mesh-wide.

@@ -8,7 +8,7 @@
 
 use std::collections::BTreeMap;
 
-use crate::workload::k8s::ObjectMeta;
+use crate::k8s::ObjectMeta;
 use serde::Deserialize;
 
 /// An `AuthorizationPolicy` object: metadata and spec.

@@ -997,7 +997,7 @@ fn service_accounts_and_ipv6_blocks() {
     assert_eq!(decide(&set(&[&v6]), &front, 80).as_deref(), DENIED);
 }
 
-/// The syntax itself is tested in `workload::names`; this checks what the refusal
+/// The syntax itself is tested in `k8s::names`; this checks what the refusal
 /// names.
 #[test]
 fn label_problems_name_the_key_or_value() {

@@ -33,10 +33,8 @@ use super::{
 };
 use crate::{
     dataplane::CapturedPod,
-    workload::{
-        WorkloadIndex,
-        k8s::{Namespace, Pod, PodIP, PodStatus},
-    },
+    k8s::{Namespace, Pod, PodIP, PodStatus},
+    state::WorkloadIndex,
 };
 
 /// A request of the plugin, with the way to answer it.
@@ -407,7 +405,7 @@ impl Enroller {
                     // Not enrolled as far as the agent knows: with a view still
                     // incomplete (the namespace's labels unknown), wait rather
                     // than let a pod that should be captured start uncaptured.
-                    crate::workload::Enrollment::NotEnrolled(_)
+                    crate::state::Enrollment::NotEnrolled(_)
                         if !view.complete || !(view.knows_namespace)(&p.request.namespace) =>
                     {
                         expired.then(|| Reply::Error {
@@ -418,10 +416,10 @@ impl Enroller {
                             retry: true,
                         })
                     }
-                    crate::workload::Enrollment::NotEnrolled(reason) => Some(Reply::NotEnrolled {
+                    crate::state::Enrollment::NotEnrolled(reason) => Some(Reply::NotEnrolled {
                         reason: reason.to_string(),
                     }),
-                    crate::workload::Enrollment::Enrolled if !index.is_local(w) => {
+                    crate::state::Enrollment::Enrolled if !index.is_local(w) => {
                         Some(Reply::Error {
                             message: format!(
                                 "to be enrolled but its spec.nodeName is {:?}, not this agent's node {}",
@@ -434,7 +432,7 @@ impl Enroller {
                     // Another live pod claims one of its addresses (the plugin may
                     // have reported an address that is not this sandbox's): no
                     // pod is served on it, and this one is not enrolled.
-                    crate::workload::Enrollment::Enrolled
+                    crate::state::Enrollment::Enrolled
                         if w.ips.iter().any(|ip| index.conflict(*ip).is_some()) =>
                     {
                         expired.then(|| {
@@ -460,7 +458,7 @@ impl Enroller {
                             }
                         })
                     }
-                    crate::workload::Enrollment::Enrolled => {
+                    crate::state::Enrollment::Enrolled => {
                         let planned = attached.wanted.iter().find(|c| *c.workload == *key);
                         // Attached where the plugin says the pod is: its host
                         // interface and one of its addresses.

@@ -18,9 +18,9 @@ use std::{
 use anyhow::{Context, Result};
 use serde::{Deserialize, Serialize};
 
-use crate::workload::{
-    DATAPLANE_MODE_AMBIENT, DATAPLANE_MODE_LABEL, DATAPLANE_MODE_NONE,
+use crate::{
     k8s::{Namespace, Pod},
+    state::{DATAPLANE_MODE_AMBIENT, DATAPLANE_MODE_LABEL, DATAPLANE_MODE_NONE},
 };
 
 /// The snapshot's file name, in the socket's directory.

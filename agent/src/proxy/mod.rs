@@ -35,9 +35,9 @@ use tokio::{
 use crate::{
     authz::{Denial, PolicySet, Request},
     identity::CertManager,
+    state::service::{ServiceIndex, ServicePort},
+    state::{Workload, WorkloadIndex},
     telemetry::metrics::{Direction, FailureKind, Metrics},
-    workload::services::{ServiceIndex, ServicePort},
-    workload::{Workload, WorkloadIndex},
 };
 
 /// The proxy's settings.

@@ -11,11 +11,11 @@ use super::{
 };
 use crate::{
     authz::Request,
+    state::Workload,
     telemetry::{
         connection::{ConnectionRecord, Endpoints, Failure, Outcome},
         metrics::{Direction, FailureKind, Reporter, SecurityPolicy},
     },
-    workload::Workload,
 };
 
 /// Where a captured outbound connection goes.

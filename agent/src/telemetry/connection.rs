@@ -41,7 +41,7 @@ use super::metrics::{Direction, FailureKind, Metrics, Peer, Reporter, SecurityPo
 use crate::{
     identity::SpiffeId,
     proxy::copy::{Chunk, Sink, Source},
-    workload::Workload,
+    state::Workload,
 };
 
 /// Why a connection failed: the kind (a metric label) and what happened (logged).

@@ -49,7 +49,7 @@ use prometheus_client::{
     registry::Registry,
 };
 
-use crate::{identity::SpiffeId, workload::Workload};
+use crate::{identity::SpiffeId, state::Workload};
 
 /// The default address of the metrics endpoint (all addresses of the node's
 /// network namespace, port 15020 as ztunnel).
@@ -478,7 +478,7 @@ mod tests {
     use std::collections::BTreeMap;
 
     use super::*;
-    use crate::workload::Enrollment;
+    use crate::state::Enrollment;
 
     fn workload(name: &str, labels: &[(&str, &str)]) -> Workload {
         Workload {

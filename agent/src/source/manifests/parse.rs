@@ -9,8 +9,8 @@ use std::{
     sync::Arc,
 };
 
-use crate::workload::{
-    k8s::{EndpointSlice, Namespace, Pod, Service},
+use crate::k8s::{
+    EndpointSlice, Namespace, Pod, Service,
     names::{NameRule, is_dns1123_label, is_dns1123_subdomain},
 };
 use serde_yaml_ng::Value;
@@ -333,7 +333,7 @@ fn check_namespace(ns: &Namespace) -> Result<(), String> {
 /// as a DNS-1123 label.
 fn object_name(
     kind: &str,
-    meta: &crate::workload::k8s::ObjectMeta,
+    meta: &crate::k8s::ObjectMeta,
     rule: NameRule,
 ) -> Result<String, String> {
     let name = meta.name.as_deref().unwrap_or("");
@@ -382,7 +382,7 @@ fn check_service(service: &Service) -> Result<(), String> {
     }
     for (i, port) in spec.ports.iter().flatten().enumerate() {
         check_port(&who, &format!("spec.ports[{i}].port"), port.port)?;
-        if let Some(crate::workload::k8s::IntOrString::Int(n)) = &port.target_port {
+        if let Some(crate::k8s::IntOrString::Int(n)) = &port.target_port {
             check_port(&who, &format!("spec.ports[{i}].targetPort"), *n)?;
         }
     }
@@ -526,7 +526,7 @@ mod tests {
             .expect("a yaml block")
             .0;
         let objects = parse(Path::new("example.yaml"), example).unwrap();
-        let (index, warnings) = crate::workload::WorkloadIndex::build(
+        let (index, warnings) = crate::state::WorkloadIndex::build(
             "node1",
             "cluster.local",
             &objects.pods,

@@ -276,7 +276,7 @@ impl Watch {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::workload::manifests::ManifestDir;
+    use crate::source::manifests::ManifestDir;
 
     const POD: &str = "apiVersion: v1\nkind: Pod\nmetadata:\n  name: web\n  namespace: default\nspec:\n  nodeName: node-1\nstatus:\n  podIP: 10.0.0.5\n";
 

@@ -33,9 +33,9 @@ use std::{
     time::{Duration, Instant},
 };
 
-use crate::workload::{
-    DATAPLANE_MODE_LABEL,
+use crate::{
     k8s::{EndpointSlice, Namespace, Pod, Service},
+    state::DATAPLANE_MODE_LABEL,
 };
 
 use crate::authz::Policy;
@@ -635,7 +635,7 @@ impl ManifestDir {
                 let Some(name) = pod.metadata.name.as_deref() else {
                     continue;
                 };
-                if super::is_finished(pod) {
+                if crate::state::is_finished(pod) {
                     continue;
                 }
                 let namespace = pod.metadata.namespace_or_default();

@@ -24,7 +24,7 @@ use std::{
     sync::Arc,
 };
 
-use crate::workload::k8s::{EndpointSlice, IntOrString, Service};
+use crate::k8s::{EndpointSlice, IntOrString, Service};
 use serde::Serialize;
 
 /// The label tying an EndpointSlice to its Service.

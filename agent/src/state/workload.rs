@@ -1,8 +1,7 @@
 //! Workloads (pods) and the enrollment decision.
 //!
-//! Both workload sources ([`source::Source`]: a manifests directory, or the
-//! Kubernetes API's watchers) produce podlink's partial Pods and Namespaces
-//! ([`k8s`]); [`WorkloadIndex::build`] turns them into the proxy's and the
+//! The sources ([`crate::source`]) produce podlink's partial Pods and Namespaces
+//! ([`crate::k8s`]); [`WorkloadIndex::build`] turns them into the proxy's and the
 //! dataplane's view.
 //!
 //! Enrollment follows Istio ambient ("Ambient mode" → "Add workloads to the mesh"):
@@ -10,20 +9,13 @@
 //! enrolls it; `istio.io/dataplane-mode=none` on the pod opts it out; pods with
 //! `hostNetwork: true` are never enrolled.
 
-pub mod k8s;
-pub mod kube;
-pub mod manifests;
-pub mod names;
-pub mod services;
-pub mod source;
-
 use std::{
     collections::{BTreeMap, BTreeSet, HashMap, hash_map::Entry},
     net::IpAddr,
     sync::Arc,
 };
 
-use k8s::{Namespace, Pod};
+use crate::k8s::{Namespace, Pod};
 use serde::Serialize;
 
 use crate::identity::SpiffeId;
@@ -170,7 +162,7 @@ impl Workload {
 }
 
 /// Pods that are not workloads: finished ones no longer own their address.
-fn is_finished(pod: &Pod) -> bool {
+pub(crate) fn is_finished(pod: &Pod) -> bool {
     matches!(
         pod.status.as_ref().and_then(|s| s.phase.as_deref()),
         Some("Succeeded" | "Failed")
@@ -801,7 +793,7 @@ mod tests {
             let mut pod = pods[0].clone();
             pod.status.as_mut().unwrap().pod_ips = Some(
                 ips.iter()
-                    .map(|ip| k8s::PodIP { ip: ip.to_string() })
+                    .map(|ip| crate::k8s::PodIP { ip: ip.to_string() })
                     .collect(),
             );
             [pod, pods[1].clone()]
@@ -882,7 +874,7 @@ mod tests {
         let with_ips = |mut pod: Pod, ips: &[&str]| {
             pod.status.as_mut().unwrap().pod_ips = Some(
                 ips.iter()
-                    .map(|ip| k8s::PodIP { ip: ip.to_string() })
+                    .map(|ip| crate::k8s::PodIP { ip: ip.to_string() })
                     .collect(),
             );
             pod

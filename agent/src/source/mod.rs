@@ -1,16 +1,19 @@
 //! The agent's workload source behind one interface: a manifests directory or
 //! the Kubernetes API. Both feed the same enrollment code
-//! ([`super::WorkloadIndex::build`] and the agent's reconciler).
+//! ([`crate::state::WorkloadIndex::build`] and the agent's reconciler).
 
 use std::{collections::HashSet, path::PathBuf, sync::Arc, time::Duration};
 
 use anyhow::{Context, Result};
 
-use super::{
-    k8s::{EndpointSlice, Namespace, Pod, Service},
+pub mod kube;
+pub mod manifests;
+
+use self::{
     kube::KubeSource,
-    manifests::{self, ManifestDir, ManifestError, Rescan},
+    manifests::{ManifestDir, ManifestError, Rescan},
 };
+use crate::k8s::{EndpointSlice, Namespace, Pod, Service};
 use crate::{authz::Policy, dataplane::Removal};
 
 /// Where the agent learns about workloads.

@@ -12,7 +12,7 @@
 //!
 //! Objects are kept in partial form: the metadata podlink reads (managed fields
 //! and every annotation but [`REDIRECTION_ANNOTATION`] are dropped on arrival)
-//! and podlink's own `spec`/`status` types ([`super::k8s`]), not the full ones.
+//! and podlink's own `spec`/`status` types ([`crate::k8s`]), not the full ones.
 
 use std::{
     borrow::Cow,
@@ -44,10 +44,10 @@ use kube::{
 use serde::Deserialize;
 use tokio::sync::Notify;
 
-use super::{
-    DATAPLANE_MODE_LABEL, MAX_POD_UPDATES,
+use super::manifests::{Changes, Rescan};
+use crate::{
     k8s::{self, Namespace, Pod},
-    manifests::{Changes, Rescan},
+    state::{DATAPLANE_MODE_LABEL, MAX_POD_UPDATES},
 };
 
 /// The annotation ztunnel's node agent sets on a pod whose traffic it captures

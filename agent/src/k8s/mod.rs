@@ -1,4 +1,5 @@
-//! The parts of Kubernetes objects podlink reads, and nothing more.
+//! The parts of Kubernetes objects podlink reads, and nothing more; the name
+//! rules objects follow are in [`names`].
 //!
 //! Field names and shapes follow the Kubernetes API reference (`core/v1` Pod,
 //! Namespace and Service; `discovery.k8s.io/v1` EndpointSlice) and the Rust names
@@ -6,6 +7,8 @@
 //! kept: a node agent holds every pod of the cluster, and the code generated for
 //! the full types is most of a binary's size (issue 6 measures the agent's
 //! resident memory). A field that is read must have the type the API gives it.
+
+pub mod names;
 
 use std::collections::BTreeMap;
 
