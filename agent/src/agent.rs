@@ -15,13 +15,7 @@
 //! waiting to settle, none broken without a good version; the Kubernetes API's
 //! first lists done).
 
-use std::{
-    collections::{HashMap, HashSet},
-    net::IpAddr,
-    path::PathBuf,
-    sync::Arc,
-    time::Duration,
-};
+use std::{path::PathBuf, sync::Arc, time::Duration};
 
 use anyhow::{Context, Result};
 use podlink_common::{
@@ -32,24 +26,18 @@ use tokio::signal::unix::{SignalKind, signal};
 
 use crate::{
     admin,
-    authz::PolicySet,
-    cni::{
-        self,
-        server::{Attached, Enroller, SourceView},
-    },
-    dataplane::{
-        CapturedPod, Dataplane, DataplaneConfig, Removal, net,
-        netlink::{Netlink, NodeNetwork},
-    },
+    cni::{self, enroller::Enroller},
+    dataplane::{Dataplane, DataplaneConfig, net, netlink::Netlink},
     identity::{
-        CertManager, CertSource, SpiffeId,
+        CertManager, CertSource,
         istio_ca::{IstioCaClient, IstioCaConfig},
     },
-    proxy::{self, Listeners, ProxyConfig, ProxyState, View},
-    source::{Source, manifests},
-    state::{MAX_POD_UPDATES, WorkloadIndex, service::ServiceIndex},
+    proxy::{self, Listeners, ProxyConfig, ProxyState},
+    reconcile::{self, Reconciler},
+    source,
+    state::State,
     telemetry::{
-        logging::{HeldMessages, LogControl, Severity},
+        logging::LogControl,
         scrape::DataplaneMaps,
         server::{self, Readiness},
     },
@@ -134,14 +122,6 @@ fn raise_nofile_limit() -> u64 {
     }
 }
 
-/// Retry delays for pods that wait for their host veth (or failed to attach):
-/// quick at first, then slower, so a pod that never gets one costs little.
-const PENDING_RETRY_MIN: Duration = Duration::from_millis(200);
-const PENDING_RETRY_MAX: Duration = Duration::from_secs(5);
-/// How long an enrolled pod of this node may have no host route (its sandbox
-/// starting) before the agent warns that none leads to it.
-const NO_ROUTE_WARNING: Duration = Duration::from_secs(30);
-
 /// Runs the agent until SIGTERM or SIGINT, then drains: the programs stop handing
 /// new connections of enrolled pods to the proxy (they drop them: fail closed),
 /// the listeners accept what is queued and close, the agent stops being ready, and open connections go on until they end or
@@ -153,13 +133,13 @@ const NO_ROUTE_WARNING: Duration = Duration::from_secs(30);
 /// Start-up failures (CA, listeners, programs, manifests directory); once running,
 /// problems with single pods or files are logged and the agent keeps going.
 pub async fn run(cfg: AgentConfig) -> Result<()> {
-    let source = match (&cfg.istio_ca, &cfg.ca_dir) {
+    let cert_source = match (&cfg.istio_ca, &cfg.ca_dir) {
         (Some(istio), _) => CertSource::Istio(IstioCaClient::new(istio.clone())?),
         (None, Some(dir)) => CertSource::Local { dir: dir.clone() },
         (None, None) => anyhow::bail!("no CA: give a CA directory or an Istio CA address"),
     };
-    let described = source.describe();
-    let certs = CertManager::new(source, &cfg.trust_domain, cfg.cert_lifetime)
+    let described = cert_source.describe();
+    let certs = CertManager::new(cert_source, &cfg.trust_domain, cfg.cert_lifetime)
         .with_context(|| format!("loading the trust of the {described}"))?;
     tracing::info!(
         ca = %described,
@@ -258,44 +238,29 @@ pub async fn run(cfg: AgentConfig) -> Result<()> {
     // Bound before the source is opened: the plugin's requests wait for the
     // run loop rather than finding no agent.
     let (cni_socket, mut cni_requests) =
-        cni::server::listen(&cfg.cni.socket).context("serving the podlink-cni plugin's socket")?;
-    let mut source = Source::open(&cfg.source, &cfg.node).await?;
-    let mut reconciler = Reconciler {
-        node: cfg.node.clone(),
-        trust_domain: cfg.trust_domain.clone(),
-        root_namespace: cfg.root_namespace.clone(),
-        policies: Arc::new(PolicySet::default()),
-        services: Arc::new(ServiceIndex::default()),
-        index_messages: HeldMessages::default(),
-        service_messages: HeldMessages::default(),
-        policy_messages: HeldMessages::default(),
-        policies_unknown: false,
+        cni::socket::listen(&cfg.cni.socket).context("serving the podlink-cni plugin's socket")?;
+    let mut source = source::open(&cfg.source, &cfg.node).await?;
+    let first = source
+        .deltas
+        .recv()
+        .await
+        .context("the workload source stopped before its first view")?;
+    let reconciler = Reconciler::new(
+        State::new(&cfg.node, &cfg.trust_domain, &cfg.root_namespace),
         dataplane,
-        workload_ids: HashMap::new(),
-        next_id: 1,
-        pending_retry: None,
-        index: Arc::new(WorkloadIndex::default()),
-        snapshot_due: false,
-        wanted: Vec::new(),
-        waiting: false,
-        warned: HashSet::new(),
-        pruned_at: None,
-        no_route_since: HashMap::new(),
-        netlink,
-        network,
-        cni: Enroller::new(&cfg.node, &cfg.cni.socket),
-        attached: HashSet::new(),
-        attach_errors: HashMap::new(),
-    };
-    reconciler.publish(&mut source);
-    reconciler.plan(&state);
+        Enroller::new(&cfg.node, &cfg.cni.socket),
+        source.reporter.take(),
+        source.lists_every_namespace,
+    );
+    let mut reconcile = reconcile::run::Loop::new(reconciler, netlink, network, state.clone());
+    reconcile.start(first);
     let proxy = tokio::spawn(proxy::serve(state.clone(), listeners));
     let admin = tokio::spawn(admin::serve(
         admin_listener,
         state.clone(),
         cfg.log_control.clone(),
     ));
-    tokio::task::block_in_place(|| reconciler.apply(&mut source));
+    reconcile.attach_planned();
     let cni_install = match &cfg.cni.install {
         Some(install) => Some(
             cni::install::start(install.clone(), cfg.cni.socket.clone())
@@ -315,72 +280,18 @@ pub async fn run(cfg: AgentConfig) -> Result<()> {
 
     let mut sigterm = signal(SignalKind::terminate())?;
     let mut sigint = signal(SignalKind::interrupt())?;
-    let mut unsettled = false;
-    loop {
-        // Nothing waits: a wake by the timer is the periodic resync.
-        let idle = !unsettled && reconciler.pending_retry.is_none();
-        let wait = if unsettled {
-            manifests::SETTLE
-        } else {
-            reconciler.pending_retry.unwrap_or(manifests::RESYNC)
-        };
-        // CNI requests time out.
-        let wait = reconciler.cni.next_deadline().map_or(wait, |d| {
-            wait.min(d.saturating_duration_since(std::time::Instant::now()))
-        });
-        let mut resync = false;
-        tokio::select! {
-            () = source.changed() => {}
-            Some(incoming) = cni_requests.recv() => {
-                reconciler.cni.receive(incoming);
-                while let Ok(more) = cni_requests.try_recv() {
-                    reconciler.cni.receive(more);
-                }
+    reconcile
+        .run(&mut source.deltas, &mut cni_requests, async {
+            tokio::select! {
+                _ = sigterm.recv() => {}
+                _ = sigint.recv() => {}
             }
-            () = tokio::time::sleep(wait) => resync = true,
-            _ = sigterm.recv() => break,
-            _ = sigint.recv() => break,
-        }
-        // An idle agent's periodic resync looks at everything again (every
-        // manifest, a full dump of the network), in case a change was missed;
-        // reads on a change look only at what changed.
-        let idle_resync = resync && idle && wait == manifests::RESYNC;
-        if idle_resync {
-            source.resync();
-        }
-        let started = std::time::Instant::now();
-        let rescan = reconciler.publish(&mut source);
-        let published = started.elapsed();
-        unsettled = rescan.unsettled;
-        // Reconcile on a change, on retries, and on resyncs (routes and the node's
-        // addresses may have changed).
-        if rescan.changed
-            || !rescan.errors.is_empty()
-            || reconciler.pending_retry.is_some()
-            || resync
-            || reconciler.cni.has_pending()
-        {
-            reconciler.read_network(idle_resync).await;
-            let network_read = started.elapsed();
-            tokio::task::block_in_place(|| {
-                reconciler.plan(&state);
-                let planned = started.elapsed();
-                reconciler.apply(&mut source);
-                // Each step's time (µs): the source and the index, the node's
-                // network, the plan, the attachments.
-                tracing::debug!(
-                    read_us = published.as_micros() as u64,
-                    network_us = (network_read - published).as_micros() as u64,
-                    plan_us = (planned - network_read).as_micros() as u64,
-                    apply_us = (started.elapsed() - planned).as_micros() as u64,
-                    "reconciled"
-                );
-            });
-            reconciler.answer_cni(&source);
-        }
-    }
+        })
+        .await;
+    let reconciler = &mut reconcile.reconciler;
     // The plugin now finds no agent and decides by the enrollment snapshot.
     reconciler.cni.stop();
+    drop(source);
     drop(cni_socket);
     drop(cni_requests);
     if let Some(task) = cni_install {
@@ -389,7 +300,7 @@ pub async fn run(cfg: AgentConfig) -> Result<()> {
     readiness.set(false);
     // First stop the programs from handing the listeners new connections, so
     // that the listeners can finish the handshakes under way before they close.
-    if let Err(e) = reconciler.dataplane.set_draining() {
+    if let Err(e) = reconciler.capture.set_draining() {
         tracing::warn!(
             "could not mark the proxy draining in the config map ({e:#}); connections queued on the listeners may be reset"
         );
@@ -474,383 +385,4 @@ async fn drain(
         open_connections = state.open_connections(),
         "signalled again; closing the open connections"
     );
-}
-
-struct Reconciler {
-    node: String,
-    trust_domain: String,
-    root_namespace: String,
-    /// The authorization policies as last read.
-    policies: Arc<PolicySet>,
-    /// The Services as last read.
-    services: Arc<ServiceIndex>,
-    /// The workload index's warnings (address conflicts, pods defined twice),
-    /// the Service index's and the policies' (with their notes), each logged
-    /// once while it holds.
-    index_messages: HeldMessages,
-    service_messages: HeldMessages,
-    policy_messages: HeldMessages,
-    /// Whether the last policy set was built while a broken file may hold
-    /// policies, so that their return is logged once.
-    policies_unknown: bool,
-    dataplane: Dataplane,
-    /// Stable numbers of workloads (`namespace/name`) for the pods map.
-    workload_ids: HashMap<String, u32>,
-    next_id: u32,
-    /// Some enrolled pod is not attached yet (no host veth, or an error): retry
-    /// after this long.
-    pending_retry: Option<Duration>,
-    /// The workloads of the source as last read.
-    index: Arc<WorkloadIndex>,
-    /// The enrollment snapshot may be out of date (not written while the
-    /// source was incomplete, or its write failed): write it at the next change.
-    snapshot_due: bool,
-    /// The pods to capture, as last planned.
-    wanted: Vec<CapturedPod>,
-    /// Some pod waits for its host route (or the lookup failed).
-    waiting: bool,
-    /// Workloads already warned about (warnings are given once).
-    warned: HashSet<String>,
-    /// The index's [`WorkloadIndex::removals`] when `workload_ids`, `warned`
-    /// and `no_route_since` last dropped the workloads it no longer has.
-    pruned_at: Option<u64>,
-    /// When each enrolled local pod without a host route was first seen so
-    /// ([`NO_ROUTE_WARNING`]).
-    no_route_since: HashMap<String, std::time::Instant>,
-    netlink: Netlink,
-    /// The node's routes, veths and addresses as last read.
-    network: NodeNetwork,
-    /// The pods podlink-cni told about: their reported addresses, the requests
-    /// waiting for an answer, the enrollment snapshot.
-    cni: Enroller,
-    /// The planned pods attached by the last apply (`namespace/name`).
-    attached: HashSet<Arc<str>>,
-    /// The planned pods whose attach failed in the last apply, with the error.
-    attach_errors: HashMap<String, String>,
-}
-
-impl Reconciler {
-    /// Rescans the workload source and, if it changed, updates the workload
-    /// index: pod by pod when the source says which pods changed, no Namespace
-    /// did and at most [`MAX_POD_UPDATES`] pods did; else (the first read, a
-    /// Kubernetes watch that listed again) by a rebuild. A change that touches
-    /// no pod keeps the index as it is.
-    fn publish(&mut self, source: &mut Source) -> manifests::Rescan {
-        let mut rescan = source.rescan();
-        for error in &rescan.errors {
-            tracing::warn!("manifest refused: {error}");
-        }
-        let first = self.index.node().is_empty();
-        // Addresses podlink-cni reported stand in for those of pods whose
-        // object has none yet.
-        let reported = self.cni.take_changed();
-        rescan.changed |= !reported.is_empty();
-        if rescan.changed || first {
-            let changes = rescan.changes.as_ref().filter(|c| {
-                !first && !c.namespaces && c.pods.len() + reported.len() <= MAX_POD_UPDATES
-            });
-            let warnings = match changes {
-                Some(changes) if changes.pods.is_empty() && reported.is_empty() => {
-                    self.index.warnings()
-                }
-                Some(changes) => {
-                    let mut index = WorkloadIndex::clone(&self.index);
-                    for key in changes.pods.union(&reported) {
-                        self.update_workload(&mut index, source, key);
-                    }
-                    let warnings = index.warnings();
-                    self.index = Arc::new(index);
-                    warnings
-                }
-                None => {
-                    let pods = self.cni.pods(source.pods());
-                    let (index, warnings) = self.index.rebuild(
-                        &self.node,
-                        &self.trust_domain,
-                        pods.iter().map(|p| &**p),
-                        source.namespaces(),
-                    );
-                    self.index = Arc::new(index);
-                    warnings
-                }
-            };
-            // The snapshot holds the namespaces' and pods' mode labels only.
-            if changes.is_none_or(|c| c.mode_labels) || self.snapshot_due {
-                let complete = source.removal() == Removal::All;
-                self.snapshot_due =
-                    !self
-                        .cni
-                        .update_snapshot(complete, source.pods(), source.namespaces());
-            }
-            // Which files define a pod twice is looked for only when one does.
-            let duplicates = if self.index.has_duplicates() {
-                source.duplicate_pods()
-            } else {
-                Vec::new()
-            };
-            self.index_messages.log(
-                warnings
-                    .into_iter()
-                    .chain(duplicates)
-                    .map(|w| (Severity::Warn, w))
-                    .collect(),
-            );
-            if changes.is_none_or(|c| c.services) {
-                let (services, warnings) =
-                    ServiceIndex::build(source.services(), source.endpoint_slices());
-                self.service_messages
-                    .log(warnings.into_iter().map(|w| (Severity::Warn, w)).collect());
-                self.services = Arc::new(services);
-            }
-        }
-        // A file that breaks may make the policies unknown without changing any
-        // object.
-        if rescan.changed || !rescan.errors.is_empty() || first {
-            self.policies = Arc::new(self.policy_set(source));
-        }
-        rescan
-    }
-
-    /// Updates pod `key`'s (`namespace/name`) workload in `index` from its
-    /// definitions in the source, with the addresses podlink-cni reported.
-    fn update_workload(&self, index: &mut WorkloadIndex, source: &Source, key: &str) {
-        let Some((namespace, name)) = key.split_once('/') else {
-            return;
-        };
-        let definitions: Vec<_> = source
-            .pods()
-            .filter(|p| {
-                p.metadata.name.as_deref() == Some(name)
-                    && p.metadata.namespace_or_default() == namespace
-            })
-            .map(|p| self.cni.overlaid(p))
-            .collect();
-        // The last of that name, as a rebuild's lookup keeps.
-        let namespace_object = source
-            .namespaces()
-            .filter(|ns| ns.metadata.name.as_deref() == Some(namespace))
-            .last();
-        index.update(
-            &self.trust_domain,
-            key,
-            definitions.iter().map(|p| &**p),
-            namespace_object,
-        );
-    }
-
-    /// The policies of the source; all requests are denied while a broken file
-    /// may hold some. Warnings and notes on how a policy is enforced at layer 4
-    /// are logged once while they hold.
-    fn policy_set(&mut self, source: &Source) -> PolicySet {
-        let (mut set, warnings) =
-            PolicySet::build(&self.root_namespace, source.policies().cloned());
-        let mut messages: Vec<(Severity, String)> =
-            warnings.into_iter().map(|w| (Severity::Warn, w)).collect();
-        for policy in set.policies() {
-            for n in &policy.notes {
-                messages.push((Severity::Warn, format!("AuthorizationPolicy {policy}: {n}")));
-            }
-        }
-        let unknown = source.policies_unknown();
-        if let Some(error) = unknown {
-            messages.push((
-                Severity::Error,
-                format!(
-                    "authorization policies cannot be known while {} is broken ({}): every inbound connection to this node's pods is denied until it is fixed",
-                    error.file.display(),
-                    error.message
-                ),
-            ));
-            set.deny_all_unknown(format!("{} is broken", error.file.display()));
-        } else if self.policies_unknown {
-            tracing::info!(
-                "authorization policies are known again: inbound connections are authorized by them"
-            );
-        }
-        self.policy_messages.log(messages);
-        self.policies_unknown = unknown.is_some();
-        set
-    }
-
-    /// Decides which pods to capture (their host veths) and hands the proxy the
-    /// workloads and those pods' addresses, before anything is attached: a pod's
-    /// first connection finds the proxy knowing it.
-    fn plan(&mut self, state: &ProxyState) {
-        self.wanted = self.wanted();
-        let captured: HashSet<IpAddr> = self.wanted.iter().map(|p| IpAddr::V4(p.ipv4)).collect();
-        let view = state.view();
-        if !Arc::ptr_eq(&view.workloads, &self.index)
-            || !Arc::ptr_eq(&view.policies, &self.policies)
-            || !Arc::ptr_eq(&view.services, &self.services)
-            || *view.captured != captured
-        {
-            state.update(View {
-                workloads: self.index.clone(),
-                captured: Arc::new(captured),
-                policies: self.policies.clone(),
-                services: self.services.clone(),
-            });
-            // Certificates are only needed for this node's enrolled workloads
-            // (often many pods to one identity: each is copied once).
-            let local: HashSet<&SpiffeId> = self
-                .index
-                .workloads()
-                .filter(|w| w.enrollment.is_enrolled() && self.index.is_local(w))
-                .map(|w| &w.identity)
-                .collect();
-            state.certs.retain(|id| local.contains(id));
-            state.certs.prefetch(local.into_iter().cloned());
-        }
-    }
-
-    /// Attaches the planned pods and detaches the others as far as the source's
-    /// completeness allows; tells the source which pods are captured; schedules
-    /// a retry while some pod waits.
-    fn apply(&mut self, source: &mut Source) {
-        let removal = source.removal();
-        let mut retry = std::mem::take(&mut self.waiting);
-        if let Err(e) = self.dataplane.set_node_addrs(&self.network.addrs) {
-            tracing::warn!("writing node addresses: {e:#}");
-        }
-        if removal != Removal::All {
-            tracing::debug!(
-                ?removal,
-                "workload source incomplete for now: detaching less"
-            );
-        }
-        let mut captured: HashSet<Arc<str>> =
-            self.wanted.iter().map(|p| p.workload.clone()).collect();
-        self.attach_errors.clear();
-        for (pod, error) in self.dataplane.reconcile(&self.wanted, removal) {
-            tracing::warn!(workload = %pod.workload, ifname = %pod.ifname, "capture failed: {error:#}");
-            captured.remove(&pod.workload);
-            self.attach_errors
-                .insert(pod.workload.to_string(), format!("{error:#}"));
-            // Its name may have changed: ask again.
-            self.netlink.forget(pod.ifindex);
-            retry = true;
-        }
-        source.captured(&captured);
-        self.attached = captured;
-        // What is kept per workload goes with it.
-        let index = &self.index;
-        if self.pruned_at != Some(index.removals()) {
-            self.workload_ids.retain(|k, _| index.get(k).is_some());
-            self.warned.retain(|k| index.get(k).is_some());
-            self.no_route_since.retain(|k, _| index.get(k).is_some());
-            self.pruned_at = Some(index.removals());
-        }
-        self.pending_retry = (retry || removal == Removal::Nothing).then(|| {
-            self.pending_retry
-                .map_or(PENDING_RETRY_MIN, |d| (d * 2).min(PENDING_RETRY_MAX))
-        });
-    }
-
-    /// Answers the podlink-cni requests the last apply settled.
-    fn answer_cni(&mut self, source: &Source) {
-        self.cni.answer(
-            &self.index,
-            Attached {
-                wanted: &self.wanted,
-                captured: &self.attached,
-                errors: &self.attach_errors,
-            },
-            SourceView {
-                complete: source.removal() == Removal::All,
-                knows_namespace: &|ns| source.knows_namespace(ns),
-            },
-        );
-    }
-
-    /// Warns once per workload.
-    fn warn_once(&mut self, key: &str, message: &str) {
-        if self.warned.insert(key.to_string()) {
-            tracing::warn!(workload = %key, "{message}");
-        }
-    }
-
-    /// The pods to capture: this node's enrolled workloads with an IPv4 address and
-    /// a host route to a veth of their own. Sets `waiting` when some have none yet.
-    fn wanted(&mut self) -> Vec<CapturedPod> {
-        let index = self.index.clone();
-        let network = std::mem::take(&mut self.network);
-        let mut wanted: Vec<CapturedPod> = Vec::with_capacity(self.wanted.len() + 1);
-        let mut owners: HashMap<u32, &str> = HashMap::with_capacity(self.wanted.len() + 1);
-        for workload in index.captured() {
-            let key = workload.key();
-            let Some(ipv4) = workload.ipv4() else {
-                self.warn_once(key, "enrolled pod has no IPv4 address; IPv6 capture is not supported yet (its IPv6 TCP is dropped)");
-                continue;
-            };
-            let Some(&ifindex) = network.host_routes.get(&ipv4) else {
-                tracing::debug!(workload = %key, ip = %ipv4, "no host route to this pod yet");
-                self.waiting = true;
-                let since = *self
-                    .no_route_since
-                    .entry(key.to_string())
-                    .or_insert_with(std::time::Instant::now);
-                if since.elapsed() >= NO_ROUTE_WARNING {
-                    self.warn_once(key, &format!("enrolled pod at {ipv4} has had no host route for {} s: no veth of this node leads to it (is it running here?); it is captured once one does", NO_ROUTE_WARNING.as_secs()));
-                }
-                continue;
-            };
-            if !self.no_route_since.is_empty() {
-                self.no_route_since.remove(key);
-            }
-            if network.unresolved.contains(&ifindex) {
-                self.waiting = true;
-                continue;
-            }
-            let Some(ifname) = network.veths.get(&ifindex) else {
-                self.warn_once(key, &format!("the node's host route to {ipv4} leads to interface {ifindex}, which is not a veth; not capturing it"));
-                continue;
-            };
-            if let Some(other) = owners.get(&ifindex) {
-                self.warn_once(
-                    key,
-                    &format!(
-                        "{other} already owns host veth {ifname}; not capturing a second pod on it"
-                    ),
-                );
-                continue;
-            }
-            owners.insert(ifindex, key);
-            let workload_id = match self.workload_ids.get(key) {
-                Some(&id) => id,
-                None => {
-                    self.next_id += 1;
-                    self.workload_ids.insert(key.to_string(), self.next_id - 1);
-                    self.next_id - 1
-                }
-            };
-            wanted.push(CapturedPod {
-                workload: workload.key.clone(),
-                workload_id,
-                ipv4,
-                ifname: ifname.clone(),
-                ifindex,
-            });
-        }
-        self.network = network;
-        wanted
-    }
-
-    /// Reads the node's routes, veths and addresses for the next plan (a
-    /// `resync` may dump them all: [`Netlink::read`]); on a failure keeps the
-    /// last ones and retries soon.
-    async fn read_network(&mut self, resync: bool) {
-        let error = match self.netlink.read(resync).await {
-            Ok(network) => {
-                self.network = network;
-                return;
-            }
-            Err(e) => e,
-        };
-        tracing::warn!("reading the node's network: {error:#}; reopening the netlink socket");
-        self.waiting = true;
-        match Netlink::open() {
-            Ok(netlink) => self.netlink = netlink,
-            Err(e) => tracing::warn!("{e:#}"),
-        }
-    }
 }

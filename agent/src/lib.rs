@@ -12,6 +12,7 @@ pub mod dataplane;
 pub mod identity;
 pub mod k8s;
 pub mod proxy;
+pub mod reconcile;
 pub mod source;
 pub mod state;
 pub mod telemetry;

@@ -1,6 +1,7 @@
 //! The CNI side of podlink: the chained plugin `podlink-cni` ([`plugin`]), the
-//! protocol it speaks with the agent ([`protocol`]), the agent's socket and
-//! enrollment-on-ADD ([`server`]), the enrollment snapshot the plugin reads while
+//! protocol it speaks with the agent ([`protocol`]), the agent's socket
+//! ([`socket`]), enrollment-on-ADD ([`enroller`]) with the addresses the plugin
+//! reports laid over the source's pods ([`overlay`]), the enrollment snapshot the plugin reads while
 //! the agent is down ([`snapshot`]), installing the plugin ([`install`]), and
 //! taking it out of a node's CNI network configuration lists, for `podlink
 //! uninstall` (here).
@@ -19,11 +20,13 @@ use std::{
 use anyhow::{Context, Result, bail};
 use serde_json::Value;
 
+pub mod enroller;
 pub mod install;
+pub mod overlay;
 pub mod plugin;
 pub mod protocol;
-pub mod server;
 pub mod snapshot;
+pub mod socket;
 
 /// The `type` of podlink's chained plugin in a conflist.
 pub const PLUGIN_TYPE: &str = "podlink-cni";

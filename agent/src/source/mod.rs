@@ -1,20 +1,21 @@
-//! The agent's workload source behind one interface: a manifests directory or
-//! the Kubernetes API. Both feed the same enrollment code
-//! ([`crate::state::WorkloadIndex::build`] and the agent's reconciler).
-
-use std::{collections::HashSet, path::PathBuf, sync::Arc, time::Duration};
-
-use anyhow::{Context, Result};
+//! Where the agent learns about workloads: a manifests directory
+//! ([`manifests`]) or the Kubernetes API ([`kube`]).
+//!
+//! Each source implements [`Source`]: it owns its timing (a directory's
+//! settling and resync, the API's watches) and sends [`Delta`]s carrying the
+//! changed objects and how complete its view is; [`crate::state::State`] applies
+//! them without knowing where they came from. Adding a source adds a module
+//! here and an arm to [`open`], nothing in the reconciler.
 
 pub mod kube;
 pub mod manifests;
 
-use self::{
-    kube::KubeSource,
-    manifests::{ManifestDir, ManifestError, Rescan},
-};
-use crate::k8s::{EndpointSlice, Namespace, Pod, Service};
-use crate::{authz::Policy, dataplane::Removal};
+use std::{collections::HashSet, future::Future, path::PathBuf, sync::Arc, time::Duration};
+
+use anyhow::{Context, Result};
+use tokio::{sync::mpsc, task::JoinHandle};
+
+use crate::state::Delta;
 
 /// Where the agent learns about workloads.
 #[derive(Clone, Debug)]
@@ -34,168 +35,84 @@ pub enum WorkloadSourceConfig {
 /// it serves with what it has (pinned pods stay captured meanwhile).
 pub const FIRST_LIST_WAIT: Duration = Duration::from_secs(10);
 
-/// A workload source, opened.
-pub enum Source {
-    /// A watched manifests directory.
-    Manifests {
-        /// The files and their last good objects.
-        dir: ManifestDir,
-        /// The inotify watch on the directory, filling `dir`'s completions.
-        watch: Box<manifests::Watch>,
-    },
-    /// The Kubernetes API.
-    Kubernetes(Box<KubeSource>),
+/// A feed of workloads.
+pub trait Source: Send + 'static {
+    /// Waits for the source's next delta. The first gives the source's whole
+    /// view (waiting at most [`FIRST_LIST_WAIT`] for it); the next ones what
+    /// changed since, or a change of the view's completeness.
+    fn next(&mut self) -> impl Future<Output = Delta> + Send;
+
+    /// Whether the source lists every Namespace, so that one it lacks does not
+    /// exist (the Kubernetes API); a manifests directory need not hold one for
+    /// every namespace its pods use.
+    fn lists_every_namespace(&self) -> bool;
+
+    /// What tells the cluster which pods are captured, if the source has one
+    /// (the Kubernetes API: the pods' redirection annotation).
+    fn capture_reporter(&self) -> Option<Box<dyn CaptureReporter>> {
+        None
+    }
 }
 
-impl Source {
-    /// Opens the source `config` names, for node `node`.
-    ///
-    /// # Errors
-    /// A manifests directory that cannot be read or watched; a Kubernetes
-    /// configuration that cannot be loaded.
-    pub async fn open(config: &WorkloadSourceConfig, node: &str) -> Result<Self> {
-        match config {
-            WorkloadSourceConfig::Manifests(path) => {
-                let completions = manifests::Completions::default();
-                let dir = ManifestDir::new(path)
-                    .with_context(|| format!("reading the manifests directory {}", path.display()))?
-                    .with_completions(completions.clone());
-                let watch = manifests::Watch::new(dir.dir(), completions)
-                    .map(Box::new)
-                    .with_context(|| format!("watching {}", path.display()))?;
-                Ok(Source::Manifests { dir, watch })
+/// Tells the cluster which of this node's pods are captured.
+pub trait CaptureReporter: Send {
+    /// This node's pods captured now (`namespace/name`); the others are not.
+    fn captured(&mut self, captured: &HashSet<Arc<str>>);
+}
+
+/// A source running in a task of its own.
+pub struct Opened {
+    /// The source's deltas, its whole view first.
+    pub deltas: mpsc::Receiver<Delta>,
+    /// See [`Source::lists_every_namespace`].
+    pub lists_every_namespace: bool,
+    /// See [`Source::capture_reporter`].
+    pub reporter: Option<Box<dyn CaptureReporter>>,
+    task: JoinHandle<()>,
+}
+
+impl Drop for Opened {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+/// Starts `source` in a task of its own, sending its deltas.
+pub fn spawn(mut source: impl Source) -> Opened {
+    let (tx, deltas) = mpsc::channel(16);
+    let lists_every_namespace = source.lists_every_namespace();
+    let reporter = source.capture_reporter();
+    let task = tokio::spawn(async move {
+        loop {
+            let delta = source.next().await;
+            if tx.send(delta).await.is_err() {
+                return;
             }
-            WorkloadSourceConfig::Kubernetes { kubeconfig } => {
-                let source = KubeSource::start(kubeconfig.as_deref(), node).await?;
-                if !source.wait_ready(FIRST_LIST_WAIT).await {
-                    tracing::warn!(
-                        "the Kubernetes API has not listed this node's pods and the namespaces within {}s; serving with what is known, nothing is detached until it has",
-                        FIRST_LIST_WAIT.as_secs()
-                    );
-                }
-                Ok(Source::Kubernetes(Box::new(source)))
-            }
         }
+    });
+    Opened {
+        deltas,
+        lists_every_namespace,
+        reporter,
+        task,
     }
+}
 
-    /// Waits for the next change (for manifests, with the writer's related
-    /// changes coalesced).
-    pub async fn changed(&mut self) {
-        match self {
-            Source::Manifests { watch, .. } => watch.changed().await,
-            Source::Kubernetes(kube) => kube.changed().await,
+/// Opens the source `config` names, for node `node`, and starts it.
+///
+/// # Errors
+/// A manifests directory that cannot be read or watched; a Kubernetes
+/// configuration that cannot be loaded.
+pub async fn open(config: &WorkloadSourceConfig, node: &str) -> Result<Opened> {
+    match config {
+        WorkloadSourceConfig::Manifests(path) => {
+            let source = manifests::ManifestSource::open(path)
+                .with_context(|| format!("reading the manifests directory {}", path.display()))?;
+            Ok(spawn(source))
         }
-    }
-
-    /// Reads what changed since the last call.
-    pub fn rescan(&mut self) -> Rescan {
-        match self {
-            Source::Manifests { dir, .. } => dir.rescan(),
-            Source::Kubernetes(kube) => kube.refresh(),
-        }
-    }
-
-    /// Makes the next [`Source::rescan`] look at everything again (the agent's
-    /// periodic resync; see [`ManifestDir::resync`]). A manifests directory that
-    /// was removed, or moved away, and made again since it was watched (the old
-    /// inotify watch went with it) is watched again. The Kubernetes API's
-    /// watches need none.
-    pub fn resync(&mut self) {
-        if let Source::Manifests { dir, watch } = self {
-            dir.resync();
-            watch.renew();
-        }
-    }
-
-    /// All pods.
-    pub fn pods(&self) -> Box<dyn Iterator<Item = &Pod> + '_> {
-        match self {
-            Source::Manifests { dir, .. } => Box::new(dir.pods()),
-            Source::Kubernetes(kube) => Box::new(kube.pods().iter()),
-        }
-    }
-
-    /// Pods defined more than once, worded with where (see
-    /// [`ManifestDir::duplicate_pods`]); the Kubernetes API has none.
-    pub fn duplicate_pods(&self) -> Vec<String> {
-        match self {
-            Source::Manifests { dir, .. } => dir.duplicate_pods(),
-            Source::Kubernetes(_) => Vec::new(),
-        }
-    }
-
-    /// All namespaces.
-    pub fn namespaces(&self) -> Box<dyn Iterator<Item = &Namespace> + '_> {
-        match self {
-            Source::Manifests { dir, .. } => Box::new(dir.namespaces()),
-            Source::Kubernetes(kube) => Box::new(kube.namespaces().iter()),
-        }
-    }
-
-    /// All Services (the Kubernetes source does not watch them yet).
-    pub fn services(&self) -> Box<dyn Iterator<Item = &Service> + '_> {
-        match self {
-            Source::Manifests { dir, .. } => Box::new(dir.services()),
-            Source::Kubernetes(_) => Box::new(std::iter::empty()),
-        }
-    }
-
-    /// All EndpointSlices (the Kubernetes source does not watch them yet).
-    pub fn endpoint_slices(&self) -> Box<dyn Iterator<Item = &EndpointSlice> + '_> {
-        match self {
-            Source::Manifests { dir, .. } => Box::new(dir.endpoint_slices()),
-            Source::Kubernetes(_) => Box::new(std::iter::empty()),
-        }
-    }
-
-    /// All authorization policies (the Kubernetes source does not watch them yet).
-    pub fn policies(&self) -> Box<dyn Iterator<Item = &Arc<Policy>> + '_> {
-        match self {
-            Source::Manifests { dir, .. } => Box::new(dir.policies()),
-            Source::Kubernetes(_) => Box::new(std::iter::empty()),
-        }
-    }
-
-    /// A broken manifest that may hold policies (see
-    /// [`ManifestDir::policies_unknown`]).
-    pub fn policies_unknown(&self) -> Option<&ManifestError> {
-        match self {
-            Source::Manifests { dir, .. } => dir.policies_unknown(),
-            Source::Kubernetes(_) => None,
-        }
-    }
-
-    /// What may be detached, given how complete the source is: nothing while a
-    /// manifest settles or the API has not listed yet; only this agent's own
-    /// attachments while a manifest is broken since start-up.
-    pub fn removal(&self) -> Removal {
-        match self {
-            Source::Manifests { dir, .. } if dir.settling() => Removal::Nothing,
-            Source::Manifests { dir, .. } if dir.incomplete() => Removal::OwnOnly,
-            Source::Manifests { .. } => Removal::All,
-            Source::Kubernetes(kube) if !kube.ready() => Removal::Nothing,
-            Source::Kubernetes(_) => Removal::All,
-        }
-    }
-
-    /// Whether the source has a Namespace object named `name`. A manifests
-    /// directory need not hold one for every namespace its pods use: always
-    /// true there.
-    pub fn knows_namespace(&self, name: &str) -> bool {
-        match self {
-            Source::Manifests { .. } => true,
-            Source::Kubernetes(kube) => kube
-                .namespaces()
-                .iter()
-                .any(|ns| ns.metadata.name.as_deref() == Some(name)),
-        }
-    }
-
-    /// Tells the source which of this node's pods are captured now
-    /// (`namespace/name`): the Kubernetes source annotates them.
-    pub fn captured(&mut self, captured: &HashSet<Arc<str>>) {
-        if let Source::Kubernetes(kube) = self {
-            kube.annotate(captured);
+        WorkloadSourceConfig::Kubernetes { kubeconfig } => {
+            let source = kube::KubeSource::start(kubeconfig.as_deref(), node).await?;
+            Ok(spawn(source))
         }
     }
 }
@@ -204,42 +121,23 @@ impl Source {
 mod tests {
     use super::*;
 
-    const POD: &str = "apiVersion: v1\nkind: Pod\nmetadata:\n  name: web\n  namespace: default\nspec:\n  nodeName: node-1\nstatus:\n  podIP: 10.0.0.5\n";
-
-    /// The agent's periodic resync is what watches a manifests directory made
-    /// again: after it, a manifest written into the new directory wakes the
-    /// source and is read.
+    /// An opened source sends its whole view first.
     #[tokio::test]
-    async fn a_resync_watches_a_manifests_directory_made_again() {
-        let guard = tempfile::tempdir().unwrap();
-        let path = guard.path().join("manifests");
-        std::fs::create_dir(&path).unwrap();
-        let config = WorkloadSourceConfig::Manifests(path.clone());
-        let mut source = Source::open(&config, "node-1").await.unwrap();
-        std::fs::remove_dir(&path).unwrap();
-        std::fs::create_dir(&path).unwrap();
-        // The old watch's report of the removal is not what is waited for.
-        tokio::time::sleep(Duration::from_millis(200)).await;
-        tokio::time::timeout(Duration::from_millis(500), source.changed())
-            .await
-            .ok();
-        source.resync();
-        source.rescan();
-        std::fs::write(path.join("pod.yaml"), POD).unwrap();
-        tokio::time::timeout(Duration::from_secs(5), source.changed())
-            .await
-            .expect("a manifest written into the directory made again woke the source");
-        // The file may still be settling (its close not seen yet): rescan until
-        // it is read.
-        let deadline = std::time::Instant::now() + Duration::from_secs(5);
-        let mut errors = Vec::new();
-        while source.pods().count() == 0 && std::time::Instant::now() < deadline {
-            errors.extend(source.rescan().errors);
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
-        assert!(errors.is_empty(), "{errors:?}");
-        let names: Vec<_> = source
-            .pods()
+    async fn an_opened_manifests_directory_sends_its_pods_first() {
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::write(
+            dir.path().join("pod.yaml"),
+            "apiVersion: v1\nkind: Pod\nmetadata:\n  name: web\n",
+        )
+        .unwrap();
+        let config = WorkloadSourceConfig::Manifests(dir.path().to_path_buf());
+        let mut opened = open(&config, "node-1").await.unwrap();
+        assert!(!opened.lists_every_namespace);
+        let first = opened.deltas.recv().await.unwrap();
+        let names: Vec<_> = first
+            .all_pods
+            .iter()
+            .flatten()
             .filter_map(|p| p.metadata.name.as_deref())
             .collect();
         assert_eq!(names, ["web"]);

@@ -1,11 +1,373 @@
-//! What the agent knows, whatever the source it came from: the workload index
-//! and the enrollment decision ([`workload`]), the Services ([`service`]).
+//! What the agent knows, whatever the source it came from.
+//!
+//! A source ([`crate::source`]) sends [`Delta`]s: the objects that changed and
+//! how complete its view is. [`State`] keeps the objects and derives from them
+//! what the proxy and the dataplane read: the workload index and the
+//! enrollment decision ([`workload`]), the Services ([`service`]) and the
+//! authorization policies ([`crate::authz::PolicySet`]). It knows nothing of
+//! where the objects came from; a [`PodLayer`] (podlink-cni's reported
+//! addresses) is laid over the pods of whichever source runs.
 
+pub mod delta;
 pub mod service;
 pub mod workload;
 
+use std::{
+    borrow::Cow,
+    collections::{BTreeMap, BTreeSet},
+    sync::Arc,
+};
+
+pub use delta::{Completeness, Delta, PoliciesUnknown};
 pub(crate) use workload::is_finished;
 pub use workload::{
     DATAPLANE_MODE_AMBIENT, DATAPLANE_MODE_LABEL, DATAPLANE_MODE_NONE, Enrollment, MAX_POD_UPDATES,
     Workload, WorkloadIndex, enrollment,
 };
+
+use self::service::ServiceIndex;
+use crate::{
+    authz::{Policy, PolicySet},
+    k8s::{EndpointSlice, Namespace, Pod, Service},
+    telemetry::logging::{HeldMessages, Severity},
+};
+
+/// A layer over the pods of the source: what the node learnt of a pod before
+/// its object says it (podlink-cni's reported addresses, [`crate::cni`]).
+pub trait PodLayer {
+    /// `pod` with what the layer knows of it laid over (borrowed when nothing
+    /// is).
+    fn overlaid<'a>(&self, pod: &'a Pod) -> Cow<'a, Pod>;
+}
+
+/// No layer: the pods as the source has them.
+pub struct NoLayer;
+
+impl PodLayer for NoLayer {
+    fn overlaid<'a>(&self, pod: &'a Pod) -> Cow<'a, Pod> {
+        Cow::Borrowed(pod)
+    }
+}
+
+/// What [`State::refresh`] changed.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Refreshed {
+    /// Some object, the completeness, or whether policies are known changed:
+    /// the dataplane and the proxy's view are to be reconciled.
+    pub changed: bool,
+    /// Pods' or namespaces' enrollment labels may have changed (the enrollment
+    /// snapshot podlink-cni reads when no agent answers is to be written).
+    pub enrollment_labels: bool,
+}
+
+/// The objects of the source, and the indexes made from them.
+pub struct State {
+    node: String,
+    trust_domain: String,
+    root_namespace: String,
+    /// Every pod's definitions, by `namespace/name`, in the source's order.
+    pods: BTreeMap<String, Vec<Pod>>,
+    namespaces: Vec<Namespace>,
+    services: Vec<Service>,
+    endpoint_slices: Vec<EndpointSlice>,
+    policy_objects: Vec<Arc<Policy>>,
+    completeness: Completeness,
+    policies_unknown: Option<PoliciesUnknown>,
+    /// What the deltas applied since the last refresh left to derive.
+    dirty: Dirty,
+    /// Whether a refresh has made the indexes once.
+    refreshed: bool,
+    workloads: Arc<WorkloadIndex>,
+    service_index: Arc<ServiceIndex>,
+    policies: Arc<PolicySet>,
+    /// The workload index's warnings (address conflicts), the Service index's
+    /// and the policies' (with their notes), each logged once while it holds.
+    index_messages: HeldMessages,
+    service_messages: HeldMessages,
+    policy_messages: HeldMessages,
+}
+
+/// What changed since the last [`State::refresh`].
+#[derive(Debug, Default)]
+struct Dirty {
+    /// Pods (`namespace/name`) whose definitions changed.
+    pods: BTreeSet<String>,
+    /// Every workload is to be made again (all pods replaced, or a Namespace
+    /// changed).
+    all_pods: bool,
+    services: bool,
+    policies: bool,
+    enrollment_labels: bool,
+    /// The completeness or whether policies are known changed.
+    completeness: bool,
+}
+
+/// Whether one of `definitions` carries [`DATAPLANE_MODE_LABEL`].
+fn labelled(definitions: &[Pod]) -> bool {
+    definitions.iter().any(|p| {
+        p.metadata
+            .labels
+            .as_ref()
+            .is_some_and(|l| l.contains_key(DATAPLANE_MODE_LABEL))
+    })
+}
+
+impl State {
+    /// An empty state for node `node`, making SPIFFE IDs in `trust_domain`;
+    /// policies of `root_namespace` apply mesh-wide.
+    pub fn new(node: &str, trust_domain: &str, root_namespace: &str) -> Self {
+        State {
+            node: node.to_string(),
+            trust_domain: trust_domain.to_string(),
+            root_namespace: root_namespace.to_string(),
+            pods: BTreeMap::new(),
+            namespaces: Vec::new(),
+            services: Vec::new(),
+            endpoint_slices: Vec::new(),
+            policy_objects: Vec::new(),
+            completeness: Completeness::Incomplete,
+            policies_unknown: None,
+            dirty: Dirty::default(),
+            refreshed: false,
+            workloads: Arc::new(WorkloadIndex::default()),
+            service_index: Arc::new(ServiceIndex::default()),
+            policies: Arc::new(PolicySet::default()),
+            index_messages: HeldMessages::default(),
+            service_messages: HeldMessages::default(),
+            policy_messages: HeldMessages::default(),
+        }
+    }
+
+    /// Takes in a source's delta. The indexes are made again by the next
+    /// [`State::refresh`], once for all the deltas applied before it.
+    pub fn apply(&mut self, delta: Delta) {
+        if let Some(all) = delta.all_pods {
+            let mut pods: BTreeMap<String, Vec<Pod>> = BTreeMap::new();
+            for pod in all {
+                if let Some(key) = pod.key() {
+                    pods.entry(key).or_default().push(pod);
+                }
+            }
+            if pods != self.pods {
+                self.pods = pods;
+                self.dirty.all_pods = true;
+                self.dirty.enrollment_labels = true;
+            }
+        }
+        for (key, definitions) in delta.pods {
+            let before = self.pods.get(&key).map_or(&[][..], Vec::as_slice);
+            if before == definitions.as_slice() {
+                continue;
+            }
+            self.dirty.enrollment_labels |= labelled(before) || labelled(&definitions);
+            if definitions.is_empty() {
+                self.pods.remove(&key);
+            } else {
+                self.pods.insert(key.clone(), definitions);
+            }
+            self.dirty.pods.insert(key);
+        }
+        if let Some(namespaces) = delta.namespaces
+            && namespaces != self.namespaces
+        {
+            self.namespaces = namespaces;
+            self.dirty.all_pods = true;
+            self.dirty.enrollment_labels = true;
+        }
+        if let Some(services) = delta.services
+            && services != self.services
+        {
+            self.services = services;
+            self.dirty.services = true;
+        }
+        if let Some(slices) = delta.endpoint_slices
+            && slices != self.endpoint_slices
+        {
+            self.endpoint_slices = slices;
+            self.dirty.services = true;
+        }
+        if let Some(policies) = delta.policies
+            && policies != self.policy_objects
+        {
+            self.policy_objects = policies;
+            self.dirty.policies = true;
+        }
+        if delta.completeness != self.completeness {
+            self.completeness = delta.completeness;
+            self.dirty.completeness = true;
+        }
+        if delta.policies_unknown != self.policies_unknown {
+            self.policies_unknown = delta.policies_unknown;
+            self.dirty.policies = true;
+            self.dirty.completeness = true;
+        }
+    }
+
+    /// Makes the indexes again from what the deltas since the last refresh
+    /// changed, with `layer` laid over the pods; `relayered` are the pods
+    /// (`namespace/name`) whose layer changed since. The workload index is
+    /// updated pod by pod when at most [`MAX_POD_UPDATES`] pods changed and no
+    /// Namespace did, else made again whole (keeping the workloads that did
+    /// not change); the first refresh makes everything. Warnings are logged
+    /// once while they hold.
+    pub fn refresh(&mut self, layer: &dyn PodLayer, relayered: BTreeSet<String>) -> Refreshed {
+        let dirty = std::mem::take(&mut self.dirty);
+        let first = !self.refreshed;
+        self.refreshed = true;
+        let pods_changed = dirty.all_pods || !dirty.pods.is_empty() || !relayered.is_empty();
+        if first || pods_changed {
+            let update =
+                !first && !dirty.all_pods && dirty.pods.len() + relayered.len() <= MAX_POD_UPDATES;
+            if update {
+                let mut index = WorkloadIndex::clone(&self.workloads);
+                for key in dirty.pods.iter().chain(relayered.difference(&dirty.pods)) {
+                    self.update_workload(&mut index, layer, key);
+                }
+                self.workloads = Arc::new(index);
+            } else {
+                let pods: Vec<Cow<'_, Pod>> = self
+                    .pods
+                    .values()
+                    .flatten()
+                    .map(|p| layer.overlaid(p))
+                    .collect();
+                let (index, _) = self.workloads.rebuild(
+                    &self.node,
+                    &self.trust_domain,
+                    pods.iter().map(|p| &**p),
+                    &self.namespaces,
+                );
+                self.workloads = Arc::new(index);
+            }
+            self.index_messages.log(
+                self.workloads
+                    .warnings()
+                    .into_iter()
+                    .map(|w| (Severity::Warn, w))
+                    .collect(),
+            );
+        }
+        if first || dirty.services {
+            let (services, warnings) = ServiceIndex::build(&self.services, &self.endpoint_slices);
+            self.service_messages
+                .log(warnings.into_iter().map(|w| (Severity::Warn, w)).collect());
+            self.service_index = Arc::new(services);
+        }
+        if first || dirty.policies {
+            self.policies = Arc::new(self.policy_set());
+        }
+        Refreshed {
+            changed: first
+                || pods_changed
+                || dirty.services
+                || dirty.policies
+                || dirty.completeness,
+            enrollment_labels: first || dirty.enrollment_labels,
+        }
+    }
+
+    /// Updates pod `key`'s (`namespace/name`) workload in `index` from its
+    /// definitions, with `layer` laid over them.
+    fn update_workload(&self, index: &mut WorkloadIndex, layer: &dyn PodLayer, key: &str) {
+        let Some((namespace, _)) = key.split_once('/') else {
+            return;
+        };
+        let definitions: Vec<Cow<'_, Pod>> = self
+            .pods
+            .get(key)
+            .into_iter()
+            .flatten()
+            .map(|p| layer.overlaid(p))
+            .collect();
+        // The last of that name, as a rebuild's lookup keeps.
+        let namespace_object = self
+            .namespaces
+            .iter()
+            .rfind(|ns| ns.metadata.name.as_deref() == Some(namespace));
+        index.update(
+            &self.trust_domain,
+            key,
+            definitions.iter().map(|p| &**p),
+            namespace_object,
+        );
+    }
+
+    /// The policies; all requests are denied while they cannot be known.
+    /// Warnings and notes on how a policy is enforced at layer 4 are logged
+    /// once while they hold, and the policies' return once they are known
+    /// again.
+    fn policy_set(&mut self) -> PolicySet {
+        let (mut set, warnings) =
+            PolicySet::build(&self.root_namespace, self.policy_objects.iter().cloned());
+        let mut messages: Vec<(Severity, String)> =
+            warnings.into_iter().map(|w| (Severity::Warn, w)).collect();
+        for policy in set.policies() {
+            for n in &policy.notes {
+                messages.push((Severity::Warn, format!("AuthorizationPolicy {policy}: {n}")));
+            }
+        }
+        let were_unknown = self.policies.unknown().is_some();
+        if let Some(unknown) = &self.policies_unknown {
+            messages.push((
+                Severity::Error,
+                format!(
+                    "authorization policies cannot be known while {} is broken ({}): every inbound connection to this node's pods is denied until it is fixed",
+                    unknown.what, unknown.why
+                ),
+            ));
+            set.deny_all_unknown(format!("{} is broken", unknown.what));
+        } else if were_unknown {
+            tracing::info!(
+                "authorization policies are known again: inbound connections are authorized by them"
+            );
+        }
+        self.policy_messages.log(messages);
+        set
+    }
+
+    /// The node this state is for.
+    pub fn node(&self) -> &str {
+        &self.node
+    }
+
+    /// The workload index as last refreshed.
+    pub fn workloads(&self) -> &Arc<WorkloadIndex> {
+        &self.workloads
+    }
+
+    /// The Services as last refreshed.
+    pub fn services(&self) -> &Arc<ServiceIndex> {
+        &self.service_index
+    }
+
+    /// The authorization policies as last refreshed.
+    pub fn policies(&self) -> &Arc<PolicySet> {
+        &self.policies
+    }
+
+    /// How complete the source's view is, as its last delta said.
+    pub fn completeness(&self) -> Completeness {
+        self.completeness
+    }
+
+    /// Every pod definition the source has (without the layer), by
+    /// `namespace/name`.
+    pub fn pods(&self) -> impl Iterator<Item = &Pod> {
+        self.pods.values().flatten()
+    }
+
+    /// Every Namespace object the source has.
+    pub fn namespaces(&self) -> &[Namespace] {
+        &self.namespaces
+    }
+
+    /// Whether the source has a Namespace object named `name`.
+    pub fn has_namespace(&self, name: &str) -> bool {
+        self.namespaces
+            .iter()
+            .any(|ns| ns.metadata.name.as_deref() == Some(name))
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,4 +1,5 @@
-//! A directory of Kubernetes manifests as the workload source (no cluster needed).
+//! A directory of Kubernetes manifests as a workload source (no cluster needed):
+//! [`ManifestSource`].
 //!
 //! Every `*.yaml`, `*.yml` and `*.json` file in the directory (not its
 //! subdirectories; hidden files are skipped) is read as a multi-document YAML
@@ -19,9 +20,8 @@
 //! per file) at the first rescan, after an event that names no manifest of the
 //! directory but may change them (the event queue overflowed, a ConfigMap
 //! volume swapped its `..data` link, the directory itself was moved or removed),
-//! after
-//! [`ManifestDir::resync`] (the agent's periodic resync while nothing changes,
-//! every [`RESYNC`]) and once [`FULL_RESCAN_MAX_AGE`] has passed since the last
+//! after [`ManifestDir::resync`] (the source's periodic resync while nothing
+//! changes, every [`RESYNC`]: [`ManifestSource`]) and once [`FULL_RESCAN_MAX_AGE`] has passed since the last
 //! such full rescan. Parsing is in [`parse`].
 
 use std::{
@@ -41,9 +41,11 @@ use crate::{
 use crate::authz::Policy;
 
 mod parse;
+mod source;
 mod watch;
 
 pub use parse::{ManifestError, Objects, parse};
+pub use source::ManifestSource;
 #[cfg(test)]
 use watch::watch;
 pub use watch::{Completions, Watch};
@@ -154,8 +156,7 @@ pub struct ManifestDir {
 pub struct Rescan {
     /// Whether any file's objects changed (added, removed, or re-read successfully).
     pub changed: bool,
-    /// Which objects changed; `None` when not known (the first rescan, or a
-    /// Kubernetes watch that listed again): anything may have.
+    /// Which objects changed; `None` at the first rescan: everything is new.
     pub changes: Option<Changes>,
     /// Problems found in files that changed since the last rescan.
     pub errors: Vec<ManifestError>,
@@ -163,13 +164,12 @@ pub struct Rescan {
     pub unsettled: bool,
 }
 
-/// Which objects a rescan changed: for a manifests directory, found by
-/// comparing each changed file's objects before and after; for the Kubernetes
-/// API, the objects its watches reported changed in what podlink reads.
+/// Which objects a rescan changed, found by comparing each changed file's
+/// objects before and after.
 #[derive(Debug, Default, PartialEq, Eq)]
 pub struct Changes {
-    /// The pods (`namespace/name`) whose definitions in some file (or whose
-    /// object in the API) were added, removed or changed.
+    /// The pods (`namespace/name`) whose definitions in some file were added,
+    /// removed or changed.
     pub pods: BTreeSet<String>,
     /// Some of those definitions, before or after, carry the label
     /// [`DATAPLANE_MODE_LABEL`]: the pod may have opted in or out.

@@ -16,14 +16,14 @@
 
 use std::{
     borrow::Cow,
-    collections::{BTreeMap, BTreeSet, HashMap, HashSet},
+    collections::{BTreeMap, BTreeSet, HashMap},
     hash::{Hash, Hasher},
     path::Path,
     sync::{
         Arc, Mutex, PoisonError,
         atomic::{AtomicBool, Ordering},
     },
-    time::{Duration, Instant},
+    time::Duration,
 };
 
 use anyhow::{Context, Result};
@@ -34,7 +34,6 @@ use k8s_openapi::{
 };
 use kube::{
     Api, Client, Resource,
-    api::{Patch, PatchParams},
     runtime::{
         WatchStreamExt,
         reflector::{self, ObjectRef, Store},
@@ -44,10 +43,14 @@ use kube::{
 use serde::Deserialize;
 use tokio::sync::Notify;
 
-use super::manifests::{Changes, Rescan};
+mod annotate;
+
+pub use annotate::RedirectionAnnotator;
+
+use super::{CaptureReporter, FIRST_LIST_WAIT, Source};
 use crate::{
     k8s::{self, Namespace, Pod},
-    state::{DATAPLANE_MODE_LABEL, MAX_POD_UPDATES},
+    state::{Completeness, Delta},
 };
 
 /// The annotation ztunnel's node agent sets on a pod whose traffic it captures
@@ -200,7 +203,7 @@ fn meta_of(meta: &ApiObjectMeta) -> k8s::ObjectMeta {
     }
 }
 
-/// What the watches saw change since the last [`KubeSource::refresh`].
+/// What the watches saw change since the last delta.
 #[derive(Debug, Default)]
 struct Pending {
     /// Pods (`namespace/name`) added, changed (in what podlink reads) or deleted.
@@ -226,14 +229,6 @@ fn pod_of(pod: &ApiPod) -> Pod {
     }
 }
 
-/// The namespace and name of a pod, as the pod list is ordered.
-fn list_key(pod: &Pod) -> (&str, &str) {
-    (
-        pod.metadata.namespace.as_deref().unwrap_or(""),
-        pod.metadata.name.as_deref().unwrap_or(""),
-    )
-}
-
 /// Every pod of this node's store (`local`) and the cluster's (`all`), one per
 /// namespace/name, in that order. This node's pods come from their own watch
 /// too, which may be ahead of the cluster-wide one (or working while it fails):
@@ -257,47 +252,6 @@ fn current_pod(local: &Store<ApiPod>, all: &Store<ApiPod>, ns: &str, name: &str)
         .get(&key)
         .or_else(|| all.get(&key))
         .map(|p| pod_of(&p))
-}
-
-/// Brings the pods `keys` (`namespace/name`) of `pods` (one per namespace/name,
-/// in that order) up to date with `current(namespace, name)` (`None`: gone), and
-/// returns what changed: those of them whose object was added, removed or
-/// changed, and whether one of them carries [`DATAPLANE_MODE_LABEL`] before or
-/// after.
-fn update_pods(
-    pods: &mut Vec<Pod>,
-    keys: BTreeSet<String>,
-    current: impl Fn(&str, &str) -> Option<Pod>,
-) -> Changes {
-    let labelled = |pod: &Pod| {
-        pod.metadata
-            .labels
-            .as_ref()
-            .is_some_and(|l| l.contains_key(DATAPLANE_MODE_LABEL))
-    };
-    let mut changes = Changes::default();
-    for key in keys {
-        let Some((ns, name)) = key.split_once('/') else {
-            continue;
-        };
-        let now = current(ns, name);
-        let at = pods.binary_search_by(|p| list_key(p).cmp(&(ns, name)));
-        let before = at.ok().map(|i| &pods[i]);
-        if before == now.as_ref() {
-            continue;
-        }
-        changes.mode_labels |= before.is_some_and(labelled) || now.as_ref().is_some_and(labelled);
-        match (at, now) {
-            (Ok(i), Some(pod)) => pods[i] = pod,
-            (Ok(i), None) => {
-                pods.remove(i);
-            }
-            (Err(i), Some(pod)) => pods.insert(i, pod),
-            (Err(_), None) => {}
-        }
-        changes.pods.insert(key);
-    }
-    changes
 }
 
 /// What a watch saw: a (new) list, or a change of the object `namespace/name`.
@@ -445,16 +399,11 @@ pub struct KubeSource {
     all_pods: Watch<ApiPod>,
     local_pods: Watch<ApiPod>,
     namespaces: Watch<ApiNamespace>,
-    /// What changed since the last refresh.
+    /// What changed since the last delta.
     pending: Arc<Mutex<Pending>>,
-    /// Whether [`Self::refresh`] has read the stores once.
-    refreshed: bool,
+    /// Whether the first delta was sent.
+    started: bool,
     changes: Arc<Notify>,
-    /// All pods, one per namespace/name, in that order.
-    pods: Vec<Pod>,
-    namespace_list: Vec<Namespace>,
-    /// Annotation patches sent: pod → (wanted, when), until the watch shows them.
-    patched: HashMap<String, (bool, Instant)>,
 }
 
 impl KubeSource {
@@ -523,11 +472,8 @@ impl KubeSource {
             local_pods,
             namespaces,
             pending,
-            refreshed: false,
+            started: false,
             changes,
-            pods: Vec::new(),
-            namespace_list: Vec::new(),
-            patched: HashMap::new(),
         })
     }
 
@@ -552,135 +498,110 @@ impl KubeSource {
         true
     }
 
-    /// Waits for the next change of a store.
-    pub async fn changed(&self) {
-        self.changes.notified().await;
-    }
-
-    /// Takes the stores' current state if it changed. The rescan says which pods
-    /// changed (see [`Changes`]), unless this is the first refresh, a pod watch
-    /// listed again since the last, or more than [`MAX_POD_UPDATES`] pods were
-    /// reported: then every pod is read anew and `changes` is `None`.
-    /// Namespaces are read anew whenever one changed.
-    pub fn refresh(&mut self) -> Rescan {
-        let pending =
-            std::mem::take(&mut *self.pending.lock().unwrap_or_else(PoisonError::into_inner));
-        if self.refreshed && pending.is_empty() {
-            return Rescan::default();
-        }
-        let changes =
-            if !self.refreshed || pending.everything || pending.pods.len() > MAX_POD_UPDATES {
-                self.refreshed = true;
-                self.pods = self.read_all_pods();
-                None
-            } else {
-                let (local, all) = (&self.local_pods.store, &self.all_pods.store);
-                let mut changes = update_pods(&mut self.pods, pending.pods, |ns, name| {
-                    current_pod(local, all, ns, name)
-                });
-                changes.namespaces = pending.namespaces;
-                Some(changes)
-            };
-        if changes.is_none() || pending.namespaces {
-            self.namespace_list = self
-                .namespaces
-                .store
-                .state()
-                .iter()
-                .map(|ns| Namespace {
-                    metadata: meta_of(&ns.metadata),
-                })
-                .collect();
-        }
-        // Both pod watches report a change to this node's pods: the second
-        // report, read at a later refresh, finds nothing new.
-        let changed = changes
-            .as_ref()
-            .is_none_or(|c| !c.pods.is_empty() || c.namespaces);
-        Rescan {
-            changed,
-            changes,
-            ..Rescan::default()
-        }
-    }
-
     /// Every pod of both pod stores, one per namespace/name (this node's watch
     /// preferred), in that order.
     fn read_all_pods(&self) -> Vec<Pod> {
         read_all_pods(&self.local_pods.store, &self.all_pods.store)
     }
 
-    /// The pods as last refreshed.
-    pub fn pods(&self) -> &[Pod] {
-        &self.pods
+    /// Every namespace of the store.
+    fn read_namespaces(&self) -> Vec<Namespace> {
+        self.namespaces
+            .store
+            .state()
+            .iter()
+            .map(|ns| Namespace {
+                metadata: meta_of(&ns.metadata),
+            })
+            .collect()
     }
 
-    /// The namespaces as last refreshed.
-    pub fn namespaces(&self) -> &[Namespace] {
-        &self.namespace_list
-    }
-
-    /// Sets [`REDIRECTION_ANNOTATION`] on this node's pods in `captured`
-    /// (`namespace/name`) and removes it from its other pods, by JSON merge patch
-    /// (RFC 7386), in the background. A patch is sent again if the watch does not
-    /// show it after `PATCH_RETRY`; failures are logged.
-    pub fn annotate(&mut self, captured: &HashSet<Arc<str>>) {
-        // Before the first lists nothing is detached, and pods the agent
-        // does not know yet may still be captured: their annotation stays.
-        if !self.ready() {
-            return;
+    /// How complete the watches' view is: whole once this node's pods and the
+    /// namespaces were listed.
+    fn completeness(&self) -> Completeness {
+        if self.ready() {
+            Completeness::Complete
+        } else {
+            Completeness::Incomplete
         }
-        let now = Instant::now();
-        let mut seen = HashSet::new();
-        // This node's watch, not every pod of the cluster: the annotation is
-        // read where the patch shows up.
-        for pod in self.local_pods.store.state() {
-            let (Some(ns), Some(name)) = (&pod.metadata.namespace, &pod.metadata.name) else {
-                continue;
+    }
+
+    /// The delta of what the watches saw: every pod when a pod watch listed
+    /// (again), else the pods they named with their objects now; every
+    /// namespace when one changed.
+    fn delta(&self, pending: Pending) -> Delta {
+        let mut delta = Delta {
+            completeness: self.completeness(),
+            ..Delta::default()
+        };
+        if pending.everything {
+            delta.all_pods = Some(self.read_all_pods());
+        } else {
+            delta.pods = changed_pods(pending.pods, &self.local_pods.store, &self.all_pods.store);
+        }
+        if pending.namespaces {
+            delta.namespaces = Some(self.read_namespaces());
+        }
+        delta
+    }
+
+    fn take_pending(&self) -> Pending {
+        std::mem::take(&mut *self.pending.lock().unwrap_or_else(PoisonError::into_inner))
+    }
+}
+
+/// The pods `keys` (`namespace/name`) with their objects now ([`current_pod`]),
+/// none for those gone.
+fn changed_pods(
+    keys: BTreeSet<String>,
+    local: &Store<ApiPod>,
+    all: &Store<ApiPod>,
+) -> Vec<(String, Vec<Pod>)> {
+    keys.into_iter()
+        .filter_map(|key| {
+            let (ns, name) = key.split_once('/')?;
+            let now = current_pod(local, all, ns, name);
+            Some((key, now.into_iter().collect()))
+        })
+        .collect()
+}
+
+impl Source for KubeSource {
+    async fn next(&mut self) -> Delta {
+        if !std::mem::replace(&mut self.started, true) {
+            if !self.wait_ready(FIRST_LIST_WAIT).await {
+                tracing::warn!(
+                    "the Kubernetes API has not listed this node's pods and the namespaces within {}s; serving with what is known, nothing is detached until it has",
+                    FIRST_LIST_WAIT.as_secs()
+                );
+            }
+            self.take_pending();
+            return Delta {
+                all_pods: Some(self.read_all_pods()),
+                namespaces: Some(self.read_namespaces()),
+                completeness: self.completeness(),
+                ..Delta::default()
             };
-            let key = format!("{ns}/{name}");
-            let has = pod
-                .metadata
-                .annotations
-                .as_ref()
-                .and_then(|a| a.get(REDIRECTION_ANNOTATION))
-                .is_some_and(|v| v == REDIRECTION_ENABLED);
-            let want = captured.contains(key.as_str()) && pod.metadata.deletion_timestamp.is_none();
-            if has == want {
-                self.patched.remove(&key);
-                continue;
-            }
-            seen.insert(key.clone());
-            if self
-                .patched
-                .get(&key)
-                .is_some_and(|&(w, at)| w == want && now.duration_since(at) < PATCH_RETRY)
-            {
-                continue;
-            }
-            self.patched.insert(key.clone(), (want, now));
-            let api: Api<ApiPod> = Api::namespaced(self.client.clone(), ns);
-            let name = name.clone();
-            let patch = serde_json::json!({
-                "metadata": {"annotations": {REDIRECTION_ANNOTATION: want.then_some(REDIRECTION_ENABLED)}}
-            });
-            tokio::spawn(async move {
-                match api
-                    .patch(&name, &PatchParams::default(), &Patch::Merge(&patch))
-                    .await
-                {
-                    Ok(_) => {
-                        tracing::debug!(pod = %key, enabled = want, "redirection annotation patched")
-                    }
-                    Err(e) => tracing::warn!(
-                        pod = %key,
-                        "patching the {REDIRECTION_ANNOTATION} annotation failed: {e}; retrying in {}s",
-                        PATCH_RETRY.as_secs()
-                    ),
-                }
-            });
         }
-        self.patched.retain(|k, _| seen.contains(k));
+        loop {
+            let pending = self.take_pending();
+            if !pending.is_empty() {
+                return self.delta(pending);
+            }
+            self.changes.notified().await;
+        }
+    }
+
+    fn lists_every_namespace(&self) -> bool {
+        true
+    }
+
+    fn capture_reporter(&self) -> Option<Box<dyn CaptureReporter>> {
+        Some(Box::new(RedirectionAnnotator::new(
+            self.client.clone(),
+            self.local_pods.store.clone(),
+            [self.local_pods.ready.clone(), self.namespaces.ready.clone()],
+        )))
     }
 }
 
@@ -771,107 +692,6 @@ mod tests {
         assert_ne!(pod("3", true, "Succeeded").projection(), base);
     }
 
-    /// Pod by pod, the list becomes what a full read of the objects makes, and
-    /// the changes name exactly the pods whose object changed.
-    #[test]
-    fn updates_make_the_pod_list_a_full_read_makes() {
-        let pod = |ns: &str, name: &str, ip: &str, label: Option<&str>| {
-            let mut p = api_pod(serde_json::json!({
-                "metadata": {"name": name, "namespace": ns},
-                "spec": {"nodeName": "n1"},
-                "status": {"podIP": ip},
-            }));
-            if let Some(v) = label {
-                p.metadata.labels =
-                    Some([(DATAPLANE_MODE_LABEL.to_string(), v.to_string())].into());
-            }
-            pod_of(&p)
-        };
-        let mut objects: BTreeMap<(String, String), Pod> = BTreeMap::new();
-        let mut list: Vec<Pod> = Vec::new();
-        // Each step: objects written (`Some`) or deleted (`None`), the keys the
-        // watches report (a superset: a report may change nothing), the pods
-        // expected changed and whether a mode label is involved.
-        type Step<'a> = (
-            Vec<(&'a str, &'a str, Option<Pod>)>,
-            Vec<&'a str>,
-            Vec<&'a str>,
-            bool,
-        );
-        let steps: Vec<Step> = vec![
-            (
-                vec![("b", "web", Some(pod("b", "web", "10.0.0.2", None)))],
-                vec!["b/web"],
-                vec!["b/web"],
-                false,
-            ),
-            (
-                vec![
-                    ("a", "z", Some(pod("a", "z", "10.0.0.1", Some("ambient")))),
-                    ("c", "a", Some(pod("c", "a", "10.0.0.3", None))),
-                    ("b", "api", Some(pod("b", "api", "10.0.0.4", None))),
-                ],
-                vec!["a/z", "c/a", "b/api"],
-                vec!["a/z", "b/api", "c/a"],
-                true,
-            ),
-            // Reported but unchanged, and reported but never there.
-            (vec![], vec!["b/web", "x/gone"], vec![], false),
-            (
-                vec![("b", "web", Some(pod("b", "web", "10.0.0.9", None)))],
-                vec!["b/web"],
-                vec!["b/web"],
-                false,
-            ),
-            (
-                vec![("b", "web", Some(pod("b", "web", "10.0.0.9", Some("none"))))],
-                vec!["b/web"],
-                vec!["b/web"],
-                true,
-            ),
-            (
-                vec![("a", "z", None), ("b", "api", None)],
-                vec!["a/z", "b/api"],
-                vec!["a/z", "b/api"],
-                true,
-            ),
-            (
-                vec![
-                    ("c", "a", None),
-                    ("a", "a", Some(pod("a", "a", "10.0.0.5", None))),
-                ],
-                vec!["c/a", "a/a"],
-                vec!["a/a", "c/a"],
-                false,
-            ),
-        ];
-        for (n, (writes, reported, changed, mode_labels)) in steps.into_iter().enumerate() {
-            for (ns, name, object) in writes {
-                let key = (ns.to_string(), name.to_string());
-                match object {
-                    Some(p) => objects.insert(key, p),
-                    None => objects.remove(&key),
-                };
-            }
-            let changes = update_pods(
-                &mut list,
-                reported.iter().map(|k| k.to_string()).collect(),
-                |ns, name| objects.get(&(ns.to_string(), name.to_string())).cloned(),
-            );
-            let full: Vec<Pod> = objects.values().cloned().collect();
-            assert_eq!(list, full, "step {n}");
-            assert_eq!(
-                changes,
-                Changes {
-                    pods: changed.iter().map(|k| k.to_string()).collect(),
-                    mode_labels,
-                    ..Changes::default()
-                },
-                "step {n}"
-            );
-        }
-    }
-
     /// With both pod stores, a pod's update takes the object a full read
     /// takes: this node's watch first, also while the other watch lags behind
     /// it (a delete seen by one watch only).
@@ -887,12 +707,16 @@ mod tests {
         let (local, mut local_writer) = reflector::store::<ApiPod>();
         let (all, mut all_writer) = reflector::store::<ApiPod>();
         let mut list = Vec::new();
+        // The pods as deltas of changed pods leave them, in key order.
         let check = |list: &mut Vec<Pod>, keys: &[&str]| {
-            update_pods(
-                list,
-                keys.iter().map(|k| k.to_string()).collect(),
-                |ns, name| current_pod(&local, &all, ns, name),
-            );
+            let mut pods: BTreeMap<String, Pod> =
+                list.drain(..).map(|p| (p.key().unwrap(), p)).collect();
+            let changed = changed_pods(keys.iter().map(|k| k.to_string()).collect(), &local, &all);
+            for (key, now) in changed {
+                pods.remove(&key);
+                pods.extend(now.into_iter().map(|p| (key.clone(), p)));
+            }
+            list.extend(pods.into_values());
             assert_eq!(*list, read_all_pods(&local, &all), "after {keys:?}");
         };
         let apply = |w: &mut reflector::store::Writer<ApiPod>, p: ApiPod| {

@@ -1,220 +1,33 @@
-//! The agent's side of podlink-cni: the Unix socket ([`listen`]) and the state
-//! of the pods the plugin told about ([`Enroller`]).
+//! The requests of podlink-cni waiting for their answer ([`Enroller`]), and
+//! the enrollment snapshot the plugin reads when no agent answers.
 //!
-//! At CNI ADD time the pod's object may not have reached the agent's workload
-//! source yet, and it has no `status.podIP` yet. The agent therefore records the
-//! addresses the plugin reports (an overlay, `namespace/name` → addresses, used
-//! for pods whose object has none), waits up to [`ENROLL_WAIT`] for the object
-//! (re-checking on each source change), reconciles at once, and answers when the
-//! pod's links exist, or with the reason they do not. Pods that are not to be
-//! enrolled are answered at once. DEL drops the overlay entry.
+//! The agent records the addresses the plugin reports ([`ReportedAddresses`]),
+//! waits up to [`ENROLL_WAIT`] for the pod's object (re-checking on each
+//! source change), reconciles at once, and answers when the pod's links
+//! exist, or with the reason they do not. Pods that are not to be enrolled
+//! are answered at once.
 
 use std::{
-    borrow::Cow,
     collections::{BTreeSet, HashMap, HashSet},
-    fs,
     net::IpAddr,
-    os::unix::fs::{DirBuilderExt as _, FileTypeExt as _, MetadataExt as _, PermissionsExt as _},
     path::{Path, PathBuf},
     sync::Arc,
     time::Instant,
 };
 
-use anyhow::{Context, Result, bail};
-use tokio::{
-    io::{AsyncReadExt as _, AsyncWriteExt as _},
-    net::{UnixListener, UnixStream},
-    sync::{mpsc, oneshot},
-};
+use tokio::sync::oneshot;
 
 use super::{
-    protocol::{Command, ENROLL_WAIT, MAX_MESSAGE, REQUEST_TIMEOUT, Reply, Request},
+    overlay::ReportedAddresses,
+    protocol::{Command, ENROLL_WAIT, Reply, Request},
     snapshot::Snapshot,
+    socket::Incoming,
 };
 use crate::{
     dataplane::CapturedPod,
-    k8s::{Namespace, Pod, PodIP, PodStatus},
+    k8s::{Namespace, Pod},
     state::WorkloadIndex,
 };
-
-/// A request of the plugin, with the way to answer it.
-#[derive(Debug)]
-pub struct Incoming {
-    /// The request.
-    pub request: Request,
-    /// Where the answer goes (the connection's task writes it).
-    pub reply: oneshot::Sender<Reply>,
-}
-
-/// The bound socket; dropping it stops accepting and removes the socket file
-/// (unless another agent has replaced it meanwhile).
-#[derive(Debug)]
-pub struct CniSocket {
-    path: PathBuf,
-    /// `(st_dev, st_ino)` of the socket file this agent made.
-    inode: (u64, u64),
-    accept: tokio::task::JoinHandle<()>,
-}
-
-impl Drop for CniSocket {
-    fn drop(&mut self) {
-        self.accept.abort();
-        if fs::symlink_metadata(&self.path).is_ok_and(|m| (m.dev(), m.ino()) == self.inode) {
-            let _ = fs::remove_file(&self.path);
-        }
-    }
-}
-
-impl CniSocket {
-    /// The socket's path.
-    pub fn path(&self) -> &Path {
-        &self.path
-    }
-}
-
-/// Binds the socket at `path` (creating its directory, mode 0755; replacing a
-/// stale socket file; the socket itself mode 0600) and serves it: each
-/// connection's request is handed to the returned channel, malformed ones are
-/// answered with an error naming the problem. Call within a tokio runtime.
-///
-/// # Errors
-/// A directory that cannot be made, a path holding something else than a
-/// socket, a socket that cannot be bound.
-pub fn listen(path: &Path) -> Result<(CniSocket, mpsc::Receiver<Incoming>)> {
-    if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty())
-        && !dir.is_dir()
-    {
-        fs::DirBuilder::new()
-            .recursive(true)
-            .mode(0o755)
-            .create(dir)
-            .with_context(|| format!("creating {}", dir.display()))?;
-    }
-    match fs::symlink_metadata(path) {
-        Ok(m) if m.file_type().is_socket() => {
-            fs::remove_file(path)
-                .with_context(|| format!("removing the stale socket {}", path.display()))?;
-        }
-        Ok(_) => bail!(
-            "{} exists and is not a socket: not replacing it",
-            path.display()
-        ),
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
-        Err(e) => return Err(e).with_context(|| format!("looking at {}", path.display())),
-    }
-    let listener =
-        UnixListener::bind(path).with_context(|| format!("binding {}", path.display()))?;
-    fs::set_permissions(path, fs::Permissions::from_mode(0o600))
-        .with_context(|| format!("restricting {}", path.display()))?;
-    let meta = fs::symlink_metadata(path)?;
-    let (tx, rx) = mpsc::channel(256);
-    // Connections served at once; more wait in the listen backlog, so that a
-    // flood of plugin connections cannot take the descriptors the proxy's
-    // connections need.
-    let slots = Arc::new(tokio::sync::Semaphore::new(MAX_CONNECTIONS));
-    let accept = tokio::spawn(async move {
-        loop {
-            let Ok(slot) = slots.clone().acquire_owned().await else {
-                return;
-            };
-            match listener.accept().await {
-                Ok((stream, _)) => {
-                    let tx = tx.clone();
-                    tokio::spawn(async move {
-                        connection(stream, tx).await;
-                        drop(slot);
-                    });
-                }
-                Err(e) => {
-                    tracing::warn!("accepting on the CNI socket: {e}");
-                    tokio::time::sleep(std::time::Duration::from_millis(100)).await;
-                }
-            }
-        }
-    });
-    Ok((
-        CniSocket {
-            path: path.to_path_buf(),
-            inode: (meta.dev(), meta.ino()),
-            accept,
-        },
-        rx,
-    ))
-}
-
-/// Plugin connections the agent serves at once (a node starts a few pods at a
-/// time; each connection lives until its pod is attached, at most a few seconds).
-pub const MAX_CONNECTIONS: usize = 256;
-
-/// Reads a request: up to a newline or the end of the plugin's writing, at
-/// most [`MAX_MESSAGE`] bytes.
-async fn read_request(stream: &mut UnixStream) -> Result<Request, String> {
-    let mut buf = Vec::new();
-    let mut chunk = [0u8; 4096];
-    loop {
-        let n = stream
-            .read(&mut chunk)
-            .await
-            .map_err(|e| format!("reading the request: {e}"))?;
-        if n == 0 {
-            break;
-        }
-        buf.extend_from_slice(&chunk[..n]);
-        if buf.len() > MAX_MESSAGE {
-            return Err(format!("the request is over {MAX_MESSAGE} bytes"));
-        }
-        if chunk[..n].contains(&b'\n') {
-            break;
-        }
-    }
-    let line = buf.split(|&b| b == b'\n').next().unwrap_or_default();
-    if line.iter().all(u8::is_ascii_whitespace) {
-        return Err("empty request".into());
-    }
-    Request::parse(line)
-}
-
-async fn connection(mut stream: UnixStream, requests: mpsc::Sender<Incoming>) {
-    let stopping = || Reply::Error {
-        message: "the agent is stopping".into(),
-        retry: true,
-    };
-    let reply = match tokio::time::timeout(REQUEST_TIMEOUT, read_request(&mut stream)).await {
-        Err(_) => Reply::Error {
-            message: format!("no complete request within {} s", REQUEST_TIMEOUT.as_secs()),
-            retry: false,
-        },
-        Ok(Err(message)) => {
-            tracing::warn!("CNI socket: refused a request: {message}");
-            Reply::Error {
-                message,
-                retry: false,
-            }
-        }
-        Ok(Ok(request)) => {
-            let (tx, rx) = oneshot::channel();
-            if requests
-                .send(Incoming { request, reply: tx })
-                .await
-                .is_err()
-            {
-                stopping()
-            } else {
-                rx.await.unwrap_or_else(|_| stopping())
-            }
-        }
-    };
-    let _ = stream.write_all(reply.to_line().as_bytes()).await;
-    let _ = stream.shutdown().await;
-}
-
-/// What the plugin reported for a pod.
-#[derive(Clone, Debug, PartialEq, Eq)]
-struct Reported {
-    container_id: String,
-    ips: Vec<IpAddr>,
-    host_interface: Option<String>,
-}
 
 /// An ADD or CHECK waiting for its answer.
 #[derive(Debug)]
@@ -231,10 +44,8 @@ pub struct Enroller {
     node: String,
     snapshot_path: PathBuf,
     written: Option<Snapshot>,
-    overlay: HashMap<String, Reported>,
-    /// The pods (`namespace/name`) whose reported addresses changed since
-    /// [`Enroller::take_changed`].
-    changed: BTreeSet<String>,
+    /// The addresses the plugin reported.
+    addresses: ReportedAddresses,
     pending: Vec<Pending>,
 }
 
@@ -268,8 +79,7 @@ impl Enroller {
             node: node.to_string(),
             snapshot_path: Snapshot::path_for(socket),
             written: None,
-            overlay: HashMap::new(),
-            changed: BTreeSet::new(),
+            addresses: ReportedAddresses::default(),
             pending: Vec::new(),
         }
     }
@@ -283,15 +93,7 @@ impl Enroller {
         tracing::debug!(command = ?request.command, pod = %key, ips = ?request.ips, "CNI request");
         match request.command {
             Command::Add => {
-                let reported = Reported {
-                    container_id: request.container_id.clone(),
-                    ips: request.ips.clone(),
-                    host_interface: request.host_interface.clone(),
-                };
-                if self.overlay.get(&key) != Some(&reported) {
-                    self.changed.insert(key.clone());
-                    self.overlay.insert(key, reported);
-                }
+                self.addresses.report(&request);
                 self.pending.push(Pending {
                     request,
                     deadline: Instant::now() + ENROLL_WAIT,
@@ -304,14 +106,7 @@ impl Enroller {
                 reply,
             }),
             Command::Del => {
-                if self
-                    .overlay
-                    .get(&key)
-                    .is_some_and(|r| r.container_id == request.container_id)
-                {
-                    self.overlay.remove(&key);
-                    self.changed.insert(key.clone());
-                }
+                self.addresses.forget(&request);
                 for p in self.pending.extract_if(.., |p| {
                     p.request.key() == key && p.request.container_id == request.container_id
                 }) {
@@ -325,11 +120,15 @@ impl Enroller {
         }
     }
 
+    /// The addresses the plugin reported (a layer over the source's pods).
+    pub fn addresses(&self) -> &ReportedAddresses {
+        &self.addresses
+    }
+
     /// The pods (`namespace/name`) whose reported addresses changed since the
-    /// last call: their workloads are to be made again with
-    /// [`Enroller::overlaid`].
+    /// last call: their workloads are to be made again.
     pub fn take_changed(&mut self) -> BTreeSet<String> {
-        std::mem::take(&mut self.changed)
+        self.addresses.take_changed()
     }
 
     /// Whether requests wait for an answer (the agent reconciles for them).
@@ -340,39 +139,6 @@ impl Enroller {
     /// When the first waiting request times out.
     pub fn next_deadline(&self) -> Option<Instant> {
         self.pending.iter().map(|p| p.deadline).min()
-    }
-
-    /// `pods`, those the plugin reported given the addresses it reported: the
-    /// live sandbox's addresses win over the object's, which may still be those
-    /// of an earlier sandbox (until the kubelet updates the status) or none yet.
-    pub fn pods<'a>(&self, pods: impl Iterator<Item = &'a Pod>) -> Vec<Cow<'a, Pod>> {
-        pods.map(|pod| self.overlaid(pod)).collect()
-    }
-
-    /// `pod` as [`Enroller::pods`] gives it.
-    pub fn overlaid<'a>(&self, pod: &'a Pod) -> Cow<'a, Pod> {
-        if self.overlay.is_empty() {
-            return Cow::Borrowed(pod);
-        }
-        let Some(key) = pod.key() else {
-            return Cow::Borrowed(pod);
-        };
-        match self.overlay.get(&key) {
-            Some(reported) if !reported.ips.is_empty() && !has_addresses(pod, &reported.ips) => {
-                let mut pod = pod.clone();
-                let status = pod.status.get_or_insert_with(PodStatus::default);
-                status.pod_ip = Some(reported.ips[0].to_string());
-                status.pod_ips = Some(
-                    reported
-                        .ips
-                        .iter()
-                        .map(|ip| PodIP { ip: ip.to_string() })
-                        .collect(),
-                );
-                Cow::Owned(pod)
-            }
-            _ => Cow::Borrowed(pod),
-        }
     }
 
     /// Answers the waiting requests that can be answered after a reconcile:
@@ -594,27 +360,12 @@ impl Enroller {
     }
 }
 
-/// Whether the pod's object lists exactly `ips` (`status.podIPs`, else
-/// `status.podIP`).
-fn has_addresses(pod: &Pod, ips: &[IpAddr]) -> bool {
-    let Some(status) = pod.status.as_ref() else {
-        return false;
-    };
-    let listed: Vec<IpAddr> = match status.pod_ips.as_deref() {
-        Some(list) if !list.is_empty() => list.iter().filter_map(|p| p.ip.parse().ok()).collect(),
-        _ => status
-            .pod_ip
-            .as_deref()
-            .and_then(|ip| ip.parse().ok())
-            .into_iter()
-            .collect(),
-    };
-    listed == ips
-}
-
 #[cfg(test)]
 mod tests {
+    use std::borrow::Cow;
+
     use super::*;
+    use crate::state::PodLayer;
 
     fn pod(yaml: &str) -> Pod {
         serde_yaml_ng::from_str(yaml).unwrap()
@@ -667,26 +418,6 @@ mod tests {
     }
 
     #[test]
-    fn the_live_sandbox_addresses_win_over_a_stale_object() {
-        let (_dir, mut e) = enroller();
-        let stale = pod(
-            "metadata: {name: web, namespace: amb}\nspec: {nodeName: n1}\nstatus: {podIP: 10.244.1.8, podIPs: [{ip: 10.244.1.8}]}",
-        );
-        let _add = send(&mut e, request(Command::Add, "web", "c1"));
-        let pods = e.pods([&stale].into_iter());
-        let status = pods[0].status.as_ref().unwrap();
-        assert_eq!(status.pod_ip.as_deref(), Some("10.244.1.9"));
-        // Once the object lists the same addresses, it is used as it is.
-        let current = pod(
-            "metadata: {name: web, namespace: amb}\nspec: {nodeName: n1}\nstatus: {podIP: 10.244.1.9}",
-        );
-        assert!(matches!(
-            e.pods([&current].into_iter())[0],
-            Cow::Borrowed(_)
-        ));
-    }
-
-    #[test]
     fn the_overlay_gives_addresses_and_answers_follow_the_reconcile() {
         let (_dir, mut e) = enroller();
         let ns = ambient_namespace();
@@ -705,7 +436,10 @@ mod tests {
             BTreeSet::from(["amb/ghost", "amb/new", "amb/out"].map(String::from))
         );
         assert!(e.take_changed().is_empty());
-        let pods = e.pods([&new, &out].into_iter());
+        let pods: Vec<_> = [&new, &out]
+            .into_iter()
+            .map(|p| e.addresses().overlaid(p))
+            .collect();
         assert!(matches!(pods[0], Cow::Owned(_)));
         let (index, _) = WorkloadIndex::build(
             "n1",
@@ -810,7 +544,7 @@ mod tests {
             );
         }
         assert_eq!(e.take_changed(), BTreeSet::from(["amb/new".to_string()]));
-        assert!(matches!(e.pods([&new].into_iter())[0], Cow::Borrowed(_)));
+        assert!(matches!(e.addresses().overlaid(&new), Cow::Borrowed(_)));
         e.stop();
         assert!(matches!(
             add_unknown.try_recv(),
@@ -833,7 +567,10 @@ mod tests {
             "metadata: {name: other, namespace: amb}\nspec: {nodeName: n1}\nstatus: {podIP: 10.244.1.9}",
         );
         let mut add = send(&mut e, request(Command::Add, "new", "c1"));
-        let pods = e.pods([&new, &other].into_iter());
+        let pods: Vec<_> = [&new, &other]
+            .into_iter()
+            .map(|p| e.addresses().overlaid(p))
+            .collect();
         let (index, warnings) = WorkloadIndex::build(
             "n1",
             "cluster.local",
@@ -865,45 +602,5 @@ mod tests {
             }
             other => panic!("{other:?}"),
         }
-    }
-
-    #[tokio::test]
-    async fn the_socket_serves_and_refuses_malformed_requests() {
-        let dir = tempfile::tempdir().unwrap();
-        let path = dir.path().join("sub/cni.sock");
-        // A stale socket file is replaced.
-        fs::create_dir_all(path.parent().unwrap()).unwrap();
-        drop(std::os::unix::net::UnixListener::bind(&path).unwrap());
-        let (socket, mut rx) = listen(&path).unwrap();
-        let exchange = |body: &'static [u8]| {
-            let path = path.clone();
-            tokio::task::spawn_blocking(move || {
-                use std::io::{Read, Write};
-                let mut s = std::os::unix::net::UnixStream::connect(&path).unwrap();
-                s.write_all(body).unwrap();
-                s.shutdown(std::net::Shutdown::Write).unwrap();
-                let mut out = Vec::new();
-                s.read_to_end(&mut out).unwrap();
-                Reply::parse(&out).unwrap()
-            })
-        };
-        let bad = exchange(b"{\"version\": 1, \"command\": \"ADD\"}\n")
-            .await
-            .unwrap();
-        assert!(matches!(bad, Reply::Error { message, .. } if message.contains("containerId")));
-        let garbage = exchange(b"\x00\x01").await.unwrap();
-        assert!(matches!(garbage, Reply::Error { message, .. } if message.contains("not JSON")));
-        let good = exchange(
-            br#"{"version":1,"command":"DEL","containerId":"c","namespace":"n","name":"p"}"#,
-        );
-        let incoming = rx.recv().await.unwrap();
-        assert_eq!(incoming.request.key(), "n/p");
-        incoming.reply.send(Reply::Removed).unwrap();
-        assert_eq!(good.await.unwrap(), Reply::Removed);
-        drop(socket);
-        assert!(!path.exists());
-        // Something else than a socket is not replaced.
-        fs::write(&path, "x").unwrap();
-        assert!(format!("{:#}", listen(&path).unwrap_err()).contains("not a socket"));
     }
 }

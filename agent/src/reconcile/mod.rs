@@ -1,0 +1,381 @@
+//! The reconciler: reads the state, plans against the node's network, applies
+//! the plan to the dataplane, and answers the podlink-cni plugin.
+//!
+//! What it does to the kernel goes through [`Capture`] (the eBPF dataplane,
+//! or a fake in unit tests); the node's network is a value
+//! ([`NodeNetwork`]) read by the loop ([`run`]). A pod is planned for capture
+//! when it is this node's, enrolled, has an IPv4 address and a host route to a
+//! veth of its own; the proxy is told of the workloads before anything is
+//! attached, so a pod's first connection finds the proxy knowing it. What may
+//! be detached follows how complete the source's view is
+//! ([`Completeness`] → [`Removal`]).
+
+pub mod run;
+#[cfg(test)]
+mod tests;
+
+use std::{
+    collections::{HashMap, HashSet},
+    net::{IpAddr, Ipv4Addr},
+    sync::Arc,
+    time::{Duration, Instant},
+};
+
+use crate::{
+    cni::enroller::{Attached, Enroller, SourceView},
+    dataplane::{CapturedPod, Dataplane, Removal, netlink::NodeNetwork},
+    identity::SpiffeId,
+    proxy::{ProxyState, View},
+    source::CaptureReporter,
+    state::{Completeness, Delta, Refreshed, State},
+};
+
+/// What the reconciler does to the kernel.
+pub trait Capture {
+    /// Why an operation failed (named in logs and CNI answers).
+    type Error: std::fmt::Display;
+
+    /// Writes the node's own addresses (connections from them are not
+    /// captured).
+    ///
+    /// # Errors
+    /// A failed map write.
+    fn set_node_addrs(&mut self, addrs: &[Ipv4Addr]) -> Result<(), Self::Error>;
+
+    /// Makes the attachments and map entries match `wanted` (attaching new
+    /// pods, adopting a previous agent's pins, detaching others as far as
+    /// `removal` allows); returns the pods that could not be attached.
+    fn reconcile(
+        &mut self,
+        wanted: &[CapturedPod],
+        removal: Removal,
+    ) -> Vec<(CapturedPod, Self::Error)>;
+}
+
+impl Capture for Dataplane {
+    type Error = anyhow::Error;
+
+    fn set_node_addrs(&mut self, addrs: &[Ipv4Addr]) -> Result<(), Self::Error> {
+        Dataplane::set_node_addrs(self, addrs)
+    }
+
+    fn reconcile(
+        &mut self,
+        wanted: &[CapturedPod],
+        removal: Removal,
+    ) -> Vec<(CapturedPod, Self::Error)> {
+        Dataplane::reconcile(self, wanted, removal)
+    }
+}
+
+/// What may be detached when the source's view is `completeness`.
+pub fn removal(completeness: Completeness) -> Removal {
+    match completeness {
+        Completeness::Incomplete => Removal::Nothing,
+        Completeness::UnreadableParts => Removal::OwnOnly,
+        Completeness::Complete => Removal::All,
+    }
+}
+
+/// Retry delays for pods that wait for their host veth (or failed to attach):
+/// quick at first, then slower, so a pod that never gets one costs little.
+pub const PENDING_RETRY_MIN: Duration = Duration::from_millis(200);
+/// See [`PENDING_RETRY_MIN`].
+pub const PENDING_RETRY_MAX: Duration = Duration::from_secs(5);
+/// How long an enrolled pod of this node may have no host route (its sandbox
+/// starting) before the agent warns that none leads to it.
+pub const NO_ROUTE_WARNING: Duration = Duration::from_secs(30);
+
+/// The reconciler's state between two rounds.
+pub struct Reconciler<C: Capture> {
+    /// What the source sent, and the indexes made from it.
+    pub state: State,
+    /// The dataplane.
+    pub capture: C,
+    /// The pods podlink-cni told about: their reported addresses, the requests
+    /// waiting for an answer, the enrollment snapshot.
+    pub cni: Enroller,
+    /// Tells the cluster which pods are captured (the Kubernetes source).
+    reporter: Option<Box<dyn CaptureReporter>>,
+    /// Whether the source lists every Namespace ([`crate::source::Source`]).
+    lists_every_namespace: bool,
+    /// Stable numbers of workloads (`namespace/name`) for the pods map.
+    workload_ids: HashMap<String, u32>,
+    next_id: u32,
+    /// Some enrolled pod is not attached yet (no host veth, or an error): retry
+    /// after this long.
+    pending_retry: Option<Duration>,
+    /// The enrollment snapshot may be out of date (not written while the
+    /// source was incomplete, or its write failed): write it at the next change.
+    snapshot_due: bool,
+    /// The pods to capture, as last planned.
+    wanted: Vec<CapturedPod>,
+    /// Some pod waits for its host route (or the network could not be read).
+    waiting: bool,
+    /// Workloads already warned about (warnings are given once).
+    warned: HashSet<String>,
+    /// The index's [`crate::state::WorkloadIndex::removals`] when
+    /// `workload_ids`, `warned` and `no_route_since` last dropped the workloads
+    /// it no longer has.
+    pruned_at: Option<u64>,
+    /// When each enrolled local pod without a host route was first seen so
+    /// ([`NO_ROUTE_WARNING`]).
+    no_route_since: HashMap<String, Instant>,
+    /// The planned pods attached by the last apply (`namespace/name`).
+    attached: HashSet<Arc<str>>,
+    /// The planned pods whose attach failed in the last apply, with the error.
+    attach_errors: HashMap<String, String>,
+    /// The host veths (ifindex) whose attach failed in the last apply: their
+    /// names may have changed ([`Reconciler::take_failed_interfaces`]).
+    failed_interfaces: Vec<u32>,
+}
+
+impl<C: Capture> Reconciler<C> {
+    /// A reconciler of `state` through `capture`, answering podlink-cni with
+    /// `cni`; `reporter` and `lists_every_namespace` come from the source.
+    pub fn new(
+        state: State,
+        capture: C,
+        cni: Enroller,
+        reporter: Option<Box<dyn CaptureReporter>>,
+        lists_every_namespace: bool,
+    ) -> Self {
+        Reconciler {
+            state,
+            capture,
+            cni,
+            reporter,
+            lists_every_namespace,
+            workload_ids: HashMap::new(),
+            next_id: 1,
+            pending_retry: None,
+            snapshot_due: false,
+            wanted: Vec::new(),
+            waiting: false,
+            warned: HashSet::new(),
+            pruned_at: None,
+            no_route_since: HashMap::new(),
+            attached: HashSet::new(),
+            attach_errors: HashMap::new(),
+            failed_interfaces: Vec::new(),
+        }
+    }
+
+    /// Takes in a source's delta (made into indexes by the next
+    /// [`Reconciler::refresh`]).
+    pub fn apply_delta(&mut self, delta: Delta) {
+        self.state.apply(delta);
+    }
+
+    /// Makes the state's indexes again from the deltas and the addresses
+    /// podlink-cni reported since the last refresh, and writes the enrollment
+    /// snapshot when the enrollment labels may have changed.
+    pub fn refresh(&mut self) -> Refreshed {
+        let reported = self.cni.take_changed();
+        let refreshed = self.state.refresh(self.cni.addresses(), reported);
+        if refreshed.enrollment_labels || self.snapshot_due {
+            let complete = self.state.completeness() == Completeness::Complete;
+            self.snapshot_due =
+                !self
+                    .cni
+                    .update_snapshot(complete, self.state.pods(), self.state.namespaces());
+        }
+        refreshed
+    }
+
+    /// When to try again, while some enrolled pod is not attached.
+    pub fn pending_retry(&self) -> Option<Duration> {
+        self.pending_retry
+    }
+
+    /// The pods planned for capture.
+    pub fn wanted(&self) -> &[CapturedPod] {
+        &self.wanted
+    }
+
+    /// The planned pods attached by the last apply (`namespace/name`).
+    pub fn attached(&self) -> &HashSet<Arc<str>> {
+        &self.attached
+    }
+
+    /// The host veths (ifindex) whose attach failed in the last apply: their
+    /// names may have changed, to be asked again.
+    pub fn take_failed_interfaces(&mut self) -> Vec<u32> {
+        std::mem::take(&mut self.failed_interfaces)
+    }
+
+    /// Notes that the node's network could not be read: a retry is due.
+    pub fn network_unread(&mut self) {
+        self.waiting = true;
+    }
+
+    /// Decides which pods to capture (their host veths) from the state and
+    /// the node's `network`.
+    pub fn plan(&mut self, network: &NodeNetwork) {
+        self.wanted = self.wanted_pods(network);
+    }
+
+    /// Hands the proxy the workloads, the policies, the Services and the
+    /// planned pods' addresses (before anything is attached: a pod's first
+    /// connection finds the proxy knowing it), and the certificates it needs.
+    pub fn publish(&self, proxy: &ProxyState) {
+        let captured: HashSet<IpAddr> = self.wanted.iter().map(|p| IpAddr::V4(p.ipv4)).collect();
+        let view = proxy.view();
+        let index = self.state.workloads();
+        if !Arc::ptr_eq(&view.workloads, index)
+            || !Arc::ptr_eq(&view.policies, self.state.policies())
+            || !Arc::ptr_eq(&view.services, self.state.services())
+            || *view.captured != captured
+        {
+            proxy.update(View {
+                workloads: index.clone(),
+                captured: Arc::new(captured),
+                policies: self.state.policies().clone(),
+                services: self.state.services().clone(),
+            });
+            // Certificates are only needed for this node's enrolled workloads
+            // (often many pods to one identity: each is copied once).
+            let local: HashSet<&SpiffeId> = index
+                .workloads()
+                .filter(|w| w.enrollment.is_enrolled() && index.is_local(w))
+                .map(|w| &w.identity)
+                .collect();
+            proxy.certs.retain(|id| local.contains(id));
+            proxy.certs.prefetch(local.into_iter().cloned());
+        }
+    }
+
+    /// Attaches the planned pods and detaches the others as far as the
+    /// source's completeness allows; tells the reporter which pods are
+    /// captured; schedules a retry while some pod waits.
+    pub fn apply(&mut self, network: &NodeNetwork) {
+        let removal = removal(self.state.completeness());
+        let mut retry = std::mem::take(&mut self.waiting);
+        if let Err(e) = self.capture.set_node_addrs(&network.addrs) {
+            tracing::warn!("writing node addresses: {e:#}");
+        }
+        if removal != Removal::All {
+            tracing::debug!(
+                ?removal,
+                "workload source incomplete for now: detaching less"
+            );
+        }
+        let mut captured: HashSet<Arc<str>> =
+            self.wanted.iter().map(|p| p.workload.clone()).collect();
+        self.attach_errors.clear();
+        self.failed_interfaces.clear();
+        for (pod, error) in self.capture.reconcile(&self.wanted, removal) {
+            tracing::warn!(workload = %pod.workload, ifname = %pod.ifname, "capture failed: {error:#}");
+            captured.remove(&pod.workload);
+            self.attach_errors
+                .insert(pod.workload.to_string(), format!("{error:#}"));
+            self.failed_interfaces.push(pod.ifindex);
+            retry = true;
+        }
+        if let Some(reporter) = &mut self.reporter {
+            reporter.captured(&captured);
+        }
+        self.attached = captured;
+        // What is kept per workload goes with it.
+        let index = self.state.workloads();
+        if self.pruned_at != Some(index.removals()) {
+            self.workload_ids.retain(|k, _| index.get(k).is_some());
+            self.warned.retain(|k| index.get(k).is_some());
+            self.no_route_since.retain(|k, _| index.get(k).is_some());
+            self.pruned_at = Some(index.removals());
+        }
+        self.pending_retry = (retry || removal == Removal::Nothing).then(|| {
+            self.pending_retry
+                .map_or(PENDING_RETRY_MIN, |d| (d * 2).min(PENDING_RETRY_MAX))
+        });
+    }
+
+    /// Answers the podlink-cni requests the last apply settled.
+    pub fn answer_cni(&mut self) {
+        let state = &self.state;
+        let lists_every_namespace = self.lists_every_namespace;
+        self.cni.answer(
+            state.workloads(),
+            Attached {
+                wanted: &self.wanted,
+                captured: &self.attached,
+                errors: &self.attach_errors,
+            },
+            SourceView {
+                complete: state.completeness() == Completeness::Complete,
+                knows_namespace: &|ns| !lists_every_namespace || state.has_namespace(ns),
+            },
+        );
+    }
+
+    /// Warns once per workload.
+    fn warn_once(&mut self, key: &str, message: &str) {
+        if self.warned.insert(key.to_string()) {
+            tracing::warn!(workload = %key, "{message}");
+        }
+    }
+
+    /// The pods to capture: this node's enrolled workloads with an IPv4 address and
+    /// a host route to a veth of their own. Sets `waiting` when some have none yet.
+    fn wanted_pods(&mut self, network: &NodeNetwork) -> Vec<CapturedPod> {
+        let index = self.state.workloads().clone();
+        let mut wanted: Vec<CapturedPod> = Vec::with_capacity(self.wanted.len() + 1);
+        let mut owners: HashMap<u32, &str> = HashMap::with_capacity(self.wanted.len() + 1);
+        for workload in index.captured() {
+            let key = workload.key();
+            let Some(ipv4) = workload.ipv4() else {
+                self.warn_once(key, "enrolled pod has no IPv4 address; IPv6 capture is not supported yet (its IPv6 TCP is dropped)");
+                continue;
+            };
+            let Some(&ifindex) = network.host_routes.get(&ipv4) else {
+                tracing::debug!(workload = %key, ip = %ipv4, "no host route to this pod yet");
+                self.waiting = true;
+                let since = *self
+                    .no_route_since
+                    .entry(key.to_string())
+                    .or_insert_with(Instant::now);
+                if since.elapsed() >= NO_ROUTE_WARNING {
+                    self.warn_once(key, &format!("enrolled pod at {ipv4} has had no host route for {} s: no veth of this node leads to it (is it running here?); it is captured once one does", NO_ROUTE_WARNING.as_secs()));
+                }
+                continue;
+            };
+            if !self.no_route_since.is_empty() {
+                self.no_route_since.remove(key);
+            }
+            if network.unresolved.contains(&ifindex) {
+                self.waiting = true;
+                continue;
+            }
+            let Some(ifname) = network.veths.get(&ifindex) else {
+                self.warn_once(key, &format!("the node's host route to {ipv4} leads to interface {ifindex}, which is not a veth; not capturing it"));
+                continue;
+            };
+            if let Some(other) = owners.get(&ifindex) {
+                self.warn_once(
+                    key,
+                    &format!(
+                        "{other} already owns host veth {ifname}; not capturing a second pod on it"
+                    ),
+                );
+                continue;
+            }
+            owners.insert(ifindex, key);
+            let workload_id = match self.workload_ids.get(key) {
+                Some(&id) => id,
+                None => {
+                    self.next_id += 1;
+                    self.workload_ids.insert(key.to_string(), self.next_id - 1);
+                    self.next_id - 1
+                }
+            };
+            wanted.push(CapturedPod {
+                workload: workload.key.clone(),
+                workload_id,
+                ipv4,
+                ifname: ifname.clone(),
+                ifindex,
+            });
+        }
+        wanted
+    }
+}

@@ -1,0 +1,79 @@
+//! What a source tells the state: the objects that changed since its last
+//! delta, and how complete its view is.
+
+use std::sync::Arc;
+
+use crate::{
+    authz::Policy,
+    k8s::{EndpointSlice, Namespace, Pod, Service},
+};
+
+/// A change of what a source knows, as [`super::State::apply`] takes it.
+///
+/// Pods are carried one by one (the objects themselves, keyed `namespace/name`);
+/// namespaces, Services, EndpointSlices and policies, which a node holds few of
+/// and whose indexes are rebuilt whole, are carried as the whole set when any
+/// of them changed. `None` means unchanged.
+#[derive(Clone, Debug, Default)]
+pub struct Delta {
+    /// Every pod the source has, when it read them all anew (its first view, a
+    /// Kubernetes watch that listed again): pods not in it are gone.
+    pub all_pods: Option<Vec<Pod>>,
+    /// Pods changed since the last delta: `namespace/name` with every definition
+    /// the source has of it now, in the source's order (a manifests directory
+    /// may define a pod twice: the first definition is used); none when it is
+    /// gone.
+    pub pods: Vec<(String, Vec<Pod>)>,
+    /// Every Namespace object, when one was added, changed or removed (of two
+    /// of one name, the last is used).
+    pub namespaces: Option<Vec<Namespace>>,
+    /// Every Service, when one changed.
+    pub services: Option<Vec<Service>>,
+    /// Every EndpointSlice (`discovery.k8s.io/v1`), when one changed.
+    pub endpoint_slices: Option<Vec<EndpointSlice>>,
+    /// Every authorization policy, when one changed.
+    pub policies: Option<Vec<Arc<Policy>>>,
+    /// How complete the source's view is now (carried by every delta).
+    pub completeness: Completeness,
+    /// Why the policies cannot be known now, if they cannot (carried by every
+    /// delta): every inbound connection to this node's enrolled pods is then
+    /// denied.
+    pub policies_unknown: Option<PoliciesUnknown>,
+}
+
+impl Delta {
+    /// Whether the delta changes no object (it may still change the
+    /// completeness or whether policies are known).
+    pub fn has_no_objects(&self) -> bool {
+        self.all_pods.is_none()
+            && self.pods.is_empty()
+            && self.namespaces.is_none()
+            && self.services.is_none()
+            && self.endpoint_slices.is_none()
+            && self.policies.is_none()
+    }
+}
+
+/// How complete a source's view is, which decides what the agent may take as
+/// gone (see [`crate::dataplane::Removal`]).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Completeness {
+    /// Not whole for now: the first lists are not done, or a change is
+    /// settling. A pod missing from it may be missing only for the moment.
+    #[default]
+    Incomplete,
+    /// Whole but for objects that cannot be read (a manifest broken since
+    /// start-up): pods captured before this agent started may still be wanted.
+    UnreadableParts,
+    /// Whole.
+    Complete,
+}
+
+/// Why the authorization policies cannot be known.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct PoliciesUnknown {
+    /// What is broken, as logs name it: `/etc/podlink/manifests/p.yaml`.
+    pub what: String,
+    /// Why, as the source found it.
+    pub why: String,
+}

@@ -1,0 +1,202 @@
+use std::collections::BTreeMap;
+
+use super::*;
+
+fn pod(ns: &str, name: &str, ip: &str, label: Option<&str>) -> Pod {
+    let labels = label.map_or(String::new(), |v| {
+        format!(", labels: {{istio.io/dataplane-mode: {v}}}")
+    });
+    serde_yaml_ng::from_str(&format!(
+        "metadata: {{name: {name}, namespace: {ns}{labels}}}\nspec: {{nodeName: n1}}\nstatus: {{podIP: {ip}}}"
+    ))
+    .unwrap()
+}
+
+fn namespace(name: &str, ambient: bool) -> Namespace {
+    let labels = if ambient {
+        ", labels: {istio.io/dataplane-mode: ambient}"
+    } else {
+        ""
+    };
+    serde_yaml_ng::from_str(&format!("metadata: {{name: {name}{labels}}}")).unwrap()
+}
+
+fn state() -> State {
+    State::new("n1", "cluster.local", "istio-system")
+}
+
+/// The workloads of `state`, in key order, for comparison.
+fn workloads(state: &State) -> Vec<Workload> {
+    state
+        .workloads()
+        .workloads()
+        .map(|w| Workload::clone(w))
+        .collect()
+}
+
+fn complete(delta: Delta) -> Delta {
+    Delta {
+        completeness: Completeness::Complete,
+        ..delta
+    }
+}
+
+/// Pod by pod, the deltas of a source make the workloads a whole read of the
+/// same pods makes, and say when an enrollment label is involved.
+#[test]
+fn pod_deltas_make_what_a_whole_read_makes() {
+    let mut s = state();
+    s.apply(complete(Delta {
+        all_pods: Some(Vec::new()),
+        namespaces: Some(vec![namespace("a", true)]),
+        ..Delta::default()
+    }));
+    s.refresh(&NoLayer, BTreeSet::new());
+    let mut objects: BTreeMap<String, Pod> = BTreeMap::new();
+    // Each step: pods written (`Some`) or deleted (`None`), and whether an
+    // enrollment label is involved.
+    type Step = (Vec<(&'static str, Option<Pod>)>, bool);
+    let steps: Vec<Step> = vec![
+        (
+            vec![("b/web", Some(pod("b", "web", "10.0.0.2", None)))],
+            false,
+        ),
+        (
+            vec![
+                ("a/z", Some(pod("a", "z", "10.0.0.1", Some("ambient")))),
+                ("c/a", Some(pod("c", "a", "10.0.0.3", None))),
+            ],
+            true,
+        ),
+        (
+            vec![("b/web", Some(pod("b", "web", "10.0.0.9", None)))],
+            false,
+        ),
+        (
+            vec![("b/web", Some(pod("b", "web", "10.0.0.9", Some("none"))))],
+            true,
+        ),
+        (vec![("a/z", None), ("b/web", None)], true),
+        (vec![("a/a", Some(pod("a", "a", "10.0.0.5", None)))], false),
+    ];
+    for (n, (writes, labels)) in steps.into_iter().enumerate() {
+        let mut delta = complete(Delta::default());
+        for (key, object) in writes {
+            match &object {
+                Some(p) => objects.insert(key.to_string(), p.clone()),
+                None => objects.remove(key),
+            };
+            delta
+                .pods
+                .push((key.to_string(), object.into_iter().collect()));
+        }
+        s.apply(delta);
+        let refreshed = s.refresh(&NoLayer, BTreeSet::new());
+        assert!(refreshed.changed, "step {n}");
+        assert_eq!(refreshed.enrollment_labels, labels, "step {n}");
+        let mut whole = state();
+        whole.apply(complete(Delta {
+            all_pods: Some(objects.values().cloned().collect()),
+            namespaces: Some(vec![namespace("a", true)]),
+            ..Delta::default()
+        }));
+        whole.refresh(&NoLayer, BTreeSet::new());
+        assert_eq!(workloads(&s), workloads(&whole), "step {n}");
+    }
+}
+
+/// A delta that changes nothing (a pod reported by two watches) changes
+/// nothing to reconcile, and keeps the index.
+#[test]
+fn an_unchanged_delta_changes_nothing() {
+    let mut s = state();
+    let web = pod("a", "web", "10.0.0.2", None);
+    s.apply(complete(Delta {
+        all_pods: Some(vec![web.clone()]),
+        ..Delta::default()
+    }));
+    assert!(s.refresh(&NoLayer, BTreeSet::new()).changed);
+    let before = s.workloads().clone();
+    s.apply(complete(Delta {
+        pods: vec![("a/web".into(), vec![web.clone()])],
+        ..Delta::default()
+    }));
+    s.apply(complete(Delta {
+        all_pods: Some(vec![web]),
+        ..Delta::default()
+    }));
+    assert_eq!(s.refresh(&NoLayer, BTreeSet::new()), Refreshed::default());
+    assert!(Arc::ptr_eq(&before, s.workloads()));
+}
+
+/// A namespace's label enrolls its pods; completeness is the last delta's.
+#[test]
+fn a_namespace_change_remakes_its_pods() {
+    let mut s = state();
+    s.apply(Delta {
+        all_pods: Some(vec![pod("a", "web", "10.0.0.2", None)]),
+        namespaces: Some(vec![namespace("a", false)]),
+        ..Delta::default()
+    });
+    s.refresh(&NoLayer, BTreeSet::new());
+    assert_eq!(s.completeness(), Completeness::Incomplete);
+    assert_eq!(s.workloads().captured().count(), 0);
+    s.apply(complete(Delta {
+        namespaces: Some(vec![namespace("a", true)]),
+        ..Delta::default()
+    }));
+    let refreshed = s.refresh(&NoLayer, BTreeSet::new());
+    assert!(refreshed.changed && refreshed.enrollment_labels);
+    assert_eq!(s.completeness(), Completeness::Complete);
+    assert_eq!(s.workloads().captured().count(), 1);
+    assert!(s.has_namespace("a") && !s.has_namespace("b"));
+}
+
+/// A layer that gives a pod its address: the pod is made again when the
+/// layer changes for it.
+#[test]
+fn a_layer_gives_pods_addresses() {
+    struct Give(&'static str);
+    impl PodLayer for Give {
+        fn overlaid<'a>(&self, pod: &'a Pod) -> Cow<'a, Pod> {
+            let mut pod = pod.clone();
+            pod.status.get_or_insert_with(Default::default).pod_ip = Some(self.0.into());
+            Cow::Owned(pod)
+        }
+    }
+    let mut s = state();
+    let bare: Pod =
+        serde_yaml_ng::from_str("metadata: {name: web, namespace: a}\nspec: {nodeName: n1}")
+            .unwrap();
+    s.apply(complete(Delta {
+        all_pods: Some(vec![bare]),
+        ..Delta::default()
+    }));
+    s.refresh(&NoLayer, BTreeSet::new());
+    assert!(s.workloads().get("a/web").unwrap().ips.is_empty());
+    let refreshed = s.refresh(&Give("10.0.0.7"), BTreeSet::from(["a/web".to_string()]));
+    assert!(refreshed.changed);
+    assert_eq!(
+        s.workloads().get("a/web").unwrap().ips,
+        ["10.0.0.7".parse::<std::net::IpAddr>().unwrap()]
+    );
+}
+
+/// Policies that cannot be known deny everything until they are known again.
+#[test]
+fn unknown_policies_deny_until_known() {
+    let mut s = state();
+    s.apply(Delta {
+        all_pods: Some(Vec::new()),
+        policies_unknown: Some(PoliciesUnknown {
+            what: "/m/p.yaml".into(),
+            why: "line 3: bad".into(),
+        }),
+        ..Delta::default()
+    });
+    s.refresh(&NoLayer, BTreeSet::new());
+    assert_eq!(s.policies().unknown(), Some("/m/p.yaml is broken"));
+    s.apply(complete(Delta::default()));
+    assert!(s.refresh(&NoLayer, BTreeSet::new()).changed);
+    assert_eq!(s.policies().unknown(), None);
+}
