@@ -8,8 +8,8 @@
 //!   flows into the same device's ingress, where `from_pod` can assign them
 //!   (`bpf_sk_assign` only works at ingress).
 //!
-//! The kernel facts they rely on are listed in the README ("Kernel facts the data
-//! path depends on"). Entry points are thin; the work is in [`parse`], [`socket`]
+//! The kernel facts they rely on are listed in docs/architecture.md ("Kernel facts
+//! the data path depends on"). Entry points are thin; the work is in [`parse`], [`socket`]
 //! and [`maps`].
 #![no_std]
 #![no_main]

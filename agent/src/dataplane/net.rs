@@ -57,8 +57,8 @@ pub fn install_policy_routing(mark: u32, mask: u32, table: u32, priority: u32) -
     Ok(())
 }
 
-/// The sysctls the data path needs in the node namespace (see the README, "Kernel
-/// facts the data path depends on"): early demux would attach later packets of
+/// The sysctls the data path needs in the node namespace (see docs/architecture.md,
+/// "Kernel facts the data path depends on"): early demux would attach later packets of
 /// proxied flows arriving from the uplink or another pod to the proxy's socket and
 /// then drop them in the forwarding path.
 ///

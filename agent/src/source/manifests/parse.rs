@@ -511,14 +511,14 @@ mod tests {
         assert_eq!(objects.pods[0].metadata.name.as_deref(), Some("web"));
     }
 
-    /// The README's example manifests directory is read as it says: the pod is
-    /// enrolled on node1 with the identity the comment gives.
+    /// The example manifests directory of docs/operating.md is read as it says:
+    /// the pod is enrolled on node1 with the identity the comment gives.
     #[test]
-    fn the_readme_example_enrolls_its_pod() {
-        let readme = include_str!("../../../../README.md");
-        let after = readme
+    fn the_documented_example_enrolls_its_pod() {
+        let doc = include_str!("../../../../docs/operating.md");
+        let after = doc
             .split_once("A manifests directory that enrolls one pod of node1")
-            .expect("the README's example")
+            .expect("docs/operating.md's example")
             .1;
         let example = after
             .split_once("```yaml\n")
