@@ -44,7 +44,7 @@ mod parse;
 mod source;
 mod watch;
 
-pub use parse::{ManifestError, Objects, parse};
+pub use parse::{ManifestError, Objects, Problem, parse};
 pub use source::ManifestSource;
 #[cfg(test)]
 use watch::watch;
@@ -432,7 +432,7 @@ impl ManifestDir {
                     rescan.errors.push(ManifestError {
                         file: self.dir.clone(),
                         line: 0,
-                        message: format!("reading the directory: {e}"),
+                        problem: Problem::Unreadable(format!("reading the directory: {e}")),
                     });
                     return rescan;
                 }
@@ -471,7 +471,7 @@ impl ManifestDir {
                     let error = ManifestError {
                         file: path.clone(),
                         line: 0,
-                        message: why.to_string(),
+                        problem: Problem::Unreadable(why.to_string()),
                     };
                     let state = self.files.entry(path).or_insert_with(|| FileState {
                         stamp: Stamp::default(),
@@ -511,7 +511,7 @@ impl ManifestDir {
                 .map_err(|message| ManifestError {
                     file: path.clone(),
                     line: 0,
-                    message,
+                    problem: Problem::Unreadable(message),
                 })
                 .and_then(|text| {
                     mentions_policy = text.contains("AuthorizationPolicy");
@@ -770,7 +770,7 @@ mod tests {
             .rescan()
             .errors
             .iter()
-            .filter(|e| e.message == "not a regular file")
+            .filter(|e| e.problem == Problem::Unreadable("not a regular file".into()))
             .count();
         assert_eq!(not_regular, 2);
         assert!(fresh.policies_unknown().is_none());
@@ -1313,7 +1313,10 @@ mod tests {
         let rescan = source.rescan();
         assert_eq!(rescan.errors.len(), 1, "{rescan:?}");
         assert!(
-            rescan.errors[0].message.contains("cannot be read"),
+            rescan.errors[0]
+                .problem
+                .to_string()
+                .contains("cannot be read"),
             "{rescan:?}"
         );
         assert_eq!(source.pods().count(), 1);

@@ -3,7 +3,6 @@
 //! the proxy rely on.
 
 use std::{
-    fmt,
     net::IpAddr,
     path::{Path, PathBuf},
     sync::Arc,
@@ -21,23 +20,64 @@ use crate::authz::{Policy, spec::AuthorizationPolicy};
 const SECURITY_API_VERSIONS: [&str; 2] = ["security.istio.io/v1", "security.istio.io/v1beta1"];
 
 /// A manifest problem: file, 1-based line, and what is wrong.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("{}:{line}: {problem}", file.display())]
 pub struct ManifestError {
-    /// The manifest file.
+    /// The manifest file (or the directory, when it cannot be listed).
     pub file: PathBuf,
-    /// 1-based line of the problem (the document's first line when the problem is in its content).
+    /// 1-based line of the problem (the document's first line when the problem
+    /// is in its content; 0 when the file cannot be read).
     pub line: usize,
     /// What is wrong.
-    pub message: String,
+    pub problem: Problem,
 }
 
-impl fmt::Display for ManifestError {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{}:{}: {}", self.file.display(), self.line, self.message)
-    }
+/// What is wrong with a manifest.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum Problem {
+    /// The directory or the file cannot be read: not a regular file, more
+    /// than [`super::MAX_FILE_SIZE`] bytes, not UTF-8, or an I/O error.
+    #[error("{0}")]
+    Unreadable(String),
+    /// Not YAML, or a field of another type than the Kubernetes API gives it
+    /// (as `serde_yaml_ng` words it).
+    #[error("{0}")]
+    Syntax(String),
+    /// Collections nested deeper than [`MAX_DEPTH`].
+    #[error("collections nested deeper than {MAX_DEPTH} levels")]
+    TooDeep,
+    /// A document without `kind` or `apiVersion`, or one of them not a string.
+    #[error("{0}")]
+    NoType(String),
+    /// A kind podlink reads, in an API version it does not.
+    #[error("{kind} has apiVersion {version}; podlink reads {expected}")]
+    ApiVersion {
+        /// The document's kind.
+        kind: String,
+        /// The version it has, quoted (or `None`).
+        version: String,
+        /// The versions podlink reads.
+        expected: String,
+    },
+    /// A `List` whose `items` is not a sequence.
+    #[error("List has no items sequence")]
+    NoListItems,
+    /// An object breaks a rule the API server enforces, or one the
+    /// enrollment and the proxy rely on (names, addresses, ports).
+    #[error("{0}")]
+    Invalid(String),
+    /// An AuthorizationPolicy that cannot be compiled.
+    #[error("{0}")]
+    Policy(String),
+    /// The problem of item `index` of a `List`.
+    #[error("List item {index}: {problem}")]
+    ListItem {
+        /// 0-based.
+        index: usize,
+        /// What is wrong with it.
+        problem: Box<Problem>,
+    },
 }
-
-impl std::error::Error for ManifestError {}
 
 /// The objects one file holds.
 #[derive(Clone, Debug, Default)]
@@ -161,20 +201,15 @@ pub fn parse(file: &Path, text: &str) -> Result<Objects, ManifestError> {
     let mut objects = Objects::default();
     let text = text.strip_prefix('\u{feff}').unwrap_or(text);
     for (start, doc) in documents(text) {
-        let err = |line: usize, message: String| ManifestError {
+        let err = |line: usize, problem: Problem| ManifestError {
             file: file.to_path_buf(),
             line,
-            message,
+            problem,
         };
-        check_depth(&doc).map_err(|line| {
-            err(
-                start + line - 1,
-                format!("collections nested deeper than {MAX_DEPTH} levels"),
-            )
-        })?;
+        check_depth(&doc).map_err(|line| err(start + line - 1, Problem::TooDeep))?;
         let yaml_err = |e: serde_yaml_ng::Error| {
             let line = e.location().map_or(start, |l| start + l.line() - 1);
-            err(line, e.to_string())
+            err(line, Problem::Syntax(e.to_string()))
         };
         let value: Value = serde_yaml_ng::from_str(&doc).map_err(yaml_err)?;
         if value.is_null() {
@@ -183,48 +218,66 @@ pub fn parse(file: &Path, text: &str) -> Result<Objects, ManifestError> {
         let field = |name: &str| match value.get(name) {
             None => Ok(None),
             Some(Value::String(s)) => Ok(Some(s.as_str())),
-            Some(_) => Err(err(start, format!("{name} must be a string"))),
+            Some(_) => Err(err(
+                start,
+                Problem::NoType(format!("{name} must be a string")),
+            )),
         };
         let kind = field("kind")?;
         let api_version = field("apiVersion")?;
         match (api_version, kind) {
-            (_, None) => return Err(err(start, "document has no kind".into())),
-            (None, Some(_)) => return Err(err(start, "document has no apiVersion".into())),
+            (_, None) => return Err(err(start, Problem::NoType("document has no kind".into()))),
+            (None, Some(_)) => {
+                return Err(err(
+                    start,
+                    Problem::NoType("document has no apiVersion".into()),
+                ));
+            }
             (Some("v1"), Some("Pod")) => {
                 let pod: Pod = serde_yaml_ng::from_str(&doc).map_err(yaml_err)?;
-                check_pod(&pod).map_err(|m| err(start, m))?;
+                check_pod(&pod).map_err(|m| err(start, Problem::Invalid(m)))?;
                 objects.pods.push(pod);
             }
             (Some("v1"), Some("Namespace")) => {
                 let ns: Namespace = serde_yaml_ng::from_str(&doc).map_err(yaml_err)?;
-                check_namespace(&ns).map_err(|m| err(start, m))?;
+                check_namespace(&ns).map_err(|m| err(start, Problem::Invalid(m)))?;
                 objects.namespaces.push(ns);
             }
             (Some("v1"), Some("Service")) => {
                 let service: Service = serde_yaml_ng::from_str(&doc).map_err(yaml_err)?;
-                check_service(&service).map_err(|m| err(start, m))?;
+                check_service(&service).map_err(|m| err(start, Problem::Invalid(m)))?;
                 objects.services.push(service);
             }
             (Some("discovery.k8s.io/v1"), Some("EndpointSlice")) => {
                 let slice: EndpointSlice = serde_yaml_ng::from_str(&doc).map_err(yaml_err)?;
-                check_endpoint_slice(&slice).map_err(|m| err(start, m))?;
+                check_endpoint_slice(&slice).map_err(|m| err(start, Problem::Invalid(m)))?;
                 objects.endpoint_slices.push(slice);
             }
             (Some(version), Some("EndpointSlice")) => {
                 return Err(err(
                     start,
-                    format!(
-                        "EndpointSlice has apiVersion {version:?}; podlink reads discovery.k8s.io/v1"
-                    ),
+                    Problem::ApiVersion {
+                        kind: "EndpointSlice".into(),
+                        version: format!("{version:?}"),
+                        expected: "discovery.k8s.io/v1".into(),
+                    },
                 ));
             }
             (Some("v1"), Some("List")) => {
                 let items = value
                     .get("items")
                     .and_then(Value::as_sequence)
-                    .ok_or_else(|| err(start, "List has no items sequence".into()))?;
+                    .ok_or_else(|| err(start, Problem::NoListItems))?;
                 for (i, item) in items.iter().enumerate() {
-                    let item_err = |m: String| err(start, format!("List item {i}: {m}"));
+                    let item_err = |problem: Problem| {
+                        err(
+                            start,
+                            Problem::ListItem {
+                                index: i,
+                                problem: Box::new(problem),
+                            },
+                        )
+                    };
                     let kind = item.get("kind").and_then(Value::as_str);
                     let expected = match kind {
                         Some("Pod" | "Namespace" | "Service") => Some("v1"),
@@ -235,48 +288,53 @@ pub fn parse(file: &Path, text: &str) -> Result<Objects, ManifestError> {
                     if let (Some(kind), Some(expected)) = (kind, expected)
                         && version != Some(expected)
                     {
-                        return Err(item_err(format!(
-                            "{kind} has apiVersion {version:?}; podlink reads {expected}"
-                        )));
+                        return Err(item_err(Problem::ApiVersion {
+                            kind: kind.into(),
+                            version: format!("{version:?}"),
+                            expected: expected.into(),
+                        }));
                     }
                     match kind {
                         Some("Pod") => {
                             let pod: Pod = serde_yaml_ng::from_value(item.clone())
-                                .map_err(|e| item_err(e.to_string()))?;
-                            check_pod(&pod).map_err(item_err)?;
+                                .map_err(|e| item_err(Problem::Syntax(e.to_string())))?;
+                            check_pod(&pod).map_err(|m| item_err(Problem::Invalid(m)))?;
                             objects.pods.push(pod);
                         }
                         Some("Namespace") => {
                             let ns: Namespace = serde_yaml_ng::from_value(item.clone())
-                                .map_err(|e| item_err(e.to_string()))?;
-                            check_namespace(&ns).map_err(item_err)?;
+                                .map_err(|e| item_err(Problem::Syntax(e.to_string())))?;
+                            check_namespace(&ns).map_err(|m| item_err(Problem::Invalid(m)))?;
                             objects.namespaces.push(ns);
                         }
                         Some("Service") => {
                             let service: Service = serde_yaml_ng::from_value(item.clone())
-                                .map_err(|e| item_err(e.to_string()))?;
-                            check_service(&service).map_err(&item_err)?;
+                                .map_err(|e| item_err(Problem::Syntax(e.to_string())))?;
+                            check_service(&service).map_err(|m| item_err(Problem::Invalid(m)))?;
                             objects.services.push(service);
                         }
                         Some("EndpointSlice") => {
                             let slice: EndpointSlice = serde_yaml_ng::from_value(item.clone())
-                                .map_err(|e| item_err(e.to_string()))?;
-                            check_endpoint_slice(&slice).map_err(&item_err)?;
+                                .map_err(|e| item_err(Problem::Syntax(e.to_string())))?;
+                            check_endpoint_slice(&slice)
+                                .map_err(|m| item_err(Problem::Invalid(m)))?;
                             objects.endpoint_slices.push(slice);
                         }
                         Some("AuthorizationPolicy") => {
                             let version = item.get("apiVersion").and_then(Value::as_str);
                             if !version.is_some_and(|v| SECURITY_API_VERSIONS.contains(&v)) {
-                                return Err(item_err(format!(
-                                    "AuthorizationPolicy has apiVersion {version:?}; podlink reads {}",
-                                    SECURITY_API_VERSIONS.join(" and ")
-                                )));
+                                return Err(item_err(Problem::ApiVersion {
+                                    kind: "AuthorizationPolicy".into(),
+                                    version: format!("{version:?}"),
+                                    expected: SECURITY_API_VERSIONS.join(" and "),
+                                }));
                             }
                             let policy: AuthorizationPolicy =
                                 serde_yaml_ng::from_value(item.clone())
-                                    .map_err(|e| item_err(e.to_string()))?;
-                            let policy = Policy::compile(&policy).map_err(&item_err)?;
-                            check_policy(&policy).map_err(&item_err)?;
+                                    .map_err(|e| item_err(Problem::Syntax(e.to_string())))?;
+                            let policy = Policy::compile(&policy)
+                                .map_err(|m| item_err(Problem::Policy(m.to_string())))?;
+                            check_policy(&policy).map_err(|m| item_err(Problem::Invalid(m)))?;
                             objects.policies.push(Arc::new(policy));
                         }
                         _ => {}
@@ -288,23 +346,29 @@ pub fn parse(file: &Path, text: &str) -> Result<Objects, ManifestError> {
             {
                 let policy: AuthorizationPolicy =
                     serde_yaml_ng::from_str(&doc).map_err(yaml_err)?;
-                let policy = Policy::compile(&policy).map_err(|m| err(start, m))?;
-                check_policy(&policy).map_err(|m| err(start, m))?;
+                let policy = Policy::compile(&policy)
+                    .map_err(|m| err(start, Problem::Policy(m.to_string())))?;
+                check_policy(&policy).map_err(|m| err(start, Problem::Invalid(m)))?;
                 objects.policies.push(Arc::new(policy));
             }
             (Some(version), Some("AuthorizationPolicy")) => {
                 return Err(err(
                     start,
-                    format!(
-                        "AuthorizationPolicy has apiVersion {version:?}; podlink reads {}",
-                        SECURITY_API_VERSIONS.join(" and ")
-                    ),
+                    Problem::ApiVersion {
+                        kind: "AuthorizationPolicy".into(),
+                        version: format!("{version:?}"),
+                        expected: SECURITY_API_VERSIONS.join(" and "),
+                    },
                 ));
             }
             (Some(version), Some(kind @ ("Pod" | "Namespace" | "Service" | "List"))) => {
                 return Err(err(
                     start,
-                    format!("{kind} has apiVersion {version:?}; podlink reads apiVersion v1"),
+                    Problem::ApiVersion {
+                        kind: kind.into(),
+                        version: format!("{version:?}"),
+                        expected: "apiVersion v1".into(),
+                    },
                 ));
             }
             // Other kinds (Services, …) are not read yet.
@@ -556,7 +620,8 @@ mod tests {
         let bad_ip = POD.replace("10.1.1.5", "10.1.1.500");
         let err = parse(Path::new("ip.yaml"), &bad_ip).unwrap_err();
         assert!(
-            err.message
+            err.problem
+                .to_string()
                 .contains("status.podIP \"10.1.1.500\" is not an IP address"),
             "{err}"
         );
@@ -571,12 +636,15 @@ mod tests {
         ] {
             let text = POD.replace("10.1.1.5", ip);
             let err = parse(Path::new("ip.yaml"), &text).unwrap_err();
-            assert!(err.message.contains(problem), "{ip}: {err}");
-            assert!(err.message.contains("status.podIP"), "{ip}: {err}");
+            assert!(err.problem.to_string().contains(problem), "{ip}: {err}");
+            assert!(
+                err.problem.to_string().contains("status.podIP"),
+                "{ip}: {err}"
+            );
         }
 
         let err = parse(Path::new("k.yaml"), "apiVersion: v1\nmetadata: {}\n").unwrap_err();
-        assert!(err.message.contains("no kind"), "{err}");
+        assert!(err.problem.to_string().contains("no kind"), "{err}");
 
         let wrong_type = POD.replace("nodeName: node1", "nodeName: [1, 2]");
         let err = parse(Path::new("t.yaml"), &wrong_type).unwrap_err();
@@ -584,7 +652,10 @@ mod tests {
 
         let no_name = POD.replace("  name: web\n", "");
         let err = parse(Path::new("n.yaml"), &no_name).unwrap_err();
-        assert!(err.message.contains("no metadata.name"), "{err}");
+        assert!(
+            err.problem.to_string().contains("no metadata.name"),
+            "{err}"
+        );
     }
 
     #[test]
@@ -604,12 +675,16 @@ mod tests {
         );
         let typo = text.replace("rules:", "rule:");
         let err = parse(Path::new("p.yaml"), &typo).unwrap_err();
-        assert!(err.message.contains("unknown field `rule`"), "{err}");
+        assert!(
+            err.problem.to_string().contains("unknown field `rule`"),
+            "{err}"
+        );
         let alpha = text.replace("security.istio.io/v1beta1", "security.istio.io/v1alpha9");
         let err = parse(Path::new("p.yaml"), &alpha).unwrap_err();
         assert_eq!(err.line, 7);
         assert!(
-            err.message
+            err.problem
+                .to_string()
                 .contains("apiVersion \"security.istio.io/v1alpha9\""),
             "{err}"
         );
@@ -624,7 +699,8 @@ mod tests {
             let bad = list.replace(from, to);
             let err = parse(Path::new("l.yaml"), &bad).unwrap_err();
             assert!(
-                err.message
+                err.problem
+                    .to_string()
                     .contains("List item 0: AuthorizationPolicy has apiVersion"),
                 "{bad}: {err}"
             );
@@ -633,7 +709,9 @@ mod tests {
             let bad = text.replace("security.istio.io/v1beta1", version);
             let err = parse(Path::new("p.yaml"), &bad).unwrap_err();
             assert!(
-                err.message.contains("AuthorizationPolicy has apiVersion"),
+                err.problem
+                    .to_string()
+                    .contains("AuthorizationPolicy has apiVersion"),
                 "{err}"
             );
         }
@@ -680,7 +758,7 @@ mod tests {
             ),
         ] {
             let err = parse(Path::new("s.yaml"), &text.replace(from, to)).unwrap_err();
-            assert!(err.message.contains(want), "{to}: {err}");
+            assert!(err.problem.to_string().contains(want), "{to}: {err}");
         }
     }
 
@@ -700,7 +778,10 @@ mod tests {
             "]".repeat(200_000)
         );
         let err = parse(Path::new("deep.yaml"), &deep).unwrap_err();
-        assert!(err.message.contains("nested deeper than 64"), "{err}");
+        assert!(
+            err.problem.to_string().contains("nested deeper than 64"),
+            "{err}"
+        );
         assert_eq!(err.line, 5);
         // The nesting is read as the parser reads it: a quote or `#` inside a plain
         // scalar (also after a space), or a quoted string over two lines, hides
@@ -720,7 +801,7 @@ mod tests {
             );
             let err = parse(Path::new("hidden.yaml"), &hidden).unwrap_err();
             assert!(
-                err.message.contains("nested deeper than 64"),
+                err.problem.to_string().contains("nested deeper than 64"),
                 "{hide:?}: {err}"
             );
         }
@@ -730,7 +811,10 @@ mod tests {
             block.push_str(&format!("{}k{level}:\n", "  ".repeat(level + 1)));
         }
         let err = parse(Path::new("block.yaml"), &block).unwrap_err();
-        assert!(err.message.contains("nested deeper than 64"), "{err}");
+        assert!(
+            err.problem.to_string().contains("nested deeper than 64"),
+            "{err}"
+        );
         // Brackets inside strings and comments do not count.
         let quoted = format!(
             "apiVersion: v1\nkind: Pod\nmetadata:\n  name: x\n  labels: {{a: \"{}\"}} # {}\n",
@@ -773,7 +857,7 @@ mod tests {
         ];
         for (text, want) in cases {
             let err = parse(Path::new("c.yaml"), text).unwrap_err();
-            assert!(err.message.contains(want), "{text:?}: {err}");
+            assert!(err.problem.to_string().contains(want), "{text:?}: {err}");
         }
         // A byte-order mark is not an error.
         let bom = format!("\u{feff}{POD}");

@@ -73,7 +73,7 @@ impl ManifestSource {
             completeness: self.completeness(),
             policies_unknown: self.dir.policies_unknown().map(|e| PoliciesUnknown {
                 what: e.file.display().to_string(),
-                why: e.message.clone(),
+                why: e.problem.to_string(),
             }),
             ..Delta::default()
         };
