@@ -631,6 +631,7 @@ mod tests {
     /// route and address appear, and go with the veth. Needs root
     /// (`unshare(CLONE_NEWNET)`) and `ip`.
     #[test]
+    #[ignore = "needs root"]
     fn reads_without_dumps_follow_the_kernel() {
         std::thread::spawn(|| {
             // SAFETY: moves this thread alone into a new network namespace.
