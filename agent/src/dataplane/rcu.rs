@@ -39,7 +39,9 @@
 //! kernel worker after the pin's inode is freed (itself after a grace period), not
 //! within the agent's call.
 //!
-//! Turned off with `podlink agent --no-expedite-attach`.
+//! Opt-in, with `podlink agent --expedite-attach`: every RCU grace period on the
+//! node is expedited inside the window, and a pod's enrollment takes 16 to 32 ms
+//! without it, well within what pod start-up tolerates.
 
 use std::{
     fs::{self, File},
