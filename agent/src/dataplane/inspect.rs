@@ -3,8 +3,9 @@
 //!
 //! It reads the pin directory's maps (`pods`, `pod_counters`; per-CPU counters are
 //! summed) and link pins (`BPF_OBJ_GET`, then `BPF_OBJ_GET_INFO_BY_FD` for the link
-//! and program ids), and the node's interfaces with `ip -d link`: run it in the
-//! node's network namespace, where the interface indexes mean something.
+//! and program ids), and the node's interfaces (a route netlink dump of the
+//! links): run it in the node's network namespace, where the interface indexes
+//! mean something.
 
 use std::{
     collections::{BTreeMap, HashMap},
@@ -31,6 +32,7 @@ use serde::Serialize;
 use super::{
     layout::check_pinned_layouts,
     net,
+    netlink::Netlink,
     pins::{self, parse_link_pin_name},
 };
 
@@ -157,7 +159,7 @@ fn summed(per_cpu: &[PodCounters]) -> serde_json::Map<String, serde_json::Value>
 ///
 /// # Errors
 /// A layout version this podlink does not know, maps of an incompatible layout,
-/// unreadable maps, or `ip` failing.
+/// unreadable maps, or a failed dump of the node's interfaces.
 pub fn inspect(pin_dir: &Path) -> Result<Inspection> {
     let mut report = Inspection {
         pin_dir: pin_dir.to_path_buf(),
@@ -208,7 +210,8 @@ pub fn inspect(pin_dir: &Path) -> Result<Inspection> {
         format!("v{version}")
     });
     check_pinned_layouts(&dir, version)?;
-    let interfaces = net::interfaces().context("listing the node's interfaces")?;
+    let interfaces = Netlink::blocking(async |netlink| net::interfaces(netlink).await)
+        .context("listing the node's interfaces")?;
     let name_of = |ifindex: u32| interfaces.get(&ifindex).map(|(name, _)| name.clone());
 
     let mut pods: BTreeMap<u32, PodReport> = BTreeMap::new();

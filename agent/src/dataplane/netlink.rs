@@ -70,12 +70,13 @@ pub struct Netlink {
     warned: std::sync::atomic::AtomicBool,
 }
 
-/// The multicast groups of the notifications followed (`RTMGRP_LINK`,
-/// `RTMGRP_IPV4_IFADDR`, `RTMGRP_IPV4_ROUTE` in `linux/rtnetlink.h`).
-const GROUPS: u32 = 0x1 | 0x10 | 0x40;
+/// The multicast groups of the notifications followed (`linux/rtnetlink.h`).
+const GROUPS: u32 = (libc::RTMGRP_LINK | libc::RTMGRP_IPV4_IFADDR | libc::RTMGRP_IPV4_ROUTE) as u32;
 /// `RTM_NEWLINK` to `RTM_DELROUTE` (`linux/rtnetlink.h`): the message types of
 /// those groups.
-const FOLLOWED_TYPES: std::ops::RangeInclusive<u16> = 16..=25;
+const FOLLOWED_TYPES: std::ops::RangeInclusive<u16> = libc::RTM_NEWLINK..=libc::RTM_DELROUTE;
+/// The length of a netlink message header (`struct nlmsghdr`, netlink(7)).
+const HEADER_LEN: usize = size_of::<libc::nlmsghdr>();
 /// A read is a full one (dumps) when the last full read is older than this:
 /// whatever notifications miss (none that this module knows of) lasts no longer.
 /// Reads on a change (a pod to enroll) dump only this rarely: a dump of a node
@@ -234,9 +235,9 @@ fn drain(socket: &Socket, mut apply: impl FnMut(&RouteNetlinkMessage)) -> io::Re
 /// message that cannot be decoded.
 fn for_each_message(buf: &[u8], apply: &mut impl FnMut(&RouteNetlinkMessage)) -> io::Result<()> {
     let mut offset = 0;
-    while buf.len() >= offset + 16 {
+    while buf.len() >= offset + HEADER_LEN {
         let length = u32::from_ne_bytes(buf[offset..offset + 4].try_into().unwrap()) as usize;
-        if length < 16 || offset + length > buf.len() {
+        if length < HEADER_LEN || offset + length > buf.len() {
             return Err(io::Error::other("a malformed notification"));
         }
         let kind = u16::from_ne_bytes(buf[offset + 4..offset + 6].try_into().unwrap());
@@ -325,6 +326,29 @@ impl Netlink {
             tracked: Default::default(),
             warned: Default::default(),
         })
+    }
+
+    /// Opens a socket on a current-thread runtime made for the purpose and runs
+    /// `f` with it: for the operator commands (`podlink inspect`, `podlink
+    /// uninstall`), which run without a runtime. Not to be called on a tokio
+    /// runtime's thread (tokio panics there).
+    ///
+    /// # Errors
+    /// When the runtime cannot be made or the socket opened; `f`'s errors.
+    pub fn blocking<T>(f: impl AsyncFnOnce(&Netlink) -> Result<T>) -> Result<T> {
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .context("starting a runtime for route netlink")?;
+        runtime.block_on(async {
+            let netlink = Netlink::open()?;
+            f(&netlink).await
+        })
+    }
+
+    /// The `rtnetlink` handle, for requests of the other modules ([`super::net`]).
+    pub(super) fn handle(&self) -> &Handle {
+        &self.handle
     }
 
     /// Reads routes, links and addresses, within [`READ_TIMEOUT`]: by dumps at the
