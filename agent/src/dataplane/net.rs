@@ -9,7 +9,6 @@
 
 use std::{collections::HashMap, net::Ipv4Addr};
 
-use anyhow::{Context, Result, anyhow};
 use futures_util::TryStreamExt;
 use rtnetlink::{
     Handle, IpVersion, RouteMessageBuilder,
@@ -22,6 +21,7 @@ use rtnetlink::{
 };
 
 use super::{
+    error::{Error, Result},
     journal::{Interface, SysctlJournal},
     netlink::Netlink,
 };
@@ -100,7 +100,7 @@ async fn policy_rules(
         .try_filter(|rule| std::future::ready(is_policy_rule(rule, mark, mask, table, priority)))
         .try_collect()
         .await
-        .context("dumping the IPv4 policy routing rules")
+        .map_err(Error::netlink("dumping the IPv4 policy routing rules"))
 }
 
 /// The routes of [`is_local_route`] in this network namespace.
@@ -112,12 +112,12 @@ async fn local_routes(handle: &Handle, table: u32, lo: u32) -> Result<Vec<RouteM
         .try_filter(|route| std::future::ready(is_local_route(route, table, lo)))
         .try_collect()
         .await
-        .context("dumping the IPv4 routes")
+        .map_err(Error::netlink("dumping the IPv4 routes"))
 }
 
 /// The loopback's interface index.
 fn loopback() -> Result<u32> {
-    ifindex("lo").ok_or_else(|| anyhow!("no loopback interface (lo) in this network namespace"))
+    ifindex("lo").ok_or(Error::NoLoopback)
 }
 
 /// Installs `fwmark <mark>/<mask> lookup <table>` at preference `priority` and the
@@ -153,9 +153,9 @@ pub async fn install_policy_routing(
         let message = add.message_mut();
         message.attributes.push(RuleAttribute::FwMask(mask));
         message.header.table = header_table(table);
-        add.execute().await.with_context(|| {
-            format!("adding the rule pref {priority} fwmark {mark:#x}/{mask:#x} lookup {table}")
-        })?;
+        add.execute().await.map_err(Error::netlink(format!(
+            "adding the rule pref {priority} fwmark {mark:#x}/{mask:#x} lookup {table}"
+        )))?;
     }
     let mut route = RouteMessageBuilder::<Ipv4Addr>::new()
         .kind(RouteType::Local)
@@ -172,7 +172,9 @@ pub async fn install_policy_routing(
         .replace()
         .execute()
         .await
-        .with_context(|| format!("replacing the route local 0.0.0.0/0 dev lo table {table}"))?;
+        .map_err(Error::netlink(format!(
+            "replacing the route local 0.0.0.0/0 dev lo table {table}"
+        )))?;
     Ok(())
 }
 
@@ -232,7 +234,7 @@ pub async fn remove_policy_routing(
             .del(found)
             .execute()
             .await
-            .with_context(|| format!("deleting the {rule}"))?;
+            .map_err(Error::netlink(format!("deleting the {rule}")))?;
         removed.push(rule.clone());
     }
     let route = format!("route local 0.0.0.0/0 dev lo table {table}");
@@ -242,7 +244,7 @@ pub async fn remove_policy_routing(
             .del(found)
             .execute()
             .await
-            .with_context(|| format!("deleting the {route}"))?;
+            .map_err(Error::netlink(format!("deleting the {route}")))?;
         removed.push(route.clone());
     }
     Ok(removed)
@@ -282,7 +284,11 @@ pub fn apply_host_veth_sysctls(journal: &SysctlJournal, ifname: &str, ifindex: u
 pub async fn interfaces(netlink: &Netlink) -> Result<HashMap<u32, (String, Option<String>)>> {
     let mut links = netlink.handle().link().get().execute();
     let mut out = HashMap::new();
-    while let Some(link) = links.try_next().await.context("dumping the links")? {
+    while let Some(link) = links
+        .try_next()
+        .await
+        .map_err(Error::netlink("dumping the links"))?
+    {
         let mut name = None;
         let mut kind = None;
         for attribute in &link.attributes {

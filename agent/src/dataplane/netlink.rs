@@ -24,7 +24,6 @@ use std::{
     sync::Arc,
 };
 
-use anyhow::{Context, Result};
 use futures_util::TryStreamExt;
 use rtnetlink::{
     Handle, RouteMessageBuilder,
@@ -37,6 +36,8 @@ use rtnetlink::{
     },
     sys::{Socket, SocketAddr, protocols::NETLINK_ROUTE},
 };
+
+use super::error::{Error, Result};
 
 /// How long one [`Netlink::read`] may take.
 pub const READ_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(3);
@@ -318,7 +319,7 @@ impl Netlink {
     /// When the socket cannot be opened.
     pub fn open() -> Result<Self> {
         let (connection, handle, _) =
-            rtnetlink::new_connection().context("opening a route netlink socket")?;
+            rtnetlink::new_connection().map_err(|error| Error::NetlinkSocket { error })?;
         tokio::spawn(connection);
         Ok(Self {
             handle,
@@ -339,7 +340,7 @@ impl Netlink {
         let runtime = tokio::runtime::Builder::new_current_thread()
             .enable_all()
             .build()
-            .context("starting a runtime for route netlink")?;
+            .map_err(|error| Error::Runtime { error })?;
         runtime.block_on(async {
             let netlink = Netlink::open()?;
             f(&netlink).await
@@ -369,11 +370,8 @@ impl Netlink {
         };
         tokio::time::timeout(READ_TIMEOUT, self.read_all(false, max_age))
             .await
-            .map_err(|_| {
-                anyhow::anyhow!(
-                    "no complete answer within {}",
-                    humantime::format_duration(READ_TIMEOUT)
-                )
+            .map_err(|_| Error::NetlinkTimeout {
+                timeout: READ_TIMEOUT,
             })?
     }
 
@@ -455,7 +453,11 @@ impl Netlink {
             .get(RouteMessageBuilder::<Ipv4Addr>::new().build())
             .execute();
         let mut out = HashMap::new();
-        while let Some(route) = routes.try_next().await.context("dumping routes")? {
+        while let Some(route) = routes
+            .try_next()
+            .await
+            .map_err(Error::netlink("dumping routes"))?
+        {
             if let Some((dst, oif)) = host_route(&route) {
                 out.insert(dst, oif);
             }
@@ -488,7 +490,7 @@ impl Netlink {
                     unresolved.insert(index);
                     continue;
                 }
-                Err(e) => return Err(e).context(format!("reading link {index}")),
+                Err(e) => return Err(Error::netlink(format!("reading link {index}"))(e)),
             };
             self.kinds.lock().expect("kinds lock").insert(index, kind);
         }
@@ -503,7 +505,11 @@ impl Netlink {
     async fn addrs(&self) -> Result<HashSet<(u32, Ipv4Addr)>> {
         let mut messages = self.handle.address().get().execute();
         let mut out = HashSet::new();
-        while let Some(message) = messages.try_next().await.context("dumping addresses")? {
+        while let Some(message) = messages
+            .try_next()
+            .await
+            .map_err(Error::netlink("dumping addresses"))?
+        {
             if let Some(ip) = address_ipv4(&message) {
                 out.insert((message.header.index, ip));
             }
