@@ -202,11 +202,13 @@ pub async fn run(cfg: AgentConfig) -> Result<()> {
         expedite_attach: cfg.expedite_attach,
     })?;
     net::install_policy_routing(
+        &netlink,
         REDIRECT_MARK,
         REDIRECT_MARK_MASK,
         ROUTE_TABLE,
         RULE_PRIORITY,
     )
+    .await
     .context("installing policy routing")?;
     net::apply_node_sysctls(dataplane.journal())?;
     let state = Arc::new(ProxyState::new(proxy_config, certs));

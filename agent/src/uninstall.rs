@@ -27,7 +27,9 @@ use crate::{
     cni,
     dataplane::{
         journal::{Restored, SysctlJournal},
-        net, pins,
+        net,
+        netlink::Netlink,
+        pins,
         rcu::{self, ExpeditedAttach},
     },
 };
@@ -72,12 +74,16 @@ pub fn uninstall(cfg: &UninstallConfig) -> Result<Vec<String>> {
         ),
         Err(e) => failures.push(format!("removing pins: {e:#}")),
     }
-    match net::remove_policy_routing(
-        REDIRECT_MARK,
-        REDIRECT_MARK_MASK,
-        ROUTE_TABLE,
-        RULE_PRIORITY,
-    ) {
+    match Netlink::blocking(async |netlink| {
+        net::remove_policy_routing(
+            netlink,
+            REDIRECT_MARK,
+            REDIRECT_MARK_MASK,
+            ROUTE_TABLE,
+            RULE_PRIORITY,
+        )
+        .await
+    }) {
         Ok(removed) => done.extend(removed.into_iter().map(|r| format!("removed {r}"))),
         Err(e) => failures.push(format!("removing policy routing: {e:#}")),
     }

@@ -89,7 +89,7 @@ fn pods_are_attached_on_creation_and_detached_on_deletion() {
         }
     };
     let mut c = Cluster::with_namespaces(1, &[("mesh", true)]).unwrap();
-    c.start_agent(0).unwrap();
+    c.start_agent_with(0, &["--expedite-attach"]).unwrap();
 
     let start = Instant::now();
     let pod = c.add_pod(PodSpec::new("late", "mesh", 0)).unwrap();

@@ -8,7 +8,7 @@
 
 use std::path::Path;
 
-use anyhow::{Context, Result};
+use super::error::{Error, Result};
 use nix::{
     mount::{MsFlags, mount},
     sys::statfs::{BPF_FS_MAGIC, statfs},
@@ -46,8 +46,7 @@ pub fn ensure(pin_dir: &Path) -> Result<()> {
         let target = if pin_dir.starts_with(sys_fs_bpf) && sys_fs_bpf.is_dir() {
             sys_fs_bpf
         } else {
-            std::fs::create_dir_all(pin_dir)
-                .with_context(|| format!("creating {}", pin_dir.display()))?;
+            std::fs::create_dir_all(pin_dir).map_err(Error::io("creating", pin_dir))?;
             pin_dir
         };
         mount(
@@ -57,7 +56,7 @@ pub fn ensure(pin_dir: &Path) -> Result<()> {
             MsFlags::MS_NOSUID | MsFlags::MS_NODEV | MsFlags::MS_NOEXEC,
             Some("mode=0700"),
         )
-        .with_context(|| format!("mounting a bpffs at {}", target.display()))?;
+        .map_err(|e| Error::io("mounting a bpffs at", target)(e.into()))?;
         tracing::info!(path = %target.display(), "mounted a bpffs");
         if in_private_mount_namespace() {
             tracing::warn!(
@@ -66,6 +65,6 @@ pub fn ensure(pin_dir: &Path) -> Result<()> {
             );
         }
     }
-    std::fs::create_dir_all(pin_dir).with_context(|| format!("creating {}", pin_dir.display()))?;
+    std::fs::create_dir_all(pin_dir).map_err(Error::io("creating", pin_dir))?;
     Ok(())
 }

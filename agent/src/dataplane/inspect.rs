@@ -3,8 +3,9 @@
 //!
 //! It reads the pin directory's maps (`pods`, `pod_counters`; per-CPU counters are
 //! summed) and link pins (`BPF_OBJ_GET`, then `BPF_OBJ_GET_INFO_BY_FD` for the link
-//! and program ids), and the node's interfaces with `ip -d link`: run it in the
-//! node's network namespace, where the interface indexes mean something.
+//! and program ids), and the node's interfaces (a route netlink dump of the
+//! links): run it in the node's network namespace, where the interface indexes
+//! mean something.
 
 use std::{
     collections::{BTreeMap, HashMap},
@@ -14,7 +15,6 @@ use std::{
     path::{Path, PathBuf},
 };
 
-use anyhow::{Context, Result};
 use aya::{
     maps::{HashMap as BpfHashMap, Map, MapData, PerCpuHashMap},
     programs::{
@@ -24,13 +24,15 @@ use aya::{
 };
 use podlink_common::{
     LAYOUT_VERSION, LINKS_DIR, MAP_COUNTERS, MAP_PODS, POD_ENROLLED, POD_HAS_IPV4, POD_HAS_IPV6,
-    PROG_FROM_POD, PROG_TO_POD, PodCounters, PodInfo,
+    PodCounters, PodInfo,
 };
 use serde::Serialize;
 
 use super::{
+    error::{Error, Program, Result},
     layout::check_pinned_layouts,
     net,
+    netlink::Netlink,
     pins::{self, parse_link_pin_name},
 };
 
@@ -80,7 +82,7 @@ pub struct LinkReport {
     /// Its name in this network namespace; `null` when no interface has the index.
     pub interface: Option<String>,
     /// `from_pod` (TC ingress) or `to_pod` (TC egress).
-    pub program: &'static str,
+    pub program: Program,
     /// The pin.
     pub pin: PathBuf,
     /// The kernel's link id (as `bpftool link` lists it); `null` if unreadable.
@@ -157,7 +159,7 @@ fn summed(per_cpu: &[PodCounters]) -> serde_json::Map<String, serde_json::Value>
 ///
 /// # Errors
 /// A layout version this podlink does not know, maps of an incompatible layout,
-/// unreadable maps, or `ip` failing.
+/// unreadable maps, or a failed dump of the node's interfaces.
 pub fn inspect(pin_dir: &Path) -> Result<Inspection> {
     let mut report = Inspection {
         pin_dir: pin_dir.to_path_buf(),
@@ -208,32 +210,38 @@ pub fn inspect(pin_dir: &Path) -> Result<Inspection> {
         format!("v{version}")
     });
     check_pinned_layouts(&dir, version)?;
-    let interfaces = net::interfaces().context("listing the node's interfaces")?;
+    let interfaces = Netlink::blocking(async |netlink| net::interfaces(netlink).await)?;
     let name_of = |ifindex: u32| interfaces.get(&ifindex).map(|(name, _)| name.clone());
 
     let mut pods: BTreeMap<u32, PodReport> = BTreeMap::new();
     let pods_pin = dir.join(MAP_PODS);
     if pods_pin.exists() {
-        let map: BpfHashMap<MapData, u32, PodInfo> = BpfHashMap::try_from(Map::from_map_data(
-            MapData::from_pin(&pods_pin)
-                .with_context(|| format!("opening {}", pods_pin.display()))?,
-        )?)?;
+        let reading = || Error::map_pin("reading", &pods_pin);
+        let map: BpfHashMap<MapData, u32, PodInfo> = BpfHashMap::try_from(
+            Map::from_map_data(
+                MapData::from_pin(&pods_pin).map_err(Error::map_pin("opening", &pods_pin))?,
+            )
+            .map_err(reading())?,
+        )
+        .map_err(reading())?;
         for entry in map.iter() {
-            let (ifindex, info) =
-                entry.with_context(|| format!("reading {}", pods_pin.display()))?;
+            let (ifindex, info) = entry.map_err(reading())?;
             pods.insert(ifindex, pod_report(ifindex, &info, name_of(ifindex)));
         }
     }
     let counters_pin = dir.join(MAP_COUNTERS);
     if counters_pin.exists() {
-        let map: PerCpuHashMap<MapData, u32, PodCounters> =
-            PerCpuHashMap::try_from(Map::from_map_data(
+        let reading = || Error::map_pin("reading", &counters_pin);
+        let map: PerCpuHashMap<MapData, u32, PodCounters> = PerCpuHashMap::try_from(
+            Map::from_map_data(
                 MapData::from_pin(&counters_pin)
-                    .with_context(|| format!("opening {}", counters_pin.display()))?,
-            )?)?;
+                    .map_err(Error::map_pin("opening", &counters_pin))?,
+            )
+            .map_err(reading())?,
+        )
+        .map_err(reading())?;
         for entry in map.iter() {
-            let (ifindex, values) =
-                entry.with_context(|| format!("reading {}", counters_pin.display()))?;
+            let (ifindex, values) = entry.map_err(reading())?;
             if let Some(pod) = pods.get_mut(&ifindex) {
                 pod.counters = Some(summed(&values));
             }
@@ -244,10 +252,8 @@ pub fn inspect(pin_dir: &Path) -> Result<Inspection> {
     let mut links = Vec::new();
     if links_dir.is_dir() {
         let program_names = program_names();
-        for entry in
-            fs::read_dir(&links_dir).with_context(|| format!("reading {}", links_dir.display()))?
-        {
-            let pin = entry?.path();
+        for entry in fs::read_dir(&links_dir).map_err(Error::io("reading", &links_dir))? {
+            let pin = entry.map_err(Error::io("reading", &links_dir))?.path();
             let Some((ifindex, program)) = pin
                 .file_name()
                 .and_then(|n| n.to_str())
@@ -339,13 +345,14 @@ fn problems(
                 message: format!("{label}: no interface has this index any more"),
             });
         }
-        let missing: Vec<&str> = [PROG_FROM_POD, PROG_TO_POD]
+        let missing: Vec<&str> = Program::ALL
             .into_iter()
             .filter(|p| {
                 !links
                     .iter()
                     .any(|l| l.ifindex == pod.ifindex && l.program == *p)
             })
+            .map(Program::name)
             .collect();
         if !missing.is_empty() {
             problems.push(Problem {
@@ -483,7 +490,7 @@ mod tests {
         pod_report(ifindex, &info, interface.map(str::to_string))
     }
 
-    fn link(ifindex: u32, program: &'static str) -> LinkReport {
+    fn link(ifindex: u32, program: Program) -> LinkReport {
         LinkReport {
             ifindex,
             interface: None,
@@ -535,10 +542,10 @@ mod tests {
         .into();
         let pods = [pod(7, Some("veth1")), pod(9, None)];
         let links = [
-            link(7, PROG_FROM_POD),
-            link(7, PROG_TO_POD),
-            link(8, PROG_FROM_POD),
-            link(9, PROG_FROM_POD),
+            link(7, Program::FromPod),
+            link(7, Program::ToPod),
+            link(8, Program::FromPod),
+            link(9, Program::FromPod),
         ];
         let found: Vec<(&str, u32)> = problems(&pods, &links, &interfaces)
             .iter()

@@ -35,14 +35,17 @@ use std::{
     sync::{Arc, Mutex},
 };
 
-use anyhow::{Context, Result, bail};
 use serde::{Deserialize, Serialize};
+
+use super::error::{Error, Result};
 
 /// Version of the journal file's format: JSON Lines.
 const FORMAT_VERSION: u32 = 2;
 /// The earlier format, one JSON document `{"version":1,"sysctls":[...]}`: read,
 /// and rewritten in the current one at the next change.
 const FORMAT_VERSION_DOCUMENT: u32 = 1;
+/// The format versions read, for messages.
+const KNOWN_VERSIONS: &str = "1 and 2";
 /// Name of the journal file in the state directory.
 pub const JOURNAL_FILE: &str = "sysctls.json";
 
@@ -147,13 +150,20 @@ impl SysctlJournal {
     /// When it does not exist or cannot be read.
     pub fn read(&self, name: &str) -> Result<String> {
         Ok(fs::read_to_string(self.sysctl_path(name))
-            .with_context(|| format!("reading {name}"))?
+            .map_err(|error| Error::ReadSysctl {
+                name: name.to_string(),
+                error,
+            })?
             .trim()
             .to_string())
     }
 
     fn write(&self, name: &str, value: &str) -> Result<()> {
-        fs::write(self.sysctl_path(name), value).with_context(|| format!("setting {name}={value}"))
+        fs::write(self.sysctl_path(name), value).map_err(|error| Error::SetSysctl {
+            name: name.to_string(),
+            value: value.to_string(),
+            error,
+        })
     }
 
     /// The entries recorded so far (none when there is no file).
@@ -171,7 +181,7 @@ impl SysctlJournal {
         let text = match fs::read_to_string(&self.path) {
             Ok(text) => text,
             Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok((Vec::new(), false)),
-            Err(e) => return Err(e).with_context(|| format!("reading {}", self.path.display())),
+            Err(e) => return Err(Error::io("reading", &self.path)(e)),
         };
         if text
             .trim_matches(|c: char| c.is_whitespace() || c == '\0')
@@ -179,25 +189,27 @@ impl SysctlJournal {
         {
             return Ok((Vec::new(), false));
         }
-        let not_a_journal = || format!("{} is not a sysctl journal", self.path.display());
+        let not_a_journal = |line, error| Error::NotAJournal {
+            path: self.path.clone(),
+            line,
+            error,
+        };
+        let unknown_version = |version| Error::JournalVersion {
+            path: self.path.clone(),
+            version,
+            known: KNOWN_VERSIONS,
+        };
         let first = text.lines().next().unwrap_or_default();
         let Ok(header) = serde_json::from_str::<Header>(first) else {
-            let file: JournalFile = serde_json::from_str(&text).with_context(not_a_journal)?;
+            let file: JournalFile =
+                serde_json::from_str(&text).map_err(|e| not_a_journal(None, e))?;
             if file.version != FORMAT_VERSION_DOCUMENT {
-                bail!(
-                    "{} has format version {}, this podlink knows {FORMAT_VERSION_DOCUMENT} and {FORMAT_VERSION}",
-                    self.path.display(),
-                    file.version
-                );
+                return Err(unknown_version(file.version));
             }
             return Ok((file.sysctls, false));
         };
         if header.version != FORMAT_VERSION {
-            bail!(
-                "{} has format version {}, this podlink knows {FORMAT_VERSION_DOCUMENT} and {FORMAT_VERSION}",
-                self.path.display(),
-                header.version
-            );
+            return Err(unknown_version(header.version));
         }
         // Later entries for a sysctl replace earlier ones.
         let mut entries: Vec<Option<SysctlChange>> = Vec::new();
@@ -211,9 +223,7 @@ impl SysctlJournal {
                 Ok(change) => change,
                 // Cut short by a crash while it was appended: not applied yet.
                 Err(_) if i == lines.len() - 1 => break,
-                Err(e) => {
-                    return Err(e).with_context(|| format!("{}, line {}", not_a_journal(), i + 1));
-                }
+                Err(e) => return Err(not_a_journal(Some(i + 1), e)),
             };
             if let Some(earlier) = by_name.insert(change.name.clone(), entries.len()) {
                 entries[earlier] = None;
@@ -229,15 +239,16 @@ impl SysctlJournal {
     /// Rewrites the file with `sysctls` (by rename).
     fn store(&self, sysctls: &[SysctlChange]) -> Result<()> {
         let dir = self.path.parent().unwrap_or(Path::new("."));
-        fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+        fs::create_dir_all(dir).map_err(Error::io("creating", dir))?;
         let mut text = serde_json::to_string(&Header {
             version: FORMAT_VERSION,
-        })?;
+        })
+        .map_err(|error| Error::Encode { error })?;
         text.push('\n');
         append_lines(&mut text, sysctls)?;
         let tmp = self.path.with_extension("json.partial");
-        fs::write(&tmp, text).with_context(|| format!("writing {}", tmp.display()))?;
-        fs::rename(&tmp, &self.path).with_context(|| format!("writing {}", self.path.display()))
+        fs::write(&tmp, text).map_err(Error::io("writing", &tmp))?;
+        fs::rename(&tmp, &self.path).map_err(Error::io("writing", &self.path))
     }
 
     /// Appends `sysctls` to the file in one write. Returns false if the file is
@@ -247,12 +258,12 @@ impl SysctlJournal {
         let mut file = match fs::OpenOptions::new().append(true).open(&self.path) {
             Ok(file) => file,
             Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(false),
-            Err(e) => return Err(e).with_context(|| format!("writing {}", self.path.display())),
+            Err(e) => return Err(Error::io("writing", &self.path)(e)),
         };
         let mut text = String::new();
         append_lines(&mut text, sysctls)?;
         file.write_all(text.as_bytes())
-            .with_context(|| format!("writing {}", self.path.display()))?;
+            .map_err(Error::io("writing", &self.path))?;
         Ok(true)
     }
 
@@ -399,7 +410,7 @@ impl SysctlJournal {
         match fs::remove_file(&self.path) {
             Ok(()) => {}
             Err(e) if e.kind() == io::ErrorKind::NotFound => {}
-            Err(e) => return Err(e).with_context(|| format!("removing {}", self.path.display())),
+            Err(e) => return Err(Error::io("removing", &self.path)(e)),
         }
         Ok(done)
     }
@@ -408,7 +419,7 @@ impl SysctlJournal {
 /// Writes each of `sysctls` as a line of JSON.
 fn append_lines(text: &mut String, sysctls: &[SysctlChange]) -> Result<()> {
     for change in sysctls {
-        text.push_str(&serde_json::to_string(change)?);
+        text.push_str(&serde_json::to_string(change).map_err(|error| Error::Encode { error })?);
         text.push('\n');
     }
     Ok(())

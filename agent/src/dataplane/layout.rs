@@ -4,7 +4,6 @@
 
 use std::{collections::HashMap, net::Ipv4Addr, path::Path};
 
-use anyhow::{Context, Result, bail};
 use aya::maps::{HashMap as BpfHashMap, Map, MapData, MapInfo, MapType};
 use podlink_common::{
     Addr, CidrKey, Config, FlowKey, MAP_CAPTURED_FLOWS, MAP_CONFIG, MAP_COUNTERS,
@@ -12,6 +11,8 @@ use podlink_common::{
     MAX_EXCLUDED_CIDRS, MAX_EXCLUDED_PORTS, MAX_NODE_ADDRS, MAX_PODS, POD_HAS_IPV4, PodCounters,
     PodInfo, ipv4_mapped,
 };
+
+use super::error::{Error, Result};
 
 /// The layout of map `name` in layout `version` (1 or 2): type, key size, value
 /// size, capacity; `None` for another map or version.
@@ -62,27 +63,25 @@ pub(super) fn check_pinned_layouts(pin_dir: &Path, version: u32) -> Result<()> {
         if !path.exists() {
             continue;
         }
-        let info = MapInfo::from_pin(&path)
-            .with_context(|| format!("reading the pinned map {}", path.display()))?;
+        let info =
+            MapInfo::from_pin(&path).map_err(Error::map_pin("reading the pinned map", &path))?;
         let found = (
             info.map_type().ok(),
             info.key_size() as usize,
             info.value_size() as usize,
             info.max_entries(),
         );
-        let Some((kind, key, value, entries)) = expected_layout(name, version) else {
-            bail!("no map layout is known for layout version {version}");
+        let Some(expected) = expected_layout(name, version) else {
+            return Err(Error::NoMapLayout { version });
         };
+        let (kind, key, value, entries) = expected;
         if found != (Some(kind), key, value, entries) {
-            bail!(
-                "the pinned map {} ({:?}, key {} B, value {} B, {} entries) was made by an incompatible podlink; this agent expects {kind:?}, key {key} B, value {value} B, {entries} entries. Remove its pins with `podlink uninstall --pin-dir {}` (this detaches capture) and start again",
-                path.display(),
-                found.0,
-                found.1,
-                found.2,
-                found.3,
-                top.display()
-            );
+            return Err(Error::IncompatibleMap {
+                path,
+                found,
+                expected,
+                pin_dir: top.to_path_buf(),
+            });
         }
     }
     Ok(())
@@ -107,9 +106,9 @@ pub(super) fn carry_captured_flows(
     pods: &[(u32, PodInfo)],
 ) -> Result<(usize, usize)> {
     let old_map: BpfHashMap<MapData, FlowKey, u8> = BpfHashMap::try_from(Map::LruHashMap(
-        MapData::from_pin(old).with_context(|| format!("opening {}", old.display()))?,
+        MapData::from_pin(old).map_err(Error::map_pin("opening", old))?,
     ))
-    .with_context(|| format!("reading {}", old.display()))?;
+    .map_err(Error::map_pin("reading", old))?;
     let by_addr: HashMap<Addr, u32> = pods
         .iter()
         .filter(|(_, pod)| pod.flags & POD_HAS_IPV4 != 0)
@@ -118,12 +117,12 @@ pub(super) fn carry_captured_flows(
     let pod_of = |addr: &Addr| by_addr.get(addr).copied();
     let (mut copied, mut left_out) = (0, 0);
     for key in old_map.keys() {
-        let key = key.with_context(|| format!("reading {}", old.display()))?;
+        let key = key.map_err(Error::map_pin("reading", old))?;
         match pod_of(&key.saddr).or_else(|| pod_of(&key.daddr)) {
             Some(ifindex) => {
                 flows
                     .insert(key, ifindex, 0)
-                    .context("writing a captured flow")?;
+                    .map_err(Error::map("writing", MAP_CAPTURED_FLOWS))?;
                 copied += 1;
             }
             None => left_out += 1,

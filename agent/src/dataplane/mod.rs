@@ -20,6 +20,7 @@
 //! are not pinned and detach when the agent exits.
 
 mod bpffs;
+mod error;
 pub mod inspect;
 pub mod journal;
 mod layout;
@@ -28,6 +29,7 @@ pub mod netlink;
 pub mod pins;
 pub mod rcu;
 
+pub use error::{Chain, Error, Program, Result};
 use journal::SysctlJournal;
 use layout::with_node_addrs;
 use pins::{link_pin_name, parse_link_pin_name};
@@ -41,7 +43,6 @@ use std::{
     sync::Arc,
 };
 
-use anyhow::{Context, Result, anyhow, bail};
 use aya::{
     Ebpf, EbpfLoader,
     maps::{
@@ -49,7 +50,7 @@ use aya::{
         lpm_trie::Key,
     },
     programs::{
-        LinkOrder, SchedClassifier, TcAttachType,
+        LinkOrder, SchedClassifier,
         links::{FdLink, PinnedLink},
         tc::{self, SchedClassifierLink, TcAttachOptions},
     },
@@ -59,8 +60,7 @@ use nix::fcntl::Flock;
 use podlink_common::{
     CONFIG_DRAINING, CidrKey, Config, FlowKey, LAYOUT_VERSION, LINKS_DIR, MAP_CAPTURED_FLOWS,
     MAP_CONFIG, MAP_COUNTERS, MAP_EXCLUDED_CIDRS, MAP_EXCLUDED_PORTS, MAP_NAMES, MAP_PODS,
-    MAX_NODE_ADDRS, POD_ENROLLED, POD_HAS_IPV4, PROG_FROM_POD, PROG_TO_POD, PodCounters, PodInfo,
-    ipv4_mapped,
+    MAX_NODE_ADDRS, POD_ENROLLED, POD_HAS_IPV4, PodCounters, PodInfo, ipv4_mapped,
 };
 
 /// The pin directory by default (on the host's bpffs).
@@ -162,14 +162,22 @@ fn carry_flows(
     let pods: Vec<(u32, PodInfo)> = pods
         .iter()
         .collect::<Result<_, _>>()
-        .context("reading the pods map")?;
-    let mut flows: BpfHashMap<&mut MapData, FlowKey, u32> = BpfHashMap::try_from(
-        ebpf.map_mut(MAP_CAPTURED_FLOWS)
-            .ok_or_else(|| anyhow!("map {MAP_CAPTURED_FLOWS} missing from the object"))?,
-    )?;
+        .map_err(Error::map("reading", MAP_PODS))?;
+    let mut flows: BpfHashMap<&mut MapData, FlowKey, u32> =
+        BpfHashMap::try_from(ebpf.map_mut(MAP_CAPTURED_FLOWS).ok_or_else(|| {
+            Error::MissingMap {
+                map: MAP_CAPTURED_FLOWS.to_string(),
+            }
+        })?)
+        .map_err(Error::map("opening", MAP_CAPTURED_FLOWS))?;
     for old in old_flows {
-        let (copied, left_out) = layout::carry_captured_flows(old, &mut flows, &pods)
-            .with_context(|| format!("carrying the captured flows of {}", old.display()))?;
+        let (copied, left_out) =
+            layout::carry_captured_flows(old, &mut flows, &pods).map_err(|e| {
+                Error::CarryFlows {
+                    path: old.clone(),
+                    error: Box::new(e),
+                }
+            })?;
         tracing::info!(
             from = %old.display(),
             copied,
@@ -195,7 +203,7 @@ pub struct Dataplane {
     attached: HashMap<u32, Attachment>,
     /// Pinned links of a previous agent, moved to this agent's programs, not yet
     /// claimed by a pod.
-    adopted: HashMap<(u32, &'static str), (PathBuf, FdLink)>,
+    adopted: HashMap<(u32, Program), (PathBuf, FdLink)>,
     /// The pods map's entries of a previous agent were swept (once the workload
     /// source could tell which pods are gone), the whole map read and every stale
     /// entry removed. Only this agent writes the map while it holds the pin
@@ -224,9 +232,7 @@ impl Dataplane {
     /// object was not embedded, or the kernel refuses the programs or maps.
     pub fn load(cfg: &DataplaneConfig) -> Result<Self> {
         if EBPF_OBJECT.is_empty() {
-            bail!(
-                "this podlink binary was built without its eBPF object; build it with `cargo xtask build`"
-            );
+            return Err(Error::NoObject);
         }
         bpffs::ensure(&cfg.pin_dir)?;
         let lock = pins::lock(&cfg.pin_dir)?;
@@ -242,22 +248,27 @@ impl Dataplane {
         }
         let mut ebpf = loader
             .load(EBPF_OBJECT)
-            .context("loading the eBPF object (maps pinned under the pin directory)")?;
-        for name in [PROG_FROM_POD, PROG_TO_POD] {
-            let program: &mut SchedClassifier = ebpf
-                .program_mut(name)
-                .ok_or_else(|| anyhow!("program {name} missing from the object"))?
-                .try_into()?;
-            program
+            .map_err(|error| Error::LoadObject {
+                pin_dir: pin_dir.clone(),
+                error: Box::new(error),
+            })?;
+        for program in Program::ALL {
+            classifier(&mut ebpf, program)?
                 .load()
-                .with_context(|| format!("loading program {name}"))?;
+                .map_err(|error| Error::Program {
+                    action: "loading",
+                    program,
+                    error,
+                })?;
         }
         let take = |ebpf: &mut Ebpf, name: &str| {
-            ebpf.take_map(name)
-                .ok_or_else(|| anyhow!("map {name} missing from the object"))
+            ebpf.take_map(name).ok_or_else(|| Error::MissingMap {
+                map: name.to_string(),
+            })
         };
         let pods: BpfHashMap<MapData, u32, PodInfo> =
-            BpfHashMap::try_from(take(&mut ebpf, MAP_PODS)?)?;
+            BpfHashMap::try_from(take(&mut ebpf, MAP_PODS)?)
+                .map_err(Error::map("opening", MAP_PODS))?;
         if prepared.migrated {
             // Without the old flows, packets of connections open across the upgrade
             // whose proxy socket is gone pass instead of being dropped (see
@@ -266,20 +277,23 @@ impl Dataplane {
             // when they could steer a new connection of the same 4-tuple.
             if let Err(e) = carry_flows(&mut ebpf, &pods, &prepared.old_flows) {
                 tracing::warn!(
-                    "captured flows of the earlier pin layout not carried over (packets of connections open across the upgrade may pass once their proxy socket is gone): {e:#}"
+                    "captured flows of the earlier pin layout not carried over (packets of connections open across the upgrade may pass once their proxy socket is gone): {e}"
                 );
             }
             pins::finish_migration(&cfg.pin_dir, &prepared.old_flows)?;
         }
-        let counters = PerCpuHashMap::try_from(take(&mut ebpf, MAP_COUNTERS)?)?;
+        let counters = PerCpuHashMap::try_from(take(&mut ebpf, MAP_COUNTERS)?)
+            .map_err(Error::map("opening", MAP_COUNTERS))?;
         let config = with_node_addrs(cfg.config, &cfg.node_addrs);
-        let mut config_map: Array<MapData, Config> = Array::try_from(take(&mut ebpf, MAP_CONFIG)?)?;
+        let mut config_map: Array<MapData, Config> = Array::try_from(take(&mut ebpf, MAP_CONFIG)?)
+            .map_err(Error::map("opening", MAP_CONFIG))?;
         config_map
             .set(0, config, 0)
-            .context("writing the config map")?;
+            .map_err(Error::map("writing", MAP_CONFIG))?;
         // The exclusions are this agent's flags: forget those of a previous agent.
         let mut excluded_cidrs: LpmTrie<MapData, [u8; 16], u8> =
-            LpmTrie::try_from(take(&mut ebpf, MAP_EXCLUDED_CIDRS)?)?;
+            LpmTrie::try_from(take(&mut ebpf, MAP_EXCLUDED_CIDRS)?)
+                .map_err(Error::map("opening", MAP_EXCLUDED_CIDRS))?;
         let old: Vec<Key<[u8; 16]>> = excluded_cidrs.keys().filter_map(Result::ok).collect();
         for key in old {
             let _ = excluded_cidrs.remove(&key);
@@ -292,10 +306,14 @@ impl Dataplane {
             let prefix_len = key.prefix_len;
             excluded_cidrs
                 .insert(&Key::new(prefix_len, key.addr), 1, 0)
-                .with_context(|| format!("excluding {net}"))?;
+                .map_err(|error| Error::Exclude {
+                    entry: net.to_string(),
+                    error,
+                })?;
         }
         let mut excluded_ports: BpfHashMap<MapData, u16, u8> =
-            BpfHashMap::try_from(take(&mut ebpf, MAP_EXCLUDED_PORTS)?)?;
+            BpfHashMap::try_from(take(&mut ebpf, MAP_EXCLUDED_PORTS)?)
+                .map_err(Error::map("opening", MAP_EXCLUDED_PORTS))?;
         let old: Vec<u16> = excluded_ports.keys().filter_map(Result::ok).collect();
         for port in old {
             let _ = excluded_ports.remove(&port);
@@ -303,7 +321,10 @@ impl Dataplane {
         for port in &cfg.excluded_ports {
             excluded_ports
                 .insert(port, 1, 0)
-                .with_context(|| format!("excluding port {port}"))?;
+                .map_err(|error| Error::Exclude {
+                    entry: format!("port {port}"),
+                    error,
+                })?;
         }
         let tcx = KernelVersion::current().is_ok_and(|v| v >= KernelVersion::new(6, 6, 0));
         if !tcx {
@@ -318,7 +339,7 @@ impl Dataplane {
                 rcu::KNOB
             ),
             Ok(false) => {}
-            Err(e) => tracing::warn!("checking {}: {e:#}", rcu::KNOB),
+            Err(e) => tracing::warn!("checking {}: {e}", rcu::KNOB),
         }
         let mut dataplane = Dataplane {
             ebpf,
@@ -340,19 +361,15 @@ impl Dataplane {
         Ok(dataplane)
     }
 
-    fn program(&mut self, name: &str) -> Result<&mut SchedClassifier> {
-        Ok(self
-            .ebpf
-            .program_mut(name)
-            .ok_or_else(|| anyhow!("program {name} missing"))?
-            .try_into()?)
+    fn program(&mut self, program: Program) -> Result<&mut SchedClassifier> {
+        classifier(&mut self.ebpf, program)
     }
 
     /// Moves every pinned link of a previous agent to this agent's programs.
     fn adopt_pinned_links(&mut self) -> Result<()> {
         let dir = self.pins.join(LINKS_DIR);
-        for entry in fs::read_dir(&dir).with_context(|| format!("reading {}", dir.display()))? {
-            let path = entry?.path();
+        for entry in fs::read_dir(&dir).map_err(Error::io("reading", &dir))? {
+            let path = entry.map_err(Error::io("reading", &dir))?.path();
             let Some((ifindex, program)) = path
                 .file_name()
                 .and_then(|n| n.to_str())
@@ -362,12 +379,12 @@ impl Dataplane {
             };
             match self.adopt_link(&path, program) {
                 Ok(fd) => {
-                    tracing::info!(ifindex, program, "adopted pinned link");
+                    tracing::info!(ifindex, program = program.name(), "adopted pinned link");
                     self.adopted.insert((ifindex, program), (path, fd));
                 }
                 Err(e) => {
                     // The interface went away with its pod: the link is defunct.
-                    tracing::info!(path = %path.display(), "removing stale link pin: {e:#}");
+                    tracing::info!(path = %path.display(), "removing stale link pin: {e}");
                     let _ = fs::remove_file(&path);
                 }
             }
@@ -375,24 +392,35 @@ impl Dataplane {
         Ok(())
     }
 
-    fn adopt_link(&mut self, path: &Path, program: &str) -> Result<FdLink> {
-        let pinned = PinnedLink::from_pin(path)?;
-        let link = SchedClassifierLink::try_from(FdLink::from(pinned))?;
+    fn adopt_link(&mut self, path: &Path, program: Program) -> Result<FdLink> {
+        let pinned = PinnedLink::from_pin(path).map_err(|error| Error::OpenLinkPin {
+            path: path.to_path_buf(),
+            error,
+        })?;
+        let link = SchedClassifierLink::try_from(FdLink::from(pinned))
+            .map_err(|error| Error::Link { program, error })?;
         let prog = self.program(program)?;
-        let id = prog.attach_to_link(link)?;
-        let link = prog.take_link(id)?;
-        Ok(FdLink::try_from(link)?)
+        let program_error = |action| {
+            move |error| Error::Program {
+                action,
+                program,
+                error,
+            }
+        };
+        let id = prog
+            .attach_to_link(link)
+            .map_err(program_error("moving a pinned link to"))?;
+        let link = prog
+            .take_link(id)
+            .map_err(program_error("taking the link of"))?;
+        FdLink::try_from(link).map_err(|error| Error::Link { program, error })
     }
 
-    fn attach(&mut self, ifname: &str, ifindex: u32, program: &'static str) -> Result<Link> {
+    fn attach(&mut self, ifname: &str, ifindex: u32, program: Program) -> Result<Link> {
         if let Some((path, fd)) = self.adopted.remove(&(ifindex, program)) {
             return Ok(Link::Pinned { path, _fd: fd });
         }
-        let attach_type = if program == PROG_FROM_POD {
-            TcAttachType::Ingress
-        } else {
-            TcAttachType::Egress
-        };
+        let attach_type = program.attach_type();
         let tcx = self.tcx;
         if !tcx {
             // Adding is idempotent enough: EEXIST means another user made it.
@@ -408,8 +436,16 @@ impl Dataplane {
         };
         let id = prog
             .attach_with_options(ifname, attach_type, options)
-            .with_context(|| format!("attaching {program} to {ifname}"))?;
-        let link = prog.take_link(id)?;
+            .map_err(|error| Error::Attach {
+                program,
+                interface: ifname.to_string(),
+                error,
+            })?;
+        let link = prog.take_link(id).map_err(|error| Error::Program {
+            action: "taking the link of",
+            program,
+            error,
+        })?;
         if !tcx {
             return Ok(Link::Netlink(link));
         }
@@ -418,9 +454,13 @@ impl Dataplane {
             .join(LINKS_DIR)
             .join(link_pin_name(ifindex, program));
         let _ = fs::remove_file(&path);
-        let pinned = FdLink::try_from(link)?
+        let pinned = FdLink::try_from(link)
+            .map_err(|error| Error::Link { program, error })?
             .pin(&path)
-            .with_context(|| format!("pinning {}", path.display()))?;
+            .map_err(|error| Error::PinLink {
+                path: path.clone(),
+                error,
+            })?;
         Ok(Link::Pinned {
             path,
             _fd: FdLink::from(pinned),
@@ -435,22 +475,23 @@ impl Dataplane {
         let info = pod.info();
         self.pods
             .insert(pod.ifindex, info, 0)
-            .context("writing the pods map")?;
+            .map_err(Error::map("writing", MAP_PODS))?;
         if self.counters.get(&pod.ifindex, 0).is_err() {
-            let cpus = aya::util::nr_cpus().map_err(|(what, e)| anyhow!("{what}: {e}"))?;
-            let zero = PerCpuValues::try_from(vec![PodCounters::default(); cpus])?;
+            let cpus = aya::util::nr_cpus().map_err(|(what, e)| Error::io("reading", what)(e))?;
+            let zero = PerCpuValues::try_from(vec![PodCounters::default(); cpus])
+                .map_err(|error| Error::PerCpu { error })?;
             self.counters
                 .insert(pod.ifindex, zero, 0)
-                .context("writing the counters map")?;
+                .map_err(Error::map("writing", MAP_COUNTERS))?;
         }
         net::apply_host_veth_sysctls(&self.journal, &pod.ifname, pod.ifindex)?;
         let mut links = Vec::new();
         // Adopted links are not attached again: no grace period to expedite.
-        let attaching = [PROG_FROM_POD, PROG_TO_POD]
+        let attaching = Program::ALL
             .iter()
             .any(|p| !self.adopted.contains_key(&(pod.ifindex, *p)));
         let window = attaching.then(|| self.rcu.begin());
-        for program in [PROG_FROM_POD, PROG_TO_POD] {
+        for program in Program::ALL {
             match self.attach(&pod.ifname, pod.ifindex, program) {
                 Ok(link) => links.push(link),
                 Err(e) => {
@@ -540,7 +581,7 @@ impl Dataplane {
             }
             self.previous_swept = complete;
         }
-        let unclaimed: Vec<(u32, &'static str)> = self
+        let unclaimed: Vec<(u32, Program)> = self
             .adopted
             .keys()
             .filter(|(i, _)| !wanted_by_ifindex.contains_key(i))
@@ -562,7 +603,7 @@ impl Dataplane {
         &mut self,
         wanted: &[CapturedPod],
         removal: Removal,
-    ) -> Vec<(CapturedPod, anyhow::Error)> {
+    ) -> Vec<(CapturedPod, Error)> {
         let wanted_by_ifindex: HashMap<u32, &CapturedPod> =
             wanted.iter().map(|p| (p.ifindex, p)).collect();
         match removal {
@@ -577,7 +618,7 @@ impl Dataplane {
                 Some(_) => {
                     // Same interface, new facts (address, id): rewrite the entry.
                     if let Err(e) = self.pods.insert(pod.ifindex, pod.info(), 0) {
-                        failures.push((pod.clone(), anyhow!("updating the pods map: {e}")));
+                        failures.push((pod.clone(), Error::map("updating", MAP_PODS)(e)));
                         continue;
                     }
                     if let Some(a) = self.attached.get_mut(&pod.ifindex) {
@@ -608,7 +649,7 @@ impl Dataplane {
         };
         self.config_map
             .set(0, config, 0)
-            .context("writing the config map")?;
+            .map_err(Error::map("writing", MAP_CONFIG))?;
         self.config = config;
         Ok(())
     }
@@ -626,7 +667,9 @@ impl Dataplane {
                     "the node has more addresses than the config map holds; connections from the others are captured"
                 );
             }
-            self.config_map.set(0, config, 0)?;
+            self.config_map
+                .set(0, config, 0)
+                .map_err(Error::map("writing", MAP_CONFIG))?;
             self.config = config;
         }
         Ok(())
@@ -653,22 +696,42 @@ impl Dataplane {
     pub fn map_handle(&self, name: &str) -> Result<MapData> {
         use aya::maps::IterableMap;
         use std::os::fd::AsFd;
+        let missing = || Error::MissingMap {
+            map: name.to_string(),
+        };
+        let name: &'static str = MAP_NAMES
+            .into_iter()
+            .find(|n| *n == name)
+            .ok_or_else(missing)?;
         let dup = |data: &MapData| -> Result<MapData> {
-            let fd = data.fd().as_fd().try_clone_to_owned()?;
-            Ok(MapData::from_fd(fd)?)
+            let fd = data
+                .fd()
+                .as_fd()
+                .try_clone_to_owned()
+                .map_err(|error| Error::DupMap { map: name, error })?;
+            MapData::from_fd(fd).map_err(Error::map("reopening", name))
         };
         match name {
             MAP_PODS => dup(self.pods.map()),
             MAP_COUNTERS => dup(self.counters.map()),
             _ => {
-                let map = self
-                    .ebpf
-                    .map(name)
-                    .ok_or_else(|| anyhow!("map {name} missing from the object"))?;
+                let map = self.ebpf.map(name).ok_or_else(missing)?;
                 let flows: BpfHashMap<&MapData, podlink_common::FlowKey, u32> =
-                    BpfHashMap::try_from(map).with_context(|| format!("map {name}"))?;
+                    BpfHashMap::try_from(map).map_err(Error::map("opening", name))?;
                 dup(flows.map())
             }
         }
     }
+}
+
+/// The object's `program`, a TC classifier.
+fn classifier(ebpf: &mut Ebpf, program: Program) -> Result<&mut SchedClassifier> {
+    ebpf.program_mut(program.name())
+        .ok_or(Error::MissingProgram { program })?
+        .try_into()
+        .map_err(|error| Error::Program {
+            action: "using the object's",
+            program,
+            error,
+        })
 }

@@ -28,14 +28,15 @@ use std::{
     path::{Path, PathBuf},
 };
 
-use anyhow::{Context, Result, bail};
 use nix::fcntl::{Flock, FlockArg};
 use podlink_common::{
     LAYOUT_VERSION, LINKS_DIR, MAP_CAPTURED_FLOWS, MAP_NAMES, PREVIOUS_LAYOUT_VERSION,
-    PROG_FROM_POD, PROG_TO_POD,
 };
 
-use super::layout::check_pinned_layouts;
+use super::{
+    error::{Error, Program, Result},
+    layout::check_pinned_layouts,
+};
 
 /// The layout of the pins of the first agents, directly under the pin directory:
 /// version 1's maps and links.
@@ -92,17 +93,15 @@ pub fn earlier_layouts(pin_dir: &Path, contents: &PinDirContents) -> Vec<FoundLa
 }
 
 /// The pin name of a TCX link: `<ifindex>_<program>`.
-pub fn link_pin_name(ifindex: u32, program: &str) -> String {
+pub fn link_pin_name(ifindex: u32, program: Program) -> String {
     format!("{ifindex}_{program}")
 }
 
 /// The interface index and program of a link pin name, if it is one of podlink's
-/// (`7_from_pod` → `(7, "from_pod")`).
-pub fn parse_link_pin_name(name: &str) -> Option<(u32, &'static str)> {
+/// (`7_from_pod` → `(7, Program::FromPod)`).
+pub fn parse_link_pin_name(name: &str) -> Option<(u32, Program)> {
     let (ifindex, program) = name.split_once('_')?;
-    let program = [PROG_FROM_POD, PROG_TO_POD]
-        .into_iter()
-        .find(|p| *p == program)?;
+    let program = Program::from_name(program)?;
     Some((ifindex.parse().ok()?, program))
 }
 
@@ -133,10 +132,10 @@ pub fn survey(pin_dir: &Path) -> Result<PinDirContents> {
     let entries = match fs::read_dir(pin_dir) {
         Ok(entries) => entries,
         Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(contents),
-        Err(e) => return Err(e).with_context(|| format!("reading {}", pin_dir.display())),
+        Err(e) => return Err(Error::io("reading", pin_dir)(e)),
     };
     for entry in entries {
-        let entry = entry.with_context(|| format!("reading {}", pin_dir.display()))?;
+        let entry = entry.map_err(Error::io("reading", pin_dir))?;
         let name = entry.file_name();
         let name = name.to_string_lossy();
         if let Some(version) = parse_version(&name) {
@@ -157,16 +156,10 @@ pub fn survey(pin_dir: &Path) -> Result<PinDirContents> {
 /// Names the unknown layout's directory and what to do about it.
 pub(crate) fn refuse_other_versions(pin_dir: &Path, contents: &PinDirContents) -> Result<()> {
     if let Some(&other) = contents.versions.iter().find(|v| !is_known_version(**v)) {
-        let path = layout_dir(pin_dir, other);
-        let advice = if other > LAYOUT_VERSION {
-            "it was made by a newer podlink: run that version, or remove it with `podlink uninstall` (this detaches capture)"
-        } else {
-            "this podlink has no migration from it: remove it with `podlink uninstall` (this detaches capture)"
-        };
-        bail!(
-            "{} holds pins of layout version {other}, but this podlink's layout version is {LAYOUT_VERSION}: {advice}",
-            path.display()
-        );
+        return Err(Error::UnknownLayout {
+            dir: layout_dir(pin_dir, other),
+            version: other,
+        });
     }
     Ok(())
 }
@@ -203,11 +196,13 @@ pub(super) fn prepare(pin_dir: &Path) -> Result<Prepared> {
     // ones of the same name, and the programs reuse them.
     check_pinned_layouts(&dir, LAYOUT_VERSION)?;
     for layout in &earlier {
-        check_pinned_layouts(&layout.dir, layout.version)
-            .with_context(|| format!("migrating {}", layout.what))?;
+        check_pinned_layouts(&layout.dir, layout.version).map_err(|e| Error::Migrate {
+            layout: layout.what.clone(),
+            error: Box::new(e),
+        })?;
     }
     let links = dir.join(LINKS_DIR);
-    fs::create_dir_all(&links).with_context(|| format!("creating {}", links.display()))?;
+    fs::create_dir_all(&links).map_err(Error::io("creating", &links))?;
     let mut old_flows = Vec::new();
     for layout in &earlier {
         migrate(layout, &dir)?;
@@ -236,19 +231,16 @@ fn migrate(layout: &FoundLayout, dir: &Path) -> Result<()> {
         }
         if new.exists() {
             // A map this layout already has (an earlier move): it stays.
-            fs::remove_file(&old).with_context(|| format!("removing {}", old.display()))?;
+            fs::remove_file(&old).map_err(Error::io("removing", &old))?;
         } else {
-            fs::rename(&old, &new)
-                .with_context(|| format!("moving {} to {}", old.display(), new.display()))?;
+            rename(&old, &new)?;
             moved += 1;
         }
     }
     let old_links = from.join(LINKS_DIR);
     if old_links.is_dir() {
-        for entry in
-            fs::read_dir(&old_links).with_context(|| format!("reading {}", old_links.display()))?
-        {
-            let old = entry?.path();
+        for entry in fs::read_dir(&old_links).map_err(Error::io("reading", &old_links))? {
+            let old = entry.map_err(Error::io("reading", &old_links))?.path();
             let Some(name) = old.file_name() else {
                 continue;
             };
@@ -257,12 +249,11 @@ fn migrate(layout: &FoundLayout, dir: &Path) -> Result<()> {
                 // A second link on the same hook: the one in this layout stays.
                 let _ = fs::remove_file(&old);
             } else {
-                fs::rename(&old, &new)
-                    .with_context(|| format!("moving {} to {}", old.display(), new.display()))?;
+                rename(&old, &new)?;
                 moved += 1;
             }
         }
-        fs::remove_dir(&old_links).with_context(|| format!("removing {}", old_links.display()))?;
+        fs::remove_dir(&old_links).map_err(Error::io("removing", &old_links))?;
     }
     tracing::info!(
         from = %from.display(),
@@ -274,6 +265,15 @@ fn migrate(layout: &FoundLayout, dir: &Path) -> Result<()> {
     Ok(())
 }
 
+/// Renames the pin `from` to `to`.
+fn rename(from: &Path, to: &Path) -> Result<()> {
+    fs::rename(from, to).map_err(|error| Error::Rename {
+        from: from.to_path_buf(),
+        to: to.to_path_buf(),
+        error,
+    })
+}
+
 /// Ends a migration ([`Prepared::migrated`]) once the flows of `old_flows` are
 /// copied: removes those pins, and version 1's directory when nothing else is left
 /// in it (what podlink does not name stays, and so does the directory).
@@ -282,7 +282,7 @@ fn migrate(layout: &FoundLayout, dir: &Path) -> Result<()> {
 /// A pin that cannot be removed.
 pub(super) fn finish_migration(pin_dir: &Path, old_flows: &[PathBuf]) -> Result<()> {
     for flows in old_flows {
-        fs::remove_file(flows).with_context(|| format!("removing {}", flows.display()))?;
+        fs::remove_file(flows).map_err(Error::io("removing", flows))?;
     }
     let previous = layout_dir(pin_dir, PREVIOUS_LAYOUT_VERSION);
     if previous.is_dir() {
@@ -299,14 +299,13 @@ pub(super) fn finish_migration(pin_dir: &Path, old_flows: &[PathBuf]) -> Result<
 /// When another process holds it (an agent running on this pin directory), naming
 /// the directory; or when the directory cannot be opened.
 pub fn lock(pin_dir: &Path) -> Result<Flock<File>> {
-    let dir = File::open(pin_dir).with_context(|| format!("opening {}", pin_dir.display()))?;
+    let dir = File::open(pin_dir).map_err(Error::io("opening", pin_dir))?;
     match Flock::lock(dir, FlockArg::LockExclusiveNonblock) {
         Ok(lock) => Ok(lock),
-        Err((_, nix::errno::Errno::EWOULDBLOCK)) => bail!(
-            "a podlink agent is running on the pin directory {} (it holds its lock): stop it first",
-            pin_dir.display()
-        ),
-        Err((_, e)) => Err(e).with_context(|| format!("locking {}", pin_dir.display())),
+        Err((_, nix::errno::Errno::EWOULDBLOCK)) => Err(Error::PinDirLocked {
+            pin_dir: pin_dir.to_path_buf(),
+        }),
+        Err((_, e)) => Err(Error::io("locking", pin_dir)(e.into())),
     }
 }
 
@@ -340,8 +339,7 @@ pub fn remove_all(pin_dir: &Path) -> Result<Vec<PathBuf>> {
             for name in MAP_NAMES {
                 let path = pin_dir.join(name);
                 if path.exists() {
-                    fs::remove_file(&path)
-                        .with_context(|| format!("removing {}", path.display()))?;
+                    fs::remove_file(&path).map_err(Error::io("removing", &path))?;
                     removed.push(path);
                 }
             }
@@ -364,16 +362,16 @@ pub fn remove_all(pin_dir: &Path) -> Result<Vec<PathBuf>> {
 
 /// Removes a directory of podlink's pins and everything in it.
 fn remove_tree(dir: &Path, removed: &mut Vec<PathBuf>) -> Result<()> {
-    for entry in fs::read_dir(dir).with_context(|| format!("reading {}", dir.display()))? {
-        let path = entry?.path();
+    for entry in fs::read_dir(dir).map_err(Error::io("reading", dir))? {
+        let path = entry.map_err(Error::io("reading", dir))?.path();
         if path.is_dir() {
             remove_tree(&path, removed)?;
         } else {
-            fs::remove_file(&path).with_context(|| format!("removing {}", path.display()))?;
+            fs::remove_file(&path).map_err(Error::io("removing", &path))?;
             removed.push(path);
         }
     }
-    fs::remove_dir(dir).with_context(|| format!("removing {}", dir.display()))?;
+    fs::remove_dir(dir).map_err(Error::io("removing", dir))?;
     removed.push(dir.to_path_buf());
     Ok(())
 }
@@ -384,9 +382,12 @@ mod tests {
 
     #[test]
     fn link_pin_names_round_trip() {
-        assert_eq!(link_pin_name(7, PROG_FROM_POD), "7_from_pod");
-        assert_eq!(parse_link_pin_name("7_from_pod"), Some((7, PROG_FROM_POD)));
-        assert_eq!(parse_link_pin_name("12_to_pod"), Some((12, PROG_TO_POD)));
+        assert_eq!(link_pin_name(7, Program::FromPod), "7_from_pod");
+        assert_eq!(
+            parse_link_pin_name("7_from_pod"),
+            Some((7, Program::FromPod))
+        );
+        assert_eq!(parse_link_pin_name("12_to_pod"), Some((12, Program::ToPod)));
         assert_eq!(parse_link_pin_name("x_to_pod"), None);
         assert_eq!(parse_link_pin_name("7_other"), None);
     }
