@@ -53,7 +53,7 @@ pub trait Capture {
 }
 
 impl Capture for Dataplane {
-    type Error = anyhow::Error;
+    type Error = crate::dataplane::Error;
 
     fn set_node_addrs(&mut self, addrs: &[Ipv4Addr]) -> Result<(), Self::Error> {
         Dataplane::set_node_addrs(self, addrs)
