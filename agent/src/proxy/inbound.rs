@@ -24,7 +24,7 @@ use tokio::{
 use tokio_rustls::TlsAcceptor;
 
 use super::{
-    Budget, ProxyState, RateLimited, Refusal, copy,
+    Budget, ProxyState, Refusal, copy,
     hbone::{self, ActiveStream, H2Stream},
     socket,
 };
@@ -36,6 +36,7 @@ use crate::{
     },
     telemetry::{
         connection::{ConnectionRecord, Endpoints, Failure, Outcome},
+        logging::RateLimited,
         metrics::{Direction, FailureKind, Reporter, SecurityPolicy},
     },
 };
