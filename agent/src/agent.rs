@@ -45,9 +45,9 @@ use crate::{
         CertManager, CertSource, SpiffeId,
         istio_ca::{IstioCaClient, IstioCaConfig},
     },
-    proxy::{self, Listeners, ProxyConfig, ProxyState, View},
+    proxy::{self, Listeners, ProxyConfig, ProxyState},
     source::{Source, manifests},
-    state::{MAX_POD_UPDATES, WorkloadIndex, service::ServiceIndex},
+    state::{MAX_POD_UPDATES, View, WorkloadIndex, service::ServiceIndex},
     telemetry::{
         logging::{HeldMessages, LogControl, Severity},
         scrape::DataplaneMaps,
@@ -445,8 +445,8 @@ async fn drain(
         &mut tokio::signal::unix::Signal,
     ),
 ) {
-    state.drain();
-    let open = state.open_connections();
+    state.limits.drain();
+    let open = state.limits.open_connections();
     tracing::info!(
         open_connections = open,
         grace = %humantime::format_duration(grace),
@@ -455,14 +455,14 @@ async fn drain(
     let deadline = tokio::time::Instant::now() + grace;
     let mut tick = tokio::time::interval(Duration::from_millis(100));
     loop {
-        let open = state.open_connections();
-        if open == 0 && state.listeners_open() == 0 {
+        let open = state.limits.open_connections();
+        if open == 0 && state.limits.listeners_open() == 0 {
             tracing::info!("drained: no connection open");
             return;
         }
         tokio::select! {
             _ = tick.tick() => {}
-            () = tokio::time::sleep_until(deadline), if state.listeners_open() == 0 => {
+            () = tokio::time::sleep_until(deadline), if state.limits.listeners_open() == 0 => {
                 tracing::info!(open_connections = open, "grace period over; closing the open connections");
                 return;
             }
@@ -471,7 +471,7 @@ async fn drain(
         }
     }
     tracing::info!(
-        open_connections = state.open_connections(),
+        open_connections = state.limits.open_connections(),
         "signalled again; closing the open connections"
     );
 }

@@ -55,7 +55,7 @@ static REFUSALS: LazyLock<RateLimited> = LazyLock::new(RateLimited::default);
 static OVER_LIMIT: LazyLock<RateLimited> = LazyLock::new(RateLimited::default);
 
 /// Handles one HBONE connection from `peer` to `local` (`pod ip:15008`). It holds
-/// the handshake permit `handshake` ([`ProxyState::max_handshakes`]) during its
+/// the handshake permit `handshake` ([`ConnectionLimits::max_handshakes`](super::ConnectionLimits::max_handshakes)) during its
 /// TLS and HTTP/2 handshakes, then one of the proxy's connection slots for as long
 /// as it is open; without a free slot it is refused.
 pub async fn handle(
@@ -118,14 +118,16 @@ pub async fn handle(
         }
     };
     drop(handshake);
-    let Some(_slot) = state.connection_slot() else {
+    let Some(_slot) = state.limits.connection_slot() else {
         let refusal = Refusal {
             listener: "inbound HBONE",
             direction: Direction::Inbound,
             peer,
             after_handshakes: true,
         };
-        state.refused_at_limit(&OVER_LIMIT, Budget::Connection, &refusal);
+        state
+            .limits
+            .refused_at_limit(&state.metrics, &OVER_LIMIT, Budget::Connection, &refusal);
         return;
     };
     tracing::debug!(%peer, %client, destination = %destination.key(), "HBONE connection accepted");
@@ -146,7 +148,7 @@ pub async fn handle(
             next = conn.accept() => next,
             // Draining: no new streams; the connection closes once its open
             // streams end.
-            () = state.draining(), if !goaway_sent => {
+            () = state.limits.draining(), if !goaway_sent => {
                 tracing::debug!(%peer, "draining: GOAWAY to the HBONE client");
                 conn.graceful_shutdown();
                 goaway_sent = true;
@@ -331,7 +333,7 @@ async fn serve_stream(
         return;
     }
     drop(view);
-    let Some(_slot) = state.connection_slot() else {
+    let Some(_slot) = state.limits.connection_slot() else {
         let why = "the proxy is at its connection limit";
         refuse(respond, StatusCode::SERVICE_UNAVAILABLE, peer, why);
         return record.finish(Outcome::Failed(Failure::new(

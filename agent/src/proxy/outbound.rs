@@ -68,7 +68,7 @@ pub async fn handle(
     let service = view.services.lookup(dst).cloned();
     let endpoint = match &service {
         None => None,
-        Some(svc) => match state.pick_endpoint(svc) {
+        Some(svc) => match state.endpoints.pick(svc) {
             Some(endpoint) => Some(endpoint),
             None => {
                 let why = if svc.has_slices {
