@@ -411,11 +411,7 @@ pub async fn run(cfg: AgentConfig) -> Result<()> {
 /// parses the kernel's BTF (megabytes, freed once loaded); glibc's allocator keeps
 /// such freed heap unless asked (malloc_trim(3)).
 fn release_startup_memory() {
-    #[cfg(target_env = "gnu")]
-    // SAFETY: malloc_trim has no preconditions.
-    unsafe {
-        libc::malloc_trim(0);
-    }
+    crate::sys::release_freed_heap();
 }
 
 /// glibc's allocator gives each thread that allocates under contention an arena
@@ -425,14 +421,9 @@ fn release_startup_memory() {
 /// least two) keeps contention low (mallopt(3), `M_ARENA_MAX`). Call before any
 /// thread starts.
 pub fn limit_allocator_arenas(threads: usize) {
-    #[cfg(target_env = "gnu")]
-    // SAFETY: mallopt has no preconditions.
-    unsafe {
-        libc::mallopt(
-            libc::M_ARENA_MAX,
-            libc::c_int::try_from(threads.max(2)).unwrap_or(libc::c_int::MAX),
-        );
-    }
+    crate::sys::set_malloc_arena_max(
+        libc::c_int::try_from(threads.max(2)).unwrap_or(libc::c_int::MAX),
+    );
 }
 
 /// Closes the listeners and waits until the open connections end, `grace` passes,

@@ -2,6 +2,7 @@
 //! and the HBONE proxy. The `podlink` binary (`src/main.rs`) is its command line.
 
 #![warn(missing_docs)]
+#![deny(unsafe_code)]
 
 pub mod admin;
 pub mod agent;
@@ -14,5 +15,6 @@ pub mod k8s;
 pub mod proxy;
 pub mod source;
 pub mod state;
+pub mod sys;
 pub mod telemetry;
 pub mod uninstall;
