@@ -626,6 +626,7 @@ mod tests {
     /// route and address appear, and go with the veth. Needs root
     /// (`unshare(CLONE_NEWNET)`) and `ip`.
     #[test]
+    #[ignore = "needs root"]
     fn reads_without_dumps_follow_the_kernel() {
         std::thread::spawn(|| {
             // Moves this thread alone into a new network namespace.
