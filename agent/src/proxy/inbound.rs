@@ -27,6 +27,7 @@ use super::{
     Budget, ProxyState, Refusal, copy,
     hbone::{self, ActiveStream, H2Stream},
     socket,
+    telemetry::meta,
 };
 use crate::{
     authz,
@@ -308,8 +309,8 @@ async fn serve_stream(
             route: "inbound_hbone",
             src: peer,
             dst: target,
-            src_workload: source_workload,
-            dst_workload: destination,
+            src_workload: source_workload.map(meta),
+            dst_workload: destination.map(meta),
             src_identity: Some(client.clone()),
             dst_identity: Some(pod_id.clone()),
             service: None,

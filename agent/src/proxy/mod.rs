@@ -18,8 +18,8 @@ mod inbound_plaintext;
 mod limits;
 mod outbound;
 pub mod pool;
-mod scrape;
 pub mod socket;
+mod telemetry;
 
 use std::{
     net::{IpAddr, Ipv4Addr, SocketAddr},

@@ -8,6 +8,7 @@ use super::{
     ProxyState, copy,
     pool::{HboneError, PoolKey},
     socket,
+    telemetry::meta,
 };
 use crate::{
     authz::Request,
@@ -134,8 +135,8 @@ pub async fn handle(
             route: route_name,
             src,
             dst,
-            src_workload: Some(source.clone()),
-            dst_workload,
+            src_workload: Some(meta(source.clone())),
+            dst_workload: dst_workload.map(meta),
             src_identity: Some(source.identity.clone()),
             dst_identity,
             service: service

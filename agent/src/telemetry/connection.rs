@@ -37,8 +37,10 @@ use std::{
 use prometheus_client::metrics::counter::Counter;
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 
-use super::metrics::{Direction, FailureKind, Metrics, Peer, Reporter, SecurityPolicy, TcpLabels};
-use crate::{identity::SpiffeId, state::Workload};
+use super::metrics::{
+    Direction, FailureKind, Metrics, Peer, Reporter, SecurityPolicy, TcpLabels, WorkloadMeta,
+};
+use crate::identity::SpiffeId;
 
 /// Why a connection failed: the kind (a metric label) and what happened (logged).
 #[derive(Debug, Clone)]
@@ -86,9 +88,9 @@ pub struct Endpoints {
     /// The original destination.
     pub dst: SocketAddr,
     /// The client's pod, when known.
-    pub src_workload: Option<Arc<Workload>>,
+    pub src_workload: Option<Arc<dyn WorkloadMeta>>,
     /// The destination's pod, when known.
-    pub dst_workload: Option<Arc<Workload>>,
+    pub dst_workload: Option<Arc<dyn WorkloadMeta>>,
     /// The client's identity, when known.
     pub src_identity: Option<SpiffeId>,
     /// The destination's identity, when known.
@@ -277,11 +279,11 @@ impl ConnectionRecord {
         };
         let (bytes_recv, bytes_sent) = self.bytes();
         let e = &self.endpoints;
-        fn name(w: &Option<Arc<Workload>>) -> Option<&str> {
-            w.as_deref().map(|w| w.name.as_str())
+        fn name(w: &Option<Arc<dyn WorkloadMeta>>) -> Option<&str> {
+            w.as_deref().map(WorkloadMeta::name)
         }
-        fn namespace(w: &Option<Arc<Workload>>) -> Option<&str> {
-            w.as_deref().map(|w| w.namespace.as_str())
+        fn namespace(w: &Option<Arc<dyn WorkloadMeta>>) -> Option<&str> {
+            w.as_deref().map(WorkloadMeta::namespace)
         }
         let id = |i: &Option<SpiffeId>| i.as_ref().map(ToString::to_string);
         tracing::info!(
