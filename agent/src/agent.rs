@@ -324,11 +324,7 @@ pub async fn run(cfg: AgentConfig) -> Result<()> {
 /// parses the kernel's BTF (megabytes, freed once loaded); glibc's allocator keeps
 /// such freed heap unless asked (malloc_trim(3)).
 fn release_startup_memory() {
-    #[cfg(target_env = "gnu")]
-    // SAFETY: malloc_trim has no preconditions.
-    unsafe {
-        libc::malloc_trim(0);
-    }
+    crate::sys::release_freed_heap();
 }
 
 /// glibc's allocator gives each thread that allocates under contention an arena
@@ -338,14 +334,9 @@ fn release_startup_memory() {
 /// least two) keeps contention low (mallopt(3), `M_ARENA_MAX`). Call before any
 /// thread starts.
 pub fn limit_allocator_arenas(threads: usize) {
-    #[cfg(target_env = "gnu")]
-    // SAFETY: mallopt has no preconditions.
-    unsafe {
-        libc::mallopt(
-            libc::M_ARENA_MAX,
-            libc::c_int::try_from(threads.max(2)).unwrap_or(libc::c_int::MAX),
-        );
-    }
+    crate::sys::set_malloc_arena_max(
+        libc::c_int::try_from(threads.max(2)).unwrap_or(libc::c_int::MAX),
+    );
 }
 
 /// Closes the listeners and waits until the open connections end, `grace` passes,
@@ -358,8 +349,8 @@ async fn drain(
         &mut tokio::signal::unix::Signal,
     ),
 ) {
-    state.drain();
-    let open = state.open_connections();
+    state.limits.drain();
+    let open = state.limits.open_connections();
     tracing::info!(
         open_connections = open,
         grace = %humantime::format_duration(grace),
@@ -368,14 +359,14 @@ async fn drain(
     let deadline = tokio::time::Instant::now() + grace;
     let mut tick = tokio::time::interval(Duration::from_millis(100));
     loop {
-        let open = state.open_connections();
-        if open == 0 && state.listeners_open() == 0 {
+        let open = state.limits.open_connections();
+        if open == 0 && state.limits.listeners_open() == 0 {
             tracing::info!("drained: no connection open");
             return;
         }
         tokio::select! {
             _ = tick.tick() => {}
-            () = tokio::time::sleep_until(deadline), if state.listeners_open() == 0 => {
+            () = tokio::time::sleep_until(deadline), if state.limits.listeners_open() == 0 => {
                 tracing::info!(open_connections = open, "grace period over; closing the open connections");
                 return;
             }
@@ -384,7 +375,7 @@ async fn drain(
         }
     }
     tracing::info!(
-        open_connections = state.open_connections(),
+        open_connections = state.limits.open_connections(),
         "signalled again; closing the open connections"
     );
 }

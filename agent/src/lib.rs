@@ -2,6 +2,7 @@
 //! and the HBONE proxy. The `podlink` binary (`src/main.rs`) is its command line.
 
 #![warn(missing_docs)]
+#![deny(unsafe_code)]
 
 pub mod admin;
 pub mod agent;
@@ -15,5 +16,6 @@ pub mod proxy;
 pub mod reconcile;
 pub mod source;
 pub mod state;
+pub mod sys;
 pub mod telemetry;
 pub mod uninstall;

@@ -331,9 +331,9 @@ mod tests {
     #[ignore = "needs root"]
     fn policy_routing_is_what_ip_makes_installed_once_and_removed_exactly() {
         std::thread::spawn(|| {
-            // SAFETY: moves this thread alone into a new network namespace.
-            let unshared = unsafe { libc::unshare(libc::CLONE_NEWNET) };
-            assert_eq!(unshared, 0, "unshare(CLONE_NEWNET): this test needs root");
+            if let Err(e) = crate::sys::unshare_network_namespace() {
+                panic!("unshare(CLONE_NEWNET): this test needs root: {e}");
+            }
             let ip = |args: &str| -> String {
                 let out = std::process::Command::new("ip")
                     .args(args.split_whitespace())

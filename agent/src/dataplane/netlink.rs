@@ -187,17 +187,12 @@ fn notification_socket() -> io::Result<Socket> {
     socket.set_non_blocking(true)?;
     // As root, past net.core.rmem_max (SO_RCVBUFFORCE); else what it allows.
     let size = NOTIFICATION_BUFFER as libc::c_int;
-    // SAFETY: setsockopt with a pointer to an int and its size.
-    let forced = unsafe {
-        libc::setsockopt(
-            std::os::fd::AsRawFd::as_raw_fd(&socket),
-            libc::SOL_SOCKET,
-            libc::SO_RCVBUFFORCE,
-            std::ptr::from_ref(&size).cast(),
-            size_of::<libc::c_int>() as libc::socklen_t,
-        )
-    };
-    if forced != 0 {
+    let forced = nix::sys::socket::setsockopt(
+        &socket,
+        nix::sys::socket::sockopt::RcvBufForce,
+        &NOTIFICATION_BUFFER,
+    );
+    if forced.is_err() {
         socket.set_rx_buf_sz(size)?;
     }
     Ok(socket)
@@ -664,14 +659,10 @@ mod tests {
     #[ignore = "needs root"]
     fn reads_without_dumps_follow_the_kernel() {
         std::thread::spawn(|| {
-            // SAFETY: moves this thread alone into a new network namespace.
-            let unshared = unsafe { libc::unshare(libc::CLONE_NEWNET) };
-            assert_eq!(
-                unshared,
-                0,
-                "unshare(CLONE_NEWNET): this test needs root: {}",
-                io::Error::last_os_error()
-            );
+            // Moves this thread alone into a new network namespace.
+            if let Err(e) = crate::sys::unshare_network_namespace() {
+                panic!("unshare(CLONE_NEWNET): this test needs root: {e}");
+            }
             let ip = |args: &str| {
                 let out = std::process::Command::new("ip")
                     .args(args.split_whitespace())

@@ -12,10 +12,9 @@ use rustls::RootCertStore;
 use rustls_pki_types::CertificateDer;
 
 use super::{
-    SpiffeId,
+    Error, SpiffeId,
     ca::{self, CA_CERT_FILE, CA_KEY_FILE, CaError, CertificateAuthority, WorkloadCertificate},
     istio_ca::IstioCaClient,
-    manager::IdentityError,
     tls,
 };
 
@@ -90,17 +89,17 @@ impl CertSource {
     ///
     /// # Errors
     /// As [`CertSource::parse`].
-    pub fn load(&self) -> Result<Trust, IdentityError> {
+    pub fn load(&self) -> Result<Trust, Error> {
         self.parse(self.read()?)
     }
 
     /// Checks file contents read by [`CertSource::read`] and makes them the trust.
     ///
     /// # Errors
-    /// [`IdentityError::Ca`] naming the file and what is wrong with it (not PEM, not
+    /// [`Error::Ca`] naming the file and what is wrong with it (not PEM, not
     /// a CA certificate, expired, a key that does not match), or a root rustls
     /// cannot use.
-    pub fn parse(&self, contents: Vec<Vec<u8>>) -> Result<Trust, IdentityError> {
+    pub fn parse(&self, contents: Vec<Vec<u8>>) -> Result<Trust, Error> {
         let files = self.files();
         let (roots, signer) = match self {
             Self::Local { .. } => {
@@ -115,7 +114,7 @@ impl CertSource {
             Self::Istio(_) => (ca::parse_ca_bundle(&files[0], &contents[0])?, None),
         };
         let store = tls::root_store(&roots).map_err(|e| {
-            IdentityError::Ca(CaError::Invalid {
+            Error::Ca(CaError::Invalid {
                 path: files[0].clone(),
                 what: format!("not usable as a trust anchor: {e}"),
             })
@@ -138,7 +137,7 @@ impl CertSource {
         trust: &Trust,
         id: &SpiffeId,
         lifetime: Duration,
-    ) -> Result<WorkloadCertificate, IdentityError> {
+    ) -> Result<WorkloadCertificate, Error> {
         match self {
             Self::Local { .. } => {
                 let signer = trust

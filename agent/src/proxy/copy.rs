@@ -20,6 +20,8 @@ use tokio::{
     net::TcpStream,
 };
 
+use crate::telemetry::connection::Metered;
+
 /// The first read's room (bytes): what most requests and responses fit in.
 const FIRST_READ: usize = 16 * 1024;
 /// The largest read (bytes), reached by doubling while reads fill their room.
@@ -127,6 +129,27 @@ impl<T: Source + ?Sized> Source for &mut T {
 impl<T: Sink + ?Sized> Sink for &mut T {
     fn poll_write_chunk(&mut self, cx: &mut Context<'_>, data: &mut Bytes) -> Poll<io::Result<()>> {
         (**self).poll_write_chunk(cx, data)
+    }
+}
+
+/// Zero-copy reads from the client, counted as bytes from the client.
+impl<S: Source> Source for Metered<'_, S> {
+    fn poll_read_chunk(&mut self, cx: &mut Context<'_>, chunk: &mut Chunk) -> Poll<io::Result<()>> {
+        let (inner, traffic) = self.parts();
+        ready!(inner.poll_read_chunk(cx, chunk))?;
+        traffic.count_from_client(chunk.data().len());
+        Poll::Ready(Ok(()))
+    }
+}
+
+/// Writes to the client, counted as bytes to the client.
+impl<S: Sink> Sink for Metered<'_, S> {
+    fn poll_write_chunk(&mut self, cx: &mut Context<'_>, data: &mut Bytes) -> Poll<io::Result<()>> {
+        let (inner, traffic) = self.parts();
+        let before = data.len();
+        ready!(inner.poll_write_chunk(cx, data))?;
+        traffic.count_to_client(before - data.len());
+        Poll::Ready(Ok(()))
     }
 }
 

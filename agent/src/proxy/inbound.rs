@@ -24,9 +24,10 @@ use tokio::{
 use tokio_rustls::TlsAcceptor;
 
 use super::{
-    Budget, ProxyState, RateLimited, Refusal, copy,
+    Budget, ProxyState, Refusal, copy,
     hbone::{self, ActiveStream, H2Stream},
     socket,
+    telemetry::meta,
 };
 use crate::{
     authz,
@@ -36,6 +37,7 @@ use crate::{
     },
     telemetry::{
         connection::{ConnectionRecord, Endpoints, Failure, Outcome},
+        logging::RateLimited,
         metrics::{Direction, FailureKind, Reporter, SecurityPolicy},
     },
 };
@@ -54,7 +56,7 @@ static REFUSALS: LazyLock<RateLimited> = LazyLock::new(RateLimited::default);
 static OVER_LIMIT: LazyLock<RateLimited> = LazyLock::new(RateLimited::default);
 
 /// Handles one HBONE connection from `peer` to `local` (`pod ip:15008`). It holds
-/// the handshake permit `handshake` ([`ProxyState::max_handshakes`]) during its
+/// the handshake permit `handshake` ([`ConnectionLimits::max_handshakes`](super::ConnectionLimits::max_handshakes)) during its
 /// TLS and HTTP/2 handshakes, then one of the proxy's connection slots for as long
 /// as it is open; without a free slot it is refused.
 pub async fn handle(
@@ -117,14 +119,16 @@ pub async fn handle(
         }
     };
     drop(handshake);
-    let Some(_slot) = state.connection_slot() else {
+    let Some(_slot) = state.limits.connection_slot() else {
         let refusal = Refusal {
             listener: "inbound HBONE",
             direction: Direction::Inbound,
             peer,
             after_handshakes: true,
         };
-        state.refused_at_limit(&OVER_LIMIT, Budget::Connection, &refusal);
+        state
+            .limits
+            .refused_at_limit(&state.metrics, &OVER_LIMIT, Budget::Connection, &refusal);
         return;
     };
     tracing::debug!(%peer, %client, destination = %destination.key(), "HBONE connection accepted");
@@ -145,7 +149,7 @@ pub async fn handle(
             next = conn.accept() => next,
             // Draining: no new streams; the connection closes once its open
             // streams end.
-            () = state.draining(), if !goaway_sent => {
+            () = state.limits.draining(), if !goaway_sent => {
                 tracing::debug!(%peer, "draining: GOAWAY to the HBONE client");
                 conn.graceful_shutdown();
                 goaway_sent = true;
@@ -305,8 +309,8 @@ async fn serve_stream(
             route: "inbound_hbone",
             src: peer,
             dst: target,
-            src_workload: source_workload,
-            dst_workload: destination,
+            src_workload: source_workload.map(meta),
+            dst_workload: destination.map(meta),
             src_identity: Some(client.clone()),
             dst_identity: Some(pod_id.clone()),
             service: None,
@@ -330,7 +334,7 @@ async fn serve_stream(
         return;
     }
     drop(view);
-    let Some(_slot) = state.connection_slot() else {
+    let Some(_slot) = state.limits.connection_slot() else {
         let why = "the proxy is at its connection limit";
         refuse(respond, StatusCode::SERVICE_UNAVAILABLE, peer, why);
         return record.finish(Outcome::Failed(Failure::new(

@@ -6,7 +6,7 @@ use std::{net::SocketAddr, sync::Arc};
 
 use tokio::{net::TcpStream, sync::OwnedSemaphorePermit};
 
-use super::{ProxyState, copy, socket};
+use super::{ProxyState, copy, socket, telemetry::meta};
 use crate::{
     authz::Request,
     telemetry::{
@@ -44,7 +44,7 @@ pub async fn handle(
             route: "inbound_plaintext",
             src,
             dst,
-            src_workload: source.clone(),
+            src_workload: source.clone().map(meta),
             dst_workload: Some(destination.clone()),
             src_identity: None,
             dst_identity: Some(destination.identity.clone()),

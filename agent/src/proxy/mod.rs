@@ -15,12 +15,13 @@ pub mod copy;
 pub mod hbone;
 mod inbound;
 mod inbound_plaintext;
+mod limits;
 mod outbound;
 pub mod pool;
 pub mod socket;
+mod telemetry;
 
 use std::{
-    collections::{HashMap, HashSet},
     net::{IpAddr, Ipv4Addr, SocketAddr},
     sync::Arc,
     time::Duration,
@@ -29,15 +30,19 @@ use std::{
 use anyhow::{Context, Result};
 use tokio::{
     net::TcpListener,
-    sync::{OwnedSemaphorePermit, Semaphore, watch},
+    sync::{OwnedSemaphorePermit, watch},
 };
 
+pub use self::limits::ConnectionLimits;
+pub(crate) use self::limits::{Budget, Refusal};
 use crate::{
-    authz::{Denial, PolicySet, Request},
+    authz::{Denial, Request},
     identity::CertManager,
-    state::service::{ServiceIndex, ServicePort},
-    state::{Workload, WorkloadIndex},
-    telemetry::metrics::{Direction, FailureKind, Metrics},
+    state::{View, endpoint::EndpointLoad},
+    telemetry::{
+        logging::RateLimited,
+        metrics::{Direction, Metrics},
+    },
 };
 
 /// The proxy's settings.
@@ -57,51 +62,15 @@ pub struct ProxyConfig {
     pub connect_timeout: Duration,
     /// Connections (accepted, inbound HBONE ones once their handshakes succeed,
     /// plus inbound HBONE streams) handled at once; more are refused. Handshakes
-    /// under way have their own budget ([`ProxyState::max_handshakes`]).
+    /// under way have their own budget ([`ConnectionLimits::max_handshakes`]).
     pub max_connections: usize,
     /// The cluster ID: the `source_cluster` and `destination_cluster` metric
     /// labels of known workloads.
     pub cluster_id: String,
 }
 
-/// The proxy's view of the node: the workloads, and the addresses of the pods this
-/// node captures (their host veth found and attached, or being attached).
-#[derive(Clone, Default)]
-pub struct View {
-    /// All workloads of the cluster.
-    pub workloads: Arc<WorkloadIndex>,
-    /// Addresses of the pods captured on this node.
-    pub captured: Arc<HashSet<IpAddr>>,
-    /// The authorization policies of the mesh.
-    pub policies: Arc<PolicySet>,
-    /// The Services, by virtual address.
-    pub services: Arc<ServiceIndex>,
-}
-
+/// Authorization against the policies in the view (the proxy's part of [`View`]).
 impl View {
-    /// The enrolled pod of this node at `ip`, when this node captures it. A workload
-    /// that only claims to be here (its address has no host veth on this node) is
-    /// not one: the proxy never connects to it as a local pod.
-    pub fn local_pod(&self, ip: IpAddr) -> Option<&Arc<Workload>> {
-        self.workloads
-            .local_enrolled(ip)
-            .filter(|_| self.captured.contains(&ip))
-    }
-
-    /// The identities of this node's captured pods, sorted, each once (the
-    /// certificates the config dump and the metrics report).
-    pub fn local_identities(&self) -> Vec<crate::identity::SpiffeId> {
-        let mut ids: Vec<_> = self
-            .workloads
-            .workloads()
-            .filter(|w| w.ips.iter().any(|ip| self.local_pod(*ip).is_some()))
-            .map(|w| w.identity.clone())
-            .collect();
-        ids.sort();
-        ids.dedup();
-        ids
-    }
-
     /// Checks `req` against the policies that apply to its destination, an
     /// enrolled pod of this node (denied when it is not one any more). AUDIT
     /// policies that match are logged when `audit` is set.
@@ -153,77 +122,17 @@ pub struct ProxyState {
     pub pool: pool::Pool,
     /// Istio's TCP metrics and the failure counts.
     pub metrics: Arc<Metrics>,
-    view: watch::Sender<View>,
-    /// Set once the agent drains: the listeners finish their queue and close,
-    /// inbound HBONE connections are sent GOAWAY.
-    draining: watch::Sender<bool>,
-    /// Listeners not yet closed.
-    listeners_open: std::sync::atomic::AtomicUsize,
-    /// One permit per accepted connection and per inbound HBONE stream (each
-    /// holds a socket or two): bounds the file descriptors clients can make the
-    /// proxy hold.
-    connections: Arc<Semaphore>,
-    /// One permit per inbound HBONE connection whose TLS and HTTP/2 handshakes
-    /// are under way ([`ProxyState::max_handshakes`]). Such connections take no
-    /// connection permit until their handshakes succeed, so that clients which
-    /// never finish one cannot use up the connections of every listener.
-    handshakes: Arc<Semaphore>,
+    /// Connection slots, the handshake budget, open listeners and the drain.
+    pub limits: ConnectionLimits,
     /// Open connections to each Service endpoint, for balancing.
-    endpoint_load: Arc<std::sync::Mutex<HashMap<SocketAddr, usize>>>,
+    pub endpoints: EndpointLoad,
+    view: watch::Sender<View>,
     /// Connections denied, by the policy that denied them ([`Denial::policy`]).
     denials: std::sync::Mutex<std::collections::BTreeMap<String, u64>>,
     /// Denials logged at a bounded rate.
     denial_log: RateLimited,
     /// Connections to Services without a ready endpoint, logged at a bounded rate.
     pub service_log: RateLimited,
-}
-
-/// A connection refused at a limit, for [`ProxyState::refused_at_limit`].
-pub(crate) struct Refusal {
-    /// The listener that accepted it ("outbound", "inbound HBONE", …).
-    pub listener: &'static str,
-    pub direction: Direction,
-    pub peer: SocketAddr,
-    /// Refused once its TLS and HTTP/2 handshakes succeeded, not at accept.
-    pub after_handshakes: bool,
-}
-
-/// See [`ProxyState::max_handshakes`].
-fn max_handshakes(max_connections: usize) -> usize {
-    (max_connections / 4).max(1)
-}
-
-/// Warnings given at most [`RateLimited::BURST`] times a second; the next one
-/// given counts those left out.
-#[derive(Default)]
-pub struct RateLimited {
-    /// Start of the current second, warnings given in it, occurrences left out.
-    state: std::sync::Mutex<(Option<std::time::Instant>, u32, u64)>,
-}
-
-impl RateLimited {
-    /// Warnings given per second.
-    pub const BURST: u32 = 10;
-
-    /// Counts one occurrence; logs `message(n)`, `n` being this occurrence and those
-    /// left out before it, unless this second's warnings are used up.
-    pub fn warn(&self, message: impl FnOnce(u64) -> String) {
-        let mut state = self.state.lock().expect("rate limiter lock");
-        let now = std::time::Instant::now();
-        if state
-            .0
-            .is_none_or(|start| now.duration_since(start) >= Duration::from_secs(1))
-        {
-            state.0 = Some(now);
-            state.1 = 0;
-        }
-        state.2 += 1;
-        if state.1 < Self::BURST {
-            state.1 += 1;
-            tracing::warn!("{}", message(state.2));
-            state.2 = 0;
-        }
-    }
 }
 
 impl ProxyState {
@@ -236,13 +145,10 @@ impl ProxyState {
                 tokio::runtime::Handle::try_current().map_or(1, |rt| rt.metrics().num_workers()),
             ),
             metrics: Arc::new(Metrics::new(&config.cluster_id)),
+            limits: ConnectionLimits::new(config.max_connections),
+            endpoints: EndpointLoad::default(),
             view: watch::Sender::new(View::default()),
-            draining: watch::Sender::new(false),
-            listeners_open: Default::default(),
-            connections: Arc::new(Semaphore::new(config.max_connections)),
-            handshakes: Arc::new(Semaphore::new(max_handshakes(config.max_connections))),
             denials: Default::default(),
-            endpoint_load: Default::default(),
             denial_log: RateLimited::default(),
             service_log: RateLimited::default(),
             config,
@@ -257,109 +163,6 @@ impl ProxyState {
     pub fn authorize(&self, view: &View, req: &Request<'_>, what: &str) -> Result<(), Denial> {
         view.authorize(req, true).inspect_err(|denial| {
             self.denied(denial, &describe(req, view), what);
-        })
-    }
-
-    /// Starts draining: the listeners accept what is queued on them and close
-    /// (the programs already hand them nothing new: [`Dataplane::set_draining`]),
-    /// inbound HBONE connections are sent GOAWAY so that they close once their
-    /// streams end. Open connections go on.
-    ///
-    /// [`Dataplane::set_draining`]: crate::dataplane::Dataplane::set_draining
-    pub fn drain(&self) {
-        self.draining.send_replace(true);
-    }
-
-    /// Resolves once the proxy drains (at once if it does).
-    pub async fn draining(&self) {
-        let mut rx = self.draining.subscribe();
-        // The sender lives as long as `self`.
-        let _ = rx.wait_for(|draining| *draining).await;
-    }
-
-    /// Listeners still open: 0 once a draining proxy has closed them all.
-    pub fn listeners_open(&self) -> usize {
-        self.listeners_open
-            .load(std::sync::atomic::Ordering::Relaxed)
-    }
-
-    /// Inbound HBONE handshakes under way at once: a quarter of
-    /// [`ProxyConfig::max_connections`], at least one. More are refused (reset).
-    pub fn max_handshakes(&self) -> usize {
-        max_handshakes(self.config.max_connections)
-    }
-
-    /// Counts a connection refused because `budget` had no permit left (as a
-    /// `connection_limit` or `handshake_limit` failure) and warns of it through
-    /// `log`, at its bounded rate.
-    pub(crate) fn refused_at_limit(&self, log: &RateLimited, budget: Budget, refusal: &Refusal) {
-        let kind = match budget {
-            Budget::Connection => FailureKind::ConnectionLimit,
-            Budget::Handshake => FailureKind::HandshakeLimit,
-        };
-        self.metrics.failed(refusal.direction, kind);
-        let Refusal {
-            listener,
-            peer,
-            after_handshakes,
-            ..
-        } = refusal;
-        // Worded only when the warning is given, not for each refusal.
-        log.warn(|n| {
-            let limit = match budget {
-                Budget::Connection => format!("{} connections", self.config.max_connections),
-                Budget::Handshake => format!("{} handshakes under way", self.max_handshakes()),
-            };
-            let when = if *after_handshakes {
-                " after its handshakes"
-            } else {
-                ""
-            };
-            format!("{listener} listener: at the limit of {limit}; refused {n} (from {peer} and others){when}")
-        });
-    }
-
-    /// Takes a permit for an inbound HBONE handshake; `None` at the limit.
-    pub(crate) fn start_handshake(&self) -> Option<OwnedSemaphorePermit> {
-        self.handshakes.clone().try_acquire_owned().ok()
-    }
-
-    /// Connections open now: accepted downstream connections (inbound HBONE
-    /// connections whose handshakes succeeded included) and inbound HBONE streams.
-    pub fn open_connections(&self) -> usize {
-        self.config
-            .max_connections
-            .saturating_sub(self.connections.available_permits())
-    }
-
-    /// Picks a ready endpoint of `service` by the "power of two choices"
-    /// (Mitzenmacher, 2001): of two ready endpoints chosen at random, the one with
-    /// fewer open connections from this proxy. The guard counts the connection
-    /// as open on it until dropped. `None` when no endpoint is ready.
-    pub fn pick_endpoint(&self, service: &ServicePort) -> Option<EndpointGuard> {
-        let ready: Vec<SocketAddr> = service.ready().collect();
-        let mut load = self.endpoint_load.lock().expect("endpoint load lock");
-        let chosen = match ready.len() {
-            0 => return None,
-            1 => ready[0],
-            n => {
-                let i = fastrand::usize(..n);
-                let mut j = fastrand::usize(..n - 1);
-                if j >= i {
-                    j += 1;
-                }
-                let open = |a: &SocketAddr| load.get(a).copied().unwrap_or(0);
-                if open(&ready[j]) < open(&ready[i]) {
-                    ready[j]
-                } else {
-                    ready[i]
-                }
-            }
-        };
-        *load.entry(chosen).or_default() += 1;
-        Some(EndpointGuard {
-            addr: chosen,
-            load: self.endpoint_load.clone(),
         })
     }
 
@@ -407,12 +210,6 @@ impl ProxyState {
         }
     }
 
-    /// Takes one of the proxy's connection slots for an upstream connection, if
-    /// one is free.
-    pub fn connection_slot(&self) -> Option<OwnedSemaphorePermit> {
-        self.connections.clone().try_acquire_owned().ok()
-    }
-
     /// The current view.
     pub fn view(&self) -> View {
         self.view.borrow().clone()
@@ -440,25 +237,6 @@ impl ProxyState {
             if rx.changed().await.is_err() {
                 // The state is gone with the agent: nothing changes any more.
                 std::future::pending::<()>().await;
-            }
-        }
-    }
-}
-
-/// A connection to a Service endpoint, counted as open on it while it lives.
-pub struct EndpointGuard {
-    /// The endpoint (address and resolved target port).
-    pub addr: SocketAddr,
-    load: Arc<std::sync::Mutex<HashMap<SocketAddr, usize>>>,
-}
-
-impl Drop for EndpointGuard {
-    fn drop(&mut self) {
-        let mut load = self.load.lock().expect("endpoint load lock");
-        if let Some(n) = load.get_mut(&self.addr) {
-            *n -= 1;
-            if *n == 0 {
-                load.remove(&self.addr);
             }
         }
     }
@@ -535,17 +313,6 @@ const DRAIN_QUIET: Duration = Duration::from_millis(1200);
 /// The longest a draining listener stays open.
 const DRAIN_ACCEPT_MAX: Duration = Duration::from_secs(3);
 
-/// The budget an accepted connection takes a permit from before it is handled.
-#[derive(Clone, Copy)]
-pub(crate) enum Budget {
-    /// A connection slot ([`ProxyConfig::max_connections`]), held until the
-    /// connection ends.
-    Connection,
-    /// A handshake permit ([`ProxyState::max_handshakes`]), which the handler
-    /// trades for a connection slot once the handshakes succeed (inbound HBONE).
-    Handshake,
-}
-
 /// Accepts connections on `listener` and hands each to `handle`, until the proxy
 /// drains. The agent has then stopped the programs from handing it new
 /// connections (enrolled pods' new connections fail closed); the listener goes
@@ -567,9 +334,7 @@ async fn accept_loop<F, Fut>(
     ) -> Fut,
     Fut: std::future::Future<Output = ()> + Send + 'static,
 {
-    state
-        .listeners_open
-        .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    state.limits.listener_opened();
     let accept_failed = RateLimited::default();
     let over_limit = RateLimited::default();
     let mut close_by = None;
@@ -577,7 +342,7 @@ async fn accept_loop<F, Fut>(
         let accepted = match close_by {
             None => tokio::select! {
                 accepted = listener.accept() => accepted,
-                () = state.draining() => {
+                () = state.limits.draining() => {
                     close_by = Some(tokio::time::Instant::now() + DRAIN_ACCEPT_MAX);
                     continue;
                 }
@@ -601,8 +366,8 @@ async fn accept_loop<F, Fut>(
             }
         };
         let taken = match budget {
-            Budget::Connection => state.connection_slot(),
-            Budget::Handshake => state.start_handshake(),
+            Budget::Connection => state.limits.connection_slot(),
+            Budget::Handshake => state.limits.start_handshake(),
         };
         let Some(permit) = taken else {
             let refusal = Refusal {
@@ -611,7 +376,9 @@ async fn accept_loop<F, Fut>(
                 peer,
                 after_handshakes: false,
             };
-            state.refused_at_limit(&over_limit, budget, &refusal);
+            state
+                .limits
+                .refused_at_limit(&state.metrics, &over_limit, budget, &refusal);
             socket::reset_on_close(&stream);
             continue;
         };
@@ -622,8 +389,6 @@ async fn accept_loop<F, Fut>(
         tokio::spawn(handle(state.clone(), stream, peer, local, permit));
     }
     drop(listener);
-    state
-        .listeners_open
-        .fetch_sub(1, std::sync::atomic::Ordering::Relaxed);
+    state.limits.listener_closed();
     tracing::info!("{name} listener closed");
 }

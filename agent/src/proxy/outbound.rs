@@ -8,6 +8,7 @@ use super::{
     ProxyState, copy,
     pool::{HboneError, PoolKey},
     socket,
+    telemetry::meta,
 };
 use crate::{
     authz::Request,
@@ -68,7 +69,7 @@ pub async fn handle(
     let service = view.services.lookup(dst).cloned();
     let endpoint = match &service {
         None => None,
-        Some(svc) => match state.pick_endpoint(svc) {
+        Some(svc) => match state.endpoints.pick(svc) {
             Some(endpoint) => Some(endpoint),
             None => {
                 let why = if svc.has_slices {
@@ -134,8 +135,8 @@ pub async fn handle(
             route: route_name,
             src,
             dst,
-            src_workload: Some(source.clone()),
-            dst_workload,
+            src_workload: Some(meta(source.clone())),
+            dst_workload: dst_workload.map(meta),
             src_identity: Some(source.identity.clone()),
             dst_identity,
             service: service

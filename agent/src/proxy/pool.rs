@@ -35,7 +35,7 @@ use super::{
     hbone::{self, ActiveStream, H2Stream},
     socket,
 };
-use crate::identity::{CertManager, SpiffeId, manager::IdentityError};
+use crate::identity::{self, CertManager, SpiffeId};
 
 /// How long an unused connection stays pooled.
 pub const IDLE_TIMEOUT: Duration = Duration::from_secs(90);
@@ -76,7 +76,7 @@ pub enum HboneError {
     },
     #[error(transparent)]
     /// No certificate for the source identity.
-    Identity(#[from] IdentityError),
+    Identity(#[from] identity::Error),
     #[error("HTTP/2 with {dst}: {source}")]
     /// An HTTP/2 error.
     H2 {

@@ -7,10 +7,10 @@
 use std::{
     io,
     net::{IpAddr, SocketAddr},
-    os::fd::AsRawFd,
     time::Duration,
 };
 
+use nix::sys::socket::{setsockopt, sockopt};
 use socket2::{Domain, Protocol, Socket, Type};
 use tokio::net::{TcpListener, TcpSocket, TcpStream};
 
@@ -49,27 +49,10 @@ fn set_transparent(socket: &Socket, family_of: IpAddr) -> io::Result<()> {
     }
 }
 
-/// `IP_BIND_ADDRESS_NO_PORT`: defer the source port choice to `connect()`, where
-/// only the full 4-tuple must be unique (from `include/uapi/linux/in.h`).
-const IP_BIND_ADDRESS_NO_PORT: libc::c_int = 24;
-
+/// Sets `IP_BIND_ADDRESS_NO_PORT`: the source port is chosen at `connect()`,
+/// where only the full 4-tuple must be unique, not at `bind()` (`ip(7)`).
 fn set_bind_address_no_port(socket: &Socket) -> io::Result<()> {
-    let one: libc::c_int = 1;
-    // SAFETY: a valid socket fd and a pointer to a c_int of the given size.
-    let rc = unsafe {
-        libc::setsockopt(
-            socket.as_raw_fd(),
-            libc::IPPROTO_IP,
-            IP_BIND_ADDRESS_NO_PORT,
-            (&raw const one).cast(),
-            size_of::<libc::c_int>() as libc::socklen_t,
-        )
-    };
-    if rc == 0 {
-        Ok(())
-    } else {
-        Err(io::Error::last_os_error())
-    }
+    setsockopt(socket, sockopt::IpBindAddressNoPort, &true).map_err(io::Error::from)
 }
 
 /// Connects to `dst` with the proxy mark, from `src` when given (transparent bind
@@ -132,19 +115,22 @@ pub fn reset_on_close(stream: &TcpStream) {
 
 #[cfg(test)]
 mod tests {
+    use std::os::fd::AsFd;
+
+    use nix::fcntl::{FcntlArg, OFlag, fcntl};
+
     use super::*;
 
-    fn is_nonblocking(socket: &impl AsRawFd) -> bool {
-        // SAFETY: F_GETFL on an open descriptor.
-        let flags = unsafe { libc::fcntl(socket.as_raw_fd(), libc::F_GETFL) };
-        assert!(flags >= 0, "fcntl: {}", io::Error::last_os_error());
-        flags & libc::O_NONBLOCK != 0
+    fn is_nonblocking(socket: &impl AsFd) -> bool {
+        let flags = fcntl(socket, FcntlArg::F_GETFL).expect("fcntl");
+        OFlag::from_bits_retain(flags).contains(OFlag::O_NONBLOCK)
     }
 
     /// The kernel copies the listener's `TCP_NODELAY` and mark into the sockets it
     /// accepts; the listener and `connect`'s sockets are non-blocking and marked.
     /// Needs root (`IP_TRANSPARENT` wants `CAP_NET_ADMIN`); loopback only.
     #[tokio::test]
+    #[ignore = "needs root"]
     async fn accepted_and_connected_sockets_have_nodelay_and_the_mark() {
         const MARK: u32 = 0x539;
         let listener = transparent_listener("127.0.0.1:0".parse().unwrap(), MARK)

@@ -25,9 +25,9 @@ use crate::{
     cni::enroller::{Attached, Enroller, SourceView},
     dataplane::{CapturedPod, Dataplane, Removal, netlink::NodeNetwork},
     identity::SpiffeId,
-    proxy::{ProxyState, View},
+    proxy::ProxyState,
     source::CaptureReporter,
-    state::{Completeness, Delta, Refreshed, State},
+    state::{Completeness, Delta, Refreshed, State, View},
 };
 
 /// What the reconciler does to the kernel.

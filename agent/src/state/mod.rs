@@ -6,10 +6,14 @@
 //! enrollment decision ([`workload`]), the Services ([`service`]) and the
 //! authorization policies ([`crate::authz::PolicySet`]). It knows nothing of
 //! where the objects came from; a [`PodLayer`] (podlink-cni's reported
-//! addresses) is laid over the pods of whichever source runs.
+//! addresses) is laid over the pods of whichever source runs. The proxy's
+//! view of it is [`view`], its choice among a Service's endpoints
+//! [`endpoint`].
 
 pub mod delta;
+pub mod endpoint;
 pub mod service;
+pub mod view;
 pub mod workload;
 
 use std::{
@@ -19,6 +23,7 @@ use std::{
 };
 
 pub use delta::{Completeness, Delta, PoliciesUnknown};
+pub use view::View;
 pub(crate) use workload::is_finished;
 pub use workload::{
     DATAPLANE_MODE_AMBIENT, DATAPLANE_MODE_LABEL, DATAPLANE_MODE_NONE, Enrollment, MAX_POD_UPDATES,

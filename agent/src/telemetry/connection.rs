@@ -37,12 +37,10 @@ use std::{
 use prometheus_client::metrics::counter::Counter;
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 
-use super::metrics::{Direction, FailureKind, Metrics, Peer, Reporter, SecurityPolicy, TcpLabels};
-use crate::{
-    identity::SpiffeId,
-    proxy::copy::{Chunk, Sink, Source},
-    state::Workload,
+use super::metrics::{
+    Direction, FailureKind, Metrics, Peer, Reporter, SecurityPolicy, TcpLabels, WorkloadMeta,
 };
+use crate::identity::SpiffeId;
 
 /// Why a connection failed: the kind (a metric label) and what happened (logged).
 #[derive(Debug, Clone)]
@@ -90,9 +88,9 @@ pub struct Endpoints {
     /// The original destination.
     pub dst: SocketAddr,
     /// The client's pod, when known.
-    pub src_workload: Option<Arc<Workload>>,
+    pub src_workload: Option<Arc<dyn WorkloadMeta>>,
     /// The destination's pod, when known.
-    pub dst_workload: Option<Arc<Workload>>,
+    pub dst_workload: Option<Arc<dyn WorkloadMeta>>,
     /// The client's identity, when known.
     pub src_identity: Option<SpiffeId>,
     /// The destination's identity, when known.
@@ -113,7 +111,8 @@ pub struct Traffic {
 }
 
 impl Traffic {
-    fn count_from_client(&self, n: usize) {
+    /// Counts `n` bytes read from the client (toward the server).
+    pub fn count_from_client(&self, n: usize) {
         let n = n as u64;
         self.from_client.fetch_add(n, Ordering::Relaxed);
         self.received.iter().for_each(|c| {
@@ -121,7 +120,8 @@ impl Traffic {
         });
     }
 
-    fn count_to_client(&self, n: usize) {
+    /// Counts `n` bytes written to the client (from the server).
+    pub fn count_to_client(&self, n: usize) {
         let n = n as u64;
         self.to_client.fetch_add(n, Ordering::Relaxed);
         self.sent.iter().for_each(|c| {
@@ -132,9 +132,18 @@ impl Traffic {
 
 /// The client-facing stream of a connection, counting what is read from it
 /// (client to server) and written to it (server to client) in its [`Traffic`].
+/// The proxy's zero-copy reads and writes count through [`Metered::parts`].
 pub struct Metered<'a, S> {
     inner: S,
     traffic: &'a Traffic,
+}
+
+impl<S> Metered<'_, S> {
+    /// The stream and the [`Traffic`] its bytes are counted in, for reads and
+    /// writes that do not go through [`AsyncRead`] and [`AsyncWrite`].
+    pub fn parts(&mut self) -> (&mut S, &Traffic) {
+        (&mut self.inner, self.traffic)
+    }
 }
 
 impl<S: AsyncRead + Unpin> AsyncRead for Metered<'_, S> {
@@ -167,27 +176,6 @@ impl<S: AsyncWrite + Unpin> AsyncWrite for Metered<'_, S> {
 
     fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
         Pin::new(&mut self.inner).poll_shutdown(cx)
-    }
-}
-
-impl<S: Source> Source for Metered<'_, S> {
-    fn poll_read_chunk(&mut self, cx: &mut Context<'_>, chunk: &mut Chunk) -> Poll<io::Result<()>> {
-        ready!(self.inner.poll_read_chunk(cx, chunk))?;
-        self.traffic.count_from_client(chunk.data().len());
-        Poll::Ready(Ok(()))
-    }
-}
-
-impl<S: Sink> Sink for Metered<'_, S> {
-    fn poll_write_chunk(
-        &mut self,
-        cx: &mut Context<'_>,
-        data: &mut bytes::Bytes,
-    ) -> Poll<io::Result<()>> {
-        let before = data.len();
-        ready!(self.inner.poll_write_chunk(cx, data))?;
-        self.traffic.count_to_client(before - data.len());
-        Poll::Ready(Ok(()))
     }
 }
 
@@ -291,11 +279,11 @@ impl ConnectionRecord {
         };
         let (bytes_recv, bytes_sent) = self.bytes();
         let e = &self.endpoints;
-        fn name(w: &Option<Arc<Workload>>) -> Option<&str> {
-            w.as_deref().map(|w| w.name.as_str())
+        fn name(w: &Option<Arc<dyn WorkloadMeta>>) -> Option<&str> {
+            w.as_deref().map(WorkloadMeta::name)
         }
-        fn namespace(w: &Option<Arc<Workload>>) -> Option<&str> {
-            w.as_deref().map(|w| w.namespace.as_str())
+        fn namespace(w: &Option<Arc<dyn WorkloadMeta>>) -> Option<&str> {
+            w.as_deref().map(WorkloadMeta::namespace)
         }
         let id = |i: &Option<SpiffeId>| i.as_ref().map(ToString::to_string);
         tracing::info!(

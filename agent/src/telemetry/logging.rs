@@ -191,6 +191,39 @@ impl HeldMessages {
     }
 }
 
+/// Warnings given at most [`RateLimited::BURST`] times a second; the next one
+/// given counts those left out.
+#[derive(Default)]
+pub struct RateLimited {
+    /// Start of the current second, warnings given in it, occurrences left out.
+    state: std::sync::Mutex<(Option<std::time::Instant>, u32, u64)>,
+}
+
+impl RateLimited {
+    /// Warnings given per second.
+    pub const BURST: u32 = 10;
+
+    /// Counts one occurrence; logs `message(n)`, `n` being this occurrence and those
+    /// left out before it, unless this second's warnings are used up.
+    pub fn warn(&self, message: impl FnOnce(u64) -> String) {
+        let mut state = self.state.lock().expect("rate limiter lock");
+        let now = std::time::Instant::now();
+        if state
+            .0
+            .is_none_or(|start| now.duration_since(start) >= std::time::Duration::from_secs(1))
+        {
+            state.0 = Some(now);
+            state.1 = 0;
+        }
+        state.2 += 1;
+        if state.1 < Self::BURST {
+            state.1 += 1;
+            tracing::warn!("{}", message(state.2));
+            state.2 = 0;
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

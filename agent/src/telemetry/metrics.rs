@@ -49,7 +49,7 @@ use prometheus_client::{
     registry::Registry,
 };
 
-use crate::{identity::SpiffeId, state::Workload};
+use crate::identity::SpiffeId;
 
 /// The default address of the metrics endpoint (all addresses of the node's
 /// network namespace, port 15020 as ztunnel).
@@ -214,11 +214,23 @@ impl FailureKind {
 }
 label_value!(FailureKind);
 
+/// What the metric labels and the access log read of a pod: its name,
+/// namespace and labels. The agent's workloads have it (`state::Workload`, whose
+/// implementation is in the proxy's `telemetry` module).
+pub trait WorkloadMeta: std::fmt::Debug + Send + Sync {
+    /// The pod's name.
+    fn name(&self) -> &str;
+    /// The pod's namespace.
+    fn namespace(&self) -> &str;
+    /// The value of the pod's label `key`, if it has it.
+    fn label(&self, key: &str) -> Option<&str>;
+}
+
 /// One side of a connection, as the labels describe it.
 #[derive(Clone, Copy, Debug, Default)]
 pub struct Peer<'a> {
     /// The pod, when its address belongs to a known workload.
-    pub workload: Option<&'a Workload>,
+    pub workload: Option<&'a dyn WorkloadMeta>,
     /// The identity it proved (or, for a pod of this node, the one of its address).
     pub identity: Option<&'a SpiffeId>,
 }
@@ -253,16 +265,14 @@ pub struct TcpLabels {
 }
 
 /// The first of `keys` that `w` has as a label.
-fn label<'a>(w: &'a Workload, keys: &[&str]) -> Option<&'a str> {
-    keys.iter()
-        .find_map(|k| w.labels.get(*k))
-        .map(String::as_str)
+fn label<'a>(w: &'a dyn WorkloadMeta, keys: &[&str]) -> Option<&'a str> {
+    keys.iter().find_map(|k| w.label(k))
 }
 
 /// Istio's canonical service of a workload: label
 /// `service.istio.io/canonical-name`, else `app.kubernetes.io/name`, else `app`,
 /// else the workload's name.
-pub fn canonical_service(w: &Workload) -> &str {
+pub fn canonical_service(w: &dyn WorkloadMeta) -> &str {
     label(
         w,
         &[
@@ -271,13 +281,13 @@ pub fn canonical_service(w: &Workload) -> &str {
             "app",
         ],
     )
-    .unwrap_or(&w.name)
+    .unwrap_or(w.name())
 }
 
 /// Istio's canonical revision of a workload: label
 /// `service.istio.io/canonical-revision`, else `app.kubernetes.io/version`, else
 /// `version`, else `latest`.
-pub fn canonical_revision(w: &Workload) -> &str {
+pub fn canonical_revision(w: &dyn WorkloadMeta) -> &str {
     label(
         w,
         &[
@@ -297,10 +307,10 @@ fn side(peer: Peer<'_>, cluster: &str) -> [String; 8] {
         .map_or(UNKNOWN.to_string(), |id| id.to_string());
     match peer.workload {
         Some(w) => [
-            w.name.clone(),
+            w.name().to_string(),
             canonical_service(w).to_string(),
             canonical_revision(w).to_string(),
-            w.namespace.clone(),
+            w.namespace().to_string(),
             principal,
             label(w, &["app"]).unwrap_or(UNKNOWN).to_string(),
             label(w, &["version"]).unwrap_or(UNKNOWN).to_string(),
@@ -478,7 +488,7 @@ mod tests {
     use std::collections::BTreeMap;
 
     use super::*;
-    use crate::state::Enrollment;
+    use crate::state::{Enrollment, Workload};
 
     fn workload(name: &str, labels: &[(&str, &str)]) -> Workload {
         Workload {

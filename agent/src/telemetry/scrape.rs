@@ -1,8 +1,13 @@
-//! podlink's metrics read at scrape time: from the proxy's state (enrolled pods,
-//! certificates, denials) and from the dataplane's pinned maps (entries, per-pod
-//! drops and captures, summed over CPUs). See [`super::metrics`] for the list.
+//! podlink's metrics read at scrape time: from the proxy (enrolled pods,
+//! certificates, denials: what [`ScrapeSource`] gives) and from the dataplane's
+//! pinned maps (entries, per-pod drops and captures, summed over CPUs). See
+//! [`super::metrics`] for the list.
 
-use std::{net::Ipv4Addr, sync::Mutex, time::UNIX_EPOCH};
+use std::{
+    net::{IpAddr, Ipv4Addr},
+    sync::Mutex,
+    time::{SystemTime, UNIX_EPOCH},
+};
 
 use anyhow::Result;
 use aya::maps::{HashMap as BpfHashMap, MapData, PerCpuHashMap};
@@ -15,8 +20,30 @@ use prometheus_client::{
     registry::{Registry, Unit},
 };
 
-use super::metrics::UNKNOWN;
-use crate::{dataplane::Dataplane, proxy::ProxyState};
+use super::metrics::{Metrics, UNKNOWN};
+use crate::dataplane::Dataplane;
+
+/// What the metrics page reads of the proxy at scrape time. The proxy's state
+/// implements it; telemetry knows nothing more of the proxy.
+pub trait ScrapeSource {
+    /// The metrics kept as connections go (`istio_tcp_*`, failures), written
+    /// first on the page.
+    fn live_metrics(&self) -> &Metrics;
+
+    /// Enrolled pods of this node that are captured.
+    fn enrolled_pods(&self) -> usize;
+
+    /// The name and namespace of the workload at `ip`, when one is known.
+    fn workload_at(&self, ip: IpAddr) -> Option<(String, String)>;
+
+    /// The end of validity (notAfter) of the cached workload certificate of each
+    /// of this node's identities that has one: the SPIFFE ID and the time.
+    fn certificate_expiries(&self) -> Vec<(String, SystemTime)>;
+
+    /// Connections denied by authorization policies so far, by the policy that
+    /// denied them (`namespace/name`, `allow-policies`, `unknown-policies`).
+    fn denials(&self) -> Vec<(String, u64)>;
+}
 
 /// Second handles on the dataplane's maps, read at scrape time.
 pub struct DataplaneMaps {
@@ -110,15 +137,14 @@ struct PolicyLabels {
     policy: String,
 }
 
-/// The metrics page: the live metrics of `state`, and podlink's metrics read now
-/// from the state and (when given) the dataplane's maps. Map read errors leave
+/// The metrics page: the live metrics of `proxy`, and podlink's metrics read now
+/// from the proxy and (when given) the dataplane's maps. Map read errors leave
 /// the series out.
-pub fn encode(state: &ProxyState, maps: Option<&Mutex<DataplaneMaps>>) -> String {
-    let view = state.view();
+pub fn encode(proxy: &impl ScrapeSource, maps: Option<&Mutex<DataplaneMaps>>) -> String {
     let mut scrape = Registry::default();
 
     let enrolled = Gauge::<i64>::default();
-    enrolled.set(view.captured.len() as i64);
+    enrolled.set(proxy.enrolled_pods() as i64);
     scrape.register(
         "podlink_enrolled_pods",
         "Enrolled pods of this node that are captured",
@@ -147,11 +173,9 @@ pub fn encode(state: &ProxyState, maps: Option<&Mutex<DataplaneMaps>>) -> String
         let drops = Family::<PodLabels, Counter>::default();
         let captured = Family::<CaptureLabels, Counter>::default();
         for (ipv4, totals) in pod_totals(&maps) {
-            let workload = ipv4.and_then(|ip| view.workloads.by_ip(ip.into()));
-            let (name, namespace) = workload
-                .map_or((UNKNOWN.to_string(), UNKNOWN.to_string()), |w| {
-                    (w.name.clone(), w.namespace.clone())
-                });
+            let (name, namespace) = ipv4
+                .and_then(|ip| proxy.workload_at(ip.into()))
+                .unwrap_or_else(|| (UNKNOWN.to_string(), UNKNOWN.to_string()));
             for (reason, n) in drop_reasons(&totals) {
                 drops
                     .get_or_create(&PodLabels {
@@ -188,20 +212,14 @@ pub fn encode(state: &ProxyState, maps: Option<&Mutex<DataplaneMaps>>) -> String
     }
 
     let expiry = Family::<IdentityLabels, Gauge>::default();
-    let identities = view.local_identities();
-    for id in identities {
-        if let Some(cert) = state.certs.cached(&id) {
-            let secs = cert
-                .not_after
-                .duration_since(UNIX_EPOCH)
-                .unwrap_or_default()
-                .as_secs();
-            expiry
-                .get_or_create(&IdentityLabels {
-                    identity: id.to_string(),
-                })
-                .set(i64::try_from(secs).unwrap_or(i64::MAX));
-        }
+    for (identity, not_after) in proxy.certificate_expiries() {
+        let secs = not_after
+            .duration_since(UNIX_EPOCH)
+            .unwrap_or_default()
+            .as_secs();
+        expiry
+            .get_or_create(&IdentityLabels { identity })
+            .set(i64::try_from(secs).unwrap_or(i64::MAX));
     }
     scrape.register_with_unit(
         "podlink_certificate_expiry",
@@ -211,7 +229,7 @@ pub fn encode(state: &ProxyState, maps: Option<&Mutex<DataplaneMaps>>) -> String
     );
 
     let denials = Family::<PolicyLabels, Counter>::default();
-    for (policy, n) in state.denials() {
+    for (policy, n) in proxy.denials() {
         denials.get_or_create(&PolicyLabels { policy }).inc_by(n);
     }
     scrape.register(
@@ -221,8 +239,8 @@ pub fn encode(state: &ProxyState, maps: Option<&Mutex<DataplaneMaps>>) -> String
     );
 
     let mut page = String::new();
-    state
-        .metrics
+    proxy
+        .live_metrics()
         .encode_live(&mut page)
         .and_then(|()| text::encode_registry(&mut page, &scrape))
         .and_then(|()| text::encode_eof(&mut page))

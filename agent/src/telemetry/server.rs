@@ -20,10 +20,10 @@ use hyper_util::rt::{TokioIo, TokioTimer};
 use tokio::{net::TcpListener, sync::Semaphore};
 
 use super::{
+    logging::RateLimited,
     metrics,
-    scrape::{self, DataplaneMaps},
+    scrape::{self, DataplaneMaps, ScrapeSource},
 };
-use crate::proxy::{ProxyState, RateLimited};
 
 /// The default address of the readiness endpoint (port 15021 as ztunnel).
 pub const DEFAULT_READINESS_ADDRESS: &str = "0.0.0.0:15021";
@@ -163,15 +163,15 @@ pub fn readiness(ready: Arc<Readiness>) -> impl Fn(&Request<Incoming>) -> Respon
 
 /// The metrics endpoint: `GET /metrics` answers the page of
 /// [`scrape::encode`]; other paths 404.
-pub fn metrics(
-    state: Arc<ProxyState>,
+pub fn metrics<P: ScrapeSource>(
+    proxy: Arc<P>,
     maps: Option<Arc<Mutex<DataplaneMaps>>>,
 ) -> impl Fn(&Request<Incoming>) -> Response<Full<Bytes>> {
     move |req| match (req.method(), req.uri().path()) {
         (&Method::GET, "/metrics" | "/stats/prometheus") => respond(
             StatusCode::OK,
             metrics::CONTENT_TYPE,
-            scrape::encode(&state, maps.as_deref()),
+            scrape::encode(&*proxy, maps.as_deref()),
         ),
         (_, "/metrics" | "/stats/prometheus") => {
             text(StatusCode::METHOD_NOT_ALLOWED, "only GET is allowed\n")

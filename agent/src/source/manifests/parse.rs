@@ -142,6 +142,10 @@ const MAX_DEPTH: usize = 64;
 /// Reading it as the parser does leaves no text it would nest that this check
 /// reads otherwise (quotes, comments, plain scalars). A document the parser
 /// refuses passes: the deserializer reports the same error with its location.
+#[allow(
+    unsafe_code,
+    reason = "libyaml's event API (unsafe-libyaml) has no safe wrapper; see the SAFETY comment"
+)]
 fn check_depth(text: &str) -> Result<(), usize> {
     use std::mem::MaybeUninit;
 

@@ -1,0 +1,68 @@
+//! What telemetry reads of the proxy and its state: the metrics page the proxy's
+//! view of the node, its certificates and its denials ([`ScrapeSource`]); the
+//! metric labels and the access log a workload's name, namespace and labels
+//! ([`WorkloadMeta`]).
+
+use std::{net::IpAddr, sync::Arc, time::SystemTime};
+
+use super::ProxyState;
+use crate::{
+    state::Workload,
+    telemetry::{
+        metrics::{Metrics, WorkloadMeta},
+        scrape::ScrapeSource,
+    },
+};
+
+/// `workload` as telemetry reads it (for [`Endpoints`]).
+///
+/// [`Endpoints`]: crate::telemetry::connection::Endpoints
+pub(super) fn meta(workload: Arc<Workload>) -> Arc<dyn WorkloadMeta> {
+    workload
+}
+
+impl WorkloadMeta for Workload {
+    fn name(&self) -> &str {
+        &self.name
+    }
+
+    fn namespace(&self) -> &str {
+        &self.namespace
+    }
+
+    fn label(&self, key: &str) -> Option<&str> {
+        self.labels.get(key).map(String::as_str)
+    }
+}
+
+impl ScrapeSource for ProxyState {
+    fn live_metrics(&self) -> &Metrics {
+        &self.metrics
+    }
+
+    fn enrolled_pods(&self) -> usize {
+        self.view().captured.len()
+    }
+
+    fn workload_at(&self, ip: IpAddr) -> Option<(String, String)> {
+        self.view()
+            .workloads
+            .by_ip(ip)
+            .map(|w| (w.name.clone(), w.namespace.clone()))
+    }
+
+    fn certificate_expiries(&self) -> Vec<(String, SystemTime)> {
+        self.view()
+            .local_identities()
+            .into_iter()
+            .filter_map(|id| {
+                let cert = self.certs.cached(&id)?;
+                Some((id.to_string(), cert.not_after))
+            })
+            .collect()
+    }
+
+    fn denials(&self) -> Vec<(String, u64)> {
+        ProxyState::denials(self)
+    }
+}

@@ -1,0 +1,47 @@
+//! The proxy's view of the node: the workloads, the addresses of the pods this
+//! node captures, the authorization policies and the Services, replaced as a
+//! whole each time the agent's state changes.
+
+use std::{collections::HashSet, net::IpAddr, sync::Arc};
+
+use super::{Workload, WorkloadIndex, service::ServiceIndex};
+use crate::{authz::PolicySet, identity::SpiffeId};
+
+/// The proxy's view of the node: the workloads, and the addresses of the pods this
+/// node captures (their host veth found and attached, or being attached).
+#[derive(Clone, Default)]
+pub struct View {
+    /// All workloads of the cluster.
+    pub workloads: Arc<WorkloadIndex>,
+    /// Addresses of the pods captured on this node.
+    pub captured: Arc<HashSet<IpAddr>>,
+    /// The authorization policies of the mesh.
+    pub policies: Arc<PolicySet>,
+    /// The Services, by virtual address.
+    pub services: Arc<ServiceIndex>,
+}
+
+impl View {
+    /// The enrolled pod of this node at `ip`, when this node captures it. A workload
+    /// that only claims to be here (its address has no host veth on this node) is
+    /// not one: the proxy never connects to it as a local pod.
+    pub fn local_pod(&self, ip: IpAddr) -> Option<&Arc<Workload>> {
+        self.workloads
+            .local_enrolled(ip)
+            .filter(|_| self.captured.contains(&ip))
+    }
+
+    /// The identities of this node's captured pods, sorted, each once (the
+    /// certificates the config dump and the metrics report).
+    pub fn local_identities(&self) -> Vec<SpiffeId> {
+        let mut ids: Vec<_> = self
+            .workloads
+            .workloads()
+            .filter(|w| w.ips.iter().any(|ip| self.local_pod(*ip).is_some()))
+            .map(|w| w.identity.clone())
+            .collect();
+        ids.sort();
+        ids.dedup();
+        ids
+    }
+}
