@@ -644,8 +644,10 @@ impl Reconciler {
     fn policy_set(&mut self, source: &Source) -> PolicySet {
         let (mut set, warnings) =
             PolicySet::build(&self.root_namespace, source.policies().cloned());
-        let mut messages: Vec<(Severity, String)> =
-            warnings.into_iter().map(|w| (Severity::Warn, w)).collect();
+        let mut messages: Vec<(Severity, String)> = warnings
+            .into_iter()
+            .map(|w| (Severity::Warn, w.to_string()))
+            .collect();
         for policy in set.policies() {
             for n in &policy.notes {
                 messages.push((Severity::Warn, format!("AuthorizationPolicy {policy}: {n}")));

@@ -39,7 +39,10 @@
 //! authorizer) are enforced as `DENY` policies on their layer-4 fields: podlink
 //! never asks an external authorizer, and never allows in its place.
 
+mod error;
 pub mod spec;
+
+pub use error::{CompileError, FieldError, LabelProblem, SetWarning};
 
 use std::{
     collections::{BTreeMap, HashMap},
@@ -52,7 +55,7 @@ use ipnet::IpNet;
 use serde::Serialize;
 
 use crate::{identity::SpiffeId, k8s::names};
-use spec::{AuthorizationPolicy, ConditionSpec, OperationSpec, RuleSpec, SourceSpec};
+use spec::{AuthorizationPolicy, ConditionSpec, OperationSpec, PolicySpec, RuleSpec, SourceSpec};
 
 /// Istio's default root namespace: policies there apply mesh-wide.
 pub const DEFAULT_ROOT_NAMESPACE: &str = "istio-system";
@@ -222,7 +225,7 @@ pub struct Policy {
     pub targeted: bool,
     /// How the policy was adapted to layer 4 (fields that cannot be enforced, and
     /// what was done instead), for the log and the config dump.
-    pub notes: Vec<String>,
+    pub notes: Vec<Note>,
     #[serde(skip)]
     rules: Vec<Rule>,
 }
@@ -230,6 +233,62 @@ pub struct Policy {
 impl fmt::Display for Policy {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(f, "{}/{}", self.namespace, self.name)
+    }
+}
+
+/// How a policy was adapted to layer 4: logged once, and listed in the config
+/// dump (as its text).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Note {
+    /// Fields a layer-4 proxy cannot see are set on an entry.
+    Unseen {
+        /// The entry, a path inside `spec` (`rules[1].to[0].operation`, or
+        /// `rules[0].when[0] (key request.method)` for a condition).
+        at: String,
+        /// The fields, joined with ", ".
+        fields: String,
+        /// The entry is enforced on its other fields alone (DENY, AUDIT, CUSTOM:
+        /// denies more); otherwise it never matches (ALLOW: allows less).
+        widened: bool,
+    },
+    /// `action: CUSTOM`, enforced as DENY.
+    Custom,
+    /// `targetRef`/`targetRefs`: not enforced here.
+    Targeted,
+}
+
+impl fmt::Display for Note {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Note::Unseen {
+                at,
+                fields,
+                widened: true,
+            } => write!(
+                f,
+                "{at}: {fields} cannot be seen by a layer-4 proxy; enforced on the other fields alone (denies more)"
+            ),
+            Note::Unseen {
+                at,
+                fields,
+                widened: false,
+            } => write!(
+                f,
+                "{at}: {fields} cannot be seen by a layer-4 proxy; this entry never matches (allows less)"
+            ),
+            Note::Custom => f.write_str(
+                "action CUSTOM: no external authorizer is asked; enforced as DENY on the layer-4 fields",
+            ),
+            Note::Targeted => f.write_str(
+                "targetRef: attached to a gateway, waypoint or service, not to workloads; not enforced here",
+            ),
+        }
+    }
+}
+
+impl Serialize for Note {
+    fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        serializer.collect_str(self)
     }
 }
 
@@ -243,32 +302,47 @@ const L4_KEYS: [&str; 6] = [
     "destination.port",
 ];
 
-fn parse_nets(field: &str, values: &[String]) -> Result<Vec<IpNet>, String> {
+/// The path of `at` (a path inside `spec`) from the object's root, as errors name
+/// fields.
+fn spec_path(at: &str) -> String {
+    format!("spec.{at}")
+}
+
+fn parse_nets(field: &str, values: &[String]) -> Result<Vec<IpNet>, FieldError> {
     values
         .iter()
         .map(|v| {
             let net = v
                 .parse::<IpNet>()
                 .or_else(|_| v.parse::<IpAddr>().map(IpNet::from))
-                .map_err(|_| format!("{field}: {v:?} is not an IP address or CIDR block"))?;
+                .map_err(|_| FieldError::NotAnAddress {
+                    field: field.to_string(),
+                    value: v.clone(),
+                })?;
             match net {
                 // Traffic is matched in its IPv4 form: a mapped address would
                 // never match.
-                IpNet::V6(v6) if v6.addr().to_ipv4_mapped().is_some() => Err(format!(
-                    "{field}: {v:?} is an IPv4-mapped IPv6 address; write it as IPv4"
-                )),
+                IpNet::V6(v6) if v6.addr().to_ipv4_mapped().is_some() => {
+                    Err(FieldError::MappedAddress {
+                        field: field.to_string(),
+                        value: v.clone(),
+                    })
+                }
                 net => Ok(net),
             }
         })
         .collect()
 }
 
-fn parse_ports(field: &str, values: &[String]) -> Result<Vec<u16>, String> {
+fn parse_ports(field: &str, values: &[String]) -> Result<Vec<u16>, FieldError> {
     values
         .iter()
         .map(|v| match v.parse::<u16>() {
             Ok(p) if p > 0 => Ok(p),
-            _ => Err(format!("{field}: {v:?} is not a port number (1-65535)")),
+            _ => Err(FieldError::NotAPort {
+                field: field.to_string(),
+                value: v.clone(),
+            }),
         })
         .collect()
 }
@@ -279,7 +353,7 @@ fn parse_service_accounts(
     field: &str,
     values: &[String],
     namespace: &str,
-) -> Result<Vec<(String, String)>, String> {
+) -> Result<Vec<(String, String)>, FieldError> {
     values
         .iter()
         .map(|v| match v.split_once('/') {
@@ -287,18 +361,19 @@ fn parse_service_accounts(
             Some((ns, sa)) if !ns.is_empty() && !sa.is_empty() && !sa.contains('/') => {
                 Ok((ns.to_string(), sa.to_string()))
             }
-            _ => Err(format!(
-                "{field}: {v:?} is not of the form [<namespace>/]<service account>"
-            )),
+            _ => Err(FieldError::NotAServiceAccount {
+                field: field.to_string(),
+                value: v.clone(),
+            }),
         })
         .collect()
 }
 
-fn patterns(values: &[String]) -> Result<Vec<Pattern>, String> {
+fn patterns(_field: &str, values: &[String]) -> Result<Vec<Pattern>, FieldError> {
     Ok(values.iter().map(|p| Pattern::new(p)).collect())
 }
 
-fn principals(values: &[String]) -> Result<Vec<Pattern>, String> {
+fn principals(_field: &str, values: &[String]) -> Result<Vec<Pattern>, FieldError> {
     Ok(values.iter().map(|p| Pattern::principal(p)).collect())
 }
 
@@ -308,30 +383,31 @@ struct Compiler {
     widen: bool,
     /// The policy's namespace.
     namespace: String,
-    notes: Vec<String>,
+    notes: Vec<Note>,
 }
 
 impl Compiler {
-    /// Adds a check for field `name` (at `at`) given as `values`, `negated` for
-    /// the `not*` forms. An empty list or an empty value is refused, as Istio's
-    /// validation refuses it: neither can say what was meant.
+    /// Adds a check for field `name` (at `at`, a path inside `spec`) given as
+    /// `values`, `negated` for the `not*` forms. An empty list or an empty value
+    /// is refused, as Istio's validation refuses it: neither can say what was
+    /// meant.
     fn field<T>(
         checks: &mut Vec<Check>,
         (at, name): (&str, &str),
         values: &Option<Vec<String>>,
         negated: bool,
-        make: impl Fn(&str, &[String]) -> Result<T, String>,
+        make: impl Fn(&str, &[String]) -> Result<T, FieldError>,
         test: impl Fn(T) -> Test,
-    ) -> Result<(), String> {
+    ) -> Result<(), FieldError> {
         let Some(values) = values else {
             return Ok(());
         };
-        let field = format!("{at}.{name}");
+        let field = spec_path(&format!("{at}.{name}"));
         if values.is_empty() {
-            return Err(format!("{field} is an empty list"));
+            return Err(FieldError::EmptyList { field });
         }
-        if let Some(i) = values.iter().position(|v| v.trim().is_empty()) {
-            return Err(format!("{field}[{i}] is empty"));
+        if let Some(index) = values.iter().position(|v| v.trim().is_empty()) {
+            return Err(FieldError::EmptyValue { field, index });
         }
         checks.push(Check {
             test: test(make(&field, values)?),
@@ -344,12 +420,14 @@ impl Compiler {
     fn request_fields<'a>(
         at: &str,
         fields: &[(&Option<Vec<String>>, &'a str)],
-    ) -> Result<Vec<&'a str>, String> {
+    ) -> Result<Vec<&'a str>, FieldError> {
         let mut set = Vec::new();
         for (values, name) in fields {
             if let Some(values) = values {
                 if values.is_empty() {
-                    return Err(format!("{at}.{name} is an empty list"));
+                    return Err(FieldError::EmptyList {
+                        field: spec_path(&format!("{at}.{name}")),
+                    });
                 }
                 set.push(*name);
             }
@@ -363,35 +441,27 @@ impl Compiler {
         if fields.is_empty() {
             return None;
         }
-        let fields = fields.join(", ");
-        if self.widen {
-            self.notes.push(format!(
-                "{at}: {fields} cannot be seen by a layer-4 proxy; enforced on the other fields alone (denies more)"
-            ));
-            None
-        } else {
-            self.notes.push(format!(
-                "{at}: {fields} cannot be seen by a layer-4 proxy; this entry never matches (allows less)"
-            ));
-            Some(Check {
-                test: Test::Never,
-                negated: false,
-            })
-        }
+        self.notes.push(Note::Unseen {
+            at: at.to_string(),
+            fields: fields.join(", "),
+            widened: self.widen,
+        });
+        (!self.widen).then_some(Check {
+            test: Test::Never,
+            negated: false,
+        })
     }
 
-    fn source(&mut self, at: &str, s: &SourceSpec) -> Result<Vec<Check>, String> {
+    fn source(&mut self, at: &str, s: &SourceSpec) -> Result<Vec<Check>, FieldError> {
         let mut c = Vec::new();
         let ns = self.namespace.clone();
         let sas = |field: &str, v: &[String]| parse_service_accounts(field, v, &ns);
-        let p = |_: &str, v: &[String]| principals(v);
-        let n = |_: &str, v: &[String]| patterns(v);
         Self::field(
             &mut c,
             (at, "principals"),
             &s.principals,
             false,
-            p,
+            principals,
             Test::Principal,
         )?;
         Self::field(
@@ -399,7 +469,7 @@ impl Compiler {
             (at, "notPrincipals"),
             &s.not_principals,
             true,
-            p,
+            principals,
             Test::Principal,
         )?;
         Self::field(
@@ -407,7 +477,7 @@ impl Compiler {
             (at, "namespaces"),
             &s.namespaces,
             false,
-            n,
+            patterns,
             Test::Namespace,
         )?;
         Self::field(
@@ -415,7 +485,7 @@ impl Compiler {
             (at, "notNamespaces"),
             &s.not_namespaces,
             true,
-            n,
+            patterns,
             Test::Namespace,
         )?;
         Self::field(
@@ -458,15 +528,16 @@ impl Compiler {
             ],
         )?;
         if c.is_empty() && unseen.is_empty() {
-            return Err(format!(
-                "{at} has no fields (Istio refuses an empty source)"
-            ));
+            return Err(FieldError::NoFields {
+                field: spec_path(at),
+                kind: "source",
+            });
         }
         c.extend(self.unseen(at, &unseen));
         Ok(c)
     }
 
-    fn operation(&mut self, at: &str, o: &OperationSpec) -> Result<Vec<Check>, String> {
+    fn operation(&mut self, at: &str, o: &OperationSpec) -> Result<Vec<Check>, FieldError> {
         let mut c = Vec::new();
         Self::field(
             &mut c,
@@ -496,23 +567,27 @@ impl Compiler {
             ],
         )?;
         if c.is_empty() && unseen.is_empty() {
-            return Err(format!(
-                "{at} has no fields (Istio refuses an empty operation)"
-            ));
+            return Err(FieldError::NoFields {
+                field: spec_path(at),
+                kind: "operation",
+            });
         }
         c.extend(self.unseen(at, &unseen));
         Ok(c)
     }
 
-    fn condition(&mut self, at: &str, cond: &ConditionSpec) -> Result<Vec<Check>, String> {
+    fn condition(&mut self, at: &str, cond: &ConditionSpec) -> Result<Vec<Check>, FieldError> {
         let key = cond.key.as_str();
         if key.trim().is_empty() {
-            return Err(format!("{at}: condition has an empty key"));
+            return Err(FieldError::EmptyConditionKey {
+                field: spec_path(at),
+            });
         }
         if cond.values.is_none() && cond.not_values.is_none() {
-            return Err(format!(
-                "{at}: condition on {key:?} has neither values nor notValues"
-            ));
+            return Err(FieldError::ConditionWithoutValues {
+                field: spec_path(at),
+                key: key.to_string(),
+            });
         }
         let mut c = Vec::new();
         for (values, negated, name) in [
@@ -535,22 +610,12 @@ impl Compiler {
                     parse_ports,
                     Test::DestinationPort,
                 )?,
-                "source.namespace" => Self::field(
-                    &mut c,
-                    f,
-                    values,
-                    negated,
-                    |_, v| patterns(v),
-                    Test::Namespace,
-                )?,
-                "source.principal" => Self::field(
-                    &mut c,
-                    f,
-                    values,
-                    negated,
-                    |_, v| principals(v),
-                    Test::Principal,
-                )?,
+                "source.namespace" => {
+                    Self::field(&mut c, f, values, negated, patterns, Test::Namespace)?
+                }
+                "source.principal" => {
+                    Self::field(&mut c, f, values, negated, principals, Test::Principal)?
+                }
                 _ => {
                     Self::request_fields(at, &[(values, name)])?;
                 }
@@ -565,11 +630,13 @@ impl Compiler {
         Ok(c)
     }
 
-    fn rule(&mut self, i: usize, r: &RuleSpec) -> Result<Rule, String> {
+    fn rule(&mut self, i: usize, r: &RuleSpec) -> Result<Rule, FieldError> {
         let mut rule = Rule::default();
         if let Some(from) = &r.from {
             if from.is_empty() {
-                return Err(format!("rules[{i}].from is an empty list"));
+                return Err(FieldError::EmptyList {
+                    field: spec_path(&format!("rules[{i}].from")),
+                });
             }
             let mut alts = Vec::new();
             for (j, entry) in from.iter().enumerate() {
@@ -577,14 +644,18 @@ impl Compiler {
                 let source = entry
                     .as_ref()
                     .and_then(|e| e.source.as_ref())
-                    .ok_or_else(|| format!("{at} is missing"))?;
+                    .ok_or_else(|| FieldError::Missing {
+                        field: spec_path(&at),
+                    })?;
                 alts.push(self.source(&at, source)?);
             }
             rule.from = Some(alts);
         }
         if let Some(to) = &r.to {
             if to.is_empty() {
-                return Err(format!("rules[{i}].to is an empty list"));
+                return Err(FieldError::EmptyList {
+                    field: spec_path(&format!("rules[{i}].to")),
+                });
             }
             let mut alts = Vec::new();
             for (j, entry) in to.iter().enumerate() {
@@ -592,14 +663,18 @@ impl Compiler {
                 let op = entry
                     .as_ref()
                     .and_then(|e| e.operation.as_ref())
-                    .ok_or_else(|| format!("{at} is missing"))?;
+                    .ok_or_else(|| FieldError::Missing {
+                        field: spec_path(&at),
+                    })?;
                 alts.push(self.operation(&at, op)?);
             }
             rule.to = Some(alts);
         }
         for (j, c) in r.when.iter().flatten().enumerate() {
             let at = format!("rules[{i}].when[{j}]");
-            let c = c.as_ref().ok_or_else(|| format!("{at} is empty"))?;
+            let c = c.as_ref().ok_or_else(|| FieldError::EmptyCondition {
+                field: spec_path(&at),
+            })?;
             let checks = self.condition(&at, c)?;
             rule.when.extend(checks);
         }
@@ -611,30 +686,43 @@ impl Policy {
     /// Compiles a policy read from the workload source.
     ///
     /// # Errors
-    /// A message naming the field and the value that is wrong: no name, an unknown
-    /// action, an address that is not an IP or CIDR block, a port that is not a
-    /// number, a condition without values.
-    pub fn compile(p: &AuthorizationPolicy) -> Result<Self, String> {
+    /// [`CompileError::NoName`] without a name; otherwise
+    /// [`CompileError::Field`], naming the field and the value that is wrong: an
+    /// unknown action, an address that is not an IP or CIDR block, a port that is
+    /// not a number, a condition without values, an empty list, and so on.
+    pub fn compile(p: &AuthorizationPolicy) -> Result<Self, CompileError> {
         let name = p.metadata.name.clone().unwrap_or_default();
         if name.is_empty() {
-            return Err("AuthorizationPolicy has no metadata.name".into());
+            return Err(CompileError::NoName);
         }
         let namespace = p.metadata.namespace_or_default().to_string();
-        let who = format!("AuthorizationPolicy {namespace}/{name}");
-        let spec = &p.spec;
+        Self::compile_spec(namespace.clone(), name.clone(), &p.spec).map_err(|problem| {
+            CompileError::Field {
+                policy: format!("{namespace}/{name}"),
+                problem,
+            }
+        })
+    }
+
+    /// [`Policy::compile`] once the policy is named.
+    fn compile_spec(
+        namespace: String,
+        name: String,
+        spec: &PolicySpec,
+    ) -> Result<Self, FieldError> {
         let mut notes = Vec::new();
         let action = match spec.action.as_deref().unwrap_or("ALLOW") {
             "ALLOW" => Action::Allow,
             "DENY" => Action::Deny,
             "AUDIT" => Action::Audit,
             "CUSTOM" => {
-                notes.push("action CUSTOM: no external authorizer is asked; enforced as DENY on the layer-4 fields".to_string());
+                notes.push(Note::Custom);
                 Action::Deny
             }
             other => {
-                return Err(format!(
-                    "{who}: spec.action {other:?} is not one of ALLOW, DENY, AUDIT, CUSTOM"
-                ));
+                return Err(FieldError::UnknownAction {
+                    value: other.to_string(),
+                });
             }
         };
         let target_refs: Vec<&serde_yaml_ng::Value> = spec
@@ -643,7 +731,9 @@ impl Policy {
             .chain(spec.target_refs.iter().flatten())
             .collect();
         if spec.target_refs.as_ref().is_some_and(Vec::is_empty) {
-            return Err(format!("{who}: spec.targetRefs is an empty list"));
+            return Err(FieldError::EmptyList {
+                field: "spec.targetRefs".to_string(),
+            });
         }
         for r in &target_refs {
             let named = |key: &str| {
@@ -652,24 +742,20 @@ impl Policy {
                     .is_some_and(|v| !v.is_empty())
             };
             if !named("kind") || !named("name") {
-                return Err(format!(
-                    "{who}: spec.targetRef(s) entries need a kind and a name"
-                ));
+                return Err(FieldError::UnnamedTarget);
             }
         }
         for (key, value) in spec.selector.iter().flat_map(|s| &s.match_labels) {
             if let Some(problem) = label_problem(key, value) {
-                return Err(format!("{who}: spec.selector.matchLabels: {problem}"));
+                return Err(FieldError::Selector(problem));
             }
         }
         let targeted = !target_refs.is_empty();
         if targeted && spec.selector.is_some() {
-            return Err(format!(
-                "{who}: spec.selector and spec.targetRef(s) cannot both be set"
-            ));
+            return Err(FieldError::SelectorAndTarget);
         }
         if targeted {
-            notes.push("targetRef: attached to a gateway, waypoint or service, not to workloads; not enforced here".to_string());
+            notes.push(Note::Targeted);
         }
         let mut compiler = Compiler {
             widen: action != Action::Allow,
@@ -683,12 +769,11 @@ impl Policy {
             .enumerate()
             .map(|(i, r)| match r {
                 Some(r) => compiler.rule(i, r),
-                None => Err(format!(
-                    "rules[{i}] is empty (write {{}} for a rule that matches everything)"
-                )),
+                None => Err(FieldError::EmptyRule {
+                    field: spec_path(&format!("rules[{i}]")),
+                }),
             })
-            .collect::<Result<Vec<_>, _>>()
-            .map_err(|e| format!("{who}: spec.{e}"))?;
+            .collect::<Result<Vec<_>, _>>()?;
         Ok(Self {
             namespace,
             name,
@@ -810,7 +895,7 @@ impl PolicySet {
     pub fn build(
         root_namespace: &str,
         policies: impl IntoIterator<Item = Arc<Policy>>,
-    ) -> (Self, Vec<String>) {
+    ) -> (Self, Vec<SetWarning>) {
         let mut seen = HashMap::new();
         let mut warnings = Vec::new();
         let mut set = PolicySet {
@@ -821,9 +906,7 @@ impl PolicySet {
             let key = p.to_string();
             if seen.insert(key.clone(), ()).is_some() {
                 // Dropping either could cancel a DENY: both are enforced.
-                warnings.push(format!(
-                    "AuthorizationPolicy {key} is defined more than once; every definition is enforced"
-                ));
+                warnings.push(SetWarning::Duplicate { policy: key });
             }
             set.policies.push(p);
         }
@@ -897,14 +980,17 @@ mod tests;
 /// What is wrong with a label `key: value` of a selector, by Kubernetes' syntax
 /// ([`names::is_label_key`], [`names::is_label_value`]). Such a label matches no
 /// pod, so a selector with one would select nothing.
-fn label_problem(key: &str, value: &str) -> Option<String> {
+fn label_problem(key: &str, value: &str) -> Option<LabelProblem> {
     if !names::is_label_key(key) {
-        return Some(format!("the label key {key:?} is not a valid label key"));
+        return Some(LabelProblem::Key {
+            key: key.to_string(),
+        });
     }
     if !names::is_label_value(value) {
-        return Some(format!(
-            "the value {value:?} of label {key:?} is not a valid label value"
-        ));
+        return Some(LabelProblem::Value {
+            key: key.to_string(),
+            value: value.to_string(),
+        });
     }
     None
 }

@@ -5,9 +5,10 @@ use super::*;
 
 const ROOT: &str = DEFAULT_ROOT_NAMESPACE;
 
+/// Compiles `yaml`; the error is its message (YAML's or the compiler's).
 fn compile(yaml: &str) -> Result<Policy, String> {
     let object: AuthorizationPolicy = serde_yaml_ng::from_str(yaml).map_err(|e| e.to_string())?;
-    Policy::compile(&object)
+    Policy::compile(&object).map_err(|e| e.to_string())
 }
 
 fn set(yamls: &[&str]) -> PolicySet {
@@ -782,7 +783,8 @@ fn selectors() {
     let targeted = "metadata: {name: t, namespace: shop}\nspec:\n  targetRefs: [{kind: Service, group: \"\", name: web}]\n";
     let p = compile(targeted).unwrap();
     assert_eq!(p.scope(ROOT), Scope::Targeted);
-    assert!(p.notes[0].contains("targetRef"));
+    assert_eq!(p.notes, [Note::Targeted]);
+    assert!(p.notes[0].to_string().contains("targetRef"));
     assert_eq!(decide(&set(&[targeted]), &front, 80), None);
 }
 
@@ -795,13 +797,20 @@ fn notes_record_what_layer_4_cannot_enforce() {
         "[{to: [{operation: {methods: [GET], paths: [/x]}}]}]",
     ))
     .unwrap();
-    assert_eq!(p.notes.len(), 1);
-    assert!(
-        p.notes[0].contains("rules[0].to[0].operation: methods, paths"),
-        "{:?}",
-        p.notes
+    assert_eq!(
+        p.notes,
+        [Note::Unseen {
+            at: "rules[0].to[0].operation".into(),
+            fields: "methods, paths".into(),
+            widened: false,
+        }]
     );
-    assert!(p.notes[0].contains("never matches"), "{:?}", p.notes);
+    let note = p.notes[0].to_string();
+    assert!(
+        note.contains("rules[0].to[0].operation: methods, paths"),
+        "{note}"
+    );
+    assert!(note.contains("never matches"), "{note}");
     let p = compile(&pol(
         "shop",
         "l7",
@@ -809,7 +818,11 @@ fn notes_record_what_layer_4_cannot_enforce() {
         "[{when: [{key: \"request.headers[x]\", values: [y]}]}]",
     ))
     .unwrap();
-    assert!(p.notes[0].contains("denies more"), "{:?}", p.notes);
+    assert!(
+        p.notes[0].to_string().contains("denies more"),
+        "{:?}",
+        p.notes
+    );
     let p = compile(&pol(
         "shop",
         "ok",
@@ -941,6 +954,35 @@ fn malformed_policies_are_refused_with_the_field() {
 }
 
 #[test]
+fn compile_errors_name_the_policy_and_the_field() {
+    let yaml = pol(
+        "shop",
+        "x",
+        "ALLOW",
+        "[{to: [{operation: {ports: [http]}}]}]",
+    );
+    let object: AuthorizationPolicy = serde_yaml_ng::from_str(&yaml).unwrap();
+    let err = Policy::compile(&object).unwrap_err();
+    assert_eq!(
+        err,
+        CompileError::Field {
+            policy: "shop/x".into(),
+            problem: FieldError::NotAPort {
+                field: "spec.rules[0].to[0].operation.ports".into(),
+                value: "http".into(),
+            },
+        }
+    );
+    assert_eq!(
+        err.to_string(),
+        "AuthorizationPolicy shop/x: spec.rules[0].to[0].operation.ports: \"http\" is not a port number (1-65535)"
+    );
+    let object: AuthorizationPolicy =
+        serde_yaml_ng::from_str("metadata: {namespace: shop}\nspec: {}\n").unwrap();
+    assert_eq!(Policy::compile(&object).unwrap_err(), CompileError::NoName);
+}
+
+#[test]
 fn unknown_policies_deny_everything() {
     let mut policies = set(&[]);
     policies.deny_all_unknown("policies.yaml is broken".into());
@@ -961,7 +1003,17 @@ fn duplicates_are_all_enforced() {
     );
     // Both are enforced: a second definition cannot cancel a DENY.
     assert_eq!(set.policies().count(), 2);
-    assert!(warnings[0].contains("shop/a is defined more than once; every definition is enforced"));
+    assert_eq!(
+        warnings,
+        [SetWarning::Duplicate {
+            policy: "shop/a".into()
+        }]
+    );
+    assert!(
+        warnings[0]
+            .to_string()
+            .contains("shop/a is defined more than once; every definition is enforced")
+    );
     assert_eq!(
         decide(&set, &mtls("shop", "front", "10.0.1.5"), 80).as_deref(),
         Some("shop/a")
@@ -1007,7 +1059,22 @@ fn label_problems_name_the_key_or_value() {
     );
     assert_eq!(super::label_problem("app", ""), None);
     let key = super::label_problem("Example.com/app", "web").unwrap();
+    assert_eq!(
+        key,
+        LabelProblem::Key {
+            key: "Example.com/app".into()
+        }
+    );
+    let key = key.to_string();
     assert!(key.contains("label key \"Example.com/app\""), "{key}");
     let value = super::label_problem("app", "web_").unwrap();
+    assert_eq!(
+        value,
+        LabelProblem::Value {
+            key: "app".into(),
+            value: "web_".into()
+        }
+    );
+    let value = value.to_string();
     assert!(value.contains("value \"web_\" of label \"app\""), "{value}");
 }

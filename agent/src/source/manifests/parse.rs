@@ -275,7 +275,8 @@ pub fn parse(file: &Path, text: &str) -> Result<Objects, ManifestError> {
                             let policy: AuthorizationPolicy =
                                 serde_yaml_ng::from_value(item.clone())
                                     .map_err(|e| item_err(e.to_string()))?;
-                            let policy = Policy::compile(&policy).map_err(&item_err)?;
+                            let policy =
+                                Policy::compile(&policy).map_err(|e| item_err(e.to_string()))?;
                             check_policy(&policy).map_err(&item_err)?;
                             objects.policies.push(Arc::new(policy));
                         }
@@ -288,7 +289,7 @@ pub fn parse(file: &Path, text: &str) -> Result<Objects, ManifestError> {
             {
                 let policy: AuthorizationPolicy =
                     serde_yaml_ng::from_str(&doc).map_err(yaml_err)?;
-                let policy = Policy::compile(&policy).map_err(|m| err(start, m))?;
+                let policy = Policy::compile(&policy).map_err(|e| err(start, e.to_string()))?;
                 check_policy(&policy).map_err(|m| err(start, m))?;
                 objects.policies.push(Arc::new(policy));
             }
