@@ -1,7 +1,10 @@
 //! The policy/request table: each field, its `not*` form, wildcards, empty rules,
 //! scopes and the order of actions.
 
-use super::*;
+use std::{collections::BTreeMap, sync::Arc};
+
+use super::{compile::label_problem, spec::AuthorizationPolicy, *};
+use crate::identity::SpiffeId;
 
 const ROOT: &str = DEFAULT_ROOT_NAMESPACE;
 
@@ -1053,12 +1056,9 @@ fn service_accounts_and_ipv6_blocks() {
 /// names.
 #[test]
 fn label_problems_name_the_key_or_value() {
-    assert_eq!(
-        super::label_problem("app.kubernetes.io/name", "web-1.x_y"),
-        None
-    );
-    assert_eq!(super::label_problem("app", ""), None);
-    let key = super::label_problem("Example.com/app", "web").unwrap();
+    assert_eq!(label_problem("app.kubernetes.io/name", "web-1.x_y"), None);
+    assert_eq!(label_problem("app", ""), None);
+    let key = label_problem("Example.com/app", "web").unwrap();
     assert_eq!(
         key,
         LabelProblem::Key {
@@ -1067,7 +1067,7 @@ fn label_problems_name_the_key_or_value() {
     );
     let key = key.to_string();
     assert!(key.contains("label key \"Example.com/app\""), "{key}");
-    let value = super::label_problem("app", "web_").unwrap();
+    let value = label_problem("app", "web_").unwrap();
     assert_eq!(
         value,
         LabelProblem::Value {
@@ -1077,4 +1077,66 @@ fn label_problems_name_the_key_or_value() {
     );
     let value = value.to_string();
     assert!(value.contains("value \"web_\" of label \"app\""), "{value}");
+}
+
+#[test]
+fn a_destination_not_enrolled_here_is_denied() {
+    let policies = set(&[]);
+    let id = SpiffeId::new("cluster.local", "shop", "front");
+    let req = Request {
+        source_ip: "10.0.1.5".parse().unwrap(),
+        source: Some(&id),
+        destination_ip: "10.0.2.9".parse().unwrap(),
+        destination_port: 80,
+    };
+    assert_eq!(
+        policies.decide(None, &req).into_result(),
+        Err(Denial::Unknown(
+            "10.0.2.9 is not an enrolled pod of this node".into()
+        ))
+    );
+    let labels = BTreeMap::new();
+    let shop = Destination {
+        namespace: "shop",
+        labels: &labels,
+    };
+    assert_eq!(policies.decide(Some(shop), &req).into_result(), Ok(()));
+}
+
+#[test]
+fn requests_are_described_for_the_logs() {
+    let id = SpiffeId::new("cluster.local", "shop", "front");
+    let mut req = Request {
+        source_ip: "10.0.1.5".parse().unwrap(),
+        source: Some(&id),
+        destination_ip: "10.0.2.9".parse().unwrap(),
+        destination_port: 80,
+    };
+    assert_eq!(
+        req.describe(Some("shop/web")),
+        "10.0.1.5 (spiffe://cluster.local/ns/shop/sa/front) to shop/web port 80"
+    );
+    req.source = None;
+    assert_eq!(
+        req.describe(None),
+        "10.0.1.5 (plaintext) to 10.0.2.9 port 80"
+    );
+}
+
+#[test]
+fn denials_are_counted_by_policy() {
+    let counts = DenialCounts::default();
+    assert_eq!(counts.count(&Denial::Policy("shop/deny".into())), 1);
+    assert_eq!(
+        counts.count(&Denial::NoAllowMatch(vec!["shop/a".into()])),
+        1
+    );
+    assert_eq!(counts.count(&Denial::Policy("shop/deny".into())), 2);
+    assert_eq!(
+        counts.by_policy(),
+        [
+            ("allow-policies".to_string(), 1),
+            ("shop/deny".to_string(), 2)
+        ]
+    );
 }
