@@ -17,7 +17,7 @@
 //! * `CHECK` asks the agent whether a pod to be enrolled is attached.
 //! * `VERSION` lists [`SUPPORTED_VERSIONS`].
 //!
-//! Errors are printed on stdout as the spec's error object ("Section 6: Error
+//! Errors ([`PluginError`]) are printed on stdout as the spec's error object ("Section 6: Error
 //! codes"): `{"cniVersion", "code", "msg", "details"}`, with a non-zero exit.
 //!
 //! The plugin's configuration (its entry of the conflist) may carry `"socket"`:
@@ -83,8 +83,8 @@ pub struct CniError {
 }
 
 impl From<PluginError> for CniError {
-    /// The error object of `error`, in version `1.0.0` (see
-    /// [`CniError::in_version`]).
+    /// The error object of `error`, in version `1.0.0` (the configuration's
+    /// once it is read).
     fn from(error: PluginError) -> Self {
         CniError {
             cni_version: "1.0.0".into(),
@@ -296,7 +296,7 @@ impl PluginError {
     }
 }
 
-/// Why the agent could not be asked ([`ask`]): the plugin then takes it as
+/// Why the agent could not be asked (one exchange on its socket): the plugin then takes it as
 /// unreachable.
 #[derive(Debug, thiserror::Error)]
 pub enum AgentUnreachable {
