@@ -1,13 +1,17 @@
 //! The policy/request table: each field, its `not*` form, wildcards, empty rules,
 //! scopes and the order of actions.
 
-use super::*;
+use std::{collections::BTreeMap, sync::Arc};
+
+use super::{compile::label_problem, spec::AuthorizationPolicy, *};
+use crate::identity::SpiffeId;
 
 const ROOT: &str = DEFAULT_ROOT_NAMESPACE;
 
+/// Compiles `yaml`; the error is its message (YAML's or the compiler's).
 fn compile(yaml: &str) -> Result<Policy, String> {
     let object: AuthorizationPolicy = serde_yaml_ng::from_str(yaml).map_err(|e| e.to_string())?;
-    Policy::compile(&object)
+    Policy::compile(&object).map_err(|e| e.to_string())
 }
 
 fn set(yamls: &[&str]) -> PolicySet {
@@ -782,7 +786,8 @@ fn selectors() {
     let targeted = "metadata: {name: t, namespace: shop}\nspec:\n  targetRefs: [{kind: Service, group: \"\", name: web}]\n";
     let p = compile(targeted).unwrap();
     assert_eq!(p.scope(ROOT), Scope::Targeted);
-    assert!(p.notes[0].contains("targetRef"));
+    assert_eq!(p.notes, [Note::Targeted]);
+    assert!(p.notes[0].to_string().contains("targetRef"));
     assert_eq!(decide(&set(&[targeted]), &front, 80), None);
 }
 
@@ -795,13 +800,20 @@ fn notes_record_what_layer_4_cannot_enforce() {
         "[{to: [{operation: {methods: [GET], paths: [/x]}}]}]",
     ))
     .unwrap();
-    assert_eq!(p.notes.len(), 1);
-    assert!(
-        p.notes[0].contains("rules[0].to[0].operation: methods, paths"),
-        "{:?}",
-        p.notes
+    assert_eq!(
+        p.notes,
+        [Note::Unseen {
+            at: "rules[0].to[0].operation".into(),
+            fields: "methods, paths".into(),
+            widened: false,
+        }]
     );
-    assert!(p.notes[0].contains("never matches"), "{:?}", p.notes);
+    let note = p.notes[0].to_string();
+    assert!(
+        note.contains("rules[0].to[0].operation: methods, paths"),
+        "{note}"
+    );
+    assert!(note.contains("never matches"), "{note}");
     let p = compile(&pol(
         "shop",
         "l7",
@@ -809,7 +821,11 @@ fn notes_record_what_layer_4_cannot_enforce() {
         "[{when: [{key: \"request.headers[x]\", values: [y]}]}]",
     ))
     .unwrap();
-    assert!(p.notes[0].contains("denies more"), "{:?}", p.notes);
+    assert!(
+        p.notes[0].to_string().contains("denies more"),
+        "{:?}",
+        p.notes
+    );
     let p = compile(&pol(
         "shop",
         "ok",
@@ -941,6 +957,35 @@ fn malformed_policies_are_refused_with_the_field() {
 }
 
 #[test]
+fn compile_errors_name_the_policy_and_the_field() {
+    let yaml = pol(
+        "shop",
+        "x",
+        "ALLOW",
+        "[{to: [{operation: {ports: [http]}}]}]",
+    );
+    let object: AuthorizationPolicy = serde_yaml_ng::from_str(&yaml).unwrap();
+    let err = Policy::compile(&object).unwrap_err();
+    assert_eq!(
+        err,
+        CompileError::Field {
+            policy: "shop/x".into(),
+            problem: FieldError::NotAPort {
+                field: "spec.rules[0].to[0].operation.ports".into(),
+                value: "http".into(),
+            },
+        }
+    );
+    assert_eq!(
+        err.to_string(),
+        "AuthorizationPolicy shop/x: spec.rules[0].to[0].operation.ports: \"http\" is not a port number (1-65535)"
+    );
+    let object: AuthorizationPolicy =
+        serde_yaml_ng::from_str("metadata: {namespace: shop}\nspec: {}\n").unwrap();
+    assert_eq!(Policy::compile(&object).unwrap_err(), CompileError::NoName);
+}
+
+#[test]
 fn unknown_policies_deny_everything() {
     let mut policies = set(&[]);
     policies.deny_all_unknown("policies.yaml is broken".into());
@@ -961,7 +1006,17 @@ fn duplicates_are_all_enforced() {
     );
     // Both are enforced: a second definition cannot cancel a DENY.
     assert_eq!(set.policies().count(), 2);
-    assert!(warnings[0].contains("shop/a is defined more than once; every definition is enforced"));
+    assert_eq!(
+        warnings,
+        [SetWarning::Duplicate {
+            policy: "shop/a".into()
+        }]
+    );
+    assert!(
+        warnings[0]
+            .to_string()
+            .contains("shop/a is defined more than once; every definition is enforced")
+    );
     assert_eq!(
         decide(&set, &mtls("shop", "front", "10.0.1.5"), 80).as_deref(),
         Some("shop/a")
@@ -1001,13 +1056,87 @@ fn service_accounts_and_ipv6_blocks() {
 /// names.
 #[test]
 fn label_problems_name_the_key_or_value() {
+    assert_eq!(label_problem("app.kubernetes.io/name", "web-1.x_y"), None);
+    assert_eq!(label_problem("app", ""), None);
+    let key = label_problem("Example.com/app", "web").unwrap();
     assert_eq!(
-        super::label_problem("app.kubernetes.io/name", "web-1.x_y"),
-        None
+        key,
+        LabelProblem::Key {
+            key: "Example.com/app".into()
+        }
     );
-    assert_eq!(super::label_problem("app", ""), None);
-    let key = super::label_problem("Example.com/app", "web").unwrap();
+    let key = key.to_string();
     assert!(key.contains("label key \"Example.com/app\""), "{key}");
-    let value = super::label_problem("app", "web_").unwrap();
+    let value = label_problem("app", "web_").unwrap();
+    assert_eq!(
+        value,
+        LabelProblem::Value {
+            key: "app".into(),
+            value: "web_".into()
+        }
+    );
+    let value = value.to_string();
     assert!(value.contains("value \"web_\" of label \"app\""), "{value}");
+}
+
+#[test]
+fn a_destination_not_enrolled_here_is_denied() {
+    let policies = set(&[]);
+    let id = SpiffeId::new("cluster.local", "shop", "front");
+    let req = Request {
+        source_ip: "10.0.1.5".parse().unwrap(),
+        source: Some(&id),
+        destination_ip: "10.0.2.9".parse().unwrap(),
+        destination_port: 80,
+    };
+    assert_eq!(
+        policies.decide(None, &req).into_result(),
+        Err(Denial::Unknown(
+            "10.0.2.9 is not an enrolled pod of this node".into()
+        ))
+    );
+    let labels = BTreeMap::new();
+    let shop = Destination {
+        namespace: "shop",
+        labels: &labels,
+    };
+    assert_eq!(policies.decide(Some(shop), &req).into_result(), Ok(()));
+}
+
+#[test]
+fn requests_are_described_for_the_logs() {
+    let id = SpiffeId::new("cluster.local", "shop", "front");
+    let mut req = Request {
+        source_ip: "10.0.1.5".parse().unwrap(),
+        source: Some(&id),
+        destination_ip: "10.0.2.9".parse().unwrap(),
+        destination_port: 80,
+    };
+    assert_eq!(
+        req.describe(Some("shop/web")),
+        "10.0.1.5 (spiffe://cluster.local/ns/shop/sa/front) to shop/web port 80"
+    );
+    req.source = None;
+    assert_eq!(
+        req.describe(None),
+        "10.0.1.5 (plaintext) to 10.0.2.9 port 80"
+    );
+}
+
+#[test]
+fn denials_are_counted_by_policy() {
+    let counts = DenialCounts::default();
+    assert_eq!(counts.count(&Denial::Policy("shop/deny".into())), 1);
+    assert_eq!(
+        counts.count(&Denial::NoAllowMatch(vec!["shop/a".into()])),
+        1
+    );
+    assert_eq!(counts.count(&Denial::Policy("shop/deny".into())), 2);
+    assert_eq!(
+        counts.by_policy(),
+        [
+            ("allow-policies".to_string(), 1),
+            ("shop/deny".to_string(), 2)
+        ]
+    );
 }

@@ -17,7 +17,7 @@
 //! * `CHECK` asks the agent whether a pod to be enrolled is attached.
 //! * `VERSION` lists [`SUPPORTED_VERSIONS`].
 //!
-//! Errors are printed on stdout as the spec's error object ("Section 6: Error
+//! Errors ([`PluginError`]) are printed on stdout as the spec's error object ("Section 6: Error
 //! codes"): `{"cniVersion", "code", "msg", "details"}`, with a non-zero exit.
 //!
 //! The plugin's configuration (its entry of the conflist) may carry `"socket"`:
@@ -82,20 +82,246 @@ pub struct CniError {
     pub details: String,
 }
 
-impl CniError {
-    fn new(code: u32, msg: impl Into<String>) -> Self {
+impl From<PluginError> for CniError {
+    /// The error object of `error`, in version `1.0.0` (the configuration's
+    /// once it is read).
+    fn from(error: PluginError) -> Self {
         CniError {
             cni_version: "1.0.0".into(),
-            code,
-            msg: msg.into(),
-            details: String::new(),
+            code: error.code(),
+            msg: error.to_string(),
+            details: error.details(),
+        }
+    }
+}
+
+impl CniError {
+    /// The error object in the configuration's `cniVersion`.
+    fn in_version(mut self, cni_version: &str) -> Self {
+        cni_version.clone_into(&mut self.cni_version);
+        self
+    }
+}
+
+/// What went wrong in a run of the plugin; [`PluginError::code`] is its CNI
+/// error code, the message the error object's `msg`.
+#[derive(Debug, thiserror::Error)]
+pub enum PluginError {
+    /// `CNI_COMMAND` is not set (code 4).
+    #[error("CNI_COMMAND is not set")]
+    NoCommand,
+    /// `CNI_COMMAND` is none the plugin knows (code 4).
+    #[error(
+        "unknown CNI_COMMAND {0:?}: podlink-cni supports ADD, DEL, CHECK, VERSION, STATUS and GC"
+    )]
+    UnknownCommand(String),
+    /// An environment variable the command requires is unset or empty (code 4).
+    #[error("{variable} is not set (required for {command:?})")]
+    MissingVariable {
+        /// `CNI_CONTAINERID`, `CNI_NETNS` or `CNI_IFNAME`.
+        variable: &'static str,
+        /// The command that requires it.
+        command: Command,
+    },
+    /// An entry of `CNI_ARGS` is not `KEY=VALUE` (code 4).
+    #[error("CNI_ARGS has {pair:?}, not KEY=VALUE")]
+    CniArgs {
+        /// The entry.
+        pair: String,
+    },
+    /// Reading stdin failed (code 5).
+    #[error("reading stdin: {0}")]
+    Stdin(std::io::Error),
+    /// The configuration on stdin is over [`MAX_STDIN`] bytes (code 6).
+    #[error("the network configuration is over {MAX_STDIN} bytes")]
+    ConfigTooLarge,
+    /// The configuration is not JSON (code 6); the parser's message is the
+    /// details.
+    #[error("the network configuration on stdin is not JSON")]
+    ConfigNotJson(serde_json::Error),
+    /// The configuration is not a JSON object (code 6).
+    #[error("the network configuration on stdin is not a JSON object")]
+    ConfigNotAnObject,
+    /// `cniVersion` is not a string (code 7).
+    #[error("`cniVersion` is not a string")]
+    VersionNotAString,
+    /// `cniVersion` is absent (code 7).
+    #[error("the network configuration has no `cniVersion`")]
+    NoVersion,
+    /// `cniVersion` is not one of [`SUPPORTED_VERSIONS`] (code 1).
+    #[error(
+        "CNI version {0} is not supported: podlink-cni supports {supported}",
+        supported = SUPPORTED_VERSIONS.join(", ")
+    )]
+    UnsupportedVersion(String),
+    /// `socket` is not a non-empty string (code 7).
+    #[error("`socket` of podlink-cni's configuration must be a non-empty string (a path)")]
+    Socket,
+    /// `prevResult` is not an object (code 7).
+    #[error("`prevResult` is not a JSON object (a CNI result)")]
+    PrevResultNotAnObject,
+    /// ADD without `prevResult` (code 7).
+    #[error(
+        "no `prevResult`: podlink-cni is a chained plugin and must come after the plugin that makes the pod's interface"
+    )]
+    NoPrevResult,
+    /// `prevResult.ips` is not an array (code 7).
+    #[error("prevResult.ips is not an array")]
+    IpsNotAnArray,
+    /// An entry of `prevResult.ips` has no `address` string (code 7).
+    #[error("prevResult.ips[{index}] has no address")]
+    NoAddress {
+        /// The entry's index.
+        index: usize,
+    },
+    /// An `address` of `prevResult.ips` is not an address (code 7).
+    #[error("prevResult.ips[{index}].address {address:?} is not an address")]
+    BadAddress {
+        /// The entry's index.
+        index: usize,
+        /// The address as given.
+        address: String,
+    },
+    /// The request would be over [`protocol::MAX_MESSAGE`] bytes (code 7).
+    #[error(
+        "the request to the podlink agent for pod {pod} would be {size} bytes, over its limit of {limit}: the prevResult's addresses or interface name, CNI_CONTAINERID, or the pod's namespace or name in CNI_ARGS, are too long",
+        limit = protocol::MAX_MESSAGE
+    )]
+    RequestTooLarge {
+        /// The pod's `namespace/name`.
+        pod: String,
+        /// The request's size, in bytes.
+        size: usize,
+    },
+    /// The agent answered with an error (code 11 when `retry`, else 999).
+    #[error("podlink agent: pod {pod}: {message}")]
+    Agent {
+        /// The pod's `namespace/name` (the agent's messages do not name it).
+        pod: String,
+        /// The agent's message.
+        message: String,
+        /// Whether trying again later may succeed.
+        retry: bool,
+    },
+    /// The agent cannot be reached, and its snapshot enrolls the pod (code 11);
+    /// why it cannot be reached is the details.
+    #[error(
+        "pod {pod} is to be enrolled ({reason}) but the podlink agent cannot be reached on {}: failing closed until it is back",
+        socket.display()
+    )]
+    Unreachable {
+        /// The pod's `namespace/name`.
+        pod: String,
+        /// Why the snapshot enrolls it.
+        reason: String,
+        /// The agent's socket.
+        socket: PathBuf,
+        /// Why it cannot be reached.
+        why: Box<AgentUnreachable>,
+    },
+    /// The agent cannot be reached and left no snapshot (code 11).
+    #[error(
+        "the podlink agent cannot be reached on {} and left no enrollment snapshot ({}): failing closed for pod {pod}, whose enrollment cannot be known",
+        socket.display(),
+        snapshot.display()
+    )]
+    NoSnapshot {
+        /// The pod's `namespace/name`.
+        pod: String,
+        /// The agent's socket.
+        socket: PathBuf,
+        /// Where the snapshot would be.
+        snapshot: PathBuf,
+        /// Why the agent cannot be reached.
+        why: Box<AgentUnreachable>,
+    },
+    /// The agent cannot be reached and its snapshot cannot be read (code 11).
+    #[error(
+        "the podlink agent cannot be reached on {} and its enrollment snapshot is unreadable: failing closed for pod {pod}",
+        socket.display()
+    )]
+    SnapshotUnreadable {
+        /// The pod's `namespace/name`.
+        pod: String,
+        /// The agent's socket.
+        socket: PathBuf,
+        /// Why the agent cannot be reached.
+        why: Box<AgentUnreachable>,
+        /// Why the snapshot cannot be read ([`Snapshot::read`]).
+        error: anyhow::Error,
+    },
+}
+
+impl PluginError {
+    /// The CNI error code ("Section 6: Error codes", and [`AGENT_REFUSED`]).
+    pub fn code(&self) -> u32 {
+        match self {
+            PluginError::NoCommand
+            | PluginError::UnknownCommand(_)
+            | PluginError::MissingVariable { .. }
+            | PluginError::CniArgs { .. } => INVALID_ENVIRONMENT,
+            PluginError::Stdin(_) => IO_FAILURE,
+            PluginError::ConfigTooLarge
+            | PluginError::ConfigNotJson(_)
+            | PluginError::ConfigNotAnObject => DECODING_FAILURE,
+            PluginError::UnsupportedVersion(_) => INCOMPATIBLE_VERSION,
+            PluginError::VersionNotAString
+            | PluginError::NoVersion
+            | PluginError::Socket
+            | PluginError::PrevResultNotAnObject
+            | PluginError::NoPrevResult
+            | PluginError::IpsNotAnArray
+            | PluginError::NoAddress { .. }
+            | PluginError::BadAddress { .. }
+            | PluginError::RequestTooLarge { .. } => INVALID_NETWORK_CONFIG,
+            PluginError::Agent { retry: true, .. }
+            | PluginError::Unreachable { .. }
+            | PluginError::NoSnapshot { .. }
+            | PluginError::SnapshotUnreadable { .. } => TRY_AGAIN_LATER,
+            PluginError::Agent { retry: false, .. } => AGENT_REFUSED,
         }
     }
 
-    fn details(mut self, details: impl Into<String>) -> Self {
-        self.details = details.into();
-        self
+    /// The error object's `details`: the cause the message does not give
+    /// (empty when none).
+    pub fn details(&self) -> String {
+        match self {
+            PluginError::ConfigNotJson(e) => e.to_string(),
+            PluginError::Unreachable { why, .. } | PluginError::NoSnapshot { why, .. } => {
+                why.to_string()
+            }
+            PluginError::SnapshotUnreadable { why, error, .. } => format!("{why}; {error:#}"),
+            _ => String::new(),
+        }
     }
+}
+
+/// Why the agent could not be asked (one exchange on its socket): the plugin then takes it as
+/// unreachable.
+#[derive(Debug, thiserror::Error)]
+pub enum AgentUnreachable {
+    /// Connecting to its socket failed.
+    #[error("connecting to {}: {error}", socket.display())]
+    Connect {
+        /// The agent's socket.
+        socket: PathBuf,
+        /// The failure.
+        error: std::io::Error,
+    },
+    /// Sending the request or reading the reply failed.
+    #[error("talking to the agent on {}: {error}", socket.display())]
+    Exchange {
+        /// The agent's socket.
+        socket: PathBuf,
+        /// The failure.
+        error: std::io::Error,
+    },
+    /// The reply is over [`protocol::MAX_MESSAGE`] bytes.
+    #[error("the agent's reply is over {} bytes", protocol::MAX_MESSAGE)]
+    ReplyTooLarge,
+    /// The reply cannot be read.
+    #[error(transparent)]
+    Reply(#[from] protocol::ReplyError),
 }
 
 /// What the plugin found in its environment and configuration.
@@ -118,7 +344,7 @@ struct Invocation {
 /// The CNI error to print (with a non-zero exit).
 pub fn run(env: &dyn Fn(&str) -> Option<String>, stdin: &[u8]) -> Result<String, CniError> {
     let Some(command) = env("CNI_COMMAND") else {
-        return Err(CniError::new(INVALID_ENVIRONMENT, "CNI_COMMAND is not set"));
+        return Err(PluginError::NoCommand.into());
     };
     let command = match command.as_str() {
         "VERSION" => return Ok(version(stdin)),
@@ -128,14 +354,7 @@ pub fn run(env: &dyn Fn(&str) -> Option<String>, stdin: &[u8]) -> Result<String,
         "ADD" => Command::Add,
         "DEL" => Command::Del,
         "CHECK" => Command::Check,
-        other => {
-            return Err(CniError::new(
-                INVALID_ENVIRONMENT,
-                format!(
-                    "unknown CNI_COMMAND {other:?}: podlink-cni supports ADD, DEL, CHECK, VERSION, STATUS and GC"
-                ),
-            ));
-        }
+        other => return Err(PluginError::UnknownCommand(other.to_string()).into()),
     };
     let result = configured(command, env, stdin);
     match result {
@@ -157,51 +376,21 @@ fn configured(
     env: &dyn Fn(&str) -> Option<String>,
     stdin: &[u8],
 ) -> Result<String, CniError> {
-    let config: Value = serde_json::from_slice(stdin).map_err(|e| {
-        CniError::new(
-            DECODING_FAILURE,
-            "the network configuration on stdin is not JSON",
-        )
-        .details(e.to_string())
-    })?;
+    let config: Value = serde_json::from_slice(stdin).map_err(PluginError::ConfigNotJson)?;
     let Some(config) = config.as_object() else {
-        return Err(CniError::new(
-            DECODING_FAILURE,
-            "the network configuration on stdin is not a JSON object",
-        ));
+        return Err(PluginError::ConfigNotAnObject.into());
     };
     let cni_version = match config.get("cniVersion") {
         Some(Value::String(v)) => v.clone(),
-        Some(_) => {
-            return Err(CniError::new(
-                INVALID_NETWORK_CONFIG,
-                "`cniVersion` is not a string",
-            ));
-        }
-        None => {
-            return Err(CniError::new(
-                INVALID_NETWORK_CONFIG,
-                "the network configuration has no `cniVersion`",
-            ));
-        }
+        Some(_) => return Err(PluginError::VersionNotAString.into()),
+        None => return Err(PluginError::NoVersion.into()),
     };
     if !SUPPORTED_VERSIONS.contains(&cni_version.as_str()) {
-        return Err(CniError::new(
-            INCOMPATIBLE_VERSION,
-            format!(
-                "CNI version {cni_version} is not supported: podlink-cni supports {}",
-                SUPPORTED_VERSIONS.join(", ")
-            ),
-        ));
+        return Err(PluginError::UnsupportedVersion(cni_version).into());
     }
-    let invocation = invocation(command, env, config).map_err(|mut e| {
-        e.cni_version.clone_from(&cni_version);
-        e
-    })?;
-    execute(&invocation).map_err(|mut e| {
-        e.cni_version = cni_version;
-        e
-    })
+    invocation(command, env, config)
+        .and_then(|invocation| execute(&invocation))
+        .map_err(|e| CniError::from(e).in_version(&cni_version))
 }
 
 /// The `VERSION` answer ("Section 2: VERSION"): the versions supported, with
@@ -220,14 +409,13 @@ fn version(stdin: &[u8]) -> String {
 }
 
 /// Reads `CNI_ARGS`: `KEY=VALUE` pairs separated by `;` ("Section 2: Parameters").
-fn cni_args(args: &str) -> Result<HashMap<String, String>, CniError> {
+fn cni_args(args: &str) -> Result<HashMap<String, String>, PluginError> {
     let mut map = HashMap::new();
     for pair in args.split(';').filter(|p| !p.is_empty()) {
         let Some((key, value)) = pair.split_once('=') else {
-            return Err(CniError::new(
-                INVALID_ENVIRONMENT,
-                format!("CNI_ARGS has {pair:?}, not KEY=VALUE"),
-            ));
+            return Err(PluginError::CniArgs {
+                pair: pair.to_string(),
+            });
         };
         map.insert(key.to_string(), value.to_string());
     }
@@ -238,18 +426,15 @@ fn invocation(
     command: Command,
     env: &dyn Fn(&str) -> Option<String>,
     config: &serde_json::Map<String, Value>,
-) -> Result<Invocation, CniError> {
+) -> Result<Invocation, PluginError> {
     // "Section 2: Parameters": which variables each operation requires.
     let required: &[&str] = match command {
         Command::Add | Command::Check => &["CNI_CONTAINERID", "CNI_NETNS", "CNI_IFNAME"],
         Command::Del => &["CNI_CONTAINERID", "CNI_IFNAME"],
     };
-    for name in required {
-        if env(name).is_none_or(|v| v.is_empty()) {
-            return Err(CniError::new(
-                INVALID_ENVIRONMENT,
-                format!("{name} is not set (required for {command:?})"),
-            ));
+    for &variable in required {
+        if env(variable).is_none_or(|v| v.is_empty()) {
+            return Err(PluginError::MissingVariable { variable, command });
         }
     }
     let container_id = env("CNI_CONTAINERID").unwrap_or_default();
@@ -263,25 +448,14 @@ fn invocation(
     let socket = match config.get("socket") {
         None => PathBuf::from(DEFAULT_SOCKET),
         Some(Value::String(s)) if !s.is_empty() => PathBuf::from(s),
-        Some(_) => {
-            return Err(CniError::new(
-                INVALID_NETWORK_CONFIG,
-                "`socket` of podlink-cni's configuration must be a non-empty string (a path)",
-            ));
-        }
+        Some(_) => return Err(PluginError::Socket),
     };
     let prev_result = config.get("prevResult").cloned();
     if command != Command::Del && prev_result.as_ref().is_some_and(|r| !r.is_object()) {
-        return Err(CniError::new(
-            INVALID_NETWORK_CONFIG,
-            "`prevResult` is not a JSON object (a CNI result)",
-        ));
+        return Err(PluginError::PrevResultNotAnObject);
     }
     if command == Command::Add && prev_result.is_none() {
-        return Err(CniError::new(
-            INVALID_NETWORK_CONFIG,
-            "no `prevResult`: podlink-cni is a chained plugin and must come after the plugin that makes the pod's interface",
-        ));
+        return Err(PluginError::NoPrevResult);
     }
     Ok(Invocation {
         command,
@@ -294,26 +468,22 @@ fn invocation(
 
 /// The pod's addresses (without prefix lengths) and host interface (the
 /// interface without `sandbox`) in a result ("Section 5: Result Types").
-fn addresses(result: &Value) -> Result<(Vec<IpAddr>, Option<String>), CniError> {
-    let invalid = |what: String| CniError::new(INVALID_NETWORK_CONFIG, what);
+fn addresses(result: &Value) -> Result<(Vec<IpAddr>, Option<String>), PluginError> {
     let mut ips = Vec::new();
     if let Some(list) = result.get("ips") {
-        let list = list
-            .as_array()
-            .ok_or_else(|| invalid("prevResult.ips is not an array".into()))?;
-        for (i, entry) in list.iter().enumerate() {
+        let list = list.as_array().ok_or(PluginError::IpsNotAnArray)?;
+        for (index, entry) in list.iter().enumerate() {
             let address = entry
                 .get("address")
                 .and_then(Value::as_str)
-                .ok_or_else(|| invalid(format!("prevResult.ips[{i}] has no address")))?;
+                .ok_or(PluginError::NoAddress { index })?;
             let ip = address
                 .split('/')
                 .next()
                 .and_then(|a| a.parse::<IpAddr>().ok())
-                .ok_or_else(|| {
-                    invalid(format!(
-                        "prevResult.ips[{i}].address {address:?} is not an address"
-                    ))
+                .ok_or_else(|| PluginError::BadAddress {
+                    index,
+                    address: address.to_string(),
                 })?;
             ips.push(ip);
         }
@@ -334,7 +504,7 @@ fn addresses(result: &Value) -> Result<(Vec<IpAddr>, Option<String>), CniError> 
     Ok((ips, host_interface))
 }
 
-fn execute(inv: &Invocation) -> Result<String, CniError> {
+fn execute(inv: &Invocation) -> Result<String, PluginError> {
     let passthrough = || {
         inv.prev_result
             .as_ref()
@@ -371,15 +541,12 @@ fn execute(inv: &Invocation) -> Result<String, CniError> {
     line.push(b'\n');
     let size = line.len();
     if size > protocol::MAX_MESSAGE {
-        let message = format!(
-            "the request to the podlink agent for pod {key} would be {size} bytes, over its limit of {}: the prevResult's addresses or interface name, CNI_CONTAINERID, or the pod's namespace or name in CNI_ARGS, are too long",
-            protocol::MAX_MESSAGE
-        );
+        let error = PluginError::RequestTooLarge { pod: key, size };
         if inv.command == Command::Del {
-            eprintln!("podlink-cni: DEL: {message}; nothing to undo");
+            eprintln!("podlink-cni: DEL: {error}; nothing to undo");
             return Ok(String::new());
         }
-        return Err(CniError::new(INVALID_NETWORK_CONFIG, message));
+        return Err(error);
     }
     match ask(&inv.socket, &line) {
         Ok(Reply::Enrolled { .. } | Reply::NotEnrolled { .. } | Reply::Removed) => {
@@ -389,15 +556,12 @@ fn execute(inv: &Invocation) -> Result<String, CniError> {
                 String::new()
             })
         }
-        Ok(Reply::Error { message, retry }) => Err(CniError::new(
-            if retry {
-                TRY_AGAIN_LATER
-            } else {
-                AGENT_REFUSED
-            },
-            // The agent's messages do not name the pod: its request did.
-            format!("podlink agent: pod {key}: {message}"),
-        )),
+        // The agent's messages do not name the pod: its request did.
+        Ok(Reply::Error { message, retry }) => Err(PluginError::Agent {
+            pod: key,
+            message,
+            retry,
+        }),
         Err(unreachable) if inv.command == Command::Del => {
             // Nothing to undo without the agent: it forgets the pod by itself.
             eprintln!("podlink-cni: DEL of {key}: {unreachable}; nothing to undo");
@@ -418,32 +582,25 @@ fn execute(inv: &Invocation) -> Result<String, CniError> {
                             String::new()
                         })
                     }
-                    Some(reason) => Err(CniError::new(
-                        TRY_AGAIN_LATER,
-                        format!(
-                            "pod {key} is to be enrolled ({reason}) but the podlink agent cannot be reached on {}: failing closed until it is back",
-                            inv.socket.display()
-                        ),
-                    )
-                    .details(unreachable)),
+                    Some(reason) => Err(PluginError::Unreachable {
+                        pod: key,
+                        reason,
+                        socket: inv.socket.clone(),
+                        why: Box::new(unreachable),
+                    }),
                 },
-                Ok(None) => Err(CniError::new(
-                    TRY_AGAIN_LATER,
-                    format!(
-                        "the podlink agent cannot be reached on {} and left no enrollment snapshot ({}): failing closed for pod {key}, whose enrollment cannot be known",
-                        inv.socket.display(),
-                        snapshot_path.display()
-                    ),
-                )
-                .details(unreachable)),
-                Err(e) => Err(CniError::new(
-                    TRY_AGAIN_LATER,
-                    format!(
-                        "the podlink agent cannot be reached on {} and its enrollment snapshot is unreadable: failing closed for pod {key}",
-                        inv.socket.display()
-                    ),
-                )
-                .details(format!("{unreachable}; {e:#}"))),
+                Ok(None) => Err(PluginError::NoSnapshot {
+                    pod: key,
+                    socket: inv.socket.clone(),
+                    snapshot: snapshot_path,
+                    why: Box::new(unreachable),
+                }),
+                Err(error) => Err(PluginError::SnapshotUnreadable {
+                    pod: key,
+                    socket: inv.socket.clone(),
+                    why: Box::new(unreachable),
+                    error,
+                }),
             }
         }
     }
@@ -452,9 +609,11 @@ fn execute(inv: &Invocation) -> Result<String, CniError> {
 /// How long connecting to the agent's socket may take.
 pub const CONNECT_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(2);
 
-/// One exchange with the agent: sends `line` (a request as JSON and a newline);
-/// `Err` says why it could not be had (the agent is then taken as unreachable).
-fn ask(socket: &Path, line: &[u8]) -> Result<Reply, String> {
+/// One exchange with the agent: sends `line` (a request as JSON and a newline).
+///
+/// # Errors
+/// Why it could not be had (the agent is then taken as unreachable).
+fn ask(socket: &Path, line: &[u8]) -> Result<Reply, AgentUnreachable> {
     // Not a plain connect: with the agent wedged and its listen backlog full it
     // would block for ever. A full backlog fails at once (EAGAIN) this way.
     let connect = || -> std::io::Result<UnixStream> {
@@ -463,8 +622,14 @@ fn ask(socket: &Path, line: &[u8]) -> Result<Reply, String> {
         s.set_nonblocking(false)?;
         Ok(UnixStream::from(std::os::fd::OwnedFd::from(s)))
     };
-    let mut stream = connect().map_err(|e| format!("connecting to {}: {e}", socket.display()))?;
-    let io = |e: std::io::Error| format!("talking to the agent on {}: {e}", socket.display());
+    let mut stream = connect().map_err(|error| AgentUnreachable::Connect {
+        socket: socket.to_path_buf(),
+        error,
+    })?;
+    let io = |error| AgentUnreachable::Exchange {
+        socket: socket.to_path_buf(),
+        error,
+    };
     stream
         .set_read_timeout(Some(protocol::REPLY_TIMEOUT))
         .map_err(io)?;
@@ -479,12 +644,9 @@ fn ask(socket: &Path, line: &[u8]) -> Result<Reply, String> {
         .read_to_end(&mut reply)
         .map_err(io)?;
     if reply.len() > protocol::MAX_MESSAGE {
-        return Err(format!(
-            "the agent's reply is over {} bytes",
-            protocol::MAX_MESSAGE
-        ));
+        return Err(AgentUnreachable::ReplyTooLarge);
     }
-    Reply::parse(&reply)
+    Ok(Reply::parse(&reply)?)
 }
 
 /// The plugin's `main`: reads stdin and the environment, prints the result or
@@ -495,11 +657,8 @@ pub fn main() -> std::process::ExitCode {
         .take(MAX_STDIN as u64 + 1)
         .read_to_end(&mut stdin)
     {
-        Err(e) => Err(CniError::new(IO_FAILURE, format!("reading stdin: {e}"))),
-        Ok(_) if stdin.len() > MAX_STDIN => Err(CniError::new(
-            DECODING_FAILURE,
-            format!("the network configuration is over {MAX_STDIN} bytes"),
-        )),
+        Err(e) => Err(PluginError::Stdin(e).into()),
+        Ok(_) if stdin.len() > MAX_STDIN => Err(PluginError::ConfigTooLarge.into()),
         Ok(_) => run(&|name| std::env::var(name).ok(), &stdin),
     };
     let mut out = std::io::stdout().lock();
@@ -677,6 +836,46 @@ mod tests {
         assert_eq!(printed["cniVersion"], "1.0.0");
         assert_eq!(printed["code"], 7);
         assert!(printed["msg"].is_string());
+    }
+
+    #[test]
+    fn errors_keep_their_codes_and_messages() {
+        let e = PluginError::MissingVariable {
+            variable: "CNI_NETNS",
+            command: Command::Add,
+        };
+        assert_eq!(e.to_string(), "CNI_NETNS is not set (required for Add)");
+        assert_eq!(e.code(), INVALID_ENVIRONMENT);
+        let e = PluginError::Agent {
+            pod: "apps/web".into(),
+            message: "attaching failed".into(),
+            retry: false,
+        };
+        assert_eq!(
+            (e.code(), e.to_string().as_str()),
+            (
+                AGENT_REFUSED,
+                "podlink agent: pod apps/web: attaching failed"
+            )
+        );
+        assert_eq!(
+            CniError::from(PluginError::UnsupportedVersion("9.9.9".into())).in_version("0.4.0"),
+            CniError {
+                cni_version: "0.4.0".into(),
+                code: INCOMPATIBLE_VERSION,
+                msg: "CNI version 9.9.9 is not supported: podlink-cni supports 0.3.0, 0.3.1, 0.4.0, 1.0.0, 1.1.0".into(),
+                details: String::new(),
+            }
+        );
+        // Why the agent cannot be reached is the details.
+        let dir = tempfile::tempdir().unwrap();
+        let socket = dir.path().join("cni.sock");
+        let e = run(&env_of(&pod_env("ADD")), config(&socket).as_bytes()).unwrap_err();
+        assert!(
+            e.details
+                .starts_with(&format!("connecting to {}: ", socket.display())),
+            "{e:?}"
+        );
     }
 
     #[test]

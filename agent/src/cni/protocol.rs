@@ -27,6 +27,55 @@ pub const ENROLL_WAIT: Duration = Duration::from_secs(5);
 /// the agent answers every ADD by then).
 pub const REPLY_TIMEOUT: Duration = Duration::from_secs(20);
 
+/// Why a request cannot be read ([`Request::parse`]); the agent sends the
+/// message back in a [`Reply::Error`].
+#[derive(Debug, thiserror::Error)]
+pub enum RequestError {
+    /// The bytes are not JSON.
+    #[error("the request is not JSON: {0}")]
+    NotJson(serde_json::Error),
+    /// The JSON is not an object.
+    #[error("the request is not a JSON object")]
+    NotAnObject,
+    /// `version` is absent.
+    #[error("the request has no `version`")]
+    NoVersion,
+    /// `version` is not [`PROTOCOL_VERSION`].
+    #[error(
+        "protocol version {version} is not supported (this agent speaks version {PROTOCOL_VERSION})"
+    )]
+    UnsupportedVersion {
+        /// The `version` given, as JSON.
+        version: Value,
+    },
+    /// A field is missing or mistyped, or unknown (`command`).
+    #[error("malformed request: {0}")]
+    Malformed(serde_json::Error),
+    /// `namespace` or `name` is empty (Kubernetes object names never are).
+    #[error("malformed request: `{field}` is empty")]
+    EmptyField {
+        /// `namespace` or `name`.
+        field: &'static str,
+    },
+}
+
+/// Why a reply cannot be read ([`Reply::parse`]).
+#[derive(Debug, thiserror::Error)]
+pub enum ReplyError {
+    /// The bytes are not JSON.
+    #[error("the reply is not JSON: {0}")]
+    NotJson(serde_json::Error),
+    /// `version` is absent or not [`PROTOCOL_VERSION`].
+    #[error("the agent speaks protocol version {version}, this plugin {PROTOCOL_VERSION}")]
+    UnsupportedVersion {
+        /// The `version` given, as JSON (`null` when absent).
+        version: Value,
+    },
+    /// `status` is unknown, or a field is missing or mistyped.
+    #[error("malformed reply: {0}")]
+    Malformed(serde_json::Error),
+}
+
 /// The CNI operation the plugin runs (CNI spec 1.0, "CNI Operations").
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "UPPERCASE")]
@@ -74,33 +123,29 @@ impl Request {
         format!("{}/{}", self.namespace, self.name)
     }
 
-    /// Parses a request, with a message naming what is wrong: not JSON, no or
-    /// another `version`, a missing or mistyped field.
+    /// Parses a request.
     ///
     /// # Errors
-    /// The message to send back in a [`Reply::Error`].
-    pub fn parse(bytes: &[u8]) -> Result<Request, String> {
-        let value: Value =
-            serde_json::from_slice(bytes).map_err(|e| format!("the request is not JSON: {e}"))?;
+    /// What is wrong ([`RequestError`]): not JSON, no or another `version`, a
+    /// missing, mistyped or empty field. Its message is sent back in a
+    /// [`Reply::Error`].
+    pub fn parse(bytes: &[u8]) -> Result<Request, RequestError> {
+        let value: Value = serde_json::from_slice(bytes).map_err(RequestError::NotJson)?;
         if !value.is_object() {
-            return Err("the request is not a JSON object".into());
+            return Err(RequestError::NotAnObject);
         }
-        match value.get("version").map(Value::as_u64) {
-            None => return Err("the request has no `version`".into()),
-            Some(Some(v)) if v == u64::from(PROTOCOL_VERSION) => {}
-            Some(_) => {
-                return Err(format!(
-                    "protocol version {} is not supported (this agent speaks version {PROTOCOL_VERSION})",
-                    value["version"]
-                ));
+        match value.get("version") {
+            None => return Err(RequestError::NoVersion),
+            Some(v) if v.as_u64() == Some(u64::from(PROTOCOL_VERSION)) => {}
+            Some(v) => {
+                return Err(RequestError::UnsupportedVersion { version: v.clone() });
             }
         }
-        let request: Request =
-            serde_json::from_value(value).map_err(|e| format!("malformed request: {e}"))?;
+        let request: Request = serde_json::from_value(value).map_err(RequestError::Malformed)?;
         // A pod's namespace and name are never empty (Kubernetes object names).
         for (field, value) in [("namespace", &request.namespace), ("name", &request.name)] {
             if value.is_empty() {
-                return Err(format!("malformed request: `{field}` is empty"));
+                return Err(RequestError::EmptyField { field });
             }
         }
         Ok(request)
@@ -168,18 +213,16 @@ impl Reply {
     /// Parses a reply line.
     ///
     /// # Errors
-    /// Not JSON, another protocol version, or an unknown `status`.
-    pub fn parse(bytes: &[u8]) -> Result<Reply, String> {
-        let value: Value =
-            serde_json::from_slice(bytes).map_err(|e| format!("the reply is not JSON: {e}"))?;
+    /// What is wrong ([`ReplyError`]): not JSON, another protocol version, or an
+    /// unknown `status`.
+    pub fn parse(bytes: &[u8]) -> Result<Reply, ReplyError> {
+        let value: Value = serde_json::from_slice(bytes).map_err(ReplyError::NotJson)?;
         if value.get("version").and_then(Value::as_u64) != Some(u64::from(PROTOCOL_VERSION)) {
-            return Err(format!(
-                "the agent speaks protocol version {}, this plugin {PROTOCOL_VERSION}",
-                value.get("version").unwrap_or(&Value::Null)
-            ));
+            return Err(ReplyError::UnsupportedVersion {
+                version: value.get("version").cloned().unwrap_or(Value::Null),
+            });
         }
-        let message: ReplyMessage =
-            serde_json::from_value(value).map_err(|e| format!("malformed reply: {e}"))?;
+        let message: ReplyMessage = serde_json::from_value(value).map_err(ReplyError::Malformed)?;
         Ok(message.reply)
     }
 }
@@ -203,11 +246,21 @@ mod tests {
         assert!(text.contains(r#""command":"ADD""#), "{text}");
         assert!(text.contains(r#""containerId":"c1""#), "{text}");
         assert_eq!(Request::parse(text.as_bytes()).unwrap(), request);
-        let err = |s: &str| Request::parse(s.as_bytes()).unwrap_err();
+        let err = |s: &str| Request::parse(s.as_bytes()).unwrap_err().to_string();
         assert!(err("{").contains("not JSON"));
         assert!(err("[]").contains("not a JSON object"));
         assert!(err(r#"{"command":"ADD"}"#).contains("no `version`"));
         assert!(err(r#"{"version":2}"#).contains("protocol version 2"));
+        assert_eq!(
+            err(r#"{"version":"1"}"#),
+            r#"protocol version "1" is not supported (this agent speaks version 1)"#
+        );
+        assert!(matches!(
+            Request::parse(
+                br#"{"version":1,"command":"ADD","containerId":"c","namespace":"n","name":""}"#
+            ),
+            Err(RequestError::EmptyField { field: "name" })
+        ));
         assert!(err(r#"{"version":1,"command":"ADD"}"#).contains("containerId"));
         assert!(
             err(r#"{"version":1,"command":"NUKE","containerId":"c","namespace":"n","name":"p"}"#)
@@ -246,6 +299,7 @@ mod tests {
         assert!(
             Reply::parse(br#"{"version":7,"status":"removed"}"#)
                 .unwrap_err()
+                .to_string()
                 .contains("version 7")
         );
     }

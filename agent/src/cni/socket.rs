@@ -151,7 +151,7 @@ async fn read_request(stream: &mut UnixStream) -> Result<Request, String> {
     if line.iter().all(u8::is_ascii_whitespace) {
         return Err("empty request".into());
     }
-    Request::parse(line)
+    Request::parse(line).map_err(|e| e.to_string())
 }
 
 async fn connection(mut stream: UnixStream, requests: mpsc::Sender<Incoming>) {

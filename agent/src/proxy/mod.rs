@@ -36,7 +36,7 @@ use tokio::{
 pub use self::limits::ConnectionLimits;
 pub(crate) use self::limits::{Budget, Refusal};
 use crate::{
-    authz::{Denial, Request},
+    authz::{self, Denial, DenialCounts, Request},
     identity::CertManager,
     state::{View, endpoint::EndpointLoad},
     telemetry::{
@@ -74,42 +74,36 @@ impl View {
     /// Checks `req` against the policies that apply to its destination, an
     /// enrolled pod of this node (denied when it is not one any more). AUDIT
     /// policies that match are logged when `audit` is set.
+    ///
+    /// # Errors
+    /// The [`Denial`] ([`PolicySet::decide`]).
     pub fn authorize(&self, req: &Request<'_>, audit: bool) -> Result<(), Denial> {
-        let Some(destination) = self.local_pod(req.destination_ip) else {
-            return Err(Denial::Unknown(format!(
-                "{} is not an enrolled pod of this node",
-                req.destination_ip
-            )));
-        };
-        let decision = self
-            .policies
-            .evaluate(&destination.namespace, &destination.labels, req);
-        for policy in decision.audited.iter().filter(|_| audit) {
-            tracing::info!(
-                policy = %policy,
-                source_ip = %req.source_ip,
-                source = %req.source.map_or("(plaintext)".to_string(), ToString::to_string),
-                destination = %destination.key(),
-                destination_port = req.destination_port,
-                "AUDIT policy matched"
-            );
+        let pod = self.local_pod(req.destination_ip);
+        let destination = pod.map(|w| authz::Destination {
+            namespace: &w.namespace,
+            labels: &w.labels,
+        });
+        let decision = self.policies.decide(destination, req);
+        if let Some(pod) = pod.filter(|_| audit) {
+            for policy in &decision.audited {
+                tracing::info!(
+                    policy = %policy,
+                    source_ip = %req.source_ip,
+                    source = %req.source.map_or("(plaintext)".to_string(), ToString::to_string),
+                    destination = %pod.key(),
+                    destination_port = req.destination_port,
+                    "AUDIT policy matched"
+                );
+            }
         }
-        decision.denied_by().map_or(Ok(()), |d| Err(d.clone()))
+        decision.into_result()
     }
 }
 
-/// A connection as access and denial logs name it: `source (identity) -> pod:port`.
+/// A connection as access and denial logs name it ([`Request::describe`]):
+/// `source (identity) to pod port N`.
 pub fn describe(req: &Request<'_>, view: &View) -> String {
-    let source = req
-        .source
-        .map_or_else(|| "plaintext".to_string(), ToString::to_string);
-    let destination = view
-        .local_pod(req.destination_ip)
-        .map_or_else(|| req.destination_ip.to_string(), |w| w.key().to_string());
-    format!(
-        "{} ({source}) to {destination} port {}",
-        req.source_ip, req.destination_port
-    )
+    req.describe(view.local_pod(req.destination_ip).map(|w| w.key()))
 }
 
 /// What every connection handler reads.
@@ -128,7 +122,7 @@ pub struct ProxyState {
     pub endpoints: EndpointLoad,
     view: watch::Sender<View>,
     /// Connections denied, by the policy that denied them ([`Denial::policy`]).
-    denials: std::sync::Mutex<std::collections::BTreeMap<String, u64>>,
+    denials: DenialCounts,
     /// Denials logged at a bounded rate.
     denial_log: RateLimited,
     /// Connections to Services without a ready endpoint, logged at a bounded rate.
@@ -168,12 +162,7 @@ impl ProxyState {
 
     /// Counts and logs a denial.
     fn denied(&self, denial: &Denial, connection: &str, what: &str) {
-        let total = {
-            let mut denials = self.denials.lock().expect("denials lock");
-            let n = denials.entry(denial.policy().to_string()).or_default();
-            *n += 1;
-            *n
-        };
+        let total = self.denials.count(denial);
         self.denial_log.warn(|n| {
             format!("{what} from {connection} denied: {denial} ({total} denied by it so far; {n} denials since the last such line)")
         });
@@ -182,8 +171,7 @@ impl ProxyState {
     /// Connections denied so far, by policy (`namespace/name`, or
     /// `allow-policies` when no ALLOW policy matched, or `unknown-policies`).
     pub fn denials(&self) -> Vec<(String, u64)> {
-        let denials = self.denials.lock().expect("denials lock");
-        denials.iter().map(|(k, v)| (k.clone(), *v)).collect()
+        self.denials.by_policy()
     }
 
     /// Resolves, with the reason, once the pod at `req.destination_ip` leaves the

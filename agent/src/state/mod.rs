@@ -304,8 +304,10 @@ impl State {
     fn policy_set(&mut self) -> PolicySet {
         let (mut set, warnings) =
             PolicySet::build(&self.root_namespace, self.policy_objects.iter().cloned());
-        let mut messages: Vec<(Severity, String)> =
-            warnings.into_iter().map(|w| (Severity::Warn, w)).collect();
+        let mut messages: Vec<(Severity, String)> = warnings
+            .into_iter()
+            .map(|w| (Severity::Warn, w.to_string()))
+            .collect();
         for policy in set.policies() {
             for n in &policy.notes {
                 messages.push((Severity::Warn, format!("AuthorizationPolicy {policy}: {n}")));

@@ -14,7 +14,7 @@ use crate::k8s::{
 };
 use serde_yaml_ng::Value;
 
-use crate::authz::{Policy, spec::AuthorizationPolicy};
+use crate::authz::{CompileError, Policy, spec::AuthorizationPolicy};
 
 /// API versions of `AuthorizationPolicy` read (the same schema).
 const SECURITY_API_VERSIONS: [&str; 2] = ["security.istio.io/v1", "security.istio.io/v1beta1"];
@@ -67,8 +67,8 @@ pub enum Problem {
     #[error("{0}")]
     Invalid(String),
     /// An AuthorizationPolicy that cannot be compiled.
-    #[error("{0}")]
-    Policy(String),
+    #[error(transparent)]
+    Policy(#[from] CompileError),
     /// The problem of item `index` of a `List`.
     #[error("List item {index}: {problem}")]
     ListItem {
@@ -337,7 +337,7 @@ pub fn parse(file: &Path, text: &str) -> Result<Objects, ManifestError> {
                                 serde_yaml_ng::from_value(item.clone())
                                     .map_err(|e| item_err(Problem::Syntax(e.to_string())))?;
                             let policy = Policy::compile(&policy)
-                                .map_err(|m| item_err(Problem::Policy(m.to_string())))?;
+                                .map_err(|m| item_err(Problem::Policy(m)))?;
                             check_policy(&policy).map_err(|m| item_err(Problem::Invalid(m)))?;
                             objects.policies.push(Arc::new(policy));
                         }
@@ -350,8 +350,8 @@ pub fn parse(file: &Path, text: &str) -> Result<Objects, ManifestError> {
             {
                 let policy: AuthorizationPolicy =
                     serde_yaml_ng::from_str(&doc).map_err(yaml_err)?;
-                let policy = Policy::compile(&policy)
-                    .map_err(|m| err(start, Problem::Policy(m.to_string())))?;
+                let policy =
+                    Policy::compile(&policy).map_err(|m| err(start, Problem::Policy(m)))?;
                 check_policy(&policy).map_err(|m| err(start, Problem::Invalid(m)))?;
                 objects.policies.push(Arc::new(policy));
             }

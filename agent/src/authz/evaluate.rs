@@ -1,0 +1,254 @@
+//! Evaluation: the [`PolicySet`] of the mesh decides a [`Request`] to a workload,
+//! in Istio's order (DENY, then ALLOW; AUDIT reported).
+
+use std::{
+    collections::{BTreeMap, HashMap},
+    fmt,
+    net::IpAddr,
+    sync::{Arc, Mutex},
+};
+
+use super::{Action, Policy, SetWarning};
+use crate::identity::SpiffeId;
+
+/// The connection attributes a policy is evaluated against.
+#[derive(Clone, Copy, Debug)]
+pub struct Request<'a> {
+    /// The client's address.
+    pub source_ip: IpAddr,
+    /// The client's proven identity (its certificate's SPIFFE ID, or its pod's
+    /// identity for a connection between two pods of this node); `None` for
+    /// plaintext.
+    pub source: Option<&'a SpiffeId>,
+    /// The destination pod's address.
+    pub destination_ip: IpAddr,
+    /// The destination port.
+    pub destination_port: u16,
+}
+
+impl Request<'_> {
+    /// The connection as access and denial logs name it: `source (identity) to
+    /// destination port N`, the destination being the workload's `namespace/name`
+    /// when it is known (`destination`), else its address.
+    pub fn describe(&self, destination: Option<&str>) -> String {
+        let source = self
+            .source
+            .map_or_else(|| "plaintext".to_string(), ToString::to_string);
+        let destination =
+            destination.map_or_else(|| self.destination_ip.to_string(), str::to_string);
+        format!(
+            "{} ({source}) to {destination} port {}",
+            self.source_ip, self.destination_port
+        )
+    }
+}
+
+/// The workload a request goes to, as policies select it: an enrolled pod of
+/// this node.
+#[derive(Clone, Copy, Debug)]
+pub struct Destination<'a> {
+    /// Its namespace.
+    pub namespace: &'a str,
+    /// Its labels, which policies' selectors match.
+    pub labels: &'a BTreeMap<String, String>,
+}
+
+/// The outcome of evaluating a request.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Decision {
+    /// Why the request is denied; `None`: allowed.
+    denial: Option<Denial>,
+    /// AUDIT policies that matched (`namespace/name`).
+    pub audited: Vec<String>,
+}
+
+/// Why a request was denied.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Denial {
+    /// A DENY (or CUSTOM) policy matched: its `namespace/name`.
+    Policy(String),
+    /// ALLOW policies apply to the workload and none matched: their names.
+    NoAllowMatch(Vec<String>),
+    /// The policies cannot be known (a broken manifest holds some): everything is
+    /// denied until it is fixed. The reason.
+    Unknown(String),
+}
+
+impl fmt::Display for Denial {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Denial::Policy(p) => write!(f, "denied by policy {p}"),
+            Denial::NoAllowMatch(ps) => {
+                write!(f, "no ALLOW policy matched (policies {})", ps.join(", "))
+            }
+            Denial::Unknown(why) => write!(f, "authorization policies unknown: {why}"),
+        }
+    }
+}
+
+impl Denial {
+    /// The name to count the denial under: the policy's `namespace/name`, or
+    /// `allow-policies` / `unknown-policies`.
+    pub fn policy(&self) -> &str {
+        match self {
+            Denial::Policy(p) => p,
+            Denial::NoAllowMatch(_) => "allow-policies",
+            Denial::Unknown(_) => "unknown-policies",
+        }
+    }
+}
+
+impl Decision {
+    /// Whether the request may go ahead.
+    pub fn allowed(&self) -> bool {
+        self.denial.is_none()
+    }
+
+    /// Why it may not.
+    pub fn denied_by(&self) -> Option<&Denial> {
+        self.denial.as_ref()
+    }
+
+    /// `Ok` when the request may go ahead.
+    ///
+    /// # Errors
+    /// Why it may not.
+    pub fn into_result(self) -> Result<(), Denial> {
+        self.denial.map_or(Ok(()), Err)
+    }
+}
+
+/// All policies of the mesh.
+#[derive(Clone, Debug, Default)]
+pub struct PolicySet {
+    /// The namespace whose policies apply mesh-wide.
+    root_namespace: String,
+    policies: Vec<Arc<Policy>>,
+    /// Set when some policies cannot be known: every request is denied.
+    unknown: Option<String>,
+}
+
+impl PolicySet {
+    /// A set of `policies`, those of `root_namespace` applying mesh-wide. Policies
+    /// that share a `namespace/name` are all kept, with a warning: dropping one
+    /// could cancel a DENY.
+    pub fn build(
+        root_namespace: &str,
+        policies: impl IntoIterator<Item = Arc<Policy>>,
+    ) -> (Self, Vec<SetWarning>) {
+        let mut seen = HashMap::new();
+        let mut warnings = Vec::new();
+        let mut set = PolicySet {
+            root_namespace: root_namespace.to_string(),
+            ..Default::default()
+        };
+        for p in policies {
+            let key = p.to_string();
+            if seen.insert(key.clone(), ()).is_some() {
+                // Dropping either could cancel a DENY: both are enforced.
+                warnings.push(SetWarning::Duplicate { policy: key });
+            }
+            set.policies.push(p);
+        }
+        (set, warnings)
+    }
+
+    /// Marks the set incomplete: every request is denied, for `reason`.
+    pub fn deny_all_unknown(&mut self, reason: String) {
+        self.unknown = Some(reason);
+    }
+
+    /// Why every request is denied, when the policies cannot be known.
+    pub fn unknown(&self) -> Option<&str> {
+        self.unknown.as_deref()
+    }
+
+    /// The namespace whose policies apply mesh-wide.
+    pub fn root_namespace(&self) -> &str {
+        &self.root_namespace
+    }
+
+    /// The policies.
+    pub fn policies(&self) -> impl Iterator<Item = &Arc<Policy>> {
+        self.policies.iter()
+    }
+
+    /// Decides `req` by the policies that apply to `destination`, the enrolled
+    /// pod of this node it goes to; `None` when the address is not one (any
+    /// more), which is denied as [`Denial::Unknown`].
+    pub fn decide(&self, destination: Option<Destination<'_>>, req: &Request<'_>) -> Decision {
+        match destination {
+            Some(d) => self.evaluate(d.namespace, d.labels, req),
+            None => Decision {
+                denial: Some(Denial::Unknown(format!(
+                    "{} is not an enrolled pod of this node",
+                    req.destination_ip
+                ))),
+                audited: Vec::new(),
+            },
+        }
+    }
+
+    /// Decides a request to a workload in `namespace` with `labels`.
+    pub fn evaluate(
+        &self,
+        namespace: &str,
+        labels: &BTreeMap<String, String>,
+        req: &Request<'_>,
+    ) -> Decision {
+        if let Some(why) = &self.unknown {
+            return Decision {
+                denial: Some(Denial::Unknown(why.clone())),
+                audited: Vec::new(),
+            };
+        }
+        let applicable = self
+            .policies
+            .iter()
+            .filter(|p| p.applies_to(&self.root_namespace, namespace, labels));
+        let mut allow_policies = Vec::new();
+        let mut allowed = false;
+        let mut audited = Vec::new();
+        let mut denial = None;
+        for p in applicable {
+            match p.action {
+                Action::Deny if denial.is_none() && p.matches(req) => {
+                    denial = Some(Denial::Policy(p.to_string()));
+                }
+                Action::Allow => {
+                    allow_policies.push(p.to_string());
+                    allowed = allowed || p.matches(req);
+                }
+                Action::Audit if p.matches(req) => audited.push(p.to_string()),
+                _ => {}
+            }
+        }
+        if denial.is_none() && !allow_policies.is_empty() && !allowed {
+            denial = Some(Denial::NoAllowMatch(allow_policies));
+        }
+        Decision { denial, audited }
+    }
+}
+
+/// Connections denied so far, counted by the policy that denied them
+/// ([`Denial::policy`]).
+#[derive(Debug, Default)]
+pub struct DenialCounts(Mutex<BTreeMap<String, u64>>);
+
+impl DenialCounts {
+    /// Counts `denial`; returns how many its policy has denied so far, this one
+    /// included.
+    pub fn count(&self, denial: &Denial) -> u64 {
+        let mut counts = self.0.lock().expect("denials lock");
+        let n = counts.entry(denial.policy().to_string()).or_default();
+        *n += 1;
+        *n
+    }
+
+    /// The counts, by policy (`namespace/name`, or `allow-policies` when no ALLOW
+    /// policy matched, or `unknown-policies`), sorted by it.
+    pub fn by_policy(&self) -> Vec<(String, u64)> {
+        let counts = self.0.lock().expect("denials lock");
+        counts.iter().map(|(k, v)| (k.clone(), *v)).collect()
+    }
+}
