@@ -462,36 +462,6 @@ fn build_bed() -> Result<Bed> {
     })
 }
 
-/// Builds the bench's test bed, carries each kind of its traffic over the podlink
-/// path once, briefly (throughput with 1 and 4 streams, request/response of 1 B and
-/// 1 KiB, new connections from 1 and 16 clients, a metrics scrape of each agent),
-/// removes an enrolled pod, then calls `inspect` with the agents' process ids while
-/// they still run. For `cargo xtask layout`, which reads what code the agents ran.
-pub fn exercise<T>(inspect: impl FnOnce(&[u32]) -> Result<T>) -> Result<T> {
-    let result = (|| {
-        let mut bed = build_bed()?;
-        let (client, server) = bed.pair(Path2::Podlink);
-        let echo = server.addr(ECHO_PORT);
-        for streams in [1, 4] {
-            throughput(client, server, 2, streams)?;
-        }
-        for size in [1, 1024] {
-            latency(client, echo, size, 1_000)?;
-        }
-        for clients in [1, MANY_CLIENTS] {
-            run_clients(&[(client, echo)], clients, 2.0, false)?;
-        }
-        for node in 0..bed.cluster.nodes.len() {
-            bed.cluster.metrics(node)?;
-        }
-        bed.cluster.remove_pod("idle2")?;
-        std::thread::sleep(Duration::from_secs(1));
-        inspect(&agent_pids(&bed.cluster))
-    })();
-    netns::cleanup();
-    result
-}
-
 /// The two link pins of a pod's host veth: `<pins>/links/<ifindex>_<program>`.
 fn link_pins(c: &Cluster, pod: &Pod) -> Result<(u32, [PathBuf; 2])> {
     let ifindex = c.host_ifindex(pod)?;

@@ -6,7 +6,6 @@
 mod bench;
 mod demo;
 mod deploy;
-mod layout;
 mod setup;
 
 use std::{path::PathBuf, process::Command};
@@ -41,9 +40,6 @@ enum Cmd {
         /// Only run tests whose name contains this filter.
         filter: Option<String>,
     },
-    /// Regenerate agent/symbol-order.txt, the linker's layout of the agent's code
-    /// (what the agent runs, read from the test bed), then build with it (root).
-    Layout,
     /// Measure podlink against the direct path on the two-node test bed (the
     /// figures and targets of issue 6, a scaling table, pod enrollment).
     Bench {
@@ -140,7 +136,6 @@ fn main() -> Result<()> {
             let tests = test(filter.as_deref());
             tests.and(deploy.context("validate-deploy"))
         }
-        Cmd::Layout => layout::layout(),
         Cmd::Bench {
             repeat,
             json,
@@ -240,9 +235,7 @@ fn build() -> Result<()> {
         "podlink-agent",
         "--bins",
     ])
-    .env("PODLINK_EBPF_OBJECT", ebpf_object())
-    // The code layout of agent/symbol-order.txt (see agent/build.rs).
-    .env("PODLINK_SYMBOL_ORDER", "1");
+    .env("PODLINK_EBPF_OBJECT", ebpf_object());
     run(&mut cmd).context("building the agent")
 }
 
