@@ -77,6 +77,8 @@
 //! # Flags
 //!
 //! `--repeat N` (default 5), `--json FILE` (the same data, and every raw sample),
+//! `--markdown FILE` (the printed report as a Markdown page, then the ideas tried
+//! and not kept, from `bench/tried.md`: see [`markdown`]),
 //! `--quick` (one repetition, 2 s throughput runs, 1,000 round trips, 10 s of
 //! churn compared over 3 s windows, 50 pods for the enrollment row, 1 and 10 pairs
 //! and 10 and 100 pods for scaling): for development, never to judge the targets.
@@ -97,6 +99,7 @@ mod enrollment;
 mod full;
 mod machine;
 mod main_table;
+mod markdown;
 mod memory;
 mod print;
 mod probe;
@@ -231,11 +234,14 @@ impl Path2 {
     }
 }
 
-/// The full bench, or with `probe` one measurement of it ([`probe`]).
+/// The full bench, or with `probe` one measurement of it ([`probe`]). The full
+/// bench's report is printed, and written as JSON to `json` and as a Markdown
+/// page to `markdown` when given.
 pub fn run(
     repeat: Option<usize>,
     quick: bool,
     json: Option<&Path>,
+    markdown: Option<&Path>,
     probe: Option<ProbeOptions>,
 ) -> Result<()> {
     // `--repeat 0` and the probe's flags were refused before setup (main).
@@ -249,7 +255,7 @@ pub fn run(
     .context("installing the Ctrl-C handler")?;
     let result = match probe {
         Some(o) => probe::probe(&o),
-        None => bench(Settings::new(quick, repeat), json),
+        None => bench(Settings::new(quick, repeat), json, markdown),
     };
     restore_bpf_stats();
     netns::cleanup();

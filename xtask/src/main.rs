@@ -48,15 +48,20 @@ enum Cmd {
         #[arg(long)]
         repeat: Option<usize>,
         /// Write the tables as JSON to this file as well (with every sample).
-        #[arg(long)]
+        #[arg(long, value_name = "FILE")]
         json: Option<PathBuf>,
+        /// Write the report as a Markdown page to this file as well: the machine
+        /// header, the tables, then the ideas tried and not kept (as
+        /// docs/benchmarks.md).
+        #[arg(long, value_name = "FILE")]
+        markdown: Option<PathBuf>,
         /// Shortened runs for development (1 repetition, 2 s throughput runs,
         /// 1,000 round trips, 10 s churn, fewer pods and pairs); the output says so.
         #[arg(long)]
         quick: bool,
         /// Measure only this, on its own bed, and print each run (see
         /// xtask/src/bench/probe.rs); --repeat defaults to 3 (1 for enrollment).
-        #[arg(long, value_enum, conflicts_with_all = ["json", "quick"])]
+        #[arg(long, value_enum, conflicts_with_all = ["json", "markdown", "quick"])]
         probe: Option<bench::ProbeRow>,
         /// The length of each probe run, in seconds (of the iperf3 runs for
         /// scaling) [default: the full bench's for that row].
@@ -139,11 +144,12 @@ fn main() -> Result<()> {
         Cmd::Bench {
             repeat,
             json,
+            markdown,
             quick,
             ..
         } => {
             build()?;
-            bench::run(repeat, quick, json.as_deref(), probe)
+            bench::run(repeat, quick, json.as_deref(), markdown.as_deref(), probe)
         }
     }
 }

@@ -19,15 +19,16 @@ use super::{
     enrollment::enrollment,
     machine::{load_average, machine},
     main_table::{Series, main_rows},
+    markdown,
     memory::{Memory, RssSampler, rss_kib},
-    print::print_report,
+    print::{print_report, report_blocks},
     report::{Report, Timings},
     round_trips::latency,
     scaling::{Scaling, scaling},
     throughput::throughput,
 };
 
-pub(super) fn bench(s: Settings, json: Option<&Path>) -> Result<()> {
+pub(super) fn bench(s: Settings, json: Option<&Path>, markdown: Option<&Path>) -> Result<()> {
     let started = Instant::now();
     let mut machine = machine();
     let mut timings = Timings::default();
@@ -205,6 +206,11 @@ pub(super) fn bench(s: Settings, json: Option<&Path>) -> Result<()> {
     if let Some(path) = json {
         fs::write(path, serde_json::to_string_pretty(&report)?)
             .with_context(|| format!("writing {}", path.display()))?;
+        eprintln!("bench: wrote {}", path.display());
+    }
+    if let Some(path) = markdown {
+        let page = markdown::markdown(&report_blocks(&report), report.settings.quick);
+        fs::write(path, page).with_context(|| format!("writing {}", path.display()))?;
         eprintln!("bench: wrote {}", path.display());
     }
     Ok(())

@@ -1,5 +1,7 @@
-//! The report as text on standard output: the main table, the eBPF cost by kind
-//! of run, the connection phases, the scaling and enrollment tables.
+//! The report as the bench writes it: the machine header, the main table, the
+//! eBPF cost by kind of run, the connection phases, the scaling and enrollment
+//! tables and the bench's own time, as [`Block`]s, printed as text on standard
+//! output (and rendered as Markdown by [`super::markdown`]).
 
 use super::{
     ENROLL_TIMEOUT, Path2,
@@ -8,15 +10,50 @@ use super::{
     stats::{Stats, fmt_stats, num},
 };
 
+/// One piece of the report.
+pub(super) enum Block {
+    /// A line of text.
+    Line(String),
+    /// An entry of a list (indented on the terminal).
+    Item(String),
+    /// A table: its column names, then its rows of cells.
+    Table {
+        header: Vec<String>,
+        rows: Vec<Vec<String>>,
+    },
+    /// An empty line, between the report's parts.
+    Break,
+}
+
+/// A [`Block::Table`] of these column names and rows.
+fn table(header: &[&str], rows: Vec<Vec<String>>) -> Block {
+    Block::Table {
+        header: header.iter().map(|h| h.to_string()).collect(),
+        rows,
+    }
+}
+
+/// Prints the report on standard output.
+pub(super) fn print_report(r: &Report) {
+    for block in report_blocks(r) {
+        match block {
+            Block::Line(line) => println!("{line}"),
+            Block::Item(item) => println!("  {item}"),
+            Block::Table { header, rows } => print_grid(&header, &rows),
+            Block::Break => println!(),
+        }
+    }
+}
+
 /// Prints rows of cells as aligned columns.
-pub(super) fn print_grid(header: &[&str], rows: &[Vec<String>]) {
+fn print_grid(header: &[String], rows: &[Vec<String>]) {
     let mut widths: Vec<usize> = header.iter().map(|h| h.chars().count()).collect();
     for row in rows {
         for (w, cell) in widths.iter_mut().zip(row) {
             *w = (*w).max(cell.chars().count());
         }
     }
-    let line = |cells: Vec<String>| {
+    let line = |cells: &[String]| {
         let padded: Vec<String> = cells
             .iter()
             .zip(&widths)
@@ -24,23 +61,23 @@ pub(super) fn print_grid(header: &[&str], rows: &[Vec<String>]) {
             .collect();
         println!("{}", padded.join("  ").trim_end());
     };
-    line(header.iter().map(|h| h.to_string()).collect());
-    line(widths.iter().map(|w| "-".repeat(*w)).collect());
+    line(header);
+    line(&widths.iter().map(|w| "-".repeat(*w)).collect::<Vec<_>>());
     for row in rows {
-        line(row.clone());
+        line(row);
     }
 }
 
-pub(super) fn print_report(r: &Report) {
+/// The report of a full run, in the order it is printed.
+pub(super) fn report_blocks(r: &Report) -> Vec<Block> {
+    let mut out = Vec::new();
     let m = &r.machine;
     let s = &r.settings;
-    println!();
+    out.push(Block::Break);
     if s.quick {
-        println!(
-            "QUICK RUN (--quick): shortened runs for development; these figures do not judge the targets"
-        );
+        out.push(Block::Line("QUICK RUN (--quick): shortened runs for development; these figures do not judge the targets".into()));
     }
-    println!(
+    out.push(Block::Line(format!(
         "podlink bench: {} cores, {}, kernel {}{}; load average {} at the start, {} at the end",
         m.cores,
         m.cpu_model,
@@ -52,12 +89,12 @@ pub(super) fn print_report(r: &Report) {
         },
         m.load_average_at_start,
         m.load_average_at_end
-    );
-    println!(
+    )));
+    out.push(Block::Line(format!(
         "pod on node 1 -> pod on node 2; {} interleaved repetition(s): median [min-max]; agent CPU = both agents' utime+stime per podlink run",
         s.repetitions
-    );
-    println!();
+    )));
+    out.push(Block::Break);
     let rows: Vec<Vec<String>> = r
         .rows
         .iter()
@@ -92,7 +129,7 @@ pub(super) fn print_report(r: &Report) {
             ]
         })
         .collect();
-    print_grid(
+    out.push(table(
         &[
             "figure",
             "direct",
@@ -102,19 +139,19 @@ pub(super) fn print_report(r: &Report) {
             "met",
             "agent CPU s",
         ],
-        &rows,
-    );
+        rows,
+    ));
 
-    println!();
-    println!("eBPF cost per packet by kind of podlink run (for profiling):");
+    out.push(Block::Break);
+    out.push(Block::Line(
+        "eBPF cost per packet by kind of podlink run (for profiling):".into(),
+    ));
     for line in r.ebpf_by_workload.lines() {
-        println!("  {line}");
+        out.push(Block::Item(line));
     }
 
-    println!();
-    println!(
-        "new connections, 1 client: where a connection's time goes (µs; each run's p50, median of the runs)"
-    );
+    out.push(Block::Break);
+    out.push(Block::Line("new connections, 1 client: where a connection's time goes (µs; each run's p50, median of the runs)".into()));
     if let (Some(d), Some(p)) = (&r.one_client_phases.direct, &r.one_client_phases.podlink) {
         let row = |name: &str, x: &Phases| {
             vec![
@@ -126,9 +163,9 @@ pub(super) fn print_report(r: &Report) {
             ]
         };
         let added = |a: f64, b: f64| format!("{:+.0}", b - a);
-        print_grid(
+        out.push(table(
             &["path", "connect", "greeting", "echo and close", "total"],
-            &[
+            vec![
                 row("direct", d),
                 row("podlink", p),
                 vec![
@@ -139,13 +176,15 @@ pub(super) fn print_report(r: &Report) {
                     added(d.total_us, p.total_us),
                 ],
             ],
-        );
+        ));
     } else {
-        println!("  (no connection completed on one of the paths)");
+        out.push(Block::Item(
+            "(no connection completed on one of the paths)".into(),
+        ));
     }
 
-    println!();
-    println!(
+    out.push(Block::Break);
+    out.push(Block::Line(format!(
         "scaling: concurrent pod pairs (node 1 -> node 2, each pair its own pods), one run each; iperf3 single stream per pair for {} s{}, summed; connections with 1 client thread per pair for {} s",
         s.scaling_throughput_seconds,
         if s.scaling_throughput_seconds < s.throughput_seconds {
@@ -154,7 +193,7 @@ pub(super) fn print_report(r: &Report) {
             ""
         },
         s.connect_seconds
-    );
+    )));
     let run = |n: usize, path: Path2| {
         r.scaling
             .runs
@@ -198,7 +237,7 @@ pub(super) fn print_report(r: &Report) {
             ])
         })
         .collect();
-    print_grid(
+    out.push(table(
         &[
             "pairs",
             "direct Gbit/s",
@@ -210,21 +249,21 @@ pub(super) fn print_report(r: &Report) {
             "ratio",
             "agent CPU s (tput/conn)",
         ],
-        &rows,
-    );
-    println!(
+        rows,
+    ));
+    out.push(Block::Line(format!(
         "(pairs set up in {:.1} s; \"iperf3 exits\": from the runs' common start, each client waiting for it in its pod, to the first and the last exit, direct/podlink)",
         r.scaling.pairs_setup_seconds
-    );
+    )));
 
-    println!();
+    out.push(Block::Break);
     let e = &r.enrollment;
-    println!(
+    out.push(Block::Line(format!(
         "enrollment: {} pods made on node 1 by the ptp + host-local CNI plugins in {:.1} s ({:.0} ms per pod, not timed below), then listed one at a time; time from the manifest's write (by rename) to both link pins",
         e.pods_created,
         e.creation_seconds,
         e.creation_seconds * 1e3 / e.pods_created.max(1) as f64
-    );
+    )));
     let rows: Vec<Vec<String>> = s
         .scaling_pods
         .iter()
@@ -239,7 +278,7 @@ pub(super) fn print_report(r: &Report) {
             None => vec![n.to_string(), "not reached".into()],
         })
         .collect();
-    print_grid(
+    out.push(table(
         &[
             "pods",
             "p50 ms",
@@ -247,9 +286,9 @@ pub(super) fn print_report(r: &Report) {
             "max ms",
             "total s (first write to last links)",
         ],
-        &rows,
-    );
-    println!(
+        rows,
+    ));
+    out.push(Block::Line(format!(
         "(agents' CPU over the enrollment of {} pods: {:.2} s{}{})",
         e.per_pod_ms.len(),
         e.agent_cpu_seconds,
@@ -266,11 +305,11 @@ pub(super) fn print_report(r: &Report) {
         } else {
             String::new()
         }
-    );
+    )));
 
-    println!();
+    out.push(Block::Break);
     let t = &r.timings;
-    println!(
+    out.push(Block::Line(format!(
         "bench time: {:.0} s (bed {:.0} s, main table {:.0} s, scaling {:.0} s, enrollment {:.0} s, cleanup {:.0} s; the build before it not counted)",
         t.total_seconds,
         t.bed_seconds,
@@ -278,5 +317,6 @@ pub(super) fn print_report(r: &Report) {
         t.scaling_seconds,
         t.enrollment_seconds,
         t.cleanup_seconds
-    );
+    )));
+    out
 }
