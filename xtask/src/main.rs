@@ -6,7 +6,6 @@
 mod bench;
 mod demo;
 mod deploy;
-mod layout;
 mod setup;
 
 use std::{path::PathBuf, process::Command};
@@ -41,9 +40,6 @@ enum Cmd {
         /// Only run tests whose name contains this filter.
         filter: Option<String>,
     },
-    /// Regenerate agent/symbol-order.txt, the linker's layout of the agent's code
-    /// (what the agent runs, read from the test bed), then build with it (root).
-    Layout,
     /// Measure podlink against the direct path on the two-node test bed (the
     /// figures and targets of issue 6, a scaling table, pod enrollment).
     Bench {
@@ -52,15 +48,20 @@ enum Cmd {
         #[arg(long)]
         repeat: Option<usize>,
         /// Write the tables as JSON to this file as well (with every sample).
-        #[arg(long)]
+        #[arg(long, value_name = "FILE")]
         json: Option<PathBuf>,
+        /// Write the report as a Markdown page to this file as well: the machine
+        /// header, the tables, then the ideas tried and not kept (as
+        /// docs/benchmarks.md).
+        #[arg(long, value_name = "FILE")]
+        markdown: Option<PathBuf>,
         /// Shortened runs for development (1 repetition, 2 s throughput runs,
         /// 1,000 round trips, 10 s churn, fewer pods and pairs); the output says so.
         #[arg(long)]
         quick: bool,
         /// Measure only this, on its own bed, and print each run (see
         /// xtask/src/bench/probe.rs); --repeat defaults to 3 (1 for enrollment).
-        #[arg(long, value_enum, conflicts_with_all = ["json", "quick"])]
+        #[arg(long, value_enum, conflicts_with_all = ["json", "markdown", "quick"])]
         probe: Option<bench::ProbeRow>,
         /// The length of each probe run, in seconds (of the iperf3 runs for
         /// scaling) [default: the full bench's for that row].
@@ -140,15 +141,15 @@ fn main() -> Result<()> {
             let tests = test(filter.as_deref());
             tests.and(deploy.context("validate-deploy"))
         }
-        Cmd::Layout => layout::layout(),
         Cmd::Bench {
             repeat,
             json,
+            markdown,
             quick,
             ..
         } => {
             build()?;
-            bench::run(repeat, quick, json.as_deref(), probe)
+            bench::run(repeat, quick, json.as_deref(), markdown.as_deref(), probe)
         }
     }
 }
@@ -240,9 +241,7 @@ fn build() -> Result<()> {
         "podlink-agent",
         "--bins",
     ])
-    .env("PODLINK_EBPF_OBJECT", ebpf_object())
-    // The code layout of agent/symbol-order.txt (see agent/build.rs).
-    .env("PODLINK_SYMBOL_ORDER", "1");
+    .env("PODLINK_EBPF_OBJECT", ebpf_object());
     run(&mut cmd).context("building the agent")
 }
 

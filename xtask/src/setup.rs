@@ -24,9 +24,6 @@ const PACKAGES: &[(&str, &str)] = &[
     ("containernetworking-plugins", "/usr/lib/cni/ptp"),
     ("iperf3", "/usr/bin/iperf3"),
     ("tcpdump", "/usr/bin/tcpdump"),
-    // `cargo xtask layout`: nm, and the ext4 image it runs the agent from.
-    ("binutils", "/usr/bin/nm"),
-    ("e2fsprogs", "/usr/sbin/mkfs.ext4"),
     // `python3 -m venv` of Debian's python3 (for kubernetes-validate).
     ("python3-venv", "/usr/share/doc/python3-venv"),
 ];

@@ -21,10 +21,26 @@
 
 use std::{
     os::unix::process::{CommandExt, ExitStatusExt},
-    process::Command,
+    process::{Child, Command, Stdio},
+    sync::Mutex,
+    time::{Duration, Instant},
 };
 
-use super::*;
+use anyhow::{Context, Result, bail};
+
+use super::{
+    CONNECT_SECONDS, ECHO_PORT, ENROLLMENT_PODS, MANY_CLIENTS, Path2, ROUND_TRIPS, SCALING_PAIRS,
+    SCALING_THROUGHPUT_SECONDS, THROUGHPUT_SECONDS,
+    agents::{agent_pids, agents_cpu},
+    bed::{Bed, build_bed},
+    connections::run_clients,
+    ebpf::{BpfStatsOn, EbpfByWorkload},
+    enrollment::enrollment,
+    round_trips::latency,
+    scaling::{scaling_pairs, scaling_run},
+    stats::{fmt_stats, num, stats},
+    throughput::throughput,
+};
 
 /// The measurements a probe can make: each is one of the full bench's, with
 /// its run length unless `--seconds` gives another.
@@ -375,6 +391,7 @@ fn scaling_probe(bed: &mut Bed, o: &Options) -> Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::bench::Settings;
 
     fn options(row: Row) -> Options {
         Options {

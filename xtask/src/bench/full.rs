@@ -1,0 +1,217 @@
+//! The full bench: the bed, the main table's repetitions, the churn, the
+//! scaling table and the enrollment, in that order, then the report.
+
+use std::{
+    fs,
+    path::Path,
+    time::{Duration, Instant},
+};
+
+use anyhow::{Context, Result};
+use podlink_tests::netns;
+
+use super::{
+    ECHO_PORT, MANY_CLIENTS, Path2, Settings,
+    agents::{agent_pids, agents_cpu},
+    bed::build_bed,
+    connections::{Churn, OneClientPhases, Phases, run_clients},
+    ebpf::{BpfStatsOn, EbpfByWorkload, counters_delta, program_counters},
+    enrollment::enrollment,
+    machine::{load_average, machine},
+    main_table::{Series, main_rows},
+    markdown,
+    memory::{Memory, RssSampler, rss_kib},
+    print::{print_report, report_blocks},
+    report::{Report, Timings},
+    round_trips::latency,
+    scaling::{Scaling, scaling},
+    throughput::throughput,
+};
+
+pub(super) fn bench(s: Settings, json: Option<&Path>, markdown: Option<&Path>) -> Result<()> {
+    let started = Instant::now();
+    let mut machine = machine();
+    let mut timings = Timings::default();
+
+    eprintln!("bench: building the two-node test bed");
+    let mut bed = build_bed()?;
+    // Let the agents finish what enrollment started before memory is read.
+    std::thread::sleep(Duration::from_secs(2));
+    let idle_kib: Vec<u64> = agent_pids(&bed.cluster).into_iter().map(rss_kib).collect();
+    timings.bed_seconds = started.elapsed().as_secs_f64();
+
+    let t = Instant::now();
+    let stats_on = BpfStatsOn::enable()?;
+    let prog_pods = [&bed.pair(Path2::Podlink).0, &bed.pair(Path2::Podlink).1];
+    let counters_before = program_counters(&bed.cluster, prog_pods)?;
+    let mut ebpf_by_workload = EbpfByWorkload::default();
+    let mut throughput_max_kib = vec![0; idle_kib.len()];
+    let mut t1 = Series::default();
+    let mut t4 = Series::default();
+    let mut rr = [(); 4].map(|_| Series::default()); // 1 B p50, p99, 1 KiB p50, p99
+    let mut one_client_phases: [Vec<Phases>; 2] = Default::default();
+    let mut c1 = Series::default();
+    let mut c16 = Series::default();
+    for rep in 0..s.repetitions {
+        eprintln!("bench: repetition {}/{}", rep + 1, s.repetitions);
+        let order = Path2::order(rep);
+        let pids = agent_pids(&bed.cluster);
+        for (series, streams) in [(&mut t1, 1), (&mut t4, 4)] {
+            for path in order {
+                let (client, server) = bed.pair(path);
+                let sampler = (path == Path2::Podlink).then(|| RssSampler::start(pids.clone()));
+                let cpu = agents_cpu(&bed.cluster);
+                let workload = if streams == 1 {
+                    "single-stream throughput"
+                } else {
+                    "4-stream throughput"
+                };
+                let v =
+                    ebpf_by_workload.measure(&bed.cluster, prog_pods, workload, path, || {
+                        throughput(client, server, s.throughput_seconds, streams)
+                    })?;
+                series.push(path, v, agents_cpu(&bed.cluster) - cpu);
+                if let Some(sampler) = sampler {
+                    for (m, v) in throughput_max_kib.iter_mut().zip(sampler.stop()) {
+                        *m = (*m).max(v);
+                    }
+                }
+            }
+        }
+        for (i, size) in [1, 1024].into_iter().enumerate() {
+            for path in order {
+                let (client, server) = bed.pair(path);
+                let cpu = agents_cpu(&bed.cluster);
+                let [p50, p99] = ebpf_by_workload.measure(
+                    &bed.cluster,
+                    prog_pods,
+                    "request/response",
+                    path,
+                    || latency(client, server.addr(ECHO_PORT), size, s.round_trips),
+                )?;
+                let cpu = agents_cpu(&bed.cluster) - cpu;
+                rr[2 * i].push(path, p50, cpu);
+                rr[2 * i + 1].push(path, p99, cpu);
+            }
+        }
+        for (series, clients) in [(&mut c1, 1), (&mut c16, MANY_CLIENTS)] {
+            for path in order {
+                let (client, server) = bed.pair(path);
+                let cpu = agents_cpu(&bed.cluster);
+                let run = ebpf_by_workload.measure(
+                    &bed.cluster,
+                    prog_pods,
+                    "new connections",
+                    path,
+                    || {
+                        run_clients(
+                            &[(client, server.addr(ECHO_PORT))],
+                            clients,
+                            s.connect_seconds,
+                            clients == 1,
+                        )
+                    },
+                )?;
+                series.push(path, run.rate(), agents_cpu(&bed.cluster) - cpu);
+                if let Some(phases) = run.phases {
+                    one_client_phases[path as usize].push(phases);
+                }
+            }
+        }
+    }
+
+    eprintln!(
+        "bench: sustained churn, {} s per path, {MANY_CLIENTS} clients",
+        s.churn_seconds
+    );
+    let churn_run = |path: Path2| {
+        let (client, server) = &bed.churn_pairs[path as usize];
+        run_clients(
+            &[(client, server.addr(ECHO_PORT))],
+            MANY_CLIENTS,
+            s.churn_seconds as f64,
+            false,
+        )
+    };
+    let direct_churn = churn_run(Path2::Direct)?;
+    let cpu = agents_cpu(&bed.cluster);
+    let podlink_churn =
+        ebpf_by_workload.measure(&bed.cluster, prog_pods, "churn", Path2::Podlink, || {
+            churn_run(Path2::Podlink)
+        })?;
+    let churn = Churn {
+        direct: direct_churn,
+        podlink: podlink_churn,
+        podlink_agent_cpu_seconds: agents_cpu(&bed.cluster) - cpu,
+    };
+    let counters_after = program_counters(&bed.cluster, prog_pods)?;
+    drop(stats_on);
+    let ebpf = counters_delta(&counters_before, &counters_after);
+    timings.main_table_seconds = t.elapsed().as_secs_f64();
+
+    let t = Instant::now();
+    let scaling_runs = scaling(&mut bed, &s)?;
+    timings.scaling_seconds = t.elapsed().as_secs_f64();
+
+    let t = Instant::now();
+    let enrollment = enrollment(&mut bed.cluster, s.enrollment_total())?;
+    timings.enrollment_seconds = t.elapsed().as_secs_f64();
+    let scaling = Scaling {
+        pairs_setup_seconds: scaling_runs.0,
+        runs: scaling_runs.1,
+        enrollment: s
+            .scaling_pods
+            .iter()
+            .filter_map(|n| enrollment.summary(*n))
+            .collect(),
+    };
+
+    let memory = Memory {
+        idle_kib,
+        throughput_max_kib,
+    };
+    let rows = main_rows(
+        &s,
+        [&t1, &t4],
+        &rr,
+        [&c1, &c16],
+        &churn,
+        &memory,
+        &ebpf,
+        &enrollment,
+    );
+
+    machine.load_average_at_end = load_average();
+    eprintln!("bench: removing the test bed");
+    let t = Instant::now();
+    drop(bed);
+    netns::cleanup();
+    timings.cleanup_seconds = t.elapsed().as_secs_f64();
+    timings.total_seconds = started.elapsed().as_secs_f64();
+
+    let report = Report {
+        machine,
+        settings: s,
+        rows,
+        churn,
+        memory,
+        ebpf,
+        ebpf_by_workload,
+        one_client_phases: OneClientPhases::new(one_client_phases),
+        enrollment,
+        scaling,
+        timings,
+    };
+    print_report(&report);
+    if let Some(path) = json {
+        fs::write(path, serde_json::to_string_pretty(&report)?)
+            .with_context(|| format!("writing {}", path.display()))?;
+        eprintln!("bench: wrote {}", path.display());
+    }
+    if let Some(path) = markdown {
+        let page = markdown::markdown(&report_blocks(&report), report.settings.quick);
+        fs::write(path, page).with_context(|| format!("writing {}", path.display()))?;
+        eprintln!("bench: wrote {}", path.display());
+    }
+    Ok(())
+}
