@@ -246,8 +246,9 @@ fn build() -> Result<()> {
 }
 
 /// Unit tests of every crate and the end-to-end tests, in one release build (the
-/// end-to-end tests run the shipped agent that `build` made, `dist` profile). All tests run even
-/// when one fails.
+/// end-to-end tests run the shipped agent that `build` made, `dist` profile), then
+/// the agent's unit tests that need root (`#[ignore = "needs root"]`). All tests
+/// run even when one fails.
 fn test(filter: Option<&str>) -> Result<()> {
     // SAFETY: geteuid has no preconditions.
     if unsafe { libc::geteuid() } != 0 {
@@ -255,12 +256,24 @@ fn test(filter: Option<&str>) -> Result<()> {
             "the end-to-end tests create network namespaces, veths, bpffs mounts and BPF links: run as root"
         );
     }
-    let mut cmd = host_cargo();
-    cmd.args(["test", "--release", "--workspace", "--no-fail-fast"])
-        .env("PODLINK_EBPF_OBJECT", ebpf_object())
-        .env("PODLINK_BIN", dist_bin("podlink"));
+    let cargo_test = |args: &[&str]| {
+        let mut cmd = host_cargo();
+        cmd.args(["test", "--release", "--no-fail-fast"])
+            .args(args)
+            .env("PODLINK_EBPF_OBJECT", ebpf_object())
+            .env("PODLINK_BIN", dist_bin("podlink"));
+        cmd
+    };
+    let mut all = cargo_test(&["--workspace"]);
+    // The agent's unit tests that need root are ignored by a plain `cargo
+    // test`; they run here, after the others.
+    let mut root = cargo_test(&["-p", "podlink-agent", "--lib"]);
     if let Some(f) = filter {
-        cmd.arg(f);
+        all.arg(f);
+        root.arg(f);
     }
-    run(&mut cmd).context("tests")
+    root.args(["--", "--ignored"]);
+    let all = run(&mut all).context("tests");
+    let root = run(&mut root).context("the agent's unit tests that need root");
+    all.and(root)
 }
