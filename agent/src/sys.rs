@@ -1,6 +1,6 @@
-//! The agent's thin layer of raw system calls: every `unsafe` block of the agent
-//! outside the eBPF loader's own crate (aya) and the YAML event reader
-//! (`source/manifests/parse.rs`) is here, each with the reason it is sound. The
+//! The agent's thin layer of raw system and C library calls: every `unsafe`
+//! block of the agent outside the eBPF loader's own crate (aya) is here, each
+//! with the reason it is sound. The
 //! rest of the crate is `#![deny(unsafe_code)]`: sockets go through socket2 and
 //! nix, whose setters are safe.
 
@@ -48,5 +48,64 @@ pub(crate) fn unshare_network_namespace() -> std::io::Result<()> {
         Ok(())
     } else {
         Err(std::io::Error::last_os_error())
+    }
+}
+
+/// The nesting of the YAML document `text`, checked with the YAML parser that
+/// `serde_yaml_ng` uses (libyaml, as `unsafe-libyaml`), event by event, stopping at
+/// the first collection deeper than `max_depth`: its 1-based line is returned.
+/// Reading it as the parser does leaves no text it would nest that this check
+/// reads otherwise (quotes, comments, plain scalars). A document the parser
+/// refuses passes (`None`): the deserializer reports the same error with its
+/// location. An FFI layer: libyaml's event API (unsafe-libyaml) has no safe
+/// wrapper.
+pub fn yaml_too_deep(text: &str, max_depth: usize) -> Option<usize> {
+    use std::mem::MaybeUninit;
+
+    use unsafe_libyaml::{
+        YAML_MAPPING_END_EVENT, YAML_MAPPING_START_EVENT, YAML_SEQUENCE_END_EVENT,
+        YAML_SEQUENCE_START_EVENT, YAML_STREAM_END_EVENT, yaml_event_delete, yaml_event_t,
+        yaml_parser_delete, yaml_parser_initialize, yaml_parser_parse,
+        yaml_parser_set_input_string, yaml_parser_t,
+    };
+
+    let mut parser = MaybeUninit::<yaml_parser_t>::uninit();
+    // SAFETY: libyaml's event API used as documented: the parser is initialised
+    // before use and deleted once, each event that was parsed is deleted once, and
+    // `text` outlives the parser reading it.
+    unsafe {
+        if yaml_parser_initialize(parser.as_mut_ptr()).fail {
+            return None;
+        }
+        let parser = parser.as_mut_ptr();
+        yaml_parser_set_input_string(parser, text.as_ptr(), text.len() as _);
+        let mut depth = 0usize;
+        let mut result = None;
+        loop {
+            let mut event = MaybeUninit::<yaml_event_t>::uninit();
+            if yaml_parser_parse(parser, event.as_mut_ptr()).fail {
+                break;
+            }
+            let event = event.as_mut_ptr();
+            let kind = (*event).type_;
+            let line = (*event).start_mark.line;
+            yaml_event_delete(event);
+            match kind {
+                YAML_SEQUENCE_START_EVENT | YAML_MAPPING_START_EVENT => {
+                    depth += 1;
+                    if depth > max_depth {
+                        result = Some(usize::try_from(line).unwrap_or(usize::MAX - 1) + 1);
+                        break;
+                    }
+                }
+                YAML_SEQUENCE_END_EVENT | YAML_MAPPING_END_EVENT => {
+                    depth = depth.saturating_sub(1);
+                }
+                YAML_STREAM_END_EVENT => break,
+                _ => {}
+            }
+        }
+        yaml_parser_delete(parser);
+        result
     }
 }

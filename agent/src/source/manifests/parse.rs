@@ -136,65 +136,10 @@ fn documents(text: &str) -> Vec<(usize, String)> {
 /// deserializer's own recursion limit applies.
 const MAX_DEPTH: usize = 64;
 
-/// Checks the nesting of the document `text` with the YAML parser that
-/// `serde_yaml_ng` uses (libyaml, as `unsafe-libyaml`), event by event, stopping at
-/// the first collection deeper than [`MAX_DEPTH`]: its 1-based line is returned.
-/// Reading it as the parser does leaves no text it would nest that this check
-/// reads otherwise (quotes, comments, plain scalars). A document the parser
-/// refuses passes: the deserializer reports the same error with its location.
-#[allow(
-    unsafe_code,
-    reason = "libyaml's event API (unsafe-libyaml) has no safe wrapper; see the SAFETY comment"
-)]
+/// Checks the nesting of the document `text`: the 1-based line of the first
+/// collection deeper than [`MAX_DEPTH`], if any ([`crate::sys::yaml_too_deep`]).
 fn check_depth(text: &str) -> Result<(), usize> {
-    use std::mem::MaybeUninit;
-
-    use unsafe_libyaml::{
-        YAML_MAPPING_END_EVENT, YAML_MAPPING_START_EVENT, YAML_SEQUENCE_END_EVENT,
-        YAML_SEQUENCE_START_EVENT, YAML_STREAM_END_EVENT, yaml_event_delete, yaml_event_t,
-        yaml_parser_delete, yaml_parser_initialize, yaml_parser_parse,
-        yaml_parser_set_input_string, yaml_parser_t,
-    };
-
-    let mut parser = MaybeUninit::<yaml_parser_t>::uninit();
-    // SAFETY: libyaml's event API used as documented: the parser is initialised
-    // before use and deleted once, each event that was parsed is deleted once, and
-    // `text` outlives the parser reading it.
-    unsafe {
-        if yaml_parser_initialize(parser.as_mut_ptr()).fail {
-            return Ok(());
-        }
-        let parser = parser.as_mut_ptr();
-        yaml_parser_set_input_string(parser, text.as_ptr(), text.len() as _);
-        let mut depth = 0usize;
-        let mut result = Ok(());
-        loop {
-            let mut event = MaybeUninit::<yaml_event_t>::uninit();
-            if yaml_parser_parse(parser, event.as_mut_ptr()).fail {
-                break;
-            }
-            let event = event.as_mut_ptr();
-            let kind = (*event).type_;
-            let line = (*event).start_mark.line;
-            yaml_event_delete(event);
-            match kind {
-                YAML_SEQUENCE_START_EVENT | YAML_MAPPING_START_EVENT => {
-                    depth += 1;
-                    if depth > MAX_DEPTH {
-                        result = Err(usize::try_from(line).unwrap_or(usize::MAX - 1) + 1);
-                        break;
-                    }
-                }
-                YAML_SEQUENCE_END_EVENT | YAML_MAPPING_END_EVENT => {
-                    depth = depth.saturating_sub(1);
-                }
-                YAML_STREAM_END_EVENT => break,
-                _ => {}
-            }
-        }
-        yaml_parser_delete(parser);
-        result
-    }
+    crate::sys::yaml_too_deep(text, MAX_DEPTH).map_or(Ok(()), Err)
 }
 
 /// Parses one file's text. `file` is only used in errors.
