@@ -6,9 +6,11 @@
 //!    backlog);
 //! 2. the programs are loaded and the pinned links of a previous agent adopted, so
 //!    capture never stops across a restart;
-//! 3. the workloads are read and published to the proxy;
+//! 3. the source's first view is applied to the state and published to the
+//!    proxy;
 //! 4. only then does the proxy accept, so no connection meets an empty workload
-//!    view; the dataplane is then reconciled (new pods attached).
+//!    view; the dataplane is then reconciled (new pods attached), and the
+//!    reconcile loop ([`crate::reconcile::run`]) runs until a signal.
 //!
 //! At run time a workload is known to the proxy before its host veth is attached,
 //! and a pod is detached only once the workload source is complete (no manifest
