@@ -284,7 +284,7 @@ pub async fn run(cfg: AgentConfig) -> Result<()> {
 
     let mut sigterm = signal(SignalKind::terminate())?;
     let mut sigint = signal(SignalKind::interrupt())?;
-    reconcile
+    let stopped = reconcile
         .run(&mut source.deltas, &mut cni_requests, async {
             tokio::select! {
                 _ = sigterm.recv() => {}
@@ -292,6 +292,9 @@ pub async fn run(cfg: AgentConfig) -> Result<()> {
             }
         })
         .await;
+    if let Err(e) = &stopped {
+        tracing::error!("{e}; draining and exiting");
+    }
     let reconciler = &mut reconcile.reconciler;
     // The plugin now finds no agent and decides by the enrollment snapshot.
     reconciler.cni.stop();
@@ -319,7 +322,7 @@ pub async fn run(cfg: AgentConfig) -> Result<()> {
     readiness_server.abort();
     cert_maintenance.abort();
     pool_release.abort();
-    Ok(())
+    Ok(stopped?)
 }
 
 /// Gives the memory freed after start-up back to the system. Loading the programs

@@ -247,7 +247,8 @@ impl<C: Capture> Reconciler<C> {
 
     /// Attaches the planned pods and detaches the others as far as the
     /// source's completeness allows; tells the reporter which pods are
-    /// captured; schedules a retry while some pod waits.
+    /// captured (once the source's view is whole); schedules a retry while
+    /// some pod waits.
     pub fn apply(&mut self, network: &NodeNetwork) {
         let removal = removal(self.state.completeness());
         let mut retry = std::mem::take(&mut self.waiting);
@@ -272,7 +273,11 @@ impl<C: Capture> Reconciler<C> {
             self.failed_interfaces.push(pod.ifindex);
             retry = true;
         }
-        if let Some(reporter) = &mut self.reporter {
+        // Only a whole view may tell that a pod is not captured: a pod the
+        // state does not know yet may still be (a previous agent's pins).
+        if removal == Removal::All
+            && let Some(reporter) = &mut self.reporter
+        {
             reporter.captured(&captured);
         }
         self.attached = captured;

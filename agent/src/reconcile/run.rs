@@ -20,6 +20,12 @@ use crate::{
 /// of routes, links and addresses), in case a change was missed.
 pub const NETWORK_RESYNC: Duration = Duration::from_secs(2);
 
+/// The workload source's task ended: nothing updates the agent's view any
+/// more.
+#[derive(Debug, thiserror::Error)]
+#[error("the workload source stopped: the agent's view of the workloads would no longer change")]
+pub struct SourceStopped;
+
 /// The reconciler of the running agent, with what it reads.
 pub struct Loop {
     /// The reconciler, over the loaded dataplane.
@@ -65,12 +71,16 @@ impl Loop {
     /// Runs until `shutdown` completes: applies the source's `deltas`, takes in
     /// podlink-cni's `requests`, and reconciles when something changed, a pod
     /// waits, or the periodic resync is due.
+    ///
+    /// # Errors
+    /// [`SourceStopped`] when the source's task ends (it only ends by a panic):
+    /// the agent must not go on with a view nothing updates.
     pub async fn run(
         &mut self,
         deltas: &mut mpsc::Receiver<Delta>,
         requests: &mut mpsc::Receiver<Incoming>,
         shutdown: impl Future<Output = ()>,
-    ) {
+    ) -> Result<(), SourceStopped> {
         let mut shutdown = std::pin::pin!(shutdown);
         loop {
             let retry = self.reconciler.pending_retry();
@@ -81,7 +91,10 @@ impl Loop {
             });
             let mut resync = false;
             tokio::select! {
-                Some(delta) = deltas.recv() => {
+                delta = deltas.recv() => {
+                    let Some(delta) = delta else {
+                        return Err(SourceStopped);
+                    };
                     self.reconciler.apply_delta(delta);
                     while let Ok(more) = deltas.try_recv() {
                         self.reconciler.apply_delta(more);
@@ -94,7 +107,7 @@ impl Loop {
                     }
                 }
                 () = tokio::time::sleep(wait) => resync = true,
-                () = &mut shutdown => return,
+                () = &mut shutdown => return Ok(()),
             }
             // An idle agent's periodic resync reads the whole network again;
             // reads on a change look only at what changed.

@@ -243,6 +243,8 @@ fn a_restart_keeps_pods_until_the_source_is_complete() {
         b.reconciler.pending_retry().is_some(),
         "retried while incomplete"
     );
+    // Nothing is reported uncaptured from a view that is not whole.
+    assert!(b.reported.0.lock().unwrap().is_empty());
     // A pod of this agent's own, then gone, while a file is broken: its
     // attachment goes, the previous agent's stay.
     b.round(
@@ -255,11 +257,13 @@ fn a_restart_keeps_pods_until_the_source_is_complete() {
     assert_eq!(b.attached(), ["amb/web", "amb/new", "amb/gone"]);
     b.round(Some(all(Vec::new(), Completeness::UnreadableParts)), &net);
     assert_eq!(b.attached(), ["amb/web", "amb/gone"]);
+    assert!(b.reported.0.lock().unwrap().is_empty());
     b.round(
         Some(all(vec![pod("web", "10.0.0.1")], Completeness::Complete)),
         &net,
     );
     assert_eq!(b.attached(), ["amb/web"]);
+    assert_eq!(b.reported.0.lock().unwrap().as_slice(), [["amb/web"]]);
 }
 
 fn add(name: &str, ip: &str, veth: &str) -> (Incoming, oneshot::Receiver<Reply>) {

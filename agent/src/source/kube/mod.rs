@@ -530,6 +530,7 @@ impl KubeSource {
     /// (again), else the pods they named with their objects now; every
     /// namespace when one changed.
     fn delta(&self, pending: Pending) -> Delta {
+        // Read before the stores (see `next`).
         let mut delta = Delta {
             completeness: self.completeness(),
             ..Delta::default()
@@ -576,10 +577,13 @@ impl Source for KubeSource {
                 );
             }
             self.take_pending();
+            // Read before the stores: a list that ends meanwhile comes as a
+            // delta of its own, never as a complete view of what was read before.
+            let completeness = self.completeness();
             return Delta {
                 all_pods: Some(self.read_all_pods()),
                 namespaces: Some(self.read_namespaces()),
-                completeness: self.completeness(),
+                completeness,
                 ..Delta::default()
             };
         }
