@@ -16,10 +16,9 @@ use std::{
     time::Duration,
 };
 
-use anyhow::{Context, Result, bail};
 use serde_json::{Value, json};
 
-use super::{DEFAULT_SOCKET, Install, PLUGIN_TYPE, write_atomically};
+use super::{ConflistError, DEFAULT_SOCKET, Error, Install, PLUGIN_TYPE, Result, write_atomically};
 
 /// How often the agent re-checks its installation.
 pub const CHECK_INTERVAL: Duration = Duration::from_secs(2);
@@ -34,23 +33,23 @@ pub const CHECK_INTERVAL: Duration = Duration::from_secs(2);
 /// When `text` is not a JSON object with a `plugins` array, or its
 /// `cniVersion` is one podlink-cni does not speak (every ADD and DEL on the
 /// node would then fail).
-pub fn with_plugin(text: &str, socket: &Path) -> Result<Option<String>> {
-    let mut conf: Value = serde_json::from_str(text).context("not JSON")?;
+pub fn with_plugin(text: &str, socket: &Path) -> Result<Option<String>, ConflistError> {
+    let mut conf: Value =
+        serde_json::from_str(text).map_err(|error| ConflistError::NotJson { error })?;
     let Some(object) = conf.as_object_mut() else {
-        bail!("not a JSON object");
+        return Err(ConflistError::NotAnObject);
     };
     let version = object
         .get("cniVersion")
         .and_then(Value::as_str)
         .unwrap_or("");
     if !super::plugin::SUPPORTED_VERSIONS.contains(&version) {
-        bail!(
-            "its cniVersion {version:?} is not one podlink-cni supports ({}): not adding podlink-cni",
-            super::plugin::SUPPORTED_VERSIONS.join(", ")
-        );
+        return Err(ConflistError::UnsupportedVersion {
+            version: version.to_string(),
+        });
     }
     let Some(plugins) = object.get_mut("plugins").and_then(Value::as_array_mut) else {
-        bail!("no `plugins` array");
+        return Err(ConflistError::NoPlugins);
     };
     let mut entry = json!({ "type": PLUGIN_TYPE });
     if socket != Path::new(DEFAULT_SOCKET) {
@@ -62,7 +61,8 @@ pub fn with_plugin(text: &str, socket: &Path) -> Result<Option<String>> {
     }
     plugins.retain(|p| !ours(p));
     plugins.push(entry);
-    let mut out = serde_json::to_string_pretty(&conf)?;
+    let mut out =
+        serde_json::to_string_pretty(&conf).map_err(|error| ConflistError::Encode { error })?;
     if text.ends_with('\n') {
         out.push('\n');
     }
@@ -75,11 +75,11 @@ pub fn with_plugin(text: &str, socket: &Path) -> Result<Option<String>> {
 /// into a configuration list.
 ///
 /// # Errors
-/// When the directory cannot be read, holds no configuration (the primary CNI
-/// plugin has not written it yet), or its first one is not a `*.conflist`.
+/// When the directory cannot be read ([`Error::Io`]), holds no configuration
+/// ([`Error::NoConfiguration`]: the primary CNI plugin has not written it yet),
+/// or its first one is not a `*.conflist` ([`Error::SinglePlugin`]).
 pub fn first_conflist(conf_dir: &Path) -> Result<PathBuf> {
-    let entries =
-        fs::read_dir(conf_dir).with_context(|| format!("reading {}", conf_dir.display()))?;
+    let entries = fs::read_dir(conf_dir).map_err(Error::io("reading", conf_dir))?;
     let mut files: Vec<PathBuf> = entries
         .filter_map(|e| e.ok().map(|e| e.path()))
         .filter(|p| {
@@ -89,17 +89,14 @@ pub fn first_conflist(conf_dir: &Path) -> Result<PathBuf> {
         })
         .collect();
     files.sort();
-    let first = files.into_iter().next().with_context(|| {
-        format!(
-            "no CNI configuration in {}: podlink-cni chains after the node's primary CNI plugin, whose configuration list is not there (yet)",
-            conf_dir.display()
-        )
-    })?;
+    let first = files
+        .into_iter()
+        .next()
+        .ok_or_else(|| Error::NoConfiguration {
+            dir: conf_dir.to_path_buf(),
+        })?;
     if first.extension().is_some_and(|x| x != "conflist") {
-        bail!(
-            "the node's CNI configuration {} (the first one, which runtimes use) is a single-plugin configuration: podlink-cni can only be chained into a configuration list (*.conflist); not installing",
-            first.display()
-        );
+        return Err(Error::SinglePlugin { path: first });
     }
     Ok(first)
 }
@@ -108,12 +105,15 @@ pub fn first_conflist(conf_dir: &Path) -> Result<PathBuf> {
 /// Returns the file when it was changed.
 ///
 /// # Errors
-/// No conflist, or one that cannot be read, parsed or written (named).
+/// No conflist ([`first_conflist`]'s errors), or one that cannot be read or
+/// written ([`Error::Io`]) or parsed ([`Error::NotAConflist`]), named.
 pub fn ensure_conflist(conf_dir: &Path, socket: &Path) -> Result<Option<PathBuf>> {
     let path = first_conflist(conf_dir)?;
-    let text = fs::read_to_string(&path).with_context(|| format!("reading {}", path.display()))?;
-    let new = with_plugin(&text, socket)
-        .with_context(|| format!("{} is not a CNI network configuration list", path.display()))?;
+    let text = fs::read_to_string(&path).map_err(Error::io("reading", &path))?;
+    let new = with_plugin(&text, socket).map_err(|error| Error::NotAConflist {
+        path: path.clone(),
+        error,
+    })?;
     match new {
         Some(new) => {
             write_atomically(&path, &new)?;
@@ -127,12 +127,12 @@ pub fn ensure_conflist(conf_dir: &Path, socket: &Path) -> Result<Option<PathBuf>
 /// the running executable.
 ///
 /// # Errors
-/// When the running executable cannot be found.
+/// When the running executable cannot be found ([`Error::CurrentExe`]).
 pub fn plugin_source(install: &Install) -> Result<PathBuf> {
     match &install.plugin {
         Some(p) => Ok(p.clone()),
         None => Ok(std::env::current_exe()
-            .context("finding the running executable")?
+            .map_err(|error| Error::CurrentExe { error })?
             .with_file_name(PLUGIN_TYPE)),
     }
 }
@@ -160,27 +160,35 @@ fn same_contents(a: &Path, b: &Path) -> io::Result<bool> {
 /// rename, unless an identical file is there. Returns whether it copied.
 ///
 /// # Errors
-/// A source that cannot be read, a directory that cannot be written (named).
+/// A missing source ([`Error::MissingBinary`]), one that cannot be copied
+/// ([`Error::Copy`]), a directory that cannot be made or written ([`Error::Io`],
+/// [`Error::MakeExecutable`]), named.
 pub fn ensure_binary(source: &Path, bin_dir: &Path) -> Result<bool> {
     let target = bin_dir.join(PLUGIN_TYPE);
     if !source.is_file() {
-        bail!(
-            "the podlink-cni binary {} is missing (give --cni-plugin)",
-            source.display()
-        );
+        return Err(Error::MissingBinary {
+            path: source.to_path_buf(),
+        });
     }
     if target.is_file() && same_contents(source, &target).unwrap_or(false) {
         return Ok(false);
     }
-    fs::create_dir_all(bin_dir).with_context(|| format!("creating {}", bin_dir.display()))?;
+    fs::create_dir_all(bin_dir).map_err(Error::io("creating", bin_dir))?;
     // A name no runtime runs, in the same directory (same file system).
     let tmp = bin_dir.join(format!(".{PLUGIN_TYPE}.podlink-partial"));
-    fs::copy(source, &tmp)
-        .with_context(|| format!("copying {} to {}", source.display(), tmp.display()))?;
-    fs::set_permissions(&tmp, fs::Permissions::from_mode(0o755))
-        .with_context(|| format!("making {} executable", tmp.display()))?;
+    fs::copy(source, &tmp).map_err(|error| Error::Copy {
+        from: source.to_path_buf(),
+        to: tmp.clone(),
+        error,
+    })?;
+    fs::set_permissions(&tmp, fs::Permissions::from_mode(0o755)).map_err(|error| {
+        Error::MakeExecutable {
+            path: tmp.clone(),
+            error,
+        }
+    })?;
     fs::File::open(&tmp).and_then(|f| f.sync_all()).ok();
-    fs::rename(&tmp, &target).with_context(|| format!("replacing {}", target.display()))?;
+    fs::rename(&tmp, &target).map_err(Error::io("replacing", &target))?;
     Ok(true)
 }
 
@@ -188,7 +196,8 @@ pub fn ensure_binary(source: &Path, bin_dir: &Path) -> Result<bool> {
 /// finds the entry without the binary). Returns what was done, a line each.
 ///
 /// # Errors
-/// The first step that failed, named.
+/// The first step that failed, named ([`ensure_binary`]'s and
+/// [`ensure_conflist`]'s errors).
 pub fn install(install: &Install, socket: &Path) -> Result<Vec<String>> {
     let mut done = Vec::new();
     let source = plugin_source(install)?;
@@ -209,13 +218,13 @@ pub fn install(install: &Install, socket: &Path) -> Result<Vec<String>> {
 /// `Ok(None)` when there is none.
 ///
 /// # Errors
-/// When it exists and cannot be removed.
+/// When it exists and cannot be removed ([`Error::Io`]).
 pub fn remove_binary(bin_dir: &Path) -> Result<Option<PathBuf>> {
     let target = bin_dir.join(PLUGIN_TYPE);
     match fs::remove_file(&target) {
         Ok(()) => Ok(Some(target)),
         Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(None),
-        Err(e) => Err(e).with_context(|| format!("removing {}", target.display())),
+        Err(e) => Err(Error::io("removing", target)(e)),
     }
 }
 
@@ -252,7 +261,7 @@ pub fn start(install: Install, socket: PathBuf) -> Result<tokio::task::JoinHandl
             if !intact {
                 match ensure_binary(&source, &install.bin_dir) {
                     Ok(_) => tracing::info!(to = %target.display(), "reinstalled the CNI plugin"),
-                    Err(e) => note(&mut last_error, format!("{e:#}")),
+                    Err(e) => note(&mut last_error, e.to_string()),
                 }
             }
             check_conflist(&install.conf_dir, &socket, &mut last_error);
@@ -278,7 +287,7 @@ fn check_conflist(conf_dir: &Path, socket: &Path, last_error: &mut Option<String
             *last_error = None;
         }
         Ok(None) => *last_error = None,
-        Err(e) => note(last_error, format!("{e:#}")),
+        Err(e) => note(last_error, e.to_string()),
     }
 }
 

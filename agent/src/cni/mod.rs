@@ -4,7 +4,8 @@
 //! reports laid over the source's pods ([`overlay`]), the enrollment snapshot the plugin reads while
 //! the agent is down ([`snapshot`]), installing the plugin ([`install`]), and
 //! taking it out of a node's CNI network configuration lists, for `podlink
-//! uninstall` (here).
+//! uninstall` (here). Their errors are [`Error`] (of a conflist's text,
+//! [`ConflistError`]).
 //!
 //! A network configuration list (CNI spec 1.0, "Network Configuration Lists") is a
 //! JSON object whose `plugins` array holds one object per plugin, each with a
@@ -17,10 +18,12 @@ use std::{
     path::{Path, PathBuf},
 };
 
-use anyhow::{Context, Result, bail};
 use serde_json::Value;
 
+pub use self::error::{ConflistError, Error, Result};
+
 pub mod enroller;
+mod error;
 pub mod install;
 pub mod overlay;
 pub mod plugin;
@@ -55,23 +58,25 @@ pub struct Install {
 ///
 /// # Errors
 /// When `text` is not a JSON object, or its `plugins` is not an array.
-pub fn without_plugin(text: &str) -> Result<Option<String>> {
-    let mut conf: Value = serde_json::from_str(text).context("not JSON")?;
+pub fn without_plugin(text: &str) -> Result<Option<String>, ConflistError> {
+    let mut conf: Value =
+        serde_json::from_str(text).map_err(|error| ConflistError::NotJson { error })?;
     let Some(object) = conf.as_object_mut() else {
-        bail!("not a JSON object");
+        return Err(ConflistError::NotAnObject);
     };
     let Some(plugins) = object.get_mut("plugins") else {
         return Ok(None);
     };
     let Some(plugins) = plugins.as_array_mut() else {
-        bail!("`plugins` is not an array");
+        return Err(ConflistError::PluginsNotAnArray);
     };
     let before = plugins.len();
     plugins.retain(|p| p.get("type").and_then(Value::as_str) != Some(PLUGIN_TYPE));
     if plugins.len() == before {
         return Ok(None);
     }
-    let mut out = serde_json::to_string_pretty(&conf)?;
+    let mut out =
+        serde_json::to_string_pretty(&conf).map_err(|error| ConflistError::Encode { error })?;
     if text.ends_with('\n') {
         out.push('\n');
     }
@@ -81,26 +86,34 @@ pub fn without_plugin(text: &str) -> Result<Option<String>> {
 /// Replaces `path` by a file holding `text`, by rename (never half written),
 /// keeping its permissions. A symbolic link is followed: its target is
 /// replaced, the link stays.
+///
+/// # Errors
+/// [`Error::Io`] following the link, writing the temporary file or renaming it;
+/// [`Error::NoFileName`] for a path without one.
 pub(crate) fn write_atomically(path: &Path, text: &str) -> Result<()> {
     let resolved;
     let path = if fs::symlink_metadata(path).is_ok_and(|m| m.file_type().is_symlink()) {
-        resolved = fs::canonicalize(path)
-            .with_context(|| format!("following the link {}", path.display()))?;
+        resolved = fs::canonicalize(path).map_err(Error::io("following the link", path))?;
         resolved.as_path()
     } else {
         path
     };
-    let name = path.file_name().context("a file name")?.to_string_lossy();
+    let name = path
+        .file_name()
+        .ok_or_else(|| Error::NoFileName {
+            path: path.to_path_buf(),
+        })?
+        .to_string_lossy();
     // Not `*.conflist`: a runtime reading the directory meanwhile ignores it.
     let tmp = path.with_file_name(format!(".{name}.podlink-partial"));
-    let mut file = fs::File::create(&tmp).with_context(|| format!("writing {}", tmp.display()))?;
+    let mut file = fs::File::create(&tmp).map_err(Error::io("writing", &tmp))?;
     file.write_all(text.as_bytes())
         .and_then(|()| file.sync_all())
-        .with_context(|| format!("writing {}", tmp.display()))?;
+        .map_err(Error::io("writing", &tmp))?;
     if let Ok(meta) = fs::metadata(path) {
         let _ = fs::set_permissions(&tmp, meta.permissions());
     }
-    fs::rename(&tmp, path).with_context(|| format!("replacing {}", path.display()))
+    fs::rename(&tmp, path).map_err(Error::io("replacing", path))
 }
 
 /// Removes the [`PLUGIN_TYPE`] entries from every `*.conflist` in `conf_dir`,
@@ -108,12 +121,13 @@ pub(crate) fn write_atomically(path: &Path, text: &str) -> Result<()> {
 /// Returns the files changed.
 ///
 /// # Errors
-/// A conflist that cannot be read, parsed (named, with what is wrong) or written.
+/// A conflist that cannot be read ([`Error::Io`]), parsed ([`Error::NotAConflist`],
+/// named, with what is wrong) or written ([`Error::Io`], named).
 pub fn remove_plugin(conf_dir: &Path) -> Result<Vec<PathBuf>> {
     let entries = match fs::read_dir(conf_dir) {
         Ok(entries) => entries,
         Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(Vec::new()),
-        Err(e) => return Err(e).with_context(|| format!("reading {}", conf_dir.display())),
+        Err(e) => return Err(Error::io("reading", conf_dir)(e)),
     };
     let mut files: Vec<PathBuf> = entries
         .filter_map(|e| e.ok().map(|e| e.path()))
@@ -122,10 +136,10 @@ pub fn remove_plugin(conf_dir: &Path) -> Result<Vec<PathBuf>> {
     files.sort();
     let mut changed = Vec::new();
     for path in files {
-        let text =
-            fs::read_to_string(&path).with_context(|| format!("reading {}", path.display()))?;
-        let new = without_plugin(&text).with_context(|| {
-            format!("{} is not a CNI network configuration list", path.display())
+        let text = fs::read_to_string(&path).map_err(Error::io("reading", &path))?;
+        let new = without_plugin(&text).map_err(|error| Error::NotAConflist {
+            path: path.clone(),
+            error,
         })?;
         if let Some(new) = new {
             write_atomically(&path, &new)?;
@@ -207,6 +221,12 @@ mod tests {
         );
         fs::write(&other, "{").unwrap();
         let error = format!("{:#}", remove_plugin(dir.path()).unwrap_err());
-        assert!(error.contains("20-other.conflist"), "{error}");
+        assert_eq!(
+            error,
+            format!(
+                "{} is not a CNI network configuration list: not JSON: EOF while parsing an object at line 1 column 1",
+                other.display()
+            )
+        );
     }
 }

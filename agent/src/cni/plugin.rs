@@ -248,7 +248,7 @@ pub enum PluginError {
         /// Why the agent cannot be reached.
         why: Box<AgentUnreachable>,
         /// Why the snapshot cannot be read ([`Snapshot::read`]).
-        error: anyhow::Error,
+        error: super::Error,
     },
 }
 
@@ -290,7 +290,7 @@ impl PluginError {
             PluginError::Unreachable { why, .. } | PluginError::NoSnapshot { why, .. } => {
                 why.to_string()
             }
-            PluginError::SnapshotUnreadable { why, error, .. } => format!("{why}; {error:#}"),
+            PluginError::SnapshotUnreadable { why, error, .. } => format!("{why}; {error}"),
             _ => String::new(),
         }
     }

@@ -15,9 +15,9 @@ use std::{
     path::{Path, PathBuf},
 };
 
-use anyhow::{Context, Result};
 use serde::{Deserialize, Serialize};
 
+use super::{Error, Result};
 use crate::{
     k8s::{Namespace, Pod},
     state::{DATAPLANE_MODE_AMBIENT, DATAPLANE_MODE_LABEL, DATAPLANE_MODE_NONE},
@@ -116,21 +116,24 @@ impl Snapshot {
     /// Reads the snapshot at `path`; `Ok(None)` when there is none.
     ///
     /// # Errors
-    /// An unreadable or unparsable file (named).
+    /// An unreadable ([`Error::Io`]) or unparsable ([`Error::NotASnapshot`]) file,
+    /// or one of another version ([`Error::SnapshotVersion`]), named.
     pub fn read(path: &Path) -> Result<Option<Snapshot>> {
         let text = match fs::read(path) {
             Ok(text) => text,
             Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(None),
-            Err(e) => return Err(e).with_context(|| format!("reading {}", path.display())),
+            Err(e) => return Err(Error::io("reading", path)(e)),
         };
-        let snapshot: Snapshot = serde_json::from_slice(&text)
-            .with_context(|| format!("{} is not an enrollment snapshot", path.display()))?;
+        let snapshot: Snapshot =
+            serde_json::from_slice(&text).map_err(|error| Error::NotASnapshot {
+                path: path.to_path_buf(),
+                error,
+            })?;
         if snapshot.version != SNAPSHOT_VERSION {
-            anyhow::bail!(
-                "{} has version {}, not {SNAPSHOT_VERSION}",
-                path.display(),
-                snapshot.version
-            );
+            return Err(Error::SnapshotVersion {
+                path: path.to_path_buf(),
+                version: snapshot.version,
+            });
         }
         Ok(Some(snapshot))
     }
@@ -138,9 +141,10 @@ impl Snapshot {
     /// Writes the snapshot to `path` (by rename: a reader never sees half of it).
     ///
     /// # Errors
-    /// When the file cannot be written.
+    /// When the file cannot be written ([`Error::Io`], named).
     pub fn write(&self, path: &Path) -> Result<()> {
-        let mut text = serde_json::to_string_pretty(self)?;
+        let mut text =
+            serde_json::to_string_pretty(self).map_err(|error| Error::EncodeSnapshot { error })?;
         text.push('\n');
         super::write_atomically(path, &text)
     }

@@ -8,14 +8,16 @@ use std::{
     sync::Arc,
 };
 
-use anyhow::{Context, Result, bail};
 use tokio::{
     io::{AsyncReadExt as _, AsyncWriteExt as _},
     net::{UnixListener, UnixStream},
     sync::{mpsc, oneshot},
 };
 
-use super::protocol::{MAX_MESSAGE, REQUEST_TIMEOUT, Reply, Request};
+use super::{
+    Error, Result,
+    protocol::{MAX_MESSAGE, REQUEST_TIMEOUT, Reply, Request},
+};
 
 /// A request of the plugin, with the way to answer it.
 #[derive(Debug)]
@@ -58,8 +60,9 @@ impl CniSocket {
 /// answered with an error naming the problem. Call within a tokio runtime.
 ///
 /// # Errors
-/// A directory that cannot be made, a path holding something else than a
-/// socket, a socket that cannot be bound.
+/// A directory that cannot be made, a stale socket that cannot be removed, a
+/// socket that cannot be bound or restricted ([`Error::Io`]); a path holding
+/// something else than a socket ([`Error::NotASocket`]).
 pub fn listen(path: &Path) -> Result<(CniSocket, mpsc::Receiver<Incoming>)> {
     if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty())
         && !dir.is_dir()
@@ -68,25 +71,24 @@ pub fn listen(path: &Path) -> Result<(CniSocket, mpsc::Receiver<Incoming>)> {
             .recursive(true)
             .mode(0o755)
             .create(dir)
-            .with_context(|| format!("creating {}", dir.display()))?;
+            .map_err(Error::io("creating", dir))?;
     }
     match fs::symlink_metadata(path) {
         Ok(m) if m.file_type().is_socket() => {
-            fs::remove_file(path)
-                .with_context(|| format!("removing the stale socket {}", path.display()))?;
+            fs::remove_file(path).map_err(Error::io("removing the stale socket", path))?;
         }
-        Ok(_) => bail!(
-            "{} exists and is not a socket: not replacing it",
-            path.display()
-        ),
+        Ok(_) => {
+            return Err(Error::NotASocket {
+                path: path.to_path_buf(),
+            });
+        }
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
-        Err(e) => return Err(e).with_context(|| format!("looking at {}", path.display())),
+        Err(e) => return Err(Error::io("looking at", path)(e)),
     }
-    let listener =
-        UnixListener::bind(path).with_context(|| format!("binding {}", path.display()))?;
+    let listener = UnixListener::bind(path).map_err(Error::io("binding", path))?;
     fs::set_permissions(path, fs::Permissions::from_mode(0o600))
-        .with_context(|| format!("restricting {}", path.display()))?;
-    let meta = fs::symlink_metadata(path)?;
+        .map_err(Error::io("restricting", path))?;
+    let meta = fs::symlink_metadata(path).map_err(Error::io("looking at", path))?;
     let (tx, rx) = mpsc::channel(256);
     // Connections served at once; more wait in the listen backlog, so that a
     // flood of plugin connections cannot take the descriptors the proxy's
@@ -229,6 +231,12 @@ mod tests {
         assert!(!path.exists());
         // Something else than a socket is not replaced.
         fs::write(&path, "x").unwrap();
-        assert!(format!("{:#}", listen(&path).unwrap_err()).contains("not a socket"));
+        assert_eq!(
+            format!("{:#}", listen(&path).unwrap_err()),
+            format!(
+                "{} exists and is not a socket: not replacing it",
+                path.display()
+            )
+        );
     }
 }
