@@ -63,7 +63,7 @@ impl fmt::Display for Program {
 }
 
 /// Displays an error and its sources, `: `-separated.
-pub struct Chain<'a>(&'a (dyn std::error::Error + 'static));
+pub struct Chain<'a>(pub &'a (dyn std::error::Error + 'static));
 
 impl fmt::Display for Chain<'_> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {

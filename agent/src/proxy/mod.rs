@@ -22,12 +22,12 @@ pub mod socket;
 mod telemetry;
 
 use std::{
+    io,
     net::{IpAddr, Ipv4Addr, SocketAddr},
     sync::Arc,
     time::Duration,
 };
 
-use anyhow::{Context, Result};
 use tokio::{
     net::TcpListener,
     sync::{OwnedSemaphorePermit, watch},
@@ -37,6 +37,7 @@ pub use self::limits::ConnectionLimits;
 pub(crate) use self::limits::{Budget, Refusal};
 use crate::{
     authz::{self, Denial, DenialCounts, Request},
+    dataplane::Chain,
     identity::CertManager,
     state::{View, endpoint::EndpointLoad},
     telemetry::{
@@ -230,6 +231,19 @@ impl ProxyState {
     }
 }
 
+/// A transparent listener could not be bound.
+#[derive(Debug, thiserror::Error)]
+#[error("binding the transparent listener {addr}: {}", Chain(error))]
+pub struct BindError {
+    /// The listener: `outbound`, `inbound plaintext` or `inbound HBONE`.
+    pub listener: &'static str,
+    /// The address it binds.
+    pub addr: SocketAddr,
+    /// The system call's error: the port taken (`EADDRINUSE`), or
+    /// `IP_TRANSPARENT` not permitted (`EPERM`, without `CAP_NET_ADMIN`).
+    pub error: io::Error,
+}
+
 /// The bound listeners.
 pub struct Listeners {
     outbound: TcpListener,
@@ -241,17 +255,20 @@ impl Listeners {
     /// Binds the three transparent listeners.
     ///
     /// # Errors
-    /// When a port is taken or `IP_TRANSPARENT` is not permitted.
-    pub fn bind(config: &ProxyConfig) -> Result<Self> {
-        let bind = |port: u16| {
+    /// [`BindError`]: when a port is taken or `IP_TRANSPARENT` is not permitted.
+    pub fn bind(config: &ProxyConfig) -> Result<Self, BindError> {
+        let bind = |listener: &'static str, port: u16| {
             let addr = SocketAddr::from((config.listen_ip, port));
-            socket::transparent_listener(addr, config.proxy_mark)
-                .with_context(|| format!("binding the transparent listener {addr}"))
+            socket::transparent_listener(addr, config.proxy_mark).map_err(|error| BindError {
+                listener,
+                addr,
+                error,
+            })
         };
         Ok(Self {
-            outbound: bind(config.outbound_port)?,
-            inbound_plaintext: bind(config.inbound_plaintext_port)?,
-            hbone: bind(config.hbone_port)?,
+            outbound: bind("outbound", config.outbound_port)?,
+            inbound_plaintext: bind("inbound plaintext", config.inbound_plaintext_port)?,
+            hbone: bind("inbound HBONE", config.hbone_port)?,
         })
     }
 }
@@ -379,4 +396,39 @@ async fn accept_loop<F, Fut>(
     drop(listener);
     state.limits.listener_closed();
     tracing::info!("{name} listener closed");
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A listener that cannot be bound (its port taken, or `IP_TRANSPARENT`
+    /// not permitted) is named, with its address and the system call's error.
+    #[tokio::test]
+    async fn a_listener_that_cannot_be_bound_is_named() {
+        let taken = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let port = taken.local_addr().unwrap().port();
+        let config = ProxyConfig {
+            listen_ip: Ipv4Addr::LOCALHOST,
+            outbound_port: port,
+            inbound_plaintext_port: port,
+            hbone_port: port,
+            proxy_mark: 0,
+            connect_timeout: Duration::from_secs(1),
+            max_connections: 1,
+            cluster_id: "Kubernetes".into(),
+        };
+        let Err(error) = Listeners::bind(&config) else {
+            panic!("a taken port was bound");
+        };
+        assert_eq!(error.listener, "outbound");
+        assert_eq!(error.addr, SocketAddr::from((Ipv4Addr::LOCALHOST, port)));
+        assert_eq!(
+            error.to_string(),
+            format!(
+                "binding the transparent listener 127.0.0.1:{port}: {}",
+                error.error
+            )
+        );
+    }
 }

@@ -10,12 +10,72 @@
 pub mod kube;
 pub mod manifests;
 
-use std::{collections::HashSet, future::Future, path::PathBuf, sync::Arc, time::Duration};
+use std::{collections::HashSet, future::Future, io, path::PathBuf, sync::Arc, time::Duration};
 
-use anyhow::{Context, Result};
+use ::kube::config::{InClusterError, KubeconfigError};
 use tokio::{sync::mpsc, task::JoinHandle};
 
-use crate::state::Delta;
+use crate::{dataplane::Chain, state::Delta};
+
+/// Why a source could not be opened. Each message ends with its cause and the
+/// cause's own causes, `: `-separated, so the cause is a field (`error`), not
+/// [`std::error::Error::source`].
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum Error {
+    /// The manifests directory is not a readable directory.
+    #[error("reading the manifests directory {}: {}", path.display(), Chain(error))]
+    ManifestsDirectory {
+        /// The directory, as given.
+        path: PathBuf,
+        /// The system call's error.
+        error: io::Error,
+    },
+    /// inotify cannot watch the manifests directory (inotify(7); the message
+    /// is the one of [`Error::ManifestsDirectory`]).
+    #[error("reading the manifests directory {}: {}", path.display(), Chain(error))]
+    Watch {
+        /// The directory, as given.
+        path: PathBuf,
+        /// The watcher's error.
+        error: notify::Error,
+    },
+    /// The kubeconfig cannot be read or parsed.
+    #[error("reading the kubeconfig {}: {}", path.display(), Chain(error))]
+    ReadKubeconfig {
+        /// The kubeconfig.
+        path: PathBuf,
+        /// kube-rs's error.
+        error: KubeconfigError,
+    },
+    /// The kubeconfig gives no usable configuration (no current context, a
+    /// cluster URL or credentials that cannot be used).
+    #[error("using the kubeconfig {}: {}", path.display(), Chain(error))]
+    UseKubeconfig {
+        /// The kubeconfig.
+        path: PathBuf,
+        /// kube-rs's error.
+        error: KubeconfigError,
+    },
+    /// No kubeconfig was given and the agent does not run in a pod
+    /// (`KUBERNETES_SERVICE_HOST`/`_PORT` unset, or no service account token
+    /// or CA).
+    #[error(
+        "no --manifests or --kubeconfig given, and no in-cluster configuration (KUBERNETES_SERVICE_HOST and the service account) found: {}",
+        Chain(error)
+    )]
+    NoInClusterConfig {
+        /// kube-rs's error.
+        error: InClusterError,
+    },
+    /// The Kubernetes client cannot be made from the configuration (its TLS
+    /// settings, its authentication).
+    #[error("making the Kubernetes client: {}", Chain(error))]
+    Client {
+        /// kube-rs's error.
+        error: ::kube::Error,
+    },
+}
 
 /// Where the agent learns about workloads.
 #[derive(Clone, Debug)]
@@ -102,12 +162,11 @@ pub fn spawn(mut source: impl Source) -> Opened {
 ///
 /// # Errors
 /// A manifests directory that cannot be read or watched; a Kubernetes
-/// configuration that cannot be loaded.
-pub async fn open(config: &WorkloadSourceConfig, node: &str) -> Result<Opened> {
+/// configuration that cannot be loaded ([`Error`]).
+pub async fn open(config: &WorkloadSourceConfig, node: &str) -> Result<Opened, Error> {
     match config {
         WorkloadSourceConfig::Manifests(path) => {
-            let source = manifests::ManifestSource::open(path)
-                .with_context(|| format!("reading the manifests directory {}", path.display()))?;
+            let source = manifests::ManifestSource::open(path)?;
             Ok(spawn(source))
         }
         WorkloadSourceConfig::Kubernetes { kubeconfig } => {
@@ -141,5 +200,82 @@ mod tests {
             .filter_map(|p| p.metadata.name.as_deref())
             .collect();
         assert_eq!(names, ["web"]);
+    }
+
+    /// A manifests directory that is not one: the message `anyhow`'s `{:#}`
+    /// printed with the context `open` gave it.
+    #[tokio::test]
+    async fn a_missing_manifests_directory_is_named_with_its_cause() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("missing");
+        let config = WorkloadSourceConfig::Manifests(path.clone());
+        let Err(error) = open(&config, "node-1").await else {
+            panic!("a missing directory was opened");
+        };
+        assert!(
+            matches!(error, Error::ManifestsDirectory { .. }),
+            "{error:?}"
+        );
+        let cause = std::fs::read_dir(&path).unwrap_err();
+        assert_eq!(
+            error.to_string(),
+            format!(
+                "{:#}",
+                anyhow::Error::new(cause).context(format!(
+                    "reading the manifests directory {}",
+                    path.display()
+                ))
+            )
+        );
+    }
+
+    /// A kubeconfig that cannot be read: kube-rs's error and its causes, after
+    /// the context `anyhow` printed.
+    #[tokio::test]
+    async fn an_unreadable_kubeconfig_is_named_with_its_causes() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("kubeconfig");
+        let config = WorkloadSourceConfig::Kubernetes {
+            kubeconfig: Some(path.clone()),
+        };
+        let Err(error) = open(&config, "node-1").await else {
+            panic!("a missing kubeconfig was used");
+        };
+        assert!(matches!(error, Error::ReadKubeconfig { .. }), "{error:?}");
+        let cause = ::kube::config::Kubeconfig::read_from(&path).unwrap_err();
+        let expected = format!(
+            "{:#}",
+            anyhow::Error::new(cause).context(format!("reading the kubeconfig {}", path.display()))
+        );
+        assert_eq!(error.to_string(), expected);
+        // The cause's own cause (the system call's error) is in the message.
+        assert!(expected.matches(": ").count() >= 2, "{expected}");
+    }
+
+    /// A kubeconfig without a context cannot be used.
+    #[tokio::test]
+    async fn a_kubeconfig_without_a_context_is_named_with_its_causes() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("kubeconfig");
+        std::fs::write(&path, "apiVersion: v1\nkind: Config\n").unwrap();
+        let config = WorkloadSourceConfig::Kubernetes {
+            kubeconfig: Some(path.clone()),
+        };
+        let Err(error) = open(&config, "node-1").await else {
+            panic!("a kubeconfig without a context was used");
+        };
+        assert!(matches!(error, Error::UseKubeconfig { .. }), "{error:?}");
+        let kubeconfig = ::kube::config::Kubeconfig::read_from(&path).unwrap();
+        let cause = ::kube::Config::from_custom_kubeconfig(kubeconfig, &Default::default())
+            .await
+            .unwrap_err();
+        assert_eq!(
+            error.to_string(),
+            format!(
+                "{:#}",
+                anyhow::Error::new(cause)
+                    .context(format!("using the kubeconfig {}", path.display()))
+            )
+        );
     }
 }

@@ -5,8 +5,14 @@
 use std::{collections::HashSet, fmt};
 
 use tracing_subscriber::{
-    EnvFilter, Registry, filter::LevelFilter, layer::SubscriberExt, reload, util::SubscriberInitExt,
+    EnvFilter, Registry,
+    filter::{LevelFilter, ParseError},
+    layer::SubscriberExt,
+    reload,
+    util::{SubscriberInitExt, TryInitError},
 };
+
+use crate::dataplane::Chain;
 
 /// How log lines are written (to standard error).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum)]
@@ -18,6 +24,27 @@ pub enum LogFormat {
     /// One JSON object per line: `timestamp`, `level`, `target`, and `fields`
     /// (with `message`).
     Json,
+}
+
+/// Why the global subscriber could not be installed ([`init`]). The message is
+/// the cause's and the cause's own causes, `: `-separated.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum InitError {
+    /// The filter does not parse.
+    #[error("{}", Chain(error))]
+    Filter {
+        /// The filter: `RUST_LOG` when set, else the one given.
+        filter: String,
+        /// `EnvFilter`'s error.
+        error: ParseError,
+    },
+    /// A global subscriber is installed already.
+    #[error("{}", Chain(error))]
+    Install {
+        /// `tracing-subscriber`'s error.
+        error: TryInitError,
+    },
 }
 
 /// Why a filter given at run time was refused; the filter in force stays.
@@ -116,11 +143,16 @@ impl LogControl {
 /// `RUST_LOG` when set, else by `filter`.
 ///
 /// # Errors
-/// An invalid filter, or a subscriber already installed.
-pub fn init(filter: &str, format: LogFormat) -> anyhow::Result<LogControl> {
+/// An invalid filter ([`InitError::Filter`]), or a subscriber already installed
+/// ([`InitError::Install`]).
+pub fn init(filter: &str, format: LogFormat) -> Result<LogControl, InitError> {
     let filter = match std::env::var("RUST_LOG") {
-        Ok(env) if !env.is_empty() => EnvFilter::builder().parse(env)?,
-        _ => EnvFilter::builder().parse(filter)?,
+        Ok(env) if !env.is_empty() => env,
+        _ => filter.to_string(),
+    };
+    let filter = match EnvFilter::builder().parse(&filter) {
+        Ok(parsed) => parsed,
+        Err(error) => return Err(InitError::Filter { filter, error }),
     };
     let (filter, handle) = reload::Layer::new(filter);
     let ansi = std::io::IsTerminal::is_terminal(&std::io::stderr());
@@ -132,15 +164,16 @@ pub fn init(filter: &str, format: LogFormat) -> anyhow::Result<LogControl> {
                     .with_writer(std::io::stderr)
                     .with_ansi(ansi),
             )
-            .try_init()?,
+            .try_init(),
         LogFormat::Json => registry
             .with(
                 tracing_subscriber::fmt::layer()
                     .json()
                     .with_writer(std::io::stderr),
             )
-            .try_init()?,
+            .try_init(),
     }
+    .map_err(|error| InitError::Install { error })?;
     Ok(LogControl { handle })
 }
 
@@ -227,6 +260,23 @@ impl RateLimited {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A filter that does not parse: its message is the parser's error and its
+    /// causes, as `anyhow`'s `{:#}` printed it.
+    #[test]
+    fn an_init_filter_error_is_the_parsers_chain() {
+        for filter in ["info,podlink=loud", "=info"] {
+            let parse = || EnvFilter::builder().parse(filter).unwrap_err();
+            let error = InitError::Filter {
+                filter: filter.to_string(),
+                error: parse(),
+            };
+            assert_eq!(
+                error.to_string(),
+                format!("{:#}", anyhow::Error::new(parse()))
+            );
+        }
+    }
 
     #[test]
     fn levels_and_target_directives_parse() {

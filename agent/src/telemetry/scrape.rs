@@ -9,8 +9,7 @@ use std::{
     time::{SystemTime, UNIX_EPOCH},
 };
 
-use anyhow::Result;
-use aya::maps::{HashMap as BpfHashMap, MapData, PerCpuHashMap};
+use aya::maps::{HashMap as BpfHashMap, MapData, MapError, PerCpuHashMap};
 use podlink_common::{
     FlowKey, MAP_CAPTURED_FLOWS, MAP_COUNTERS, MAP_PODS, POD_HAS_IPV4, PodCounters, PodInfo,
 };
@@ -21,7 +20,7 @@ use prometheus_client::{
 };
 
 use super::metrics::{Metrics, UNKNOWN};
-use crate::dataplane::Dataplane;
+use crate::dataplane::{self, Chain, Dataplane};
 
 /// What the metrics page reads of the proxy at scrape time. The proxy's state
 /// implements it; telemetry knows nothing more of the proxy.
@@ -52,21 +51,46 @@ pub struct DataplaneMaps {
     captured_flows: BpfHashMap<MapData, FlowKey, u32>,
 }
 
+/// Why the dataplane's maps cannot be read at scrape time.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum MapsError {
+    /// A map is missing from the object or its descriptor cannot be
+    /// duplicated.
+    #[error(transparent)]
+    Handle(#[from] dataplane::Error),
+    /// A map is not of the type expected. The message is aya's error and its
+    /// causes, `: `-separated.
+    #[error("{}", Chain(error))]
+    Type {
+        /// The map's name.
+        map: &'static str,
+        /// aya's error.
+        error: MapError,
+    },
+}
+
 impl DataplaneMaps {
     /// Handles on the pods, counters and captured-flows maps of `dataplane`.
     ///
     /// # Errors
-    /// A map is missing or its descriptor cannot be duplicated.
-    pub fn new(dataplane: &Dataplane) -> Result<Self> {
+    /// A map is missing or its descriptor cannot be duplicated
+    /// ([`MapsError::Handle`]), or it is not of the type expected
+    /// ([`MapsError::Type`]).
+    pub fn new(dataplane: &Dataplane) -> Result<Self, MapsError> {
         use aya::maps::Map;
+        let of = |map: &'static str| move |error| MapsError::Type { map, error };
         Ok(Self {
-            pods: BpfHashMap::try_from(Map::HashMap(dataplane.map_handle(MAP_PODS)?))?,
+            pods: BpfHashMap::try_from(Map::HashMap(dataplane.map_handle(MAP_PODS)?))
+                .map_err(of(MAP_PODS))?,
             counters: PerCpuHashMap::try_from(Map::PerCpuHashMap(
                 dataplane.map_handle(MAP_COUNTERS)?,
-            ))?,
+            ))
+            .map_err(of(MAP_COUNTERS))?,
             captured_flows: BpfHashMap::try_from(Map::LruHashMap(
                 dataplane.map_handle(MAP_CAPTURED_FLOWS)?,
-            ))?,
+            ))
+            .map_err(of(MAP_CAPTURED_FLOWS))?,
         })
     }
 }

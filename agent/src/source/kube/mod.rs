@@ -26,7 +26,6 @@ use std::{
     time::Duration,
 };
 
-use anyhow::{Context, Result};
 use futures_util::StreamExt;
 use k8s_openapi::{
     ClusterResourceScope, NamespaceResourceScope,
@@ -47,7 +46,7 @@ mod annotate;
 
 pub use annotate::RedirectionAnnotator;
 
-use super::{CaptureReporter, FIRST_LIST_WAIT, Source};
+use super::{CaptureReporter, Error, FIRST_LIST_WAIT, Source};
 use crate::{
     k8s::{self, Namespace, Pod},
     state::{Completeness, Delta},
@@ -412,19 +411,29 @@ impl KubeSource {
     /// starts the watchers. Does not wait for the first lists ([`Self::ready`]).
     ///
     /// # Errors
-    /// A kubeconfig that cannot be read or used, or no in-cluster configuration.
-    pub async fn start(kubeconfig: Option<&Path>, node: &str) -> Result<Self> {
+    /// A kubeconfig that cannot be read ([`Error::ReadKubeconfig`]) or used
+    /// ([`Error::UseKubeconfig`]), no in-cluster configuration
+    /// ([`Error::NoInClusterConfig`]), or a configuration kube-rs cannot make
+    /// a client of ([`Error::Client`]).
+    pub async fn start(kubeconfig: Option<&Path>, node: &str) -> Result<Self, Error> {
         let mut config = match kubeconfig {
             Some(path) => {
-                let kubeconfig = kube::config::Kubeconfig::read_from(path)
-                    .with_context(|| format!("reading the kubeconfig {}", path.display()))?;
+                let kubeconfig = kube::config::Kubeconfig::read_from(path).map_err(|error| {
+                    Error::ReadKubeconfig {
+                        path: path.to_path_buf(),
+                        error,
+                    }
+                })?;
                 kube::Config::from_custom_kubeconfig(kubeconfig, &Default::default())
                     .await
-                    .with_context(|| format!("using the kubeconfig {}", path.display()))?
+                    .map_err(|error| Error::UseKubeconfig {
+                        path: path.to_path_buf(),
+                        error,
+                    })?
             }
-            None => kube::Config::incluster().context(
-                "no --manifests or --kubeconfig given, and no in-cluster configuration (KUBERNETES_SERVICE_HOST and the service account) found",
-            )?,
+            None => {
+                kube::Config::incluster().map_err(|error| Error::NoInClusterConfig { error })?
+            }
         };
         // kube-rs takes a proxy from the kubeconfig or the environment
         // (HTTPS_PROXY), but this build has no proxy support and would refuse the
@@ -433,7 +442,7 @@ impl KubeSource {
             tracing::warn!(%proxy, "ignoring the proxy for the Kubernetes API: the agent connects directly");
         }
         let cluster = config.cluster_url.to_string();
-        let client = Client::try_from(config).context("making the Kubernetes client")?;
+        let client = Client::try_from(config).map_err(|error| Error::Client { error })?;
         tracing::info!(api = %cluster, node, "watching the Kubernetes API");
         let pending = Arc::new(Mutex::new(Pending::default()));
         let changes = Arc::new(Notify::new());

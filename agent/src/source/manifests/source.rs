@@ -6,7 +6,7 @@ use std::{collections::BTreeMap, path::Path};
 use super::{Completions, ManifestDir, RESYNC, Rescan, SETTLE, Watch};
 use crate::{
     k8s::Pod,
-    source::Source,
+    source::{Error, Source},
     state::{Completeness, Delta, PoliciesUnknown},
     telemetry::logging::{HeldMessages, Severity},
 };
@@ -31,11 +31,20 @@ impl ManifestSource {
     /// Watches `path`; reads nothing yet.
     ///
     /// # Errors
-    /// When `path` is not a readable directory or cannot be watched.
-    pub fn open(path: &Path) -> anyhow::Result<Self> {
+    /// [`Error::ManifestsDirectory`] when `path` is not a readable directory,
+    /// [`Error::Watch`] when it cannot be watched.
+    pub fn open(path: &Path) -> Result<Self, Error> {
         let completions = Completions::default();
-        let dir = ManifestDir::new(path)?.with_completions(completions.clone());
-        let watch = Watch::new(dir.dir(), completions)?;
+        let dir = ManifestDir::new(path)
+            .map_err(|error| Error::ManifestsDirectory {
+                path: path.to_path_buf(),
+                error,
+            })?
+            .with_completions(completions.clone());
+        let watch = Watch::new(dir.dir(), completions).map_err(|error| Error::Watch {
+            path: path.to_path_buf(),
+            error,
+        })?;
         Ok(ManifestSource {
             dir,
             watch,
