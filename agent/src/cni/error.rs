@@ -2,12 +2,12 @@
 //! socket and the enrollment snapshot.
 //!
 //! Each variant names what it was doing and on what: the file, the directory,
-//! the conflist, the socket. Its message ends with its cause, `: `-separated
-//! (what `anyhow`'s `{:#}` printed before), so the cause is a field (`error`),
-//! not [`std::error::Error::source`]: printed whole once, whichever way the
-//! error is printed.
+//! the conflist, the socket; its message ends with its cause (see
+//! [`crate::error`]).
 
 use std::{io, path::PathBuf};
+
+pub use crate::error::IoError;
 
 use super::{plugin::SUPPORTED_VERSIONS, snapshot::SNAPSHOT_VERSION};
 
@@ -20,17 +20,8 @@ pub type Result<T, E = Error> = std::result::Result<T, E>;
 #[non_exhaustive]
 pub enum Error {
     /// A file system operation failed.
-    #[error("{action} {path}: {error}")]
-    Io {
-        /// What was done: `reading`, `writing`, `replacing`, `creating`,
-        /// `removing`, `removing the stale socket`, `following the link`,
-        /// `looking at`, `binding`, `restricting`.
-        action: &'static str,
-        /// The file, directory or socket.
-        path: PathBuf,
-        /// The system call's error.
-        error: io::Error,
-    },
+    #[error(transparent)]
+    Io(#[from] IoError),
     /// A file to replace has no file name (it ends in `..`, or is `/`).
     #[error("{path} has no file name")]
     NoFileName {
@@ -119,21 +110,6 @@ pub enum Error {
         /// The encoder's error.
         error: serde_json::Error,
     },
-}
-
-impl Error {
-    /// An [`Error::Io`] for `action` on `path`.
-    pub(crate) fn io(
-        action: &'static str,
-        path: impl Into<PathBuf>,
-    ) -> impl FnOnce(io::Error) -> Self {
-        let path = path.into();
-        move |error| Error::Io {
-            action,
-            path,
-            error,
-        }
-    }
 }
 
 /// Why the text of a conflist cannot be edited ([`super::without_plugin`],

@@ -8,6 +8,7 @@
 //! the agent repeats them periodically ([`CHECK_INTERVAL`]): the primary CNI
 //! plugin may rewrite its conflist and drop podlink's entry.
 
+use crate::error::IoError;
 use std::{
     fs,
     io::{self, Read as _},
@@ -79,7 +80,7 @@ pub fn with_plugin(text: &str, socket: &Path) -> Result<Option<String>, Conflist
 /// ([`Error::NoConfiguration`]: the primary CNI plugin has not written it yet),
 /// or its first one is not a `*.conflist` ([`Error::SinglePlugin`]).
 pub fn first_conflist(conf_dir: &Path) -> Result<PathBuf> {
-    let entries = fs::read_dir(conf_dir).map_err(Error::io("reading", conf_dir))?;
+    let entries = fs::read_dir(conf_dir).map_err(IoError::at("reading", conf_dir))?;
     let mut files: Vec<PathBuf> = entries
         .filter_map(|e| e.ok().map(|e| e.path()))
         .filter(|p| {
@@ -109,7 +110,7 @@ pub fn first_conflist(conf_dir: &Path) -> Result<PathBuf> {
 /// written ([`Error::Io`]) or parsed ([`Error::NotAConflist`]), named.
 pub fn ensure_conflist(conf_dir: &Path, socket: &Path) -> Result<Option<PathBuf>> {
     let path = first_conflist(conf_dir)?;
-    let text = fs::read_to_string(&path).map_err(Error::io("reading", &path))?;
+    let text = fs::read_to_string(&path).map_err(IoError::at("reading", &path))?;
     let new = with_plugin(&text, socket).map_err(|error| Error::NotAConflist {
         path: path.clone(),
         error,
@@ -173,7 +174,7 @@ pub fn ensure_binary(source: &Path, bin_dir: &Path) -> Result<bool> {
     if target.is_file() && same_contents(source, &target).unwrap_or(false) {
         return Ok(false);
     }
-    fs::create_dir_all(bin_dir).map_err(Error::io("creating", bin_dir))?;
+    fs::create_dir_all(bin_dir).map_err(IoError::at("creating", bin_dir))?;
     // A name no runtime runs, in the same directory (same file system).
     let tmp = bin_dir.join(format!(".{PLUGIN_TYPE}.podlink-partial"));
     fs::copy(source, &tmp).map_err(|error| Error::Copy {
@@ -188,7 +189,7 @@ pub fn ensure_binary(source: &Path, bin_dir: &Path) -> Result<bool> {
         }
     })?;
     fs::File::open(&tmp).and_then(|f| f.sync_all()).ok();
-    fs::rename(&tmp, &target).map_err(Error::io("replacing", &target))?;
+    fs::rename(&tmp, &target).map_err(IoError::at("replacing", &target))?;
     Ok(true)
 }
 
@@ -224,7 +225,7 @@ pub fn remove_binary(bin_dir: &Path) -> Result<Option<PathBuf>> {
     match fs::remove_file(&target) {
         Ok(()) => Ok(Some(target)),
         Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(None),
-        Err(e) => Err(Error::io("removing", target)(e)),
+        Err(e) => Err(IoError::at("removing", target)(e).into()),
     }
 }
 

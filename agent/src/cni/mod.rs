@@ -12,6 +12,7 @@
 //! `type` naming the plugin binary; the runtime reads every `*.conflist` of its
 //! configuration directory (`/etc/cni/net.d` by default).
 
+use crate::error::IoError;
 use std::{
     fs,
     io::{self, Write as _},
@@ -93,7 +94,7 @@ pub fn without_plugin(text: &str) -> Result<Option<String>, ConflistError> {
 pub(crate) fn write_atomically(path: &Path, text: &str) -> Result<()> {
     let resolved;
     let path = if fs::symlink_metadata(path).is_ok_and(|m| m.file_type().is_symlink()) {
-        resolved = fs::canonicalize(path).map_err(Error::io("following the link", path))?;
+        resolved = fs::canonicalize(path).map_err(IoError::at("following the link", path))?;
         resolved.as_path()
     } else {
         path
@@ -106,14 +107,15 @@ pub(crate) fn write_atomically(path: &Path, text: &str) -> Result<()> {
         .to_string_lossy();
     // Not `*.conflist`: a runtime reading the directory meanwhile ignores it.
     let tmp = path.with_file_name(format!(".{name}.podlink-partial"));
-    let mut file = fs::File::create(&tmp).map_err(Error::io("writing", &tmp))?;
+    let mut file = fs::File::create(&tmp).map_err(IoError::at("writing", &tmp))?;
     file.write_all(text.as_bytes())
         .and_then(|()| file.sync_all())
-        .map_err(Error::io("writing", &tmp))?;
+        .map_err(IoError::at("writing", &tmp))?;
     if let Ok(meta) = fs::metadata(path) {
         let _ = fs::set_permissions(&tmp, meta.permissions());
     }
-    fs::rename(&tmp, path).map_err(Error::io("replacing", path))
+    fs::rename(&tmp, path).map_err(IoError::at("replacing", path))?;
+    Ok(())
 }
 
 /// Removes the [`PLUGIN_TYPE`] entries from every `*.conflist` in `conf_dir`,
@@ -127,7 +129,7 @@ pub fn remove_plugin(conf_dir: &Path) -> Result<Vec<PathBuf>> {
     let entries = match fs::read_dir(conf_dir) {
         Ok(entries) => entries,
         Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(Vec::new()),
-        Err(e) => return Err(Error::io("reading", conf_dir)(e)),
+        Err(e) => return Err(IoError::at("reading", conf_dir)(e).into()),
     };
     let mut files: Vec<PathBuf> = entries
         .filter_map(|e| e.ok().map(|e| e.path()))
@@ -136,7 +138,7 @@ pub fn remove_plugin(conf_dir: &Path) -> Result<Vec<PathBuf>> {
     files.sort();
     let mut changed = Vec::new();
     for path in files {
-        let text = fs::read_to_string(&path).map_err(Error::io("reading", &path))?;
+        let text = fs::read_to_string(&path).map_err(IoError::at("reading", &path))?;
         let new = without_plugin(&text).map_err(|error| Error::NotAConflist {
             path: path.clone(),
             error,

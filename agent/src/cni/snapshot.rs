@@ -9,6 +9,7 @@
 //! plugin lets it start uncaptured, and the agent, once back, enrolls it by its
 //! host route as any pod it finds running.
 
+use crate::error::IoError;
 use std::{
     collections::BTreeSet,
     fs, io,
@@ -122,7 +123,7 @@ impl Snapshot {
         let text = match fs::read(path) {
             Ok(text) => text,
             Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(None),
-            Err(e) => return Err(Error::io("reading", path)(e)),
+            Err(e) => return Err(IoError::at("reading", path)(e).into()),
         };
         let snapshot: Snapshot =
             serde_json::from_slice(&text).map_err(|error| Error::NotASnapshot {

@@ -1,6 +1,7 @@
 //! The podlink-cni plugin's Unix socket: one request a connection, answered
 //! by the reconciler ([`super::enroller::Enroller`]).
 
+use crate::error::IoError;
 use std::{
     fs,
     os::unix::fs::{DirBuilderExt as _, FileTypeExt as _, MetadataExt as _, PermissionsExt as _},
@@ -71,11 +72,11 @@ pub fn listen(path: &Path) -> Result<(CniSocket, mpsc::Receiver<Incoming>)> {
             .recursive(true)
             .mode(0o755)
             .create(dir)
-            .map_err(Error::io("creating", dir))?;
+            .map_err(IoError::at("creating", dir))?;
     }
     match fs::symlink_metadata(path) {
         Ok(m) if m.file_type().is_socket() => {
-            fs::remove_file(path).map_err(Error::io("removing the stale socket", path))?;
+            fs::remove_file(path).map_err(IoError::at("removing the stale socket", path))?;
         }
         Ok(_) => {
             return Err(Error::NotASocket {
@@ -83,12 +84,12 @@ pub fn listen(path: &Path) -> Result<(CniSocket, mpsc::Receiver<Incoming>)> {
             });
         }
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
-        Err(e) => return Err(Error::io("looking at", path)(e)),
+        Err(e) => return Err(IoError::at("looking at", path)(e).into()),
     }
-    let listener = UnixListener::bind(path).map_err(Error::io("binding", path))?;
+    let listener = UnixListener::bind(path).map_err(IoError::at("binding", path))?;
     fs::set_permissions(path, fs::Permissions::from_mode(0o600))
-        .map_err(Error::io("restricting", path))?;
-    let meta = fs::symlink_metadata(path).map_err(Error::io("looking at", path))?;
+        .map_err(IoError::at("restricting", path))?;
+    let meta = fs::symlink_metadata(path).map_err(IoError::at("looking at", path))?;
     let (tx, rx) = mpsc::channel(256);
     // Connections served at once; more wait in the listen backlog, so that a
     // flood of plugin connections cannot take the descriptors the proxy's

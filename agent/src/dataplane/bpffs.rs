@@ -6,9 +6,10 @@
 //! with the namespace; the test bed therefore mounts each node's bpffs in the root
 //! mount namespace and passes its path as `--pin-dir`.
 
+use crate::error::IoError;
 use std::path::Path;
 
-use super::error::{Error, Result};
+use super::error::Result;
 use nix::{
     mount::{MsFlags, mount},
     sys::statfs::{BPF_FS_MAGIC, statfs},
@@ -46,7 +47,7 @@ pub fn ensure(pin_dir: &Path) -> Result<()> {
         let target = if pin_dir.starts_with(sys_fs_bpf) && sys_fs_bpf.is_dir() {
             sys_fs_bpf
         } else {
-            std::fs::create_dir_all(pin_dir).map_err(Error::io("creating", pin_dir))?;
+            std::fs::create_dir_all(pin_dir).map_err(IoError::at("creating", pin_dir))?;
             pin_dir
         };
         mount(
@@ -56,7 +57,7 @@ pub fn ensure(pin_dir: &Path) -> Result<()> {
             MsFlags::MS_NOSUID | MsFlags::MS_NODEV | MsFlags::MS_NOEXEC,
             Some("mode=0700"),
         )
-        .map_err(|e| Error::io("mounting a bpffs at", target)(e.into()))?;
+        .map_err(|e| IoError::at("mounting a bpffs at", target)(e.into()))?;
         tracing::info!(path = %target.display(), "mounted a bpffs");
         if in_private_mount_namespace() {
             tracing::warn!(
@@ -65,6 +66,6 @@ pub fn ensure(pin_dir: &Path) -> Result<()> {
             );
         }
     }
-    std::fs::create_dir_all(pin_dir).map_err(Error::io("creating", pin_dir))?;
+    std::fs::create_dir_all(pin_dir).map_err(IoError::at("creating", pin_dir))?;
     Ok(())
 }

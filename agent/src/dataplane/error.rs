@@ -1,10 +1,8 @@
 //! The dataplane's errors, and its eBPF programs by name.
 //!
 //! Each variant names what it was doing and on what: the program, the host veth,
-//! the map, the pin or file. Its message ends with its cause and the cause's own
-//! causes, `: `-separated (what `anyhow`'s `{:#}` printed before), so the cause
-//! is a field (`error`), not [`std::error::Error::source`]: printed whole once,
-//! whichever way the error is printed.
+//! the map, the pin or file; its message ends with its cause and the cause's own
+//! causes (see [`crate::error`]).
 
 use std::{fmt, io, path::PathBuf, time::Duration};
 
@@ -15,6 +13,9 @@ use aya::{
     programs::{ProgramError, TcAttachType, links::LinkError},
 };
 use podlink_common::{LAYOUT_VERSION, PROG_FROM_POD, PROG_TO_POD};
+
+use crate::error::Chain;
+pub use crate::error::IoError;
 use serde::Serialize;
 
 /// The dataplane's results.
@@ -62,26 +63,6 @@ impl fmt::Display for Program {
     }
 }
 
-/// Displays an error and its sources, `: `-separated.
-pub struct Chain<'a>(pub &'a (dyn std::error::Error + 'static));
-
-impl fmt::Display for Chain<'_> {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{}", self.0)?;
-        let mut source = self.0.source();
-        while let Some(e) = source {
-            write!(f, ": {e}")?;
-            source = e.source();
-        }
-        Ok(())
-    }
-}
-
-/// `error` and its sources, for messages.
-fn chain<'a>(error: &'a (dyn std::error::Error + 'static)) -> Chain<'a> {
-    Chain(error)
-}
-
 /// What to do about pins of layout `version`, which this podlink does not know.
 fn layout_advice(version: u32) -> &'static str {
     if version > LAYOUT_VERSION {
@@ -105,7 +86,7 @@ pub enum Error {
     )]
     NoObject,
     /// The kernel refused the object or its maps.
-    #[error("loading the eBPF object (maps pinned under {pin_dir}): {}", chain(&**.error))]
+    #[error("loading the eBPF object (maps pinned under {pin_dir}): {}", Chain(&**.error))]
     LoadObject {
         /// The layout's directory of the map pins.
         pin_dir: PathBuf,
@@ -125,7 +106,7 @@ pub enum Error {
         map: String,
     },
     /// A program could not be loaded or used (`action` says how).
-    #[error("{action} program {program}: {}", chain(.error))]
+    #[error("{action} program {program}: {}", Chain(.error))]
     Program {
         /// What was done with it: `loading`, `moving a pinned link to`, …
         action: &'static str,
@@ -135,7 +116,7 @@ pub enum Error {
         error: ProgramError,
     },
     /// Attaching a program to a pod's host veth failed.
-    #[error("attaching {program} to {interface}: {}", chain(.error))]
+    #[error("attaching {program} to {interface}: {}", Chain(.error))]
     Attach {
         /// The program.
         program: Program,
@@ -145,7 +126,7 @@ pub enum Error {
         error: ProgramError,
     },
     /// A link is not of the kind expected (a TCX link of a TC program).
-    #[error("the link of program {program}: {}", chain(.error))]
+    #[error("the link of program {program}: {}", Chain(.error))]
     Link {
         /// The program.
         program: Program,
@@ -153,7 +134,7 @@ pub enum Error {
         error: LinkError,
     },
     /// A TCX link could not be pinned.
-    #[error("pinning {path}: {}", chain(.error))]
+    #[error("pinning {path}: {}", Chain(.error))]
     PinLink {
         /// The pin.
         path: PathBuf,
@@ -161,7 +142,7 @@ pub enum Error {
         error: PinError,
     },
     /// A link pin could not be opened.
-    #[error("opening the link pin {path}: {}", chain(.error))]
+    #[error("opening the link pin {path}: {}", Chain(.error))]
     OpenLinkPin {
         /// The pin.
         path: PathBuf,
@@ -169,7 +150,7 @@ pub enum Error {
         error: LinkError,
     },
     /// A loaded map could not be read or written.
-    #[error("{action} the {map} map: {}", chain(.error))]
+    #[error("{action} the {map} map: {}", Chain(.error))]
     Map {
         /// `reading`, `writing`, `updating`, `opening`, …
         action: &'static str,
@@ -179,7 +160,7 @@ pub enum Error {
         error: MapError,
     },
     /// A pinned map could not be opened or read.
-    #[error("{action} {path}: {}", chain(.error))]
+    #[error("{action} {path}: {}", Chain(.error))]
     MapPin {
         /// `opening`, `reading`, `reading the pinned map`.
         action: &'static str,
@@ -197,7 +178,7 @@ pub enum Error {
         error: io::Error,
     },
     /// An exclusion (`--exclude-cidr`, `--exclude-port`) could not be written.
-    #[error("excluding {entry}: {}", chain(.error))]
+    #[error("excluding {entry}: {}", Chain(.error))]
     Exclude {
         /// The prefix, or `port <N>`.
         entry: String,
@@ -268,16 +249,8 @@ pub enum Error {
         pin_dir: PathBuf,
     },
     /// A file system operation failed.
-    #[error("{action} {path}: {error}")]
-    Io {
-        /// `reading`, `writing`, `creating`, `removing`, `opening`, `locking`,
-        /// `mounting a bpffs at`.
-        action: &'static str,
-        /// The file or directory.
-        path: PathBuf,
-        /// The system call's error.
-        error: io::Error,
-    },
+    #[error(transparent)]
+    Io(#[from] IoError),
     /// Renaming a pin failed.
     #[error("moving {from} to {to}: {error}")]
     Rename {
@@ -352,7 +325,7 @@ pub enum Error {
         error: io::Error,
     },
     /// A route netlink request failed.
-    #[error("{request}: {}", chain(.error))]
+    #[error("{request}: {}", Chain(.error))]
     Netlink {
         /// What was asked: `dumping routes`, `adding the rule …`.
         request: String,
@@ -378,19 +351,6 @@ pub enum Error {
 }
 
 impl Error {
-    /// An [`Error::Io`] for `action` on `path`.
-    pub(crate) fn io(
-        action: &'static str,
-        path: impl Into<PathBuf>,
-    ) -> impl FnOnce(io::Error) -> Self {
-        let path = path.into();
-        move |error| Error::Io {
-            action,
-            path,
-            error,
-        }
-    }
-
     /// An [`Error::Map`] for `action` on map `map`.
     pub(crate) fn map(action: &'static str, map: &'static str) -> impl FnOnce(MapError) -> Self {
         move |error| Error::Map { action, map, error }

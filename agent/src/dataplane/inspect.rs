@@ -7,6 +7,7 @@
 //! links): run it in the node's network namespace, where the interface indexes
 //! mean something.
 
+use crate::error::IoError;
 use std::{
     collections::{BTreeMap, HashMap},
     fmt::Write as _,
@@ -252,8 +253,8 @@ pub fn inspect(pin_dir: &Path) -> Result<Inspection> {
     let mut links = Vec::new();
     if links_dir.is_dir() {
         let program_names = program_names();
-        for entry in fs::read_dir(&links_dir).map_err(Error::io("reading", &links_dir))? {
-            let pin = entry.map_err(Error::io("reading", &links_dir))?.path();
+        for entry in fs::read_dir(&links_dir).map_err(IoError::at("reading", &links_dir))? {
+            let pin = entry.map_err(IoError::at("reading", &links_dir))?.path();
             let Some((ifindex, program)) = pin
                 .file_name()
                 .and_then(|n| n.to_str())

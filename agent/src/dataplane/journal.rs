@@ -28,6 +28,7 @@
 //! changed it since) and, for an interface's sysctl, only while the interface with
 //! that index still exists.
 
+use crate::error::IoError;
 use std::{
     collections::HashMap,
     fs, io,
@@ -181,7 +182,7 @@ impl SysctlJournal {
         let text = match fs::read_to_string(&self.path) {
             Ok(text) => text,
             Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok((Vec::new(), false)),
-            Err(e) => return Err(Error::io("reading", &self.path)(e)),
+            Err(e) => return Err(IoError::at("reading", &self.path)(e).into()),
         };
         if text
             .trim_matches(|c: char| c.is_whitespace() || c == '\0')
@@ -239,7 +240,7 @@ impl SysctlJournal {
     /// Rewrites the file with `sysctls` (by rename).
     fn store(&self, sysctls: &[SysctlChange]) -> Result<()> {
         let dir = self.path.parent().unwrap_or(Path::new("."));
-        fs::create_dir_all(dir).map_err(Error::io("creating", dir))?;
+        fs::create_dir_all(dir).map_err(IoError::at("creating", dir))?;
         let mut text = serde_json::to_string(&Header {
             version: FORMAT_VERSION,
         })
@@ -247,8 +248,9 @@ impl SysctlJournal {
         text.push('\n');
         append_lines(&mut text, sysctls)?;
         let tmp = self.path.with_extension("json.partial");
-        fs::write(&tmp, text).map_err(Error::io("writing", &tmp))?;
-        fs::rename(&tmp, &self.path).map_err(Error::io("writing", &self.path))
+        fs::write(&tmp, text).map_err(IoError::at("writing", &tmp))?;
+        fs::rename(&tmp, &self.path).map_err(IoError::at("writing", &self.path))?;
+        Ok(())
     }
 
     /// Appends `sysctls` to the file in one write. Returns false if the file is
@@ -258,12 +260,12 @@ impl SysctlJournal {
         let mut file = match fs::OpenOptions::new().append(true).open(&self.path) {
             Ok(file) => file,
             Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(false),
-            Err(e) => return Err(Error::io("writing", &self.path)(e)),
+            Err(e) => return Err(IoError::at("writing", &self.path)(e).into()),
         };
         let mut text = String::new();
         append_lines(&mut text, sysctls)?;
         file.write_all(text.as_bytes())
-            .map_err(Error::io("writing", &self.path))?;
+            .map_err(IoError::at("writing", &self.path))?;
         Ok(true)
     }
 
@@ -410,7 +412,7 @@ impl SysctlJournal {
         match fs::remove_file(&self.path) {
             Ok(()) => {}
             Err(e) if e.kind() == io::ErrorKind::NotFound => {}
-            Err(e) => return Err(Error::io("removing", &self.path)(e)),
+            Err(e) => return Err(IoError::at("removing", &self.path)(e).into()),
         }
         Ok(done)
     }

@@ -29,7 +29,7 @@ pub mod netlink;
 pub mod pins;
 pub mod rcu;
 
-pub use error::{Chain, Error, Program, Result};
+pub use error::{Error, IoError, Program, Result};
 use journal::SysctlJournal;
 use layout::with_node_addrs;
 use pins::{link_pin_name, parse_link_pin_name};
@@ -368,8 +368,8 @@ impl Dataplane {
     /// Moves every pinned link of a previous agent to this agent's programs.
     fn adopt_pinned_links(&mut self) -> Result<()> {
         let dir = self.pins.join(LINKS_DIR);
-        for entry in fs::read_dir(&dir).map_err(Error::io("reading", &dir))? {
-            let path = entry.map_err(Error::io("reading", &dir))?.path();
+        for entry in fs::read_dir(&dir).map_err(IoError::at("reading", &dir))? {
+            let path = entry.map_err(IoError::at("reading", &dir))?.path();
             let Some((ifindex, program)) = path
                 .file_name()
                 .and_then(|n| n.to_str())
@@ -477,7 +477,7 @@ impl Dataplane {
             .insert(pod.ifindex, info, 0)
             .map_err(Error::map("writing", MAP_PODS))?;
         if self.counters.get(&pod.ifindex, 0).is_err() {
-            let cpus = aya::util::nr_cpus().map_err(|(what, e)| Error::io("reading", what)(e))?;
+            let cpus = aya::util::nr_cpus().map_err(|(what, e)| IoError::at("reading", what)(e))?;
             let zero = PerCpuValues::try_from(vec![PodCounters::default(); cpus])
                 .map_err(|error| Error::PerCpu { error })?;
             self.counters

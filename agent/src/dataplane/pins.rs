@@ -22,6 +22,7 @@
 //! The pin directory itself is locked (`flock(2)` on the directory) by the agent
 //! using it, so that `podlink uninstall` can tell that one is running.
 
+use crate::error::IoError;
 use std::{
     fs::{self, File},
     io,
@@ -132,10 +133,10 @@ pub fn survey(pin_dir: &Path) -> Result<PinDirContents> {
     let entries = match fs::read_dir(pin_dir) {
         Ok(entries) => entries,
         Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(contents),
-        Err(e) => return Err(Error::io("reading", pin_dir)(e)),
+        Err(e) => return Err(IoError::at("reading", pin_dir)(e).into()),
     };
     for entry in entries {
-        let entry = entry.map_err(Error::io("reading", pin_dir))?;
+        let entry = entry.map_err(IoError::at("reading", pin_dir))?;
         let name = entry.file_name();
         let name = name.to_string_lossy();
         if let Some(version) = parse_version(&name) {
@@ -202,7 +203,7 @@ pub(super) fn prepare(pin_dir: &Path) -> Result<Prepared> {
         })?;
     }
     let links = dir.join(LINKS_DIR);
-    fs::create_dir_all(&links).map_err(Error::io("creating", &links))?;
+    fs::create_dir_all(&links).map_err(IoError::at("creating", &links))?;
     let mut old_flows = Vec::new();
     for layout in &earlier {
         migrate(layout, &dir)?;
@@ -231,7 +232,7 @@ fn migrate(layout: &FoundLayout, dir: &Path) -> Result<()> {
         }
         if new.exists() {
             // A map this layout already has (an earlier move): it stays.
-            fs::remove_file(&old).map_err(Error::io("removing", &old))?;
+            fs::remove_file(&old).map_err(IoError::at("removing", &old))?;
         } else {
             rename(&old, &new)?;
             moved += 1;
@@ -239,8 +240,8 @@ fn migrate(layout: &FoundLayout, dir: &Path) -> Result<()> {
     }
     let old_links = from.join(LINKS_DIR);
     if old_links.is_dir() {
-        for entry in fs::read_dir(&old_links).map_err(Error::io("reading", &old_links))? {
-            let old = entry.map_err(Error::io("reading", &old_links))?.path();
+        for entry in fs::read_dir(&old_links).map_err(IoError::at("reading", &old_links))? {
+            let old = entry.map_err(IoError::at("reading", &old_links))?.path();
             let Some(name) = old.file_name() else {
                 continue;
             };
@@ -253,7 +254,7 @@ fn migrate(layout: &FoundLayout, dir: &Path) -> Result<()> {
                 moved += 1;
             }
         }
-        fs::remove_dir(&old_links).map_err(Error::io("removing", &old_links))?;
+        fs::remove_dir(&old_links).map_err(IoError::at("removing", &old_links))?;
     }
     tracing::info!(
         from = %from.display(),
@@ -282,7 +283,7 @@ fn rename(from: &Path, to: &Path) -> Result<()> {
 /// A pin that cannot be removed.
 pub(super) fn finish_migration(pin_dir: &Path, old_flows: &[PathBuf]) -> Result<()> {
     for flows in old_flows {
-        fs::remove_file(flows).map_err(Error::io("removing", flows))?;
+        fs::remove_file(flows).map_err(IoError::at("removing", flows))?;
     }
     let previous = layout_dir(pin_dir, PREVIOUS_LAYOUT_VERSION);
     if previous.is_dir() {
@@ -299,13 +300,13 @@ pub(super) fn finish_migration(pin_dir: &Path, old_flows: &[PathBuf]) -> Result<
 /// When another process holds it (an agent running on this pin directory), naming
 /// the directory; or when the directory cannot be opened.
 pub fn lock(pin_dir: &Path) -> Result<Flock<File>> {
-    let dir = File::open(pin_dir).map_err(Error::io("opening", pin_dir))?;
+    let dir = File::open(pin_dir).map_err(IoError::at("opening", pin_dir))?;
     match Flock::lock(dir, FlockArg::LockExclusiveNonblock) {
         Ok(lock) => Ok(lock),
         Err((_, nix::errno::Errno::EWOULDBLOCK)) => Err(Error::PinDirLocked {
             pin_dir: pin_dir.to_path_buf(),
         }),
-        Err((_, e)) => Err(Error::io("locking", pin_dir)(e.into())),
+        Err((_, e)) => Err(IoError::at("locking", pin_dir)(e.into()).into()),
     }
 }
 
@@ -339,7 +340,7 @@ pub fn remove_all(pin_dir: &Path) -> Result<Vec<PathBuf>> {
             for name in MAP_NAMES {
                 let path = pin_dir.join(name);
                 if path.exists() {
-                    fs::remove_file(&path).map_err(Error::io("removing", &path))?;
+                    fs::remove_file(&path).map_err(IoError::at("removing", &path))?;
                     removed.push(path);
                 }
             }
@@ -362,16 +363,16 @@ pub fn remove_all(pin_dir: &Path) -> Result<Vec<PathBuf>> {
 
 /// Removes a directory of podlink's pins and everything in it.
 fn remove_tree(dir: &Path, removed: &mut Vec<PathBuf>) -> Result<()> {
-    for entry in fs::read_dir(dir).map_err(Error::io("reading", dir))? {
-        let path = entry.map_err(Error::io("reading", dir))?.path();
+    for entry in fs::read_dir(dir).map_err(IoError::at("reading", dir))? {
+        let path = entry.map_err(IoError::at("reading", dir))?.path();
         if path.is_dir() {
             remove_tree(&path, removed)?;
         } else {
-            fs::remove_file(&path).map_err(Error::io("removing", &path))?;
+            fs::remove_file(&path).map_err(IoError::at("removing", &path))?;
             removed.push(path);
         }
     }
-    fs::remove_dir(dir).map_err(Error::io("removing", dir))?;
+    fs::remove_dir(dir).map_err(IoError::at("removing", dir))?;
     removed.push(dir.to_path_buf());
     Ok(())
 }

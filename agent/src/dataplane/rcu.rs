@@ -43,6 +43,7 @@
 //! node is expedited inside the window, and a pod's enrollment takes 16 to 32 ms
 //! without it, well within what pod start-up tolerates.
 
+use crate::error::IoError;
 use std::{
     fs::{self, File},
     io,
@@ -81,7 +82,7 @@ fn held_at(marker: &Path) -> Result<bool> {
     match fs::read(marker) {
         Ok(text) => Ok(text.first().is_some_and(|b| *b != RELEASED)),
         Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(false),
-        Err(e) => Err(Error::io("reading", marker)(e)),
+        Err(e) => Err(IoError::at("reading", marker)(e).into()),
     }
 }
 
@@ -141,7 +142,7 @@ impl ExpeditedAttach {
         match fs::remove_file(&self.marker) {
             Ok(()) => {}
             Err(e) if e.kind() == io::ErrorKind::NotFound => {}
-            Err(e) => return Err(Error::io("removing", &self.marker)(e)),
+            Err(e) => return Err(IoError::at("removing", &self.marker)(e).into()),
         }
         Ok(restored)
     }
@@ -175,7 +176,7 @@ impl ExpeditedAttach {
             _ => return Ok(Window { held: None }),
         }
         let marker = self.marker_file()?;
-        mark(&marker, HELD).map_err(Error::io("writing", &self.marker))?;
+        mark(&marker, HELD).map_err(IoError::at("writing", &self.marker))?;
         if let Err(e) = write_value(&self.knob, "1") {
             let _ = mark(&marker, RELEASED);
             return Err(e);
@@ -200,14 +201,14 @@ impl ExpeditedAttach {
             return Ok(file.clone());
         }
         if let Some(dir) = self.marker.parent() {
-            fs::create_dir_all(dir).map_err(Error::io("creating", dir))?;
+            fs::create_dir_all(dir).map_err(IoError::at("creating", dir))?;
         }
         let file = fs::OpenOptions::new()
             .create(true)
             .truncate(false)
             .write(true)
             .open(&self.marker)
-            .map_err(Error::io("opening", &self.marker))?;
+            .map_err(IoError::at("opening", &self.marker))?;
         let file = Arc::new(file);
         *open = Some(file.clone());
         Ok(file)
@@ -243,7 +244,7 @@ impl Drop for Window {
 
 fn read_value(knob: &Path) -> Result<String> {
     Ok(fs::read_to_string(knob)
-        .map_err(Error::io("reading", knob))?
+        .map_err(IoError::at("reading", knob))?
         .trim()
         .to_string())
 }

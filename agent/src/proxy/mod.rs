@@ -37,7 +37,7 @@ pub use self::limits::ConnectionLimits;
 pub(crate) use self::limits::{Budget, Refusal};
 use crate::{
     authz::{self, Denial, DenialCounts, Request},
-    dataplane::Chain,
+    error::Chain,
     identity::CertManager,
     state::{View, endpoint::EndpointLoad},
     telemetry::{

@@ -15,7 +15,7 @@ use std::{collections::HashSet, future::Future, io, path::PathBuf, sync::Arc, ti
 use ::kube::config::{InClusterError, KubeconfigError};
 use tokio::{sync::mpsc, task::JoinHandle};
 
-use crate::{dataplane::Chain, state::Delta};
+use crate::{error::Chain, state::Delta};
 
 /// Why a source could not be opened. Each message ends with its cause and the
 /// cause's own causes, `: `-separated, so the cause is a field (`error`), not

@@ -12,7 +12,7 @@ use tracing_subscriber::{
     util::{SubscriberInitExt, TryInitError},
 };
 
-use crate::dataplane::Chain;
+use crate::error::Chain;
 
 /// How log lines are written (to standard error).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum)]

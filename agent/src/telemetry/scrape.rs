@@ -20,7 +20,10 @@ use prometheus_client::{
 };
 
 use super::metrics::{Metrics, UNKNOWN};
-use crate::dataplane::{self, Chain, Dataplane};
+use crate::{
+    dataplane::{self, Dataplane},
+    error::Chain,
+};
 
 /// What the metrics page reads of the proxy at scrape time. The proxy's state
 /// implements it; telemetry knows nothing more of the proxy.
