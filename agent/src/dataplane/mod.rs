@@ -735,3 +735,43 @@ fn classifier(ebpf: &mut Ebpf, program: Program) -> Result<&mut SchedClassifier>
             error,
         })
 }
+
+/// What the dataplane's unit tests that need root share.
+#[cfg(test)]
+pub(crate) mod testing {
+    use std::future::Future;
+
+    /// Runs `test` on a thread of its own moved into a new network namespace
+    /// (so the host's is left alone), on a current-thread runtime; a panic there
+    /// is the caller's. Needs root (`unshare(CLONE_NEWNET)`).
+    pub(crate) fn in_new_network_namespace<F, T>(test: F)
+    where
+        F: FnOnce() -> T + Send + 'static,
+        T: Future<Output = ()>,
+    {
+        let thread = std::thread::spawn(|| {
+            if let Err(e) = crate::sys::unshare_network_namespace() {
+                panic!("unshare(CLONE_NEWNET): this test needs root: {e}");
+            }
+            tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .unwrap()
+                .block_on(test());
+        });
+        if let Err(panic) = thread.join() {
+            std::panic::resume_unwind(panic);
+        }
+    }
+
+    /// Runs `ip ARGS` (split at spaces), asserts it succeeded, returns its
+    /// standard output.
+    pub(crate) fn ip(args: &str) -> String {
+        let out = std::process::Command::new("ip")
+            .args(args.split_whitespace())
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "ip {args}: {out:?}");
+        String::from_utf8(out.stdout).unwrap()
+    }
+}

@@ -318,6 +318,7 @@ pub fn ifindex(name: &str) -> Option<u32> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::dataplane::testing::{in_new_network_namespace, ip};
 
     const MARK: u32 = 0x1000;
     const TABLE: u32 = 1339;
@@ -330,79 +331,60 @@ mod tests {
     #[test]
     #[ignore = "needs root"]
     fn policy_routing_is_what_ip_makes_installed_once_and_removed_exactly() {
-        std::thread::spawn(|| {
-            if let Err(e) = crate::sys::unshare_network_namespace() {
-                panic!("unshare(CLONE_NEWNET): this test needs root: {e}");
-            }
-            let ip = |args: &str| -> String {
-                let out = std::process::Command::new("ip")
-                    .args(args.split_whitespace())
-                    .output()
-                    .unwrap();
-                assert!(out.status.success(), "ip {args}: {out:?}");
-                String::from_utf8(out.stdout).unwrap()
-            };
+        in_new_network_namespace(|| async move {
             let shown = || {
                 (
                     ip(&format!("-d -j -4 rule show pref {PRIORITY}")),
                     ip(&format!("-d -j -4 route show table {TABLE}")),
                 )
             };
-            let runtime = tokio::runtime::Builder::new_current_thread()
-                .enable_all()
-                .build()
-                .unwrap();
-            runtime.block_on(async {
-                let netlink = Netlink::open().unwrap();
-                let install = async || {
-                    install_policy_routing(&netlink, MARK, MARK, TABLE, PRIORITY)
-                        .await
-                        .unwrap()
-                };
-                let remove = async || {
-                    remove_policy_routing(&netlink, MARK, MARK, TABLE, PRIORITY)
-                        .await
-                        .unwrap()
-                };
-                ip("link set lo up");
-                // What `ip` makes.
-                ip(&format!(
-                    "-4 rule add pref {PRIORITY} fwmark {MARK:#x}/{MARK:#x} lookup {TABLE}"
-                ));
-                ip(&format!(
-                    "-4 route replace local 0.0.0.0/0 dev lo table {TABLE}"
-                ));
-                let by_ip = shown();
-                // Found as podlink's: not added again, and removed.
-                install().await;
-                assert_eq!(shown(), by_ip);
-                let lines = [
-                    format!("rule pref {PRIORITY} fwmark {MARK:#x}/{MARK:#x} lookup {TABLE}"),
-                    format!("route local 0.0.0.0/0 dev lo table {TABLE}"),
-                ];
-                assert_eq!(remove().await, lines);
-                // The same through route netlink, however often installed.
-                install().await;
-                install().await;
-                assert_eq!(shown(), by_ip);
-                // Others' rule at the preference and route in the table stay.
-                ip(&format!(
-                    "-4 rule add pref {PRIORITY} fwmark 0x2000/0x2000 lookup {TABLE}"
-                ));
-                ip(&format!(
-                    "-4 route add local 10.1.0.0/16 dev lo table {TABLE}"
-                ));
-                assert_eq!(remove().await, lines);
-                let (rules, routes) = shown();
-                assert!(!rules.contains(&format!("{MARK:#x}")), "{rules}");
-                assert!(rules.contains("0x2000"), "{rules}");
-                assert!(!routes.contains("default"), "{routes}");
-                assert!(routes.contains("10.1.0.0/16"), "{routes}");
-                assert!(remove().await.is_empty());
-            });
-        })
-        .join()
-        .unwrap();
+            let netlink = Netlink::open().unwrap();
+            let install = async || {
+                install_policy_routing(&netlink, MARK, MARK, TABLE, PRIORITY)
+                    .await
+                    .unwrap()
+            };
+            let remove = async || {
+                remove_policy_routing(&netlink, MARK, MARK, TABLE, PRIORITY)
+                    .await
+                    .unwrap()
+            };
+            ip("link set lo up");
+            // What `ip` makes.
+            ip(&format!(
+                "-4 rule add pref {PRIORITY} fwmark {MARK:#x}/{MARK:#x} lookup {TABLE}"
+            ));
+            ip(&format!(
+                "-4 route replace local 0.0.0.0/0 dev lo table {TABLE}"
+            ));
+            let by_ip = shown();
+            // Found as podlink's: not added again, and removed.
+            install().await;
+            assert_eq!(shown(), by_ip);
+            let lines = [
+                format!("rule pref {PRIORITY} fwmark {MARK:#x}/{MARK:#x} lookup {TABLE}"),
+                format!("route local 0.0.0.0/0 dev lo table {TABLE}"),
+            ];
+            assert_eq!(remove().await, lines);
+            // The same through route netlink, however often installed.
+            install().await;
+            install().await;
+            assert_eq!(shown(), by_ip);
+            // Others' rule at the preference and route in the table stay.
+            ip(&format!(
+                "-4 rule add pref {PRIORITY} fwmark 0x2000/0x2000 lookup {TABLE}"
+            ));
+            ip(&format!(
+                "-4 route add local 10.1.0.0/16 dev lo table {TABLE}"
+            ));
+            assert_eq!(remove().await, lines);
+            let (rules, routes) = shown();
+            assert!(!rules.contains(&format!("{MARK:#x}")), "{rules}");
+            assert!(rules.contains("0x2000"), "{rules}");
+            assert!(!routes.contains("default"), "{routes}");
+            assert!(routes.contains("10.1.0.0/16"), "{routes}");
+            assert!(remove().await.is_empty());
+        });
     }
 
     /// The interfaces this namespace has, as `ip` lists them.
@@ -410,11 +392,7 @@ mod tests {
     async fn interfaces_are_those_ip_shows() {
         let netlink = Netlink::open().unwrap();
         let found = interfaces(&netlink).await.unwrap();
-        let out = std::process::Command::new("ip")
-            .args(["-j", "-d", "link", "show"])
-            .output()
-            .unwrap();
-        let links: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        let links: serde_json::Value = serde_json::from_str(&ip("-j -d link show")).unwrap();
         let shown: HashMap<u32, (String, Option<String>)> = links
             .as_array()
             .unwrap()

@@ -534,6 +534,7 @@ fn veth_name(link: &rtnetlink::packet_route::link::LinkMessage) -> Option<Arc<st
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::dataplane::testing::{in_new_network_namespace, ip};
     use rtnetlink::packet_route::link::LinkMessage;
 
     fn route(dst: Ipv4Addr, oif: u32) -> RouteMessage {
@@ -658,71 +659,52 @@ mod tests {
     #[test]
     #[ignore = "needs root"]
     fn reads_without_dumps_follow_the_kernel() {
-        std::thread::spawn(|| {
-            // Moves this thread alone into a new network namespace.
-            if let Err(e) = crate::sys::unshare_network_namespace() {
-                panic!("unshare(CLONE_NEWNET): this test needs root: {e}");
-            }
-            let ip = |args: &str| {
-                let out = std::process::Command::new("ip")
-                    .args(args.split_whitespace())
-                    .output()
-                    .unwrap();
-                assert!(out.status.success(), "ip {args}: {out:?}");
-            };
-            let runtime = tokio::runtime::Builder::new_current_thread()
-                .enable_all()
-                .build()
-                .unwrap();
-            runtime.block_on(async {
-                let netlink = Netlink::open().unwrap();
-                let first = netlink.read_all(true, FULL_READ_MAX_AGE).await.unwrap();
-                assert!(first.host_routes.is_empty() && first.addrs.is_empty());
-                let full_read_at = || netlink.tracked.lock().unwrap().full_read_at;
-                let dumped_at = full_read_at();
-                ip("link add nlhost0 type veth peer name nlpod0");
-                ip("link set nlhost0 up");
-                ip("addr add 10.99.0.1/32 dev nlhost0");
-                ip("route add 10.99.0.5/32 dev nlhost0");
-                let index = nix::net::if_::if_nametoindex("nlhost0").unwrap();
-                let after = netlink.read(false).await.unwrap();
-                // From the notifications alone: no full read since the first.
-                assert!(netlink.tracked.lock().unwrap().socket.is_some());
-                assert_eq!(full_read_at(), dumped_at);
-                let pod = Ipv4Addr::new(10, 99, 0, 5);
-                assert_eq!(after.host_routes, HashMap::from([(pod, index)]));
-                assert_eq!(after.veths, HashMap::from([(index, Arc::from("nlhost0"))]));
-                assert_eq!(after.addrs, vec![Ipv4Addr::new(10, 99, 0, 1)]);
-                // Set down, the kernel flushes the route without notifying it.
-                ip("link set nlhost0 down");
-                let down = netlink.read(false).await.unwrap();
-                assert_eq!(full_read_at(), dumped_at);
-                assert!(down.host_routes.is_empty(), "{:?}", down.host_routes);
-                assert_eq!(
-                    netlink
-                        .read_all(true, FULL_READ_MAX_AGE)
-                        .await
-                        .unwrap()
-                        .host_routes,
-                    down.host_routes
-                );
-                let dumped_at = full_read_at();
-                ip("link set nlhost0 up");
-                ip("route add 10.99.0.5/32 dev nlhost0");
-                let again = netlink.read(false).await.unwrap();
-                assert_eq!(again.host_routes, HashMap::from([(pod, index)]));
-                ip("link del nlhost0");
-                let gone = netlink.read(false).await.unwrap();
-                assert_eq!(full_read_at(), dumped_at);
-                assert!(gone.host_routes.is_empty(), "{:?}", gone.host_routes);
-                assert!(gone.veths.is_empty() && gone.addrs.is_empty());
-                // A full read agrees.
-                let full = netlink.read_all(true, FULL_READ_MAX_AGE).await.unwrap();
-                assert!(full.host_routes.is_empty() && full.addrs.is_empty());
-            });
-        })
-        .join()
-        .unwrap();
+        in_new_network_namespace(|| async move {
+            let netlink = Netlink::open().unwrap();
+            let first = netlink.read_all(true, FULL_READ_MAX_AGE).await.unwrap();
+            assert!(first.host_routes.is_empty() && first.addrs.is_empty());
+            let full_read_at = || netlink.tracked.lock().unwrap().full_read_at;
+            let dumped_at = full_read_at();
+            ip("link add nlhost0 type veth peer name nlpod0");
+            ip("link set nlhost0 up");
+            ip("addr add 10.99.0.1/32 dev nlhost0");
+            ip("route add 10.99.0.5/32 dev nlhost0");
+            let index = nix::net::if_::if_nametoindex("nlhost0").unwrap();
+            let after = netlink.read(false).await.unwrap();
+            // From the notifications alone: no full read since the first.
+            assert!(netlink.tracked.lock().unwrap().socket.is_some());
+            assert_eq!(full_read_at(), dumped_at);
+            let pod = Ipv4Addr::new(10, 99, 0, 5);
+            assert_eq!(after.host_routes, HashMap::from([(pod, index)]));
+            assert_eq!(after.veths, HashMap::from([(index, Arc::from("nlhost0"))]));
+            assert_eq!(after.addrs, vec![Ipv4Addr::new(10, 99, 0, 1)]);
+            // Set down, the kernel flushes the route without notifying it.
+            ip("link set nlhost0 down");
+            let down = netlink.read(false).await.unwrap();
+            assert_eq!(full_read_at(), dumped_at);
+            assert!(down.host_routes.is_empty(), "{:?}", down.host_routes);
+            assert_eq!(
+                netlink
+                    .read_all(true, FULL_READ_MAX_AGE)
+                    .await
+                    .unwrap()
+                    .host_routes,
+                down.host_routes
+            );
+            let dumped_at = full_read_at();
+            ip("link set nlhost0 up");
+            ip("route add 10.99.0.5/32 dev nlhost0");
+            let again = netlink.read(false).await.unwrap();
+            assert_eq!(again.host_routes, HashMap::from([(pod, index)]));
+            ip("link del nlhost0");
+            let gone = netlink.read(false).await.unwrap();
+            assert_eq!(full_read_at(), dumped_at);
+            assert!(gone.host_routes.is_empty(), "{:?}", gone.host_routes);
+            assert!(gone.veths.is_empty() && gone.addrs.is_empty());
+            // A full read agrees.
+            let full = netlink.read_all(true, FULL_READ_MAX_AGE).await.unwrap();
+            assert!(full.host_routes.is_empty() && full.addrs.is_empty());
+        });
     }
 
     /// Reads this namespace's network (whatever it is) and checks it against
@@ -730,14 +712,9 @@ mod tests {
     #[tokio::test]
     async fn reads_what_ip_shows() {
         let net = Netlink::open().unwrap().read(false).await.unwrap();
-        let ip = |args: &[&str]| -> serde_json::Value {
-            let out = std::process::Command::new("ip")
-                .args(args)
-                .output()
-                .unwrap();
-            serde_json::from_slice(&out.stdout).unwrap()
-        };
-        let mut addrs: Vec<Ipv4Addr> = ip(&["-j", "-4", "addr", "show"])
+        let ip_json =
+            |args: &str| -> serde_json::Value { serde_json::from_str(&ip(args)).unwrap() };
+        let mut addrs: Vec<Ipv4Addr> = ip_json("-j -4 addr show")
             .as_array()
             .unwrap()
             .iter()
@@ -750,7 +727,7 @@ mod tests {
         assert_eq!(net.addrs, addrs);
         // The veths host routes lead to.
         let targets: std::collections::HashSet<u32> = net.host_routes.values().copied().collect();
-        let veths: HashMap<u32, Arc<str>> = ip(&["-j", "-d", "link", "show", "type", "veth"])
+        let veths: HashMap<u32, Arc<str>> = ip_json("-j -d link show type veth")
             .as_array()
             .unwrap()
             .iter()
