@@ -26,8 +26,8 @@ pub use delta::{Completeness, Delta, PoliciesUnknown};
 pub use view::View;
 pub(crate) use workload::is_finished;
 pub use workload::{
-    DATAPLANE_MODE_AMBIENT, DATAPLANE_MODE_LABEL, DATAPLANE_MODE_NONE, Enrollment, MAX_POD_UPDATES,
-    Workload, WorkloadIndex, enrollment,
+    DATAPLANE_MODE_AMBIENT, DATAPLANE_MODE_LABEL, DATAPLANE_MODE_NONE, Enrollment, Workload,
+    WorkloadIndex, enrollment,
 };
 
 use self::service::ServiceIndex;
@@ -211,19 +211,17 @@ impl State {
     /// Makes the indexes again from what the deltas since the last refresh
     /// changed, with `layer` laid over the pods; `relayered` are the pods
     /// (`namespace/name`) whose layer changed since. The workload index is
-    /// updated pod by pod when at most [`MAX_POD_UPDATES`] pods changed and no
-    /// Namespace did, else made again whole (keeping the workloads that did
-    /// not change); the first refresh makes everything. Warnings are logged
-    /// once while they hold.
+    /// updated pod by pod (each a lookup of its definitions and a few map
+    /// steps), and made again whole (keeping the workloads that did not change)
+    /// only when every workload may have changed: the first refresh, all pods
+    /// replaced, a Namespace changed. Warnings are logged once while they hold.
     pub fn refresh(&mut self, layer: &dyn PodLayer, relayered: BTreeSet<String>) -> Refreshed {
         let dirty = std::mem::take(&mut self.dirty);
         let first = !self.refreshed;
         self.refreshed = true;
         let pods_changed = dirty.all_pods || !dirty.pods.is_empty() || !relayered.is_empty();
         if first || pods_changed {
-            let update =
-                !first && !dirty.all_pods && dirty.pods.len() + relayered.len() <= MAX_POD_UPDATES;
-            if update {
+            if !first && !dirty.all_pods {
                 let mut index = WorkloadIndex::clone(&self.workloads);
                 for key in dirty.pods.iter().chain(relayered.difference(&dirty.pods)) {
                     self.update_workload(&mut index, layer, key);

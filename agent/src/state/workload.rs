@@ -20,12 +20,6 @@ use serde::Serialize;
 
 use crate::identity::SpiffeId;
 
-/// The most pods a change may touch for the workload index to be updated pod
-/// by pod; beyond, it is rebuilt (each pod's update looks through all pods of
-/// the source for its definitions). The Kubernetes source reads every pod
-/// anew beyond it too.
-pub const MAX_POD_UPDATES: usize = 32;
-
 /// The label that selects the dataplane mode of a namespace or pod.
 pub const DATAPLANE_MODE_LABEL: &str = "istio.io/dataplane-mode";
 /// [`DATAPLANE_MODE_LABEL`] value that enrolls.
@@ -214,8 +208,7 @@ fn pod_ips_are(pod: &Pod, ips: &[IpAddr]) -> bool {
 /// changed pod by pod with [`WorkloadIndex::update`]: an index updated for a
 /// set of pods is the one a build from the same pods would make. An update
 /// costs its pod's own work (a few ordered-map steps); what stays a walk of
-/// every pod is its caller's: the copy of the index the proxy does not share
-/// and the search of the source for the pod's definitions.
+/// every pod is its caller's copy of the index the proxy does not share.
 #[derive(Clone, Debug, Default)]
 pub struct WorkloadIndex {
     node: String,
@@ -277,7 +270,7 @@ impl WorkloadIndex {
     /// claiming one address: it is served for none of them). Of a pod defined
     /// twice, the first definition is used and the others are skipped
     /// ([`WorkloadIndex::has_duplicates`]; the source words those, see
-    /// [`manifests::ManifestDir::duplicate_pods`]).
+    /// [`crate::source::manifests::ManifestDir::duplicate_pods`]).
     pub fn build<'a>(
         node: &str,
         trust_domain: &str,
