@@ -25,6 +25,8 @@ pub struct ManifestSource {
     sent: (Completeness, Option<PoliciesUnknown>),
     /// Pods defined more than once, logged once while they are.
     duplicates: HeldMessages,
+    /// Whether some pod was defined more than once at the last look.
+    had_duplicates: bool,
 }
 
 impl ManifestSource {
@@ -52,6 +54,7 @@ impl ManifestSource {
             unsettled: false,
             sent: (Completeness::Incomplete, None),
             duplicates: HeldMessages::default(),
+            had_duplicates: false,
         })
     }
 
@@ -112,10 +115,18 @@ impl ManifestSource {
         if rescan.changed || rescan.changes.is_none() {
             delta.policies = Some(self.dir.policies().cloned().collect());
         }
-        if pods {
+        // Which files define a pod twice is looked for (a walk of every pod)
+        // only where it may have changed: a changed pod has several
+        // definitions, or one had before.
+        if pods
+            && (delta.all_pods.is_some()
+                || self.had_duplicates
+                || delta.pods.iter().any(|(_, defs)| defs.len() > 1))
+        {
+            let duplicates = self.dir.duplicate_pods();
+            self.had_duplicates = !duplicates.is_empty();
             self.duplicates.log(
-                self.dir
-                    .duplicate_pods()
+                duplicates
                     .into_iter()
                     .map(|w| (Severity::Warn, w))
                     .collect(),
@@ -274,5 +285,31 @@ mod tests {
         })
         .await
         .expect("the pod was sent gone");
+    }
+
+    /// Takes deltas until one carries pods.
+    async fn next_pods(source: &mut ManifestSource) {
+        tokio::time::timeout(Duration::from_secs(5), async {
+            while source.next().await.pods.is_empty() {}
+        })
+        .await
+        .expect("a delta with pods");
+    }
+
+    /// Pods defined twice are looked for when a changed pod has several
+    /// definitions, and again once it has one.
+    #[tokio::test]
+    async fn duplicates_are_looked_for_where_they_may_have_changed() {
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::write(dir.path().join("a.yaml"), POD).unwrap();
+        let mut source = ManifestSource::open(dir.path()).unwrap();
+        source.next().await;
+        assert!(!source.had_duplicates);
+        std::fs::write(dir.path().join("b.yaml"), POD).unwrap();
+        next_pods(&mut source).await;
+        assert!(source.had_duplicates);
+        std::fs::remove_file(dir.path().join("b.yaml")).unwrap();
+        next_pods(&mut source).await;
+        assert!(!source.had_duplicates);
     }
 }
