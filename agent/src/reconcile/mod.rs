@@ -193,11 +193,6 @@ impl<C: Capture> Reconciler<C> {
         &self.wanted
     }
 
-    /// The planned pods attached by the last apply (`namespace/name`).
-    pub fn attached(&self) -> &HashSet<Arc<str>> {
-        &self.attached
-    }
-
     /// The host veths (ifindex) whose attach failed in the last apply: their
     /// names may have changed, to be asked again.
     pub fn take_failed_interfaces(&mut self) -> Vec<u32> {

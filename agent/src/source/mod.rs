@@ -117,6 +117,9 @@ pub trait Source: Send + 'static {
 /// Tells the cluster which of this node's pods are captured.
 pub trait CaptureReporter: Send {
     /// This node's pods captured now (`namespace/name`); the others are not.
+    /// Told only from a whole view of the source, so that a pod the agent
+    /// does not know yet (a previous agent's capture) is not reported
+    /// uncaptured.
     fn captured(&mut self, captured: &HashSet<Arc<str>>);
 }
 

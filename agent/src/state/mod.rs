@@ -330,11 +330,6 @@ impl State {
         set
     }
 
-    /// The node this state is for.
-    pub fn node(&self) -> &str {
-        &self.node
-    }
-
     /// The workload index as last refreshed.
     pub fn workloads(&self) -> &Arc<WorkloadIndex> {
         &self.workloads

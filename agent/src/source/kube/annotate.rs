@@ -3,10 +3,7 @@
 
 use std::{
     collections::{HashMap, HashSet},
-    sync::{
-        Arc,
-        atomic::{AtomicBool, Ordering},
-    },
+    sync::Arc,
     time::Instant,
 };
 
@@ -25,24 +22,17 @@ pub struct RedirectionAnnotator {
     client: Client,
     /// This node's pods, as watched.
     local_pods: Store<ApiPod>,
-    /// Whether this node's pods and the namespaces were listed.
-    ready: [Arc<AtomicBool>; 2],
     /// Annotation patches sent: pod → (wanted, when), until the watch shows them.
     patched: HashMap<String, (bool, Instant)>,
 }
 
 impl RedirectionAnnotator {
     /// Patches pods through `client`, reading their annotations from
-    /// `local_pods` (this node's watch) once both `ready` flags are set.
-    pub(super) fn new(
-        client: Client,
-        local_pods: Store<ApiPod>,
-        ready: [Arc<AtomicBool>; 2],
-    ) -> Self {
+    /// `local_pods` (this node's watch).
+    pub(super) fn new(client: Client, local_pods: Store<ApiPod>) -> Self {
         RedirectionAnnotator {
             client,
             local_pods,
-            ready,
             patched: HashMap::new(),
         }
     }
@@ -51,15 +41,9 @@ impl RedirectionAnnotator {
 impl CaptureReporter for RedirectionAnnotator {
     /// Sets [`REDIRECTION_ANNOTATION`] on this node's pods in `captured`
     /// (`namespace/name`) and removes it from its other pods, by JSON merge patch
-    /// (RFC 7386), in the background. Nothing
-    /// changes before the first lists. A patch is sent again if the watch does not
+    /// (RFC 7386), in the background. A patch is sent again if the watch does not
     /// show it after `PATCH_RETRY`; failures are logged.
     fn captured(&mut self, captured: &HashSet<Arc<str>>) {
-        // Before the first lists nothing is detached, and pods the agent
-        // does not know yet may still be captured: their annotation stays.
-        if !self.ready.iter().all(|r| r.load(Ordering::Relaxed)) {
-            return;
-        }
         let now = Instant::now();
         let mut seen = HashSet::new();
         // This node's watch, not every pod of the cluster: the annotation is

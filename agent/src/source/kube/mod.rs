@@ -613,7 +613,6 @@ impl Source for KubeSource {
         Some(Box::new(RedirectionAnnotator::new(
             self.client.clone(),
             self.local_pods.store.clone(),
-            [self.local_pods.ready.clone(), self.namespaces.ready.clone()],
         )))
     }
 }
