@@ -77,7 +77,7 @@ impl View {
     /// policies that match are logged when `audit` is set.
     ///
     /// # Errors
-    /// The [`Denial`] ([`PolicySet::decide`]).
+    /// The [`Denial`] ([`authz::PolicySet::decide`]).
     pub fn authorize(&self, req: &Request<'_>, audit: bool) -> Result<(), Denial> {
         let pod = self.local_pod(req.destination_ip);
         let destination = pod.map(|w| authz::Destination {

@@ -43,7 +43,7 @@ pub enum Problem {
     /// (as `serde_yaml_ng` words it).
     #[error("{0}")]
     Syntax(String),
-    /// Collections nested deeper than [`MAX_DEPTH`].
+    /// Collections nested deeper than `MAX_DEPTH` (64 levels).
     #[error("collections nested deeper than {MAX_DEPTH} levels")]
     TooDeep,
     /// A document without `kind` or `apiVersion`, or one of them not a string.
