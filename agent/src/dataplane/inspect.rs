@@ -30,7 +30,8 @@ use podlink_common::{
 use serde::Serialize;
 
 use super::{
-    error::{Error, Program, Result},
+    Program,
+    error::{Error, Result},
     layout::check_pinned_layouts,
     net,
     netlink::Netlink,

@@ -27,12 +27,14 @@ mod layout;
 pub mod net;
 pub mod netlink;
 pub mod pins;
+mod program;
 pub mod rcu;
 
-pub use error::{Error, IoError, Program, Result};
+pub use error::{Error, IoError, Result};
 use journal::SysctlJournal;
 use layout::with_node_addrs;
 use pins::{link_pin_name, parse_link_pin_name};
+pub use program::Program;
 use rcu::ExpeditedAttach;
 
 use std::{

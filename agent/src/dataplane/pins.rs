@@ -35,7 +35,8 @@ use podlink_common::{
 };
 
 use super::{
-    error::{Error, Program, Result},
+    Program,
+    error::{Error, Result},
     layout::check_pinned_layouts,
 };
 
