@@ -15,7 +15,7 @@ use std::{
 use super::protocol::Request;
 use crate::{
     k8s::{Pod, PodIP, PodStatus},
-    state::PodLayer,
+    state::{PodLayer, workload::pod_ips_are},
 };
 
 /// What the plugin reported for a pod.
@@ -82,7 +82,7 @@ impl PodLayer for ReportedAddresses {
             return Cow::Borrowed(pod);
         };
         match self.reported.get(&key) {
-            Some(reported) if !reported.ips.is_empty() && !has_addresses(pod, &reported.ips) => {
+            Some(reported) if !reported.ips.is_empty() && !pod_ips_are(pod, &reported.ips) => {
                 let mut pod = pod.clone();
                 let status = pod.status.get_or_insert_with(PodStatus::default);
                 status.pod_ip = Some(reported.ips[0].to_string());
@@ -98,24 +98,6 @@ impl PodLayer for ReportedAddresses {
             _ => Cow::Borrowed(pod),
         }
     }
-}
-
-/// Whether the pod's object lists exactly `ips` (`status.podIPs`, else
-/// `status.podIP`).
-fn has_addresses(pod: &Pod, ips: &[IpAddr]) -> bool {
-    let Some(status) = pod.status.as_ref() else {
-        return false;
-    };
-    let listed: Vec<IpAddr> = match status.pod_ips.as_deref() {
-        Some(list) if !list.is_empty() => list.iter().filter_map(|p| p.ip.parse().ok()).collect(),
-        _ => status
-            .pod_ip
-            .as_deref()
-            .and_then(|ip| ip.parse().ok())
-            .into_iter()
-            .collect(),
-    };
-    listed == ips
 }
 
 #[cfg(test)]

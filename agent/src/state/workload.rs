@@ -183,8 +183,9 @@ fn pod_ips(pod: &Pod) -> Vec<IpAddr> {
     ips
 }
 
-/// Whether [`pod_ips`] of `pod` would be `ips`, without allocating.
-fn pod_ips_are(pod: &Pod, ips: &[IpAddr]) -> bool {
+/// Whether [`pod_ips`] of `pod` would be `ips` (the addresses the index
+/// gives its workload), without allocating.
+pub(crate) fn pod_ips_are(pod: &Pod, ips: &[IpAddr]) -> bool {
     let Some(status) = pod.status.as_ref() else {
         return ips.is_empty();
     };
