@@ -33,10 +33,7 @@ use std::{
     time::{Duration, Instant},
 };
 
-use crate::{
-    k8s::{EndpointSlice, Namespace, Pod, Service},
-    state::DATAPLANE_MODE_LABEL,
-};
+use crate::k8s::{EndpointSlice, Namespace, Pod, Service};
 
 use crate::authz::Policy;
 
@@ -171,9 +168,6 @@ pub struct Changes {
     /// The pods (`namespace/name`) whose definitions in some file were added,
     /// removed or changed.
     pub pods: BTreeSet<String>,
-    /// Some of those definitions, before or after, carry the label
-    /// [`DATAPLANE_MODE_LABEL`]: the pod may have opted in or out.
-    pub mode_labels: bool,
     /// Some Namespace object was added, removed or changed.
     pub namespaces: bool,
     /// Some Service or EndpointSlice was added, removed or changed.
@@ -198,24 +192,13 @@ impl Changes {
             by_key
         }
         let (before, after) = (by_key(&old.pods), by_key(&new.pods));
-        let labelled = |defs: &[&Pod]| {
-            defs.iter().any(|p| {
-                p.metadata
-                    .labels
-                    .as_ref()
-                    .is_some_and(|l| l.contains_key(DATAPLANE_MODE_LABEL))
-            })
-        };
         for (key, defs) in &before {
-            let now = after.get(key);
-            if now != Some(defs) {
-                self.mode_labels |= labelled(defs) || now.is_some_and(|d| labelled(d));
+            if after.get(key) != Some(defs) {
                 self.pods.insert(key.clone());
             }
         }
-        for (key, defs) in after {
+        for key in after.into_keys() {
             if !before.contains_key(&key) {
-                self.mode_labels |= labelled(&defs);
                 self.pods.insert(key);
             }
         }
@@ -864,21 +847,21 @@ mod tests {
             Some([pod("b", "10.1.1.9", ""), pod("c", "10.1.1.3", "")].join("---\n")),
         );
         assert_eq!(pods(&changes), ["shop/b"]);
-        assert!(!changes.mode_labels && !changes.namespaces && !changes.services);
+        assert!(!changes.namespaces && !changes.services);
         // A new file: its pods, its namespace, its Service.
         let changes = apply(
             "c.yaml",
             Some([pod("d", "10.1.1.4", ""), namespace.into(), service.into()].join("---\n")),
         );
         assert_eq!(pods(&changes), ["shop/d"]);
-        assert!(changes.namespaces && changes.services && !changes.mode_labels);
+        assert!(changes.namespaces && changes.services);
         // A pod opting out, then its file gone.
         let changes = apply(
             "a.yaml",
             Some(pod("a", "10.1.1.1", "istio.io/dataplane-mode: none")),
         );
         assert_eq!(pods(&changes), ["shop/a"]);
-        assert!(changes.mode_labels && !changes.namespaces);
+        assert!(!changes.namespaces);
         // Its label dropped again, in a file that now also holds a pod of the
         // default namespace.
         let unlabelled = format!(
@@ -887,7 +870,6 @@ mod tests {
         );
         let changes = apply("a.yaml", Some(unlabelled.clone()));
         assert_eq!(pods(&changes), ["default/x", "shop/a"]);
-        assert!(changes.mode_labels);
         // The same objects written again: read, but nothing changed.
         let changes = apply("a.yaml", Some(format!("# again\n{unlabelled}")));
         assert_eq!(changes, Changes::default());
@@ -906,7 +888,6 @@ mod tests {
         assert!(changes.pods.is_empty() && changes.services && !changes.namespaces);
         let changes = apply("a.yaml", None);
         assert_eq!(pods(&changes), ["default/x", "shop/a"]);
-        assert!(!changes.mode_labels);
         let changes = apply("c.yaml", None);
         assert_eq!(pods(&changes), ["shop/d"]);
         assert!(changes.namespaces && changes.services);
