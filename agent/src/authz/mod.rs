@@ -46,11 +46,13 @@
 mod compile;
 mod error;
 mod evaluate;
+mod mtls;
 mod policy;
 pub mod spec;
 
 pub use error::{CompileError, FieldError, LabelProblem, SetWarning};
 pub use evaluate::{Decision, Denial, DenialCounts, Destination, PolicySet, Request};
+pub use mtls::{MtlsError, MtlsMode, MtlsPolicy};
 pub use policy::{Action, Note, Policy, Scope};
 
 /// Istio's default root namespace: policies there apply mesh-wide.

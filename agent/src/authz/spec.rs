@@ -124,3 +124,40 @@ pub struct ConditionSpec {
     /// Refused values.
     pub not_values: Option<Vec<String>>,
 }
+
+/// A `PeerAuthentication` object (`security.istio.io/v1`, the same schema as
+/// `v1beta1`): which mutual TLS mode a workload's inbound connections need.
+///
+/// Source: Istio reference, "Configuration" → "Security" → "PeerAuthentication"
+/// (<https://istio.io/latest/docs/reference/config/security/peer_authentication/>).
+#[derive(Clone, Debug, Default, Deserialize)]
+pub struct PeerAuthentication {
+    /// `metadata` (name and namespace are used).
+    #[serde(default)]
+    pub metadata: ObjectMeta,
+    /// `spec`; absent means `{}` (mode `UNSET`: inherit).
+    #[serde(default)]
+    pub spec: PeerAuthenticationSpec,
+}
+
+/// `spec` of a PeerAuthentication.
+#[derive(Clone, Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+pub struct PeerAuthenticationSpec {
+    /// `selector.matchLabels`: the workloads it applies to; absent, the whole
+    /// namespace (the whole mesh in the root namespace).
+    pub selector: Option<Selector>,
+    /// `mtls.mode` for every port.
+    pub mtls: Option<MutualTls>,
+    /// `portLevelMtls`: modes by target port (the pod's port, as a string key
+    /// of a YAML/JSON map); only with a selector.
+    pub port_level_mtls: Option<BTreeMap<String, MutualTls>>,
+}
+
+/// `spec.mtls` / a `portLevelMtls` value.
+#[derive(Clone, Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct MutualTls {
+    /// `UNSET` (default: inherit), `DISABLE`, `PERMISSIVE` or `STRICT`.
+    pub mode: Option<String>,
+}

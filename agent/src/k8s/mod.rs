@@ -29,6 +29,23 @@ pub struct ObjectMeta {
     /// `metadata.deletionTimestamp` (RFC 3339), set once the object is being
     /// deleted.
     pub deletion_timestamp: Option<String>,
+    /// `metadata.ownerReferences` (from the Kubernetes API, only the
+    /// controller's): what made the object, e.g. the ReplicaSet of a pod.
+    pub owner_references: Option<Vec<OwnerReference>>,
+}
+
+/// An entry of `metadata.ownerReferences`.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Hash, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct OwnerReference {
+    /// `apiVersion` of the owner, e.g. `apps/v1`.
+    pub api_version: String,
+    /// `kind` of the owner, e.g. `ReplicaSet`.
+    pub kind: String,
+    /// `name` of the owner.
+    pub name: String,
+    /// `controller`: the owner is the object's managing controller.
+    pub controller: Option<bool>,
 }
 
 impl ObjectMeta {
@@ -120,6 +137,37 @@ pub struct ServiceSpec {
     pub cluster_ips: Option<Vec<String>>,
     /// `spec.ports`.
     pub ports: Option<Vec<ServicePort>>,
+    /// `spec.sessionAffinity`: `None` (default) or `ClientIP`.
+    #[serde(rename = "sessionAffinity")]
+    pub session_affinity: Option<String>,
+    /// `spec.sessionAffinityConfig`.
+    #[serde(rename = "sessionAffinityConfig")]
+    pub session_affinity_config: Option<SessionAffinityConfig>,
+    /// `spec.internalTrafficPolicy`: `Cluster` (default) or `Local`.
+    #[serde(rename = "internalTrafficPolicy")]
+    pub internal_traffic_policy: Option<String>,
+    /// `spec.trafficDistribution`: `PreferClose`, `PreferSameZone` or
+    /// `PreferSameNode` (Kubernetes 1.31+).
+    #[serde(rename = "trafficDistribution")]
+    pub traffic_distribution: Option<String>,
+}
+
+/// `Service.spec.sessionAffinityConfig`.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct SessionAffinityConfig {
+    /// `clientIP`.
+    #[serde(rename = "clientIP")]
+    pub client_ip: Option<ClientIpConfig>,
+}
+
+/// `Service.spec.sessionAffinityConfig.clientIP`.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct ClientIpConfig {
+    /// `timeoutSeconds`: how long a client sticks to its endpoint, in seconds
+    /// (1 to 86400, default 10800).
+    pub timeout_seconds: Option<i32>,
 }
 
 /// An entry of `Service.spec.ports`.
@@ -164,11 +212,16 @@ pub struct EndpointSlice {
 
 /// An entry of `EndpointSlice.endpoints`.
 #[derive(Clone, Debug, Default, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "camelCase")]
 pub struct Endpoint {
     /// `addresses`, of the slice's address type.
     pub addresses: Vec<String>,
     /// `conditions`.
     pub conditions: Option<EndpointConditions>,
+    /// `nodeName`: the node the endpoint is on.
+    pub node_name: Option<String>,
+    /// `zone`: the zone the endpoint is in.
+    pub zone: Option<String>,
 }
 
 /// `Endpoint.conditions`.
@@ -180,6 +233,31 @@ pub struct EndpointConditions {
     pub serving: Option<bool>,
     /// `terminating`; unset means not terminating.
     pub terminating: Option<bool>,
+}
+
+/// A `v1` Node: its name, labels (`topology.kubernetes.io/zone`) and pod
+/// address ranges.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Deserialize)]
+pub struct Node {
+    /// `metadata`.
+    #[serde(default)]
+    pub metadata: ObjectMeta,
+    /// `spec`.
+    pub spec: Option<NodeSpec>,
+}
+
+/// The label naming a node's zone (Kubernetes "Well-Known Labels").
+pub const ZONE_LABEL: &str = "topology.kubernetes.io/zone";
+
+/// `Node.spec`.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Deserialize)]
+pub struct NodeSpec {
+    /// `spec.podCIDR`.
+    #[serde(rename = "podCIDR")]
+    pub pod_cidr: Option<String>,
+    /// `spec.podCIDRs`, one per family.
+    #[serde(rename = "podCIDRs")]
+    pub pod_cidrs: Option<Vec<String>>,
 }
 
 /// An entry of `EndpointSlice.ports`.

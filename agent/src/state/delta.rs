@@ -4,8 +4,8 @@
 use std::sync::Arc;
 
 use crate::{
-    authz::Policy,
-    k8s::{EndpointSlice, Namespace, Pod, Service},
+    authz::{MtlsPolicy, Policy},
+    k8s::{EndpointSlice, Namespace, Node, Pod, Service},
 };
 
 /// A change of what a source knows, as [`super::State::apply`] takes it.
@@ -33,6 +33,10 @@ pub struct Delta {
     pub endpoint_slices: Option<Vec<EndpointSlice>>,
     /// Every authorization policy, when one changed.
     pub policies: Option<Vec<Arc<Policy>>>,
+    /// Every PeerAuthentication, when one changed.
+    pub mtls_policies: Option<Vec<Arc<MtlsPolicy>>>,
+    /// Every Node, when one changed.
+    pub nodes: Option<Vec<Node>>,
     /// How complete the source's view is now (carried by every delta).
     pub completeness: Completeness,
     /// Why the policies cannot be known now, if they cannot (carried by every
@@ -51,6 +55,8 @@ impl Delta {
             && self.services.is_none()
             && self.endpoint_slices.is_none()
             && self.policies.is_none()
+            && self.mtls_policies.is_none()
+            && self.nodes.is_none()
     }
 }
 

@@ -32,8 +32,8 @@ pub use workload::{
 
 use self::service::ServiceIndex;
 use crate::{
-    authz::{Policy, PolicySet},
-    k8s::{EndpointSlice, Namespace, Pod, Service},
+    authz::{MtlsPolicy, Policy, PolicySet},
+    k8s::{EndpointSlice, Namespace, Node, Pod, Service},
     telemetry::logging::{HeldMessages, Severity},
 };
 
@@ -76,6 +76,8 @@ pub struct State {
     services: Vec<Service>,
     endpoint_slices: Vec<EndpointSlice>,
     policy_objects: Vec<Arc<Policy>>,
+    mtls_policies: Vec<Arc<MtlsPolicy>>,
+    nodes: Vec<Node>,
     completeness: Completeness,
     policies_unknown: Option<PoliciesUnknown>,
     /// What the deltas applied since the last refresh left to derive.
@@ -102,6 +104,7 @@ struct Dirty {
     all_pods: bool,
     services: bool,
     policies: bool,
+    nodes: bool,
     enrollment_labels: bool,
     /// The completeness or whether policies are known changed.
     completeness: bool,
@@ -130,6 +133,8 @@ impl State {
             services: Vec::new(),
             endpoint_slices: Vec::new(),
             policy_objects: Vec::new(),
+            mtls_policies: Vec::new(),
+            nodes: Vec::new(),
             completeness: Completeness::Incomplete,
             policies_unknown: None,
             dirty: Dirty::default(),
@@ -196,6 +201,18 @@ impl State {
         {
             self.policy_objects = policies;
             self.dirty.policies = true;
+        }
+        if let Some(mtls) = delta.mtls_policies
+            && mtls != self.mtls_policies
+        {
+            self.mtls_policies = mtls;
+            self.dirty.policies = true;
+        }
+        if let Some(nodes) = delta.nodes
+            && nodes != self.nodes
+        {
+            self.nodes = nodes;
+            self.dirty.nodes = true;
         }
         if delta.completeness != self.completeness {
             self.completeness = delta.completeness;
@@ -264,6 +281,7 @@ impl State {
                 || pods_changed
                 || dirty.services
                 || dirty.policies
+                || dirty.nodes
                 || dirty.completeness,
             enrollment_labels: first || dirty.enrollment_labels,
         }
@@ -343,6 +361,16 @@ impl State {
     /// The authorization policies as last refreshed.
     pub fn policies(&self) -> &Arc<PolicySet> {
         &self.policies
+    }
+
+    /// Every PeerAuthentication the source has.
+    pub fn mtls_policies(&self) -> &[Arc<MtlsPolicy>] {
+        &self.mtls_policies
+    }
+
+    /// Every Node object the source has.
+    pub fn nodes(&self) -> &[Node] {
+        &self.nodes
     }
 
     /// How complete the source's view is, as its last delta said.

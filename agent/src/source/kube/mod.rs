@@ -199,6 +199,7 @@ fn meta_of(meta: &ApiObjectMeta) -> k8s::ObjectMeta {
         labels: meta.labels.clone(),
         annotations: meta.annotations.clone(),
         deletion_timestamp: meta.deletion_timestamp.as_ref().map(|t| t.0.to_string()),
+        owner_references: None,
     }
 }
 
