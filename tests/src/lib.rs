@@ -11,6 +11,10 @@
 //!   exactly as a container runtime runs them; a Pod manifest in the shared
 //!   manifests directory describes each.
 //! * One `podlink agent` per node, started with `ip netns exec`.
+//! * The agents' source ([`Source`]): the shared manifests directory, or the
+//!   Kubernetes API server double ([`api_double`]), listening in every node's
+//!   namespace. The same calls ([`Cluster::write_manifest`], [`Cluster::add_pod`],
+//!   …) feed either, so a scenario runs against both sources unchanged.
 //!
 //! Every name carries the process id and a counter, so test beds run side by side;
 //! everything is removed on drop, and by [`netns::cleanup`] on a signal.
@@ -251,6 +255,27 @@ impl PodSpec {
 /// `bpftool` prints them from BTF).
 pub type Counters = BTreeMap<String, u64>;
 
+/// Where the agents read the cluster's objects.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Source {
+    /// The manifests directory (`--manifests`).
+    Manifests,
+    /// The Kubernetes API server double (`--kubeconfig`): every manifest the
+    /// test writes is applied to it as `kubectl apply` would, every manifest it
+    /// removes deleted.
+    Kubernetes,
+}
+
+/// The API server double the agents watch, and what each manifest "file"
+/// created in it.
+struct KubeApi {
+    server: api_double::ApiServer,
+    /// Each node's kubeconfig (a listener in its namespace).
+    kubeconfigs: Vec<PathBuf>,
+    /// The objects (kind, namespace, name) each manifest file holds.
+    files: std::sync::Mutex<HashMap<String, Vec<(String, String, String)>>>,
+}
+
 /// The cluster.
 pub struct Cluster {
     pub id: String,
@@ -266,6 +291,8 @@ pub struct Cluster {
     /// Address ranges a node's pods get once its pod CIDR is used up (see
     /// [`Cluster::add_pod_range`]), by node index.
     extra_pod_ranges: HashMap<usize, Vec<String>>,
+    /// The API server double, when the agents watch one.
+    api: Option<KubeApi>,
 }
 
 fn write_atomically(path: &Path, text: &str) -> Result<()> {
@@ -273,6 +300,69 @@ fn write_atomically(path: &Path, text: &str) -> Result<()> {
     fs::write(&tmp, text).with_context(|| format!("writing {}", tmp.display()))?;
     fs::rename(&tmp, path).with_context(|| format!("renaming to {}", path.display()))?;
     Ok(())
+}
+
+/// Applies `object` to the API server double by its `kind`; returns its kind,
+/// namespace (empty for a cluster-scoped kind) and name.
+fn apply_object(api: &api_double::ApiServer, object: Value) -> Result<(String, String, String)> {
+    let kind = object["kind"].as_str().unwrap_or_default().to_string();
+    let name = object["metadata"]["name"]
+        .as_str()
+        .unwrap_or_default()
+        .to_string();
+    let namespace = object["metadata"]["namespace"]
+        .as_str()
+        .unwrap_or("default")
+        .to_string();
+    match kind.as_str() {
+        "Pod" => {
+            api.apply_pod(object)?;
+            Ok((kind, namespace, name))
+        }
+        "Namespace" => {
+            api.apply_namespace(object)?;
+            Ok((kind, String::new(), name))
+        }
+        other => bail!("the API server double does not serve {other:?}"),
+    }
+}
+
+/// Deletes an object [`apply_object`] applied.
+fn delete_object(
+    api: &api_double::ApiServer,
+    kind: &str,
+    namespace: &str,
+    name: &str,
+) -> Result<()> {
+    match kind {
+        "Pod" => api.delete_pod(namespace, name).map(drop),
+        "Namespace" => api.delete_namespace(name).map(drop),
+        other => bail!("the API server double does not serve {other:?}"),
+    }
+}
+
+/// The objects of a multi-document YAML text, as JSON values (`List` items
+/// taken out); empty documents skipped.
+fn yaml_objects(text: &str) -> Result<Vec<Value>> {
+    use serde::Deserialize;
+    let mut out = Vec::new();
+    for document in serde_yaml_ng::Deserializer::from_str(text) {
+        let value = Value::deserialize(document).context("parsing YAML")?;
+        match value {
+            Value::Null => {}
+            Value::Object(ref map) if map.get("kind").and_then(Value::as_str) == Some("List") => {
+                out.extend(
+                    map.get("items")
+                        .and_then(Value::as_array)
+                        .into_iter()
+                        .flatten()
+                        .cloned(),
+                );
+            }
+            other => out.push(other),
+        }
+    }
+    Ok(out)
 }
 
 fn yaml_labels(labels: &BTreeMap<String, String>) -> String {
@@ -323,6 +413,7 @@ impl Cluster {
             agents: HashMap::new(),
             resources: Vec::new(),
             extra_pod_ranges: HashMap::new(),
+            api: None,
         };
         cluster.track(Resource::Dir(dir.clone()));
         fs::create_dir_all(&cluster.manifests)?;
@@ -401,10 +492,54 @@ impl Cluster {
         Ok(cluster)
     }
 
+    /// A cluster of `nodes` nodes whose agents read `source`.
+    pub fn with_source(nodes: usize, source: Source) -> Result<Self> {
+        let mut cluster = Self::new(nodes)?;
+        if source == Source::Kubernetes {
+            let server = api_double::ApiServer::start()?;
+            let mut kubeconfigs = Vec::new();
+            for n in &cluster.nodes {
+                let addr = server.listen_in(&n.netns)?;
+                let path = cluster.dir.join(format!("kubeconfig-{}", n.name));
+                server.write_kubeconfig(addr, &path)?;
+                kubeconfigs.push(path);
+            }
+            cluster.api = Some(KubeApi {
+                server,
+                kubeconfigs,
+                files: Default::default(),
+            });
+        }
+        Ok(cluster)
+    }
+
+    /// Where the agents read the cluster's objects.
+    pub fn source(&self) -> Source {
+        if self.api.is_some() {
+            Source::Kubernetes
+        } else {
+            Source::Manifests
+        }
+    }
+
+    /// The API server double the agents watch, with [`Source::Kubernetes`].
+    pub fn api(&self) -> Option<&api_double::ApiServer> {
+        self.api.as_ref().map(|a| &a.server)
+    }
+
     /// A cluster of `nodes` nodes with these Kubernetes namespaces (name, and
     /// whether it is labelled `istio.io/dataplane-mode=ambient`).
     pub fn with_namespaces(nodes: usize, namespaces: &[(&str, bool)]) -> Result<Self> {
-        let cluster = Self::new(nodes)?;
+        Self::with_namespaces_from(nodes, namespaces, Source::Manifests)
+    }
+
+    /// As [`Cluster::with_namespaces`], the agents reading `source`.
+    pub fn with_namespaces_from(
+        nodes: usize,
+        namespaces: &[(&str, bool)],
+        source: Source,
+    ) -> Result<Self> {
+        let cluster = Self::with_source(nodes, source)?;
         for (name, ambient) in namespaces {
             cluster.add_namespace(name, *ambient)?;
         }
@@ -479,8 +614,8 @@ impl Cluster {
         } else {
             ""
         };
-        write_atomically(
-            &self.manifests.join(format!("namespace-{name}.yaml")),
+        self.write_manifest(
+            &format!("namespace-{name}.yaml"),
             &format!("apiVersion: v1\nkind: Namespace\nmetadata:\n  name: {name}{labels}\n"),
         )
     }
@@ -635,17 +770,11 @@ impl Cluster {
             spec.service_account.as_deref().unwrap_or("default"),
             None,
         );
-        write_atomically(
-            &self
-                .manifests
-                .join(format!("pod-{}-{}.yaml", spec.namespace, spec.name)),
-            &text,
-        )
+        self.write_manifest(&format!("pod-{}-{}.yaml", spec.namespace, spec.name), &text)
     }
 
-    fn pod_manifest_path(&self, pod: &Pod) -> PathBuf {
-        self.manifests
-            .join(format!("pod-{}-{}.yaml", pod.namespace, pod.name))
+    fn pod_manifest_file(pod: &Pod) -> String {
+        format!("pod-{}-{}.yaml", pod.namespace, pod.name)
     }
 
     fn write_pod_manifest(&self, pod: &Pod) -> Result<()> {
@@ -657,7 +786,7 @@ impl Cluster {
             &pod.service_account,
             Some(pod.ip),
         );
-        write_atomically(&self.pod_manifest_path(pod), &text)
+        self.write_manifest(&Self::pod_manifest_file(pod), &text)
     }
 
     /// `GET path` on node `node`'s admin endpoint (127.0.0.1:15000 in the node's
@@ -755,15 +884,45 @@ impl Cluster {
     }
 
     /// Writes `text` as manifest file `file` (replacing it by rename, as a
-    /// ConfigMap update does).
+    /// ConfigMap update does). With [`Source::Kubernetes`], applies its objects
+    /// to the API server double instead, and deletes those an earlier text of
+    /// `file` had that this one has not.
     pub fn write_manifest(&self, file: &str, text: &str) -> Result<()> {
-        write_atomically(&self.manifests.join(file), text)
+        let Some(api) = &self.api else {
+            return write_atomically(&self.manifests.join(file), text);
+        };
+        let objects = yaml_objects(text).with_context(|| format!("manifest {file}"))?;
+        let mut keys = Vec::new();
+        for object in objects {
+            keys.push(apply_object(&api.server, object)?);
+        }
+        let mut files = api.files.lock().expect("files lock");
+        let before = files
+            .insert(file.to_string(), keys.clone())
+            .unwrap_or_default();
+        for gone in before.into_iter().filter(|k| !keys.contains(k)) {
+            delete_object(&api.server, &gone.0, &gone.1, &gone.2)?;
+        }
+        Ok(())
     }
 
-    /// Removes manifest file `file`.
+    /// Removes manifest file `file`; with [`Source::Kubernetes`], deletes its
+    /// objects from the API server double.
     pub fn remove_manifest(&self, file: &str) -> Result<()> {
-        let path = self.manifests.join(file);
-        fs::remove_file(&path).with_context(|| format!("removing {}", path.display()))
+        let Some(api) = &self.api else {
+            let path = self.manifests.join(file);
+            return fs::remove_file(&path).with_context(|| format!("removing {}", path.display()));
+        };
+        let keys = api
+            .files
+            .lock()
+            .expect("files lock")
+            .remove(file)
+            .with_context(|| format!("no manifest {file} was written"))?;
+        for (kind, namespace, name) in keys {
+            delete_object(&api.server, &kind, &namespace, &name)?;
+        }
+        Ok(())
     }
 
     /// Replaces a pod's labels (rewrites its manifest by rename).
@@ -778,10 +937,17 @@ impl Cluster {
     /// Deletes a pod: manifest, CNI DEL, namespace.
     pub fn remove_pod(&mut self, name: &str) -> Result<()> {
         let pod = self.pods.remove(name).context("no such pod")?;
-        // A pod an API server double lists has no manifest.
-        match fs::remove_file(self.pod_manifest_path(&pod)) {
-            Err(e) if e.kind() != std::io::ErrorKind::NotFound => return Err(e.into()),
-            _ => {}
+        // A pod an API server double lists without the test bed has no manifest.
+        let file = Self::pod_manifest_file(&pod);
+        match &self.api {
+            Some(api) if api.files.lock().expect("files lock").contains_key(&file) => {
+                self.remove_manifest(&file)?;
+            }
+            Some(_) => {}
+            None => match fs::remove_file(self.manifests.join(&file)) {
+                Err(e) if e.kind() != std::io::ErrorKind::NotFound => return Err(e.into()),
+                _ => {}
+            },
         }
         let node = self.nodes[pod.node].clone();
         self.cni("DEL", &node, &pod.container_id, &pod.netns)?;
@@ -880,10 +1046,13 @@ impl Cluster {
                 "--node",
                 &n.name,
             ])
-            // The manifests directory, unless the agent is to watch an API server.
+            // The test bed's source, unless the agent is given one.
             .args(
                 (!extra.contains(&"--kubeconfig"))
-                    .then(|| ["--manifests".as_ref(), self.manifests.as_os_str()])
+                    .then(|| match &self.api {
+                        Some(api) => ["--kubeconfig".as_ref(), api.kubeconfigs[node].as_os_str()],
+                        None => ["--manifests".as_ref(), self.manifests.as_os_str()],
+                    })
                     .into_iter()
                     .flatten(),
             )

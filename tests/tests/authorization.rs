@@ -11,7 +11,7 @@ use std::{
 
 use http::StatusCode;
 use podlink_agent::identity::SpiffeId;
-use podlink_tests::{Cluster, Pod, PodSpec, app};
+use podlink_tests::{Cluster, Pod, PodSpec, Source, app};
 
 mod common;
 use common::{attempt, credentials};
@@ -105,8 +105,21 @@ spec:
 
 #[test]
 fn allow_deny_and_audit_policies_between_pods() {
-    let mut c =
-        Cluster::with_namespaces(2, &[("shop", true), ("bank", true), ("outside", false)]).unwrap();
+    policies_between_pods(Source::Manifests);
+}
+
+#[test]
+fn allow_deny_and_audit_policies_from_the_kubernetes_api() {
+    policies_between_pods(Source::Kubernetes);
+}
+
+fn policies_between_pods(source: Source) {
+    let mut c = Cluster::with_namespaces_from(
+        2,
+        &[("shop", true), ("bank", true), ("outside", false)],
+        source,
+    )
+    .unwrap();
     let web = c
         .add_pod(
             PodSpec::new("web", "shop", 1)
@@ -295,4 +308,119 @@ fn allow_deny_and_audit_policies_between_pods() {
     wait_until(&c, &front, http, true);
     c.wait_log(1, &["authorization policies are known again"])
         .unwrap();
+}
+
+const MESH_STRICT: &str = "apiVersion: security.istio.io/v1
+kind: PeerAuthentication
+metadata: {name: default, namespace: istio-system}
+spec: {mtls: {mode: STRICT}}
+";
+
+const SHOP_STRICT: &str = "apiVersion: security.istio.io/v1
+kind: PeerAuthentication
+metadata: {name: default, namespace: shop}
+spec: {mtls: {mode: STRICT}}
+";
+
+const WEB_ADMIN_PERMISSIVE: &str = "apiVersion: security.istio.io/v1
+kind: PeerAuthentication
+metadata: {name: web-admin, namespace: shop}
+spec:
+  selector: {matchLabels: {app: web}}
+  mtls: {mode: UNSET}
+  portLevelMtls: {\"9090\": {mode: PERMISSIVE}}
+";
+
+const WEB_STRICT: &str = "apiVersion: security.istio.io/v1
+kind: PeerAuthentication
+metadata: {name: web-strict, namespace: shop}
+spec:
+  selector: {matchLabels: {app: web}}
+  mtls: {mode: STRICT}
+";
+
+#[test]
+fn peer_authentication_strict_refuses_plaintext() {
+    peer_authentication(Source::Manifests);
+}
+
+#[test]
+fn peer_authentication_from_the_kubernetes_api() {
+    peer_authentication(Source::Kubernetes);
+}
+
+/// PeerAuthentication STRICT at the mesh, namespace and workload levels
+/// refuses a plaintext client from outside the mesh (the 15006 path) while an
+/// enrolled client still connects over HBONE; port-level PERMISSIVE inside a
+/// STRICT namespace lets plaintext reach that port; removal restores plaintext.
+fn peer_authentication(source: Source) {
+    let mut c =
+        Cluster::with_namespaces_from(2, &[("shop", true), ("outside", false)], source).unwrap();
+    let web = c
+        .add_pod(
+            PodSpec::new("web", "shop", 1)
+                .service_account("web")
+                .label("app", "web"),
+        )
+        .unwrap();
+    let other = c
+        .add_pod(PodSpec::new("other", "shop", 1).service_account("other"))
+        .unwrap();
+    let front = c
+        .add_pod(PodSpec::new("front", "shop", 0).service_account("front"))
+        .unwrap();
+    let plain = c.add_pod(PodSpec::new("plain", "outside", 0)).unwrap();
+    c.start_agents().unwrap();
+    c.wait_all_captured(&[&web, &other, &front]).unwrap();
+    let _http = app::EchoServer::start(&web.netns, web.addr(8080)).unwrap();
+    let _admin = app::EchoServer::start(&web.netns, web.addr(9090)).unwrap();
+    let _other = app::EchoServer::start(&other.netns, other.addr(8080)).unwrap();
+    let (http, admin, other_http) = (web.addr(8080), web.addr(9090), other.addr(8080));
+    check(&c, &[(&plain, http, true), (&plain, other_http, true)]);
+
+    // Mesh-wide STRICT: plaintext is refused everywhere, HBONE goes on.
+    c.write_manifest("pa-mesh.yaml", MESH_STRICT).unwrap();
+    wait_until(&c, &plain, http, false);
+    check(
+        &c,
+        &[
+            (&plain, other_http, false),
+            (&front, http, true),
+            (&front, other_http, true),
+        ],
+    );
+    wait_denial_logged(&c, &plain, http, "istio-system/default");
+    let denials = c.metrics(1).unwrap();
+    assert!(
+        denials.sum(
+            "podlink_authorization_denials_total",
+            &[("policy", "istio-system/default")]
+        ) > 0.0,
+        "{}",
+        denials.text
+    );
+    c.remove_manifest("pa-mesh.yaml").unwrap();
+    wait_until(&c, &plain, http, true);
+
+    // Namespace STRICT, with port 9090 of web PERMISSIVE.
+    c.write_manifest("pa-shop.yaml", SHOP_STRICT).unwrap();
+    c.write_manifest("pa-web-admin.yaml", WEB_ADMIN_PERMISSIVE)
+        .unwrap();
+    wait_until(&c, &plain, http, false);
+    wait_until(&c, &plain, admin, true);
+    check(&c, &[(&plain, other_http, false), (&front, http, true)]);
+    wait_denial_logged(&c, &plain, http, "shop/default");
+
+    // Workload STRICT in a namespace that is not: only web is refused.
+    c.remove_manifest("pa-shop.yaml").unwrap();
+    c.remove_manifest("pa-web-admin.yaml").unwrap();
+    c.write_manifest("pa-web.yaml", WEB_STRICT).unwrap();
+    wait_until(&c, &plain, other_http, true);
+    wait_until(&c, &plain, admin, false);
+    check(&c, &[(&plain, http, false), (&front, admin, true)]);
+
+    // Removed: plaintext again.
+    c.remove_manifest("pa-web.yaml").unwrap();
+    wait_until(&c, &plain, http, true);
+    check(&c, &[(&plain, admin, true), (&front, http, true)]);
 }

@@ -17,7 +17,7 @@ use std::{
     time::{Duration, Instant},
 };
 
-use podlink_tests::{Capture, Cluster, Pod, PodSpec, app, contains_bytes};
+use podlink_tests::{Capture, Cluster, Pod, PodSpec, Source, app, contains_bytes};
 
 const VIP: &str = "10.96.0.10:80";
 const LONELY: &str = "10.96.0.11:80";
@@ -125,8 +125,18 @@ fn web_endpoints(c: &Cluster) -> usize {
 
 #[test]
 fn service_connections_go_to_ready_endpoints_over_hbone() {
+    service_connections(Source::Manifests);
+}
+
+#[test]
+fn service_connections_from_the_kubernetes_api() {
+    service_connections(Source::Kubernetes);
+}
+
+fn service_connections(source: Source) {
     // The client on node 1, the endpoints on nodes 2 and 3.
-    let mut c = Cluster::with_namespaces(3, &[("shop", true), ("legacy", false)]).unwrap();
+    let mut c =
+        Cluster::with_namespaces_from(3, &[("shop", true), ("legacy", false)], source).unwrap();
     let client = c.add_pod(PodSpec::new("client", "shop", 0)).unwrap();
     let first = c
         .add_pod(PodSpec::new("web-a", "shop", 1).label("app", "web"))
