@@ -213,6 +213,14 @@ endpoints: [{{addresses: [\"{}\"]}}]
         metrics.contains("destination_service=\"web.shop.svc.cluster.local\""),
         "{metrics}"
     );
+    // The view holds the three Services (web, lonely, old).
+    let known = c.metrics(0).unwrap();
+    assert_eq!(
+        known.sum("podlink_known_objects", &[("kind", "services")]),
+        3.0,
+        "{}",
+        known.text
+    );
 
     let old = app::EchoServer::start(&legacy.netns, legacy.addr(8080)).unwrap();
     let ex = app::exchange(&client.netns, "10.96.0.12:80".parse().unwrap(), b"legacy").unwrap();

@@ -74,6 +74,13 @@
 //! over it and how long making the pods through the CNI plugins took. The 200
 //! pods of the main table are the first 200 of these.
 //!
+//! # The Kubernetes API at cluster scale
+//!
+//! After the two-node bed is gone: one agent watching the API server double
+//! with 5,000 pods, 1,000 Services with their slices and 500 policies; the
+//! time from a change at the API to the agent's view holding it, and the
+//! agent's memory ([`api_watch`]).
+//!
 //! # Flags
 //!
 //! `--repeat N` (default 5), `--json FILE` (the same data, and every raw sample),
@@ -92,6 +99,7 @@ use podlink_tests::netns;
 use serde::Serialize;
 
 mod agents;
+mod api_watch;
 mod bed;
 mod connections;
 mod ebpf;

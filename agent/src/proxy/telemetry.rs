@@ -65,4 +65,13 @@ impl ScrapeSource for ProxyState {
     fn denials(&self) -> Vec<(String, u64)> {
         ProxyState::denials(self)
     }
+
+    fn known_objects(&self) -> Vec<(&'static str, usize)> {
+        let view = self.view();
+        vec![
+            ("workloads", view.workloads.len()),
+            ("services", view.services.service_count()),
+            ("policies", view.policies.policies().count()),
+        ]
+    }
 }

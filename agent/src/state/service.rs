@@ -166,6 +166,16 @@ impl ServiceIndex {
         self.by_vip.keys().any(|k| k.ip() == ip)
     }
 
+    /// How many Services have a port in the index.
+    pub fn service_count(&self) -> usize {
+        let services: std::collections::HashSet<(&str, &str)> = self
+            .by_vip
+            .values()
+            .map(|p| (p.namespace.as_str(), p.name.as_str()))
+            .collect();
+        services.len()
+    }
+
     /// All service ports, by address.
     pub fn ports(&self) -> impl Iterator<Item = &Arc<ServicePort>> {
         let mut all: Vec<_> = self.by_vip.values().collect();

@@ -516,6 +516,16 @@ impl WorkloadIndex {
         self.workloads.values()
     }
 
+    /// How many workloads the index holds (every pod of the source).
+    pub fn len(&self) -> usize {
+        self.workloads.len()
+    }
+
+    /// Whether the index holds no workload.
+    pub fn is_empty(&self) -> bool {
+        self.workloads.is_empty()
+    }
+
     /// This node's enrolled workloads that have an address (what the dataplane
     /// captures).
     ///

@@ -45,6 +45,11 @@ pub trait ScrapeSource {
     /// Connections denied by authorization policies so far, by the policy that
     /// denied them (`namespace/name`, `allow-policies`, `unknown-policies`).
     fn denials(&self) -> Vec<(String, u64)>;
+
+    /// What the proxy's view holds, by kind: `workloads` (pods of the whole
+    /// source), `services` (Services with a virtual address), `policies`
+    /// (AuthorizationPolicies).
+    fn known_objects(&self) -> Vec<(&'static str, usize)>;
 }
 
 /// Second handles on the dataplane's maps, read at scrape time.
@@ -160,6 +165,11 @@ struct IdentityLabels {
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, Hash, EncodeLabelSet)]
+struct KindLabels {
+    kind: &'static str,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Hash, EncodeLabelSet)]
 struct PolicyLabels {
     policy: String,
 }
@@ -263,6 +273,18 @@ pub fn encode(proxy: &impl ScrapeSource, maps: Option<&Mutex<DataplaneMaps>>) ->
         "podlink_authorization_denials",
         "Connections denied by authorization policies, by the policy that denied them",
         denials,
+    );
+
+    let known = Family::<KindLabels, Gauge>::default();
+    for (kind, n) in proxy.known_objects() {
+        known
+            .get_or_create(&KindLabels { kind })
+            .set(i64::try_from(n).unwrap_or(i64::MAX));
+    }
+    scrape.register(
+        "podlink_known_objects",
+        "Objects the proxy's view holds, by kind (workloads, services, policies)",
+        known,
     );
 
     let mut page = String::new();

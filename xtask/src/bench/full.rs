@@ -13,6 +13,7 @@ use podlink_tests::netns;
 use super::{
     ECHO_PORT, MANY_CLIENTS, Path2, Settings,
     agents::{agent_pids, agents_cpu},
+    api_watch::api_watch,
     bed::build_bed,
     connections::{Churn, OneClientPhases, Phases, run_clients},
     ebpf::{BpfStatsOn, EbpfByWorkload, counters_delta, program_counters},
@@ -181,12 +182,19 @@ pub(super) fn bench(s: Settings, json: Option<&Path>, markdown: Option<&Path>) -
         &enrollment,
     );
 
-    machine.load_average_at_end = load_average();
     eprintln!("bench: removing the test bed");
     let t = Instant::now();
     drop(bed);
     netns::cleanup();
     timings.cleanup_seconds = t.elapsed().as_secs_f64();
+
+    // On a bed of its own, with the two-node bed gone.
+    eprintln!("bench: the agent watching the Kubernetes API at cluster scale");
+    let t = Instant::now();
+    let api_watch = api_watch()?;
+    timings.api_watch_seconds = t.elapsed().as_secs_f64();
+    machine.load_average_at_end = load_average();
+    netns::cleanup();
     timings.total_seconds = started.elapsed().as_secs_f64();
 
     let report = Report {
@@ -200,6 +208,7 @@ pub(super) fn bench(s: Settings, json: Option<&Path>, markdown: Option<&Path>) -
         one_client_phases: OneClientPhases::new(one_client_phases),
         enrollment,
         scaling,
+        api_watch,
         timings,
     };
     print_report(&report);

@@ -307,15 +307,18 @@ pub(super) fn report_blocks(r: &Report) -> Vec<Block> {
         }
     )));
 
+    out.extend(super::api_watch::blocks(&r.api_watch));
+
     out.push(Block::Break);
     let t = &r.timings;
     out.push(Block::Line(format!(
-        "bench time: {:.0} s (bed {:.0} s, main table {:.0} s, scaling {:.0} s, enrollment {:.0} s, cleanup {:.0} s; the build before it not counted)",
+        "bench time: {:.0} s (bed {:.0} s, main table {:.0} s, scaling {:.0} s, enrollment {:.0} s, Kubernetes API {:.0} s, cleanup {:.0} s; the build before it not counted)",
         t.total_seconds,
         t.bed_seconds,
         t.main_table_seconds,
         t.scaling_seconds,
         t.enrollment_seconds,
+        t.api_watch_seconds,
         t.cleanup_seconds
     )));
     out

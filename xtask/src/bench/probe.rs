@@ -63,6 +63,10 @@ pub enum Row {
     /// `--count` pods (default 200, at most [`MAX_ENROLLMENT_PODS`]) enrolled
     /// one at a time (p50, p99, max ms); made once, so `--repeat` is 1.
     Enrollment,
+    /// One agent watching the Kubernetes API server double at cluster scale
+    /// (its own one-node bed): change-to-view times (p50, p99, max ms) and
+    /// VmRSS ([`super::api_watch`]); `--repeat` is 1.
+    ApiWatch,
 }
 
 /// The most pod pairs a scaling probe makes: their servers are on node 2,
@@ -80,14 +84,18 @@ impl Row {
             Row::SingleStream | Row::FourStreams => Some(THROUGHPUT_SECONDS),
             Row::OneClient | Row::SixteenClients => Some(CONNECT_SECONDS as u32),
             Row::Scaling => Some(SCALING_THROUGHPUT_SECONDS),
-            Row::RoundTrips | Row::Enrollment => None,
+            Row::RoundTrips | Row::Enrollment | Row::ApiWatch => None,
         }
     }
 
     /// Repetitions without `--repeat`: 3, and 1 for enrollment (its pods are
     /// made once).
     pub fn default_repeat(self) -> usize {
-        if self == Row::Enrollment { 1 } else { 3 }
+        if matches!(self, Row::Enrollment | Row::ApiWatch) {
+            1
+        } else {
+            3
+        }
     }
 
     /// The name `--probe` takes.
@@ -102,7 +110,7 @@ impl Row {
             Row::SingleStream | Row::FourStreams | Row::Scaling => "Gbit/s",
             Row::RoundTrips => "µs p50",
             Row::OneClient | Row::SixteenClients => "connections/s",
-            Row::Enrollment => "ms",
+            Row::Enrollment | Row::ApiWatch => "ms",
         }
     }
 }
@@ -152,6 +160,13 @@ impl Options {
             (Row::Scaling | Row::Enrollment, _) | (_, None) => {}
             (_, Some(_)) => bail!("--count is for the scaling and enrollment probes only"),
         }
+        if row == Row::ApiWatch
+            && (self.repeat != 1 || self.podlink_only || self.ebpf || self.hook.is_some())
+        {
+            bail!(
+                "the api-watch probe runs once on its own bed: give none of --repeat, --podlink-only, --ebpf, --hook"
+            );
+        }
         if row == Row::Enrollment {
             if self.repeat != 1 {
                 bail!("the enrollment probe makes its pods once: give --repeat 1");
@@ -179,6 +194,19 @@ impl Options {
 /// setup and the build), and leaves the removal of the bed to the caller's
 /// cleanup.
 pub fn probe(o: &Options) -> Result<()> {
+    if o.row == Row::ApiWatch {
+        let w = super::api_watch::api_watch()?;
+        let [p50, p99, max] = w.summary();
+        println!(
+            "probe api-watch: change to view p50 {p50:.2} ms, p99 {p99:.2} ms, max {max:.2} ms over {} changes; VmRSS settled {:.1} MiB, most {:.1} MiB; first view {:.1} s; one scrape p50 {:.2} ms",
+            w.change_ms.len(),
+            w.idle_rss_kib as f64 / 1024.0,
+            w.max_rss_kib as f64 / 1024.0,
+            w.first_view_seconds,
+            w.scrape_p50_ms
+        );
+        return Ok(());
+    }
     eprintln!("bench: building the two-node test bed");
     let mut bed = build_bed()?;
     std::thread::sleep(Duration::from_secs(2));
@@ -289,7 +317,7 @@ fn run_rows(bed: &mut Bed, o: &Options) -> Result<()> {
                 Row::SixteenClients => {
                     Ok(run_clients(&[(client, echo)], MANY_CLIENTS, secs as f64, false)?.rate())
                 }
-                Row::Scaling | Row::Enrollment => unreachable!("handled above"),
+                Row::Scaling | Row::Enrollment | Row::ApiWatch => unreachable!("handled above"),
             };
             let cpu = agents_cpu(&bed.cluster);
             // The full bench's breakdown by kind of run, over this one run

@@ -4,6 +4,7 @@ use serde::Serialize;
 
 use super::{
     Settings,
+    api_watch::ApiWatch,
     connections::{Churn, OneClientPhases},
     ebpf::{EbpfByWorkload, ProgCounters},
     enrollment::Enrollment,
@@ -19,6 +20,7 @@ pub(super) struct Timings {
     pub(super) main_table_seconds: f64,
     pub(super) scaling_seconds: f64,
     pub(super) enrollment_seconds: f64,
+    pub(super) api_watch_seconds: f64,
     pub(super) cleanup_seconds: f64,
     pub(super) total_seconds: f64,
 }
@@ -38,5 +40,7 @@ pub(super) struct Report {
     pub(super) one_client_phases: OneClientPhases,
     pub(super) enrollment: Enrollment,
     pub(super) scaling: Scaling,
+    /// The agent watching the Kubernetes API at cluster scale.
+    pub(super) api_watch: ApiWatch,
     pub(super) timings: Timings,
 }
