@@ -266,6 +266,10 @@ pub enum Source {
     Kubernetes,
 }
 
+/// An object of the API server double: kind, namespace (empty for a
+/// cluster-scoped kind), name.
+type ObjectKey = (String, String, String);
+
 /// The API server double the agents watch, and what each manifest "file"
 /// created in it.
 struct KubeApi {
@@ -273,7 +277,7 @@ struct KubeApi {
     /// Each node's kubeconfig (a listener in its namespace).
     kubeconfigs: Vec<PathBuf>,
     /// The objects (kind, namespace, name) each manifest file holds.
-    files: std::sync::Mutex<HashMap<String, Vec<(String, String, String)>>>,
+    files: std::sync::Mutex<HashMap<String, Vec<ObjectKey>>>,
 }
 
 /// The cluster.

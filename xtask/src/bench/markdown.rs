@@ -78,6 +78,7 @@ mod tests {
     use super::*;
     use crate::bench::{
         Path2, Settings,
+        api_watch::ApiWatch,
         connections::{Churn, ClientRun, OneClientPhases, Phases},
         ebpf::{EbpfByWorkload, ProgCounters, WorkloadCounters},
         enrollment::Enrollment,
@@ -212,6 +213,19 @@ mod tests {
                     .collect(),
             },
             enrollment,
+            api_watch: ApiWatch {
+                pods: 5_000,
+                local_pods: 100,
+                services: 1_000,
+                policies: 500,
+                first_view_seconds: 3.0,
+                idle_rss_kib: 40_000,
+                max_rss_kib: 42_000,
+                change_ms: (0..10)
+                    .map(|i| ("service".to_string(), 5.0 + i as f64))
+                    .collect(),
+                scrape_p50_ms: 0.5,
+            },
             timings: Timings::default(),
             settings: s,
         }
