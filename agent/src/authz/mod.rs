@@ -52,7 +52,7 @@ pub mod spec;
 
 pub use error::{CompileError, FieldError, LabelProblem, SetWarning};
 pub use evaluate::{Decision, Denial, DenialCounts, Destination, PolicySet, Request};
-pub use mtls::{MtlsError, MtlsMode, MtlsPolicy};
+pub use mtls::{EffectiveMtls, MtlsError, MtlsMode, MtlsPolicies, MtlsPolicy, MtlsScope};
 pub use policy::{Action, Note, Policy, Scope};
 
 /// Istio's default root namespace: policies there apply mesh-wide.
