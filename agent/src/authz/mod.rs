@@ -59,4 +59,6 @@ pub use policy::{Action, Note, Policy, Scope};
 pub const DEFAULT_ROOT_NAMESPACE: &str = "istio-system";
 
 #[cfg(test)]
+mod mtls_tests;
+#[cfg(test)]
 mod tests;
