@@ -457,4 +457,9 @@ fn modes_serialize_as_istio_writes_them() {
     assert_eq!(serde_json::to_value(MtlsMode::Strict).unwrap(), "STRICT");
     assert_eq!(serde_json::to_value(MtlsMode::Unset).unwrap(), "UNSET");
     assert_eq!(serde_json::to_value(MtlsScope::Mesh).unwrap(), "mesh");
+    let scope = pa("shop", "web", "{selector: {matchLabels: {app: web}}}").scope(ROOT);
+    assert_eq!(
+        serde_json::to_value(scope).unwrap(),
+        serde_json::json!({"workload": {"namespace": "shop", "labels": {"app": "web"}}})
+    );
 }
