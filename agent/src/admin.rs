@@ -12,10 +12,15 @@
 //!                  "enrollment", "terminating", "identity", "labels",
 //!                  "captured": bool}],
 //!   "policies": {"root_namespace", "unknown": null | "why",
-//!                "items": [{"namespace", "name", "action", "scope", "notes"}]},
+//!                "items": [{"namespace", "name", "action", "scope", "notes"}],
+//!                "peer_authentications": [{"namespace", "name",
+//!                    "scope": "mesh" | {"namespace": ns} | {"workload": {"namespace", "labels"}} | "ignored",
+//!                    "mode": "UNSET" | "DISABLE" | "PERMISSIVE" | "STRICT",
+//!                    "port_modes": {"<port>": mode}, "in_effect": bool}]},
 //!   "services": [{"namespace", "name", "vip", "port_name", "target_port",
 //!                 "endpoints": [{"addr", "ready", "terminating"}], "has_slices"}],
-//!   "denials": {"<namespace>/<name>" | "allow-policies" | "unknown-policies": count},
+//!   "denials": {"<namespace>/<name>" (AuthorizationPolicy or PeerAuthentication)
+//!               | "allow-policies" | "unknown-policies": count},
 //!   "certificates": [{"identity", "state": "issued" | "pending",
 //!                     "not_after", "renew_at" (RFC 3339, UTC)}]
 //! }
@@ -154,6 +159,22 @@ pub fn config_dump(state: &ProxyState) -> Value {
             })
         })
         .collect();
+    // `in_effect`: false for a second definition, one passed over at its
+    // level, or a selector in the root namespace.
+    let mtls = view.policies.mtls();
+    let peer_authentications: Vec<Value> = mtls
+        .policies()
+        .map(|p| {
+            json!({
+                "namespace": p.namespace,
+                "name": p.name,
+                "scope": p.scope(root),
+                "mode": p.mode,
+                "port_modes": p.port_modes,
+                "in_effect": mtls.in_effect(p),
+            })
+        })
+        .collect();
     let denials: serde_json::Map<String, Value> = state
         .denials()
         .into_iter()
@@ -181,6 +202,7 @@ pub fn config_dump(state: &ProxyState) -> Value {
             "root_namespace": root,
             "unknown": view.policies.unknown(),
             "items": policies,
+            "peer_authentications": peer_authentications,
         },
         "denials": denials,
         "services": view.services.ports().map(|p| p.as_ref()).collect::<Vec<_>>(),

@@ -165,4 +165,37 @@ pub enum SetWarning {
         /// The `namespace/name`.
         policy: String,
     },
+    /// A PeerAuthentication's `namespace/name` is defined more than once; the
+    /// first definition is enforced.
+    #[error(
+        "PeerAuthentication {policy} is defined more than once; the first definition is enforced"
+    )]
+    MtlsDuplicate {
+        /// The `namespace/name`.
+        policy: String,
+    },
+    /// Several PeerAuthentications apply at one level (mesh-wide, to a
+    /// namespace, or to the same pods); Istio enforces the oldest, podlink the
+    /// first by name.
+    #[error(
+        "PeerAuthentications {} all apply {level}; {} is enforced, the first by name (Istio enforces the oldest; podlink does not know creation times)",
+        policies.join(", "),
+        policies.first().map_or("", String::as_str)
+    )]
+    MtlsOverlap {
+        /// Where they apply: `mesh-wide`, `to namespace <ns>`, `to the same pods
+        /// of this node`.
+        level: String,
+        /// Their `namespace/name`s, sorted.
+        policies: Vec<String>,
+    },
+    /// A PeerAuthentication with a selector in the root namespace applies to no
+    /// workload (as in Istio).
+    #[error(
+        "PeerAuthentication {policy} has a selector in the root namespace: as in Istio, it applies to no workload"
+    )]
+    MtlsRootSelector {
+        /// The `namespace/name`.
+        policy: String,
+    },
 }

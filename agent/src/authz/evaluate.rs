@@ -1,5 +1,8 @@
 //! Evaluation: the [`PolicySet`] of the mesh decides a [`Request`] to a workload,
-//! in Istio's order (DENY, then ALLOW; AUDIT reported).
+//! in Istio's order: plaintext refused where PeerAuthentication makes mutual
+//! TLS `STRICT` (as istiod's conversion for ztunnel makes it a DENY of
+//! connections without a peer identity), then DENY, then ALLOW; AUDIT
+//! reported.
 
 use std::{
     collections::{BTreeMap, HashMap},
@@ -8,7 +11,7 @@ use std::{
     sync::{Arc, Mutex},
 };
 
-use super::{Action, Policy, SetWarning};
+use super::{Action, MtlsMode, MtlsPolicies, MtlsPolicy, Policy, SetWarning};
 use crate::identity::SpiffeId;
 
 /// The connection attributes a policy is evaluated against.
@@ -72,6 +75,10 @@ pub enum Denial {
     /// The policies cannot be known (a broken manifest holds some): everything is
     /// denied until it is fixed. The reason.
     Unknown(String),
+    /// A plaintext request (no peer identity) to a port where mutual TLS is
+    /// `STRICT`: the `namespace/name` of the PeerAuthentication that set the
+    /// mode (the mesh-wide one when no other sets it).
+    MtlsStrict(String),
 }
 
 impl fmt::Display for Denial {
@@ -82,16 +89,21 @@ impl fmt::Display for Denial {
                 write!(f, "no ALLOW policy matched (policies {})", ps.join(", "))
             }
             Denial::Unknown(why) => write!(f, "authorization policies unknown: {why}"),
+            Denial::MtlsStrict(p) => write!(
+                f,
+                "plaintext refused: mTLS is STRICT (PeerAuthentication {p})"
+            ),
         }
     }
 }
 
 impl Denial {
-    /// The name to count the denial under: the policy's `namespace/name`, or
-    /// `allow-policies` / `unknown-policies`.
+    /// The name to count the denial under: the AuthorizationPolicy's or
+    /// PeerAuthentication's `namespace/name`, or `allow-policies` /
+    /// `unknown-policies`.
     pub fn policy(&self) -> &str {
         match self {
-            Denial::Policy(p) => p,
+            Denial::Policy(p) | Denial::MtlsStrict(p) => p,
             Denial::NoAllowMatch(_) => "allow-policies",
             Denial::Unknown(_) => "unknown-policies",
         }
@@ -118,23 +130,27 @@ impl Decision {
     }
 }
 
-/// All policies of the mesh.
+/// All policies of the mesh: AuthorizationPolicies and PeerAuthentications.
 #[derive(Clone, Debug, Default)]
 pub struct PolicySet {
     /// The namespace whose policies apply mesh-wide.
     root_namespace: String,
     policies: Vec<Arc<Policy>>,
+    mtls: MtlsPolicies,
     /// Set when some policies cannot be known: every request is denied.
     unknown: Option<String>,
 }
 
 impl PolicySet {
-    /// A set of `policies`, those of `root_namespace` applying mesh-wide. Policies
-    /// that share a `namespace/name` are all kept, with a warning: dropping one
-    /// could cancel a DENY.
+    /// A set of AuthorizationPolicies `policies` and PeerAuthentications
+    /// `mtls`, those of `root_namespace` applying mesh-wide.
+    /// AuthorizationPolicies that share a `namespace/name` are all kept, with a
+    /// warning: dropping one could cancel a DENY. The PeerAuthentications'
+    /// warnings are [`MtlsPolicies::build`]'s.
     pub fn build(
         root_namespace: &str,
         policies: impl IntoIterator<Item = Arc<Policy>>,
+        mtls: impl IntoIterator<Item = Arc<MtlsPolicy>>,
     ) -> (Self, Vec<SetWarning>) {
         let mut seen = HashMap::new();
         let mut warnings = Vec::new();
@@ -150,6 +166,9 @@ impl PolicySet {
             }
             set.policies.push(p);
         }
+        let (mtls, mtls_warnings) = MtlsPolicies::build(root_namespace, mtls);
+        set.mtls = mtls;
+        warnings.extend(mtls_warnings);
         (set, warnings)
     }
 
@@ -168,9 +187,14 @@ impl PolicySet {
         &self.root_namespace
     }
 
-    /// The policies.
+    /// The AuthorizationPolicies.
     pub fn policies(&self) -> impl Iterator<Item = &Arc<Policy>> {
         self.policies.iter()
+    }
+
+    /// The PeerAuthentications.
+    pub fn mtls(&self) -> &MtlsPolicies {
+        &self.mtls
     }
 
     /// Decides `req` by the policies that apply to `destination`, the enrolled
@@ -189,7 +213,12 @@ impl PolicySet {
         }
     }
 
-    /// Decides a request to a workload in `namespace` with `labels`.
+    /// Decides a request to a workload in `namespace` with `labels`: a
+    /// plaintext request (`req.source` is `None`) to a port where mutual TLS is
+    /// `STRICT` ([`MtlsPolicies::effective`]) is denied, before
+    /// AuthorizationPolicies are (AUDIT matches are still reported). Requests
+    /// with a peer identity (HBONE, or between two pods of this node) are never
+    /// refused for it.
     pub fn evaluate(
         &self,
         namespace: &str,
@@ -210,6 +239,12 @@ impl PolicySet {
         let mut allowed = false;
         let mut audited = Vec::new();
         let mut denial = None;
+        if req.source.is_none() {
+            let mtls = self.mtls.effective(namespace, labels, req.destination_port);
+            if let (MtlsMode::Strict, Some(p)) = (mtls.mode, mtls.set_by) {
+                denial = Some(Denial::MtlsStrict(p.to_string()));
+            }
+        }
         for p in applicable {
             match p.action {
                 Action::Deny if denial.is_none() && p.matches(req) => {
@@ -245,8 +280,9 @@ impl DenialCounts {
         *n
     }
 
-    /// The counts, by policy (`namespace/name`, or `allow-policies` when no ALLOW
-    /// policy matched, or `unknown-policies`), sorted by it.
+    /// The counts, by policy (an AuthorizationPolicy's or PeerAuthentication's
+    /// `namespace/name`, or `allow-policies` when no ALLOW policy matched, or
+    /// `unknown-policies`), sorted by it.
     pub fn by_policy(&self) -> Vec<(String, u64)> {
         let counts = self.0.lock().expect("denials lock");
         counts.iter().map(|(k, v)| (k.clone(), *v)).collect()

@@ -1,10 +1,14 @@
-//! Layer-4 authorization with Istio `AuthorizationPolicy`.
+//! Layer-4 authorization with Istio `AuthorizationPolicy`, and the refusal of
+//! plaintext where Istio `PeerAuthentication` makes mutual TLS `STRICT`
+//! ([`MtlsPolicies`]; its semantics are in `mtls`).
 //!
 //! Policies are read from the workload source ([`spec`] has the resource as
 //! written), compiled into [`Policy`] once, and evaluated by the proxy for every
 //! inbound connection (HBONE stream, plaintext connection, or a connection between
 //! two pods of this node) with [`PolicySet::decide`]; [`DenialCounts`] counts the
-//! denials by policy.
+//! denials by policy. A plaintext connection (no peer identity) to a port where
+//! the PeerAuthentication in effect is `STRICT` is denied first
+//! ([`Denial::MtlsStrict`]).
 //!
 //! The compiled model is in `policy`, its compilation from the resource in
 //! `compile` (errors in `error`), and evaluation in `evaluate`.
@@ -52,11 +56,13 @@ pub mod spec;
 
 pub use error::{CompileError, FieldError, LabelProblem, SetWarning};
 pub use evaluate::{Decision, Denial, DenialCounts, Destination, PolicySet, Request};
-pub use mtls::{MtlsError, MtlsMode, MtlsPolicy};
+pub use mtls::{EffectiveMtls, MtlsError, MtlsMode, MtlsPolicies, MtlsPolicy, MtlsScope};
 pub use policy::{Action, Note, Policy, Scope};
 
 /// Istio's default root namespace: policies there apply mesh-wide.
 pub const DEFAULT_ROOT_NAMESPACE: &str = "istio-system";
 
+#[cfg(test)]
+mod mtls_tests;
 #[cfg(test)]
 mod tests;

@@ -2,21 +2,47 @@
 //! connections need, compiled from the resource ([`super::spec::PeerAuthentication`]).
 //!
 //! Source: Istio reference, "PeerAuthentication"
-//! (<https://istio.io/latest/docs/reference/config/security/peer_authentication/>).
+//! (<https://istio.io/latest/docs/reference/config/security/peer_authentication/>),
+//! and istiod's conversion of PeerAuthentication for ztunnel
+//! (`pilot/pkg/serviceregistry/kube/controller/ambient/authorization.go`).
+//!
+//! [`MtlsPolicies`] holds the mesh's policies by level and answers the mode in
+//! effect for a workload's port ([`MtlsPolicies::effective`]):
+//!
+//! * Levels: a policy with a selector, in the workload's namespace, matching its
+//!   labels (workload level) over the one without a selector in its namespace
+//!   (namespace level) over the one without a selector in the root namespace
+//!   (mesh level). A policy with a selector in the root namespace applies to no
+//!   workload, as in Istio (istiod skips it at every level).
+//! * `UNSET` (or no `mtls`) inherits from the next level; nothing set is
+//!   `PERMISSIVE`. The workload-level policy's `portLevelMtls` entry for the
+//!   connection's destination port on the pod (the target port) comes before its
+//!   `mtls.mode`; an `UNSET` entry inherits too.
+//! * Several policies at one level: Istio enforces the oldest. podlink does not
+//!   know creation times: it enforces the first by `namespace/name` and warns.
+//! * `DISABLE` accepts plaintext, as `PERMISSIVE` does (as in ztunnel: there is
+//!   no mutual TLS to turn off on a plaintext connection, and HBONE is always
+//!   mutual TLS).
 
-use std::{collections::BTreeMap, fmt};
+use std::{
+    collections::{BTreeMap, HashMap},
+    fmt,
+    sync::Arc,
+};
 
 use serde::Serialize;
 use thiserror::Error;
 
 use super::{
-    LabelProblem,
+    LabelProblem, SetWarning,
     compile::label_problem,
     spec::{MutualTls, PeerAuthentication},
 };
 
-/// A mutual TLS mode (`spec.mtls.mode`).
+/// A mutual TLS mode (`spec.mtls.mode`); serialized as Istio writes it
+/// (`STRICT`).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "UPPERCASE")]
 pub enum MtlsMode {
     /// `UNSET` (or absent): inherit from the parent scope (workload → namespace
     /// → mesh); PERMISSIVE when nothing sets a mode.
@@ -58,7 +84,8 @@ pub enum MtlsError {
         /// The key as written.
         key: String,
     },
-    /// `spec.portLevelMtls` without a selector (Istio's validation refuses it).
+    /// `spec.portLevelMtls` without a selector, or with a selector without labels
+    /// (Istio's validation refuses it).
     #[error("PeerAuthentication {policy}: spec.portLevelMtls needs spec.selector")]
     PortsWithoutSelector {
         /// The policy's `namespace/name`.
@@ -81,7 +108,8 @@ pub struct MtlsPolicy {
     pub namespace: String,
     /// `metadata.name`.
     pub name: String,
-    /// `spec.selector.matchLabels`, if there is a selector.
+    /// `spec.selector.matchLabels`, if there is a selector with labels (a
+    /// selector without labels is none, as in Istio).
     pub selector: Option<BTreeMap<String, String>>,
     /// `spec.mtls.mode`.
     pub mode: MtlsMode,
@@ -132,9 +160,14 @@ impl MtlsPolicy {
             Some(m) => parse_mode(&policy, "spec.mtls.mode".into(), m)?,
             None => MtlsMode::Unset,
         };
+        let selector = spec
+            .selector
+            .as_ref()
+            .map(|s| s.match_labels.clone())
+            .filter(|labels| !labels.is_empty());
         let mut port_modes = BTreeMap::new();
-        if let Some(ports) = &spec.port_level_mtls {
-            if spec.selector.is_none() {
+        if let Some(ports) = spec.port_level_mtls.as_ref().filter(|p| !p.is_empty()) {
+            if selector.is_none() {
                 return Err(MtlsError::PortsWithoutSelector { policy });
             }
             for (key, m) in ports {
@@ -153,9 +186,226 @@ impl MtlsPolicy {
         Ok(MtlsPolicy {
             namespace,
             name,
-            selector: spec.selector.as_ref().map(|s| s.match_labels.clone()),
+            selector,
             mode,
             port_modes,
         })
+    }
+}
+
+/// Which workloads a PeerAuthentication applies to.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum MtlsScope {
+    /// Every workload of the mesh (root namespace, no selector).
+    Mesh,
+    /// Every workload of the namespace (no selector).
+    Namespace(String),
+    /// The workloads of `namespace` whose labels include `labels`.
+    Workload {
+        /// The policy's namespace.
+        namespace: String,
+        /// Labels the workload must carry.
+        labels: BTreeMap<String, String>,
+    },
+    /// A selector in the root namespace: no workload (Istio ignores it).
+    Ignored,
+}
+
+impl MtlsPolicy {
+    /// The workloads the policy applies to, given the mesh's root namespace.
+    pub fn scope(&self, root_namespace: &str) -> MtlsScope {
+        match &self.selector {
+            Some(_) if self.namespace == root_namespace => MtlsScope::Ignored,
+            Some(labels) => MtlsScope::Workload {
+                namespace: self.namespace.clone(),
+                labels: labels.clone(),
+            },
+            None if self.namespace == root_namespace => MtlsScope::Mesh,
+            None => MtlsScope::Namespace(self.namespace.clone()),
+        }
+    }
+
+    /// Whether its selector (which it must have) matches `labels`.
+    fn selects(&self, labels: &BTreeMap<String, String>) -> bool {
+        self.selector
+            .iter()
+            .flatten()
+            .all(|(k, v)| labels.get(k) == Some(v))
+    }
+}
+
+/// The mode in effect on a workload's port ([`MtlsPolicies::effective`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct EffectiveMtls<'a> {
+    /// `DISABLE`, `PERMISSIVE` or `STRICT`, never `UNSET`.
+    pub mode: MtlsMode,
+    /// The policy that set it; `None` when none did (`PERMISSIVE`).
+    pub set_by: Option<&'a MtlsPolicy>,
+}
+
+/// The mesh's PeerAuthentications, by level (module documentation).
+#[derive(Clone, Debug, Default)]
+pub struct MtlsPolicies {
+    /// Every policy given, sorted by `namespace/name` (a second definition of a
+    /// name after the first).
+    all: Vec<Arc<MtlsPolicy>>,
+    /// The mesh-level policy enforced.
+    mesh: Option<Arc<MtlsPolicy>>,
+    /// The namespace-level policy enforced, by namespace.
+    namespaces: HashMap<String, Arc<MtlsPolicy>>,
+    /// Workload-level policies by namespace, sorted by name (the first that
+    /// selects a workload is enforced on it).
+    selectors: HashMap<String, Vec<Arc<MtlsPolicy>>>,
+}
+
+impl MtlsPolicies {
+    /// The set of `policies`, those of `root_namespace` without a selector
+    /// applying mesh-wide. Warnings: a name defined more than once (the first
+    /// definition is enforced), several policies at the mesh or a namespace's
+    /// level (the first by name is enforced), a selector in the root namespace
+    /// (it applies to no workload).
+    pub fn build(
+        root_namespace: &str,
+        policies: impl IntoIterator<Item = Arc<MtlsPolicy>>,
+    ) -> (Self, Vec<SetWarning>) {
+        let mut all: Vec<Arc<MtlsPolicy>> = policies.into_iter().collect();
+        // Stable: a name's definitions keep the source's order.
+        all.sort_by(|a, b| (&a.namespace, &a.name).cmp(&(&b.namespace, &b.name)));
+        let mut warnings = Vec::new();
+        let mut set = MtlsPolicies::default();
+        let mut mesh = Vec::new();
+        let mut namespaces: BTreeMap<&str, Vec<&Arc<MtlsPolicy>>> = BTreeMap::new();
+        let mut previous: Option<&Arc<MtlsPolicy>> = None;
+        for p in &all {
+            if previous.is_some_and(|q| q.namespace == p.namespace && q.name == p.name) {
+                warnings.push(SetWarning::MtlsDuplicate {
+                    policy: p.to_string(),
+                });
+                continue;
+            }
+            previous = Some(p);
+            match p.scope(root_namespace) {
+                MtlsScope::Mesh => mesh.push(p),
+                MtlsScope::Namespace(_) => namespaces.entry(&p.namespace).or_default().push(p),
+                MtlsScope::Workload { .. } => set
+                    .selectors
+                    .entry(p.namespace.clone())
+                    .or_default()
+                    .push(p.clone()),
+                MtlsScope::Ignored => warnings.push(SetWarning::MtlsRootSelector {
+                    policy: p.to_string(),
+                }),
+            }
+        }
+        let mut first = |level: String, ps: &[&Arc<MtlsPolicy>]| {
+            if ps.len() > 1 {
+                warnings.push(SetWarning::MtlsOverlap {
+                    level,
+                    policies: ps.iter().map(ToString::to_string).collect(),
+                });
+            }
+            ps.first().map(|p| Arc::clone(p))
+        };
+        set.mesh = first("mesh-wide".into(), &mesh);
+        for (ns, ps) in namespaces {
+            if let Some(p) = first(format!("to namespace {ns}"), &ps) {
+                set.namespaces.insert(ns.to_string(), p);
+            }
+        }
+        set.all = all;
+        (set, warnings)
+    }
+
+    /// Every policy, sorted by `namespace/name`.
+    pub fn policies(&self) -> impl Iterator<Item = &Arc<MtlsPolicy>> {
+        self.all.iter()
+    }
+
+    /// Whether `policy` (one of [`MtlsPolicies::policies`]) is enforced on the
+    /// workloads of its level: not a second definition, not passed over for
+    /// another of its level, not a selector in the root namespace. A
+    /// workload-level one may still be passed over on a workload another
+    /// selects too ([`MtlsPolicies::overlaps`]).
+    pub fn in_effect(&self, policy: &Arc<MtlsPolicy>) -> bool {
+        let same = |p: &Arc<MtlsPolicy>| Arc::ptr_eq(p, policy);
+        self.mesh.as_ref().is_some_and(same)
+            || self.namespaces.get(&policy.namespace).is_some_and(same)
+            || self
+                .selectors
+                .get(&policy.namespace)
+                .is_some_and(|ps| ps.iter().any(same))
+    }
+
+    /// The workload-level policies of `namespace` that select a workload with
+    /// `labels`, the enforced one first.
+    fn selecting<'s, 'l>(
+        &'s self,
+        namespace: &str,
+        labels: &'l BTreeMap<String, String>,
+    ) -> impl Iterator<Item = &'s Arc<MtlsPolicy>> + use<'s, 'l> {
+        self.selectors
+            .get(namespace)
+            .into_iter()
+            .flatten()
+            .filter(move |p| p.selects(labels))
+    }
+
+    /// The mode in effect on `port` (the connection's destination port on the
+    /// pod) of a workload in `namespace` with `labels`, and the policy that set
+    /// it (module documentation).
+    pub fn effective(
+        &self,
+        namespace: &str,
+        labels: &BTreeMap<String, String>,
+        port: u16,
+    ) -> EffectiveMtls<'_> {
+        let workload = self.selecting(namespace, labels).next();
+        let port_mode = workload.and_then(|p| Some((p.port_modes.get(&port)?, p)));
+        // From the most specific: the first mode set is in effect.
+        [
+            port_mode.map(|(mode, p)| (*mode, p)),
+            workload.map(|p| (p.mode, p)),
+            self.namespaces.get(namespace).map(|p| (p.mode, p)),
+            self.mesh.as_ref().map(|p| (p.mode, p)),
+        ]
+        .into_iter()
+        .flatten()
+        .find(|(mode, _)| *mode != MtlsMode::Unset)
+        .map_or(
+            EffectiveMtls {
+                mode: MtlsMode::Permissive,
+                set_by: None,
+            },
+            |(mode, p)| EffectiveMtls {
+                mode,
+                set_by: Some(p),
+            },
+        )
+    }
+
+    /// A warning for each set of workload-level policies that select one of
+    /// `workloads` (namespace, labels) together; the first by name is enforced
+    /// on it. Each set is reported once, however many workloads it selects.
+    pub fn overlaps<'a>(
+        &self,
+        workloads: impl IntoIterator<Item = (&'a str, &'a BTreeMap<String, String>)>,
+    ) -> Vec<SetWarning> {
+        let mut seen = std::collections::BTreeSet::new();
+        for (namespace, labels) in workloads {
+            let names: Vec<String> = self
+                .selecting(namespace, labels)
+                .map(ToString::to_string)
+                .collect();
+            if names.len() > 1 {
+                seen.insert(names);
+            }
+        }
+        seen.into_iter()
+            .map(|policies| SetWarning::MtlsOverlap {
+                level: "to the same pods of this node".into(),
+                policies,
+            })
+            .collect()
     }
 }

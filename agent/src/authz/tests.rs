@@ -15,7 +15,12 @@ fn compile(yaml: &str) -> Result<Policy, String> {
 }
 
 fn set(yamls: &[&str]) -> PolicySet {
-    PolicySet::build(ROOT, yamls.iter().map(|y| Arc::new(compile(y).unwrap()))).0
+    PolicySet::build(
+        ROOT,
+        yamls.iter().map(|y| Arc::new(compile(y).unwrap())),
+        [],
+    )
+    .0
 }
 
 /// A policy named `name` in `ns` with `action` and the YAML `rules` (a flow
@@ -1003,6 +1008,7 @@ fn duplicates_are_all_enforced() {
         ]
         .iter()
         .map(|y| Arc::new(compile(y).unwrap())),
+        [],
     );
     // Both are enforced: a second definition cannot cancel a DENY.
     assert_eq!(set.policies().count(), 2);

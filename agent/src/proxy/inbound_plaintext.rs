@@ -1,6 +1,7 @@
 //! Plain connections to an enrolled pod on this node from outside the mesh
-//! (listener 15006). Authorization policies apply with no source principal; a
-//! denied connection is reset.
+//! (listener 15006). Authorization policies apply with no source principal, and
+//! a PeerAuthentication that makes mutual TLS `STRICT` on the pod's port
+//! refuses them; a denied connection is reset.
 
 use std::{net::SocketAddr, sync::Arc};
 

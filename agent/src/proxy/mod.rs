@@ -169,8 +169,9 @@ impl ProxyState {
         });
     }
 
-    /// Connections denied so far, by policy (`namespace/name`, or
-    /// `allow-policies` when no ALLOW policy matched, or `unknown-policies`).
+    /// Connections denied so far, by policy (an AuthorizationPolicy's or a
+    /// PeerAuthentication's `namespace/name`, or `allow-policies` when no ALLOW
+    /// policy matched, or `unknown-policies`).
     pub fn denials(&self) -> Vec<(String, u64)> {
         self.denials.by_policy()
     }

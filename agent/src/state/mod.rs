@@ -4,7 +4,8 @@
 //! how complete its view is. [`State`] keeps the objects and derives from them
 //! what the proxy and the dataplane read: the workload index and the
 //! enrollment decision ([`workload`]), the Services ([`service`]) and the
-//! authorization policies ([`crate::authz::PolicySet`]). It knows nothing of
+//! authorization policies, AuthorizationPolicy and PeerAuthentication
+//! ([`crate::authz::PolicySet`]). It knows nothing of
 //! where the objects came from; a [`PodLayer`] (podlink-cni's reported
 //! addresses) is laid over the pods of whichever source runs. The proxy's
 //! view of it is [`view`], its choice among a Service's endpoints
@@ -88,10 +89,12 @@ pub struct State {
     service_index: Arc<ServiceIndex>,
     policies: Arc<PolicySet>,
     /// The workload index's warnings (address conflicts), the Service index's
-    /// and the policies' (with their notes), each logged once while it holds.
+    /// and the policies' (with their notes), and PeerAuthentications that
+    /// select the same pods of this node, each logged once while it holds.
     index_messages: HeldMessages,
     service_messages: HeldMessages,
     policy_messages: HeldMessages,
+    mtls_messages: HeldMessages,
 }
 
 /// What changed since the last [`State::refresh`].
@@ -145,6 +148,7 @@ impl State {
             index_messages: HeldMessages::default(),
             service_messages: HeldMessages::default(),
             policy_messages: HeldMessages::default(),
+            mtls_messages: HeldMessages::default(),
         }
     }
 
@@ -276,6 +280,9 @@ impl State {
         if first || dirty.policies {
             self.policies = Arc::new(self.policy_set());
         }
+        if first || pods_changed || dirty.policies {
+            self.log_mtls_overlaps();
+        }
         Refreshed {
             changed: first
                 || pods_changed
@@ -318,8 +325,11 @@ impl State {
     /// once while they hold, and the policies' return once they are known
     /// again.
     fn policy_set(&mut self) -> PolicySet {
-        let (mut set, warnings) =
-            PolicySet::build(&self.root_namespace, self.policy_objects.iter().cloned());
+        let (mut set, warnings) = PolicySet::build(
+            &self.root_namespace,
+            self.policy_objects.iter().cloned(),
+            self.mtls_policies.iter().cloned(),
+        );
         let mut messages: Vec<(Severity, String)> = warnings
             .into_iter()
             .map(|w| (Severity::Warn, w.to_string()))
@@ -346,6 +356,24 @@ impl State {
         }
         self.policy_messages.log(messages);
         set
+    }
+
+    /// Warns, once while it holds, of each set of workload-level
+    /// PeerAuthentications that select one of this node's enrolled pods
+    /// together (the first by name is enforced).
+    fn log_mtls_overlaps(&mut self) {
+        let workloads = &self.workloads;
+        let local = workloads
+            .workloads()
+            .filter(|w| w.enrollment.is_enrolled() && workloads.is_local(w))
+            .map(|w| (w.namespace.as_str(), &w.labels));
+        let warnings = self.policies.mtls().overlaps(local);
+        self.mtls_messages.log(
+            warnings
+                .into_iter()
+                .map(|w| (Severity::Warn, w.to_string()))
+                .collect(),
+        );
     }
 
     /// The workload index as last refreshed.

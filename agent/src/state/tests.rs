@@ -200,3 +200,46 @@ fn unknown_policies_deny_until_known() {
     assert!(s.refresh(&NoLayer, BTreeSet::new()).changed);
     assert_eq!(s.policies().unknown(), None);
 }
+
+/// PeerAuthentications from a delta reach the policy set; a change of them
+/// alone is a change, and removing them restores plaintext.
+#[test]
+fn peer_authentications_reach_the_policy_set() {
+    use crate::authz::{MtlsPolicy, Request, spec::PeerAuthentication};
+    let strict: PeerAuthentication = serde_yaml_ng::from_str(
+        "metadata: {name: default, namespace: a}\nspec: {mtls: {mode: STRICT}}",
+    )
+    .unwrap();
+    let mut s = state();
+    s.apply(complete(Delta {
+        all_pods: Some(Vec::new()),
+        ..Delta::default()
+    }));
+    s.refresh(&NoLayer, BTreeSet::new());
+    s.apply(complete(Delta {
+        mtls_policies: Some(vec![Arc::new(MtlsPolicy::compile(&strict).unwrap())]),
+        ..Delta::default()
+    }));
+    assert!(s.refresh(&NoLayer, BTreeSet::new()).changed);
+    assert_eq!(s.policies().mtls().policies().count(), 1);
+    let req = Request {
+        source_ip: "10.0.1.5".parse().unwrap(),
+        source: None,
+        destination_ip: "10.0.0.7".parse().unwrap(),
+        destination_port: 80,
+    };
+    let labels = BTreeMap::new();
+    assert_eq!(
+        s.policies()
+            .evaluate("a", &labels, &req)
+            .denied_by()
+            .map(|d| d.policy().to_string()),
+        Some("a/default".to_string())
+    );
+    s.apply(complete(Delta {
+        mtls_policies: Some(Vec::new()),
+        ..Delta::default()
+    }));
+    assert!(s.refresh(&NoLayer, BTreeSet::new()).changed);
+    assert!(s.policies().evaluate("a", &labels, &req).allowed());
+}

@@ -15,7 +15,7 @@
 //! | `bytes_sent` | bytes from the server to the client (Istio's `sent`, the response direction) |
 //! | `duration_ms` | from accepting the connection (or stream) to its end, milliseconds |
 //! | `result` | `ok`, `denied`, or a [`FailureKind`] (`connect_timeout`, `revoked`, …) |
-//! | `policy` | with `denied`: the policy that denied it (`namespace/name`, `allow-policies`, `unknown-policies`) |
+//! | `policy` | with `denied`: the policy that denied it (an AuthorizationPolicy's `namespace/name`, a PeerAuthentication's when it makes mutual TLS `STRICT` and the connection is plaintext, `allow-policies`, `unknown-policies`) |
 //! | `error` | with a failure: what happened |
 //!
 //! In text form: `… INFO access: connection complete direction=outbound
@@ -72,7 +72,8 @@ impl std::fmt::Display for Failure {
 pub enum Outcome {
     /// Both directions ended normally.
     Ok,
-    /// Refused by an authorization policy (named).
+    /// Refused by an authorization policy, or as plaintext by a
+    /// PeerAuthentication (named).
     Denied(String),
     /// Failed.
     Failed(Failure),

@@ -33,7 +33,7 @@
 //! | `podlink_captured_connections_total` | counter | `workload`, `workload_namespace`, `listener` (`outbound`, `inbound_hbone`, `inbound_plaintext`) | new connections the programs assigned to a listener |
 //! | `podlink_certificate_expiry_seconds` | gauge | `identity` (SPIFFE ID) | `notAfter` of the workload certificate in use, in seconds since the Unix epoch |
 //! | `podlink_known_objects` | gauge | `kind` (`workloads`, `services`, `policies`) | objects the proxy's view holds |
-//! | `podlink_authorization_denials_total` | counter | `policy` (`namespace/name`, `allow-policies`, `unknown-policies`) | connections denied, by the policy that denied them |
+//! | `podlink_authorization_denials_total` | counter | `policy` (`namespace/name` of an AuthorizationPolicy, or of a PeerAuthentication refusing plaintext; `allow-policies`, `unknown-policies`) | connections denied, by the policy that denied them |
 //! | `podlink_connection_failures_total` | counter | `direction` (`outbound`, `inbound`), `kind` ([`FailureKind`]) | connections that failed, by kind |
 //!
 //! The `podlink_*` metrics but the failures are read at scrape time

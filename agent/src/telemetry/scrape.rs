@@ -271,7 +271,7 @@ pub fn encode(proxy: &impl ScrapeSource, maps: Option<&Mutex<DataplaneMaps>>) ->
     }
     scrape.register(
         "podlink_authorization_denials",
-        "Connections denied by authorization policies, by the policy that denied them",
+        "Connections denied by authorization policies (or, plaintext, by a STRICT PeerAuthentication), by the policy that denied them",
         denials,
     );
 
