@@ -1,7 +1,7 @@
 //! What telemetry reads of the proxy and its state: the metrics page the proxy's
 //! view of the node, its certificates and its denials ([`ScrapeSource`]); the
-//! metric labels and the access log a workload's name, namespace and labels
-//! ([`WorkloadMeta`]).
+//! metric labels and the access log a workload's pod name, namespace, workload
+//! name, canonical service and revision, and labels ([`WorkloadMeta`]).
 
 use std::{net::IpAddr, sync::Arc, time::SystemTime};
 
@@ -28,6 +28,18 @@ impl WorkloadMeta for Workload {
 
     fn namespace(&self) -> &str {
         &self.namespace
+    }
+
+    fn workload_name(&self) -> &str {
+        &self.workload_name
+    }
+
+    fn canonical_service(&self) -> &str {
+        &self.canonical_service
+    }
+
+    fn canonical_revision(&self) -> &str {
+        &self.canonical_revision
     }
 
     fn label(&self, key: &str) -> Option<&str> {

@@ -8,6 +8,11 @@
 //! the label `istio.io/dataplane-mode=ambient` on the pod's namespace or on the pod
 //! enrolls it; `istio.io/dataplane-mode=none` on the pod opts it out; pods with
 //! `hostNetwork: true` are never enrolled.
+//!
+//! A workload also carries the names telemetry reports it by, made once with
+//! it: the workload the pod belongs to ([`owning_workload`]: its Deployment,
+//! StatefulSet, … as Istio names them) and Istio's canonical service and
+//! revision ([`canonical_service`], [`canonical_revision`]).
 
 use std::{
     collections::{BTreeMap, BTreeSet, HashMap, hash_map::Entry},
@@ -26,6 +31,157 @@ pub const DATAPLANE_MODE_LABEL: &str = "istio.io/dataplane-mode";
 pub const DATAPLANE_MODE_AMBIENT: &str = "ambient";
 /// [`DATAPLANE_MODE_LABEL`] value that opts a pod out.
 pub const DATAPLANE_MODE_NONE: &str = "none";
+
+/// Pod label naming the workload the pod belongs to, over what its controller
+/// gives (Istio's `service.istio.io/workload-name`).
+pub const WORKLOAD_NAME_LABEL: &str = "service.istio.io/workload-name";
+/// Pod label a Deployment's ReplicaSet sets: the hash its name ends with.
+pub const POD_TEMPLATE_HASH_LABEL: &str = "pod-template-hash";
+/// Pod label an Argo Rollout's ReplicaSet sets: the hash its name ends with.
+pub const ROLLOUTS_POD_TEMPLATE_HASH_LABEL: &str = "rollouts-pod-template-hash";
+/// Pod label an OpenShift DeploymentConfig's ReplicationController sets: the
+/// DeploymentConfig's name.
+pub const DEPLOYMENT_CONFIG_LABEL: &str = "deploymentconfig";
+/// The labels giving the canonical service, first present first.
+pub const CANONICAL_SERVICE_LABELS: [&str; 3] = [
+    "service.istio.io/canonical-name",
+    "app.kubernetes.io/name",
+    "app",
+];
+/// The labels giving the canonical revision, first present first.
+pub const CANONICAL_REVISION_LABELS: [&str; 3] = [
+    "service.istio.io/canonical-revision",
+    "app.kubernetes.io/version",
+    "version",
+];
+/// The canonical revision of a pod without any of [`CANONICAL_REVISION_LABELS`].
+pub const DEFAULT_CANONICAL_REVISION: &str = "latest";
+
+/// The workload a pod belongs to, as telemetry names it: borrowed from the pod.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct OwningWorkload<'a> {
+    /// Its name, e.g. `reviews` for pod `reviews-v1-5d8f9c7b6-x2x9q`.
+    pub name: &'a str,
+    /// Its kind: `Deployment`, `StatefulSet`, `DaemonSet`, `Job`, `CronJob`,
+    /// `ReplicaSet`, `Rollout`, `DeploymentConfig`, another controller's kind as
+    /// its owner reference gives it, or `Pod` for a pod without a controller.
+    pub kind: &'a str,
+}
+
+/// The workload `pod` belongs to, as Istio's `GetDeployMetaFromPod` (istiod,
+/// and the `WORKLOAD_NAME` its sidecar injector gives a proxy) works it out
+/// from the pod's controller (its `metadata.ownerReferences` entry with
+/// `controller: true`):
+///
+/// * a ReplicaSet whose name ends with the pod's `pod-template-hash` label: its
+///   Deployment, the ReplicaSet's name without `-<hash>` (likewise an Argo
+///   Rollout, with `rollouts-pod-template-hash`);
+/// * a ReplicationController, when the pod has a `deploymentconfig` label:
+///   that OpenShift DeploymentConfig;
+/// * a Job whose name ends with `-` and 8 to 10 digits (the scheduled time a
+///   CronJob appends): that CronJob, the Job's name without the suffix;
+/// * any other controller (StatefulSet, DaemonSet, Job, a ReplicaSet of no
+///   Deployment, …): itself;
+/// * no controller: the pod, by its name.
+///
+/// The label `service.istio.io/workload-name`, when set and not empty, names
+/// the workload whatever the controller (Istio's `GetWorkloadMetaFromPod`).
+/// Unlike Istio, the owner references are read whether or not the pod has a
+/// `metadata.generateName` (podlink does not read it; pods made by
+/// controllers have one). A name that ends like a hash but is not the pod's
+/// `pod-template-hash` is kept whole.
+pub fn owning_workload(pod: &Pod) -> OwningWorkload<'_> {
+    let meta = &pod.metadata;
+    let pod_name = meta.name.as_deref().unwrap_or_default();
+    let label = |key: &str| {
+        meta.labels
+            .as_ref()
+            .and_then(|l| l.get(key))
+            .map(String::as_str)
+            .filter(|v| !v.is_empty())
+    };
+    let controller = meta
+        .owner_references
+        .iter()
+        .flatten()
+        .find(|r| r.controller == Some(true));
+    let mut owner = match controller {
+        None => OwningWorkload {
+            name: pod_name,
+            kind: "Pod",
+        },
+        Some(r) => {
+            let without_hash = |key| {
+                label(key)
+                    .filter(|hash| r.name.ends_with(hash))
+                    .map(|hash| strip_dash_suffix(&r.name, hash))
+            };
+            let made_by = match r.kind.as_str() {
+                "ReplicaSet" => without_hash(POD_TEMPLATE_HASH_LABEL)
+                    .map(|name| (name, "Deployment"))
+                    .or_else(|| {
+                        without_hash(ROLLOUTS_POD_TEMPLATE_HASH_LABEL).map(|name| (name, "Rollout"))
+                    }),
+                "ReplicationController" => {
+                    label(DEPLOYMENT_CONFIG_LABEL).map(|name| (name, "DeploymentConfig"))
+                }
+                "Job" => cron_job_of(&r.name).map(|name| (name, "CronJob")),
+                _ => None,
+            };
+            let (name, kind) = made_by.unwrap_or((&r.name, &r.kind));
+            OwningWorkload { name, kind }
+        }
+    };
+    if owner.name.is_empty() {
+        owner.name = pod_name;
+    }
+    if let Some(name) = label(WORKLOAD_NAME_LABEL) {
+        owner.name = name;
+    }
+    owner
+}
+
+/// `name` without `-<suffix>` (`name` ends with `suffix`); `name` whole when
+/// the suffix is not after a `-`.
+fn strip_dash_suffix<'a>(name: &'a str, suffix: &str) -> &'a str {
+    name.strip_suffix(suffix)
+        .and_then(|n| n.strip_suffix('-'))
+        .unwrap_or(name)
+}
+
+/// The CronJob that made Job `job`: `<cronjob>-<8 to 10 digits>` (the digits are
+/// the scheduled time, in minutes since the Unix epoch), as Istio's
+/// `(.+)-\d{8,10}$`.
+fn cron_job_of(job: &str) -> Option<&str> {
+    let (name, digits) = job.rsplit_once('-')?;
+    (!name.is_empty()
+        && (8..=10).contains(&digits.len())
+        && digits.bytes().all(|b| b.is_ascii_digit()))
+    .then_some(name)
+}
+
+/// The first of `keys` that `labels` has (an empty value counts, as in Istio).
+fn first_label<'a>(labels: &'a BTreeMap<String, String>, keys: &[&str]) -> Option<&'a str> {
+    keys.iter().find_map(|k| labels.get(*k)).map(String::as_str)
+}
+
+/// Istio's canonical service of a pod with `labels` belonging to workload
+/// `workload_name`: the first of [`CANONICAL_SERVICE_LABELS`] it has
+/// (`service.istio.io/canonical-name`, `app.kubernetes.io/name`, `app`), else
+/// the workload's name.
+pub fn canonical_service<'a>(
+    labels: &'a BTreeMap<String, String>,
+    workload_name: &'a str,
+) -> &'a str {
+    first_label(labels, &CANONICAL_SERVICE_LABELS).unwrap_or(workload_name)
+}
+
+/// Istio's canonical revision of a pod with `labels`: the first of
+/// [`CANONICAL_REVISION_LABELS`] it has (`service.istio.io/canonical-revision`,
+/// `app.kubernetes.io/version`, `version`), else `latest`.
+pub fn canonical_revision(labels: &BTreeMap<String, String>) -> &str {
+    first_label(labels, &CANONICAL_REVISION_LABELS).unwrap_or(DEFAULT_CANONICAL_REVISION)
+}
 
 /// Whether a pod's traffic is captured, and why not.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
@@ -98,6 +254,17 @@ pub struct Workload {
     /// The workload's SPIFFE ID.
     #[serde(serialize_with = "serialize_display")]
     pub identity: SpiffeId,
+    /// The name of the workload the pod belongs to ([`owning_workload`]): its
+    /// Deployment's, StatefulSet's, …, or the pod's own. The metrics'
+    /// `*_workload` label.
+    pub workload_name: String,
+    /// The kind of that workload ([`OwningWorkload::kind`]): `Deployment`,
+    /// `StatefulSet`, …, `Pod`.
+    pub workload_kind: String,
+    /// Istio's canonical service ([`canonical_service`]).
+    pub canonical_service: String,
+    /// Istio's canonical revision ([`canonical_revision`]).
+    pub canonical_revision: String,
     /// `spec.hostNetwork`: the pod's addresses are its node's, so they name no
     /// workload.
     #[serde(skip)]
@@ -144,6 +311,12 @@ impl Workload {
                 .as_ref()
                 .map_or(self.labels.is_empty(), |l| *l == self.labels)
             && pod_ips_are(pod, &self.ips)
+            // The canonical names follow from the labels and the workload's name.
+            && owning_workload(pod)
+                == OwningWorkload {
+                    name: &self.workload_name,
+                    kind: &self.workload_kind,
+                }
     }
 
     /// The pod's first IPv4 address.
@@ -249,13 +422,19 @@ fn workload_of(
         Some(w) if w.is_made_from(pod, service_account, enrollment, trust_domain) => w.clone(),
         _ => {
             let pod_namespace = pod.metadata.namespace_or_default();
+            let labels = pod.metadata.labels.clone().unwrap_or_default();
+            let owner = owning_workload(pod);
             Arc::new(Workload {
+                canonical_service: canonical_service(&labels, owner.name).to_string(),
+                canonical_revision: canonical_revision(&labels).to_string(),
+                workload_name: owner.name.to_string(),
+                workload_kind: owner.kind.to_string(),
                 key: Arc::from(key),
                 identity: SpiffeId::new(trust_domain, pod_namespace, service_account),
                 enrollment,
                 node: spec.and_then(|s| s.node_name.clone()),
                 terminating: pod.metadata.deletion_timestamp.is_some(),
-                labels: pod.metadata.labels.clone().unwrap_or_default(),
+                labels,
                 ips: pod_ips(pod),
                 host_network: spec.and_then(|s| s.host_network).unwrap_or(false),
                 namespace: pod_namespace.to_string(),
@@ -738,7 +917,7 @@ mod tests {
         ));
 
         type Change = (&'static str, fn(&mut Pod));
-        let changes: [Change; 6] = [
+        let changes: [Change; 7] = [
             ("address", |p| {
                 p.status.as_mut().unwrap().pod_ip = Some("10.0.0.9".into())
             }),
@@ -762,6 +941,14 @@ mod tests {
                     .labels
                     .get_or_insert_default()
                     .insert(DATAPLANE_MODE_LABEL.into(), DATAPLANE_MODE_NONE.into());
+            }),
+            ("controller", |p| {
+                p.metadata.owner_references = Some(vec![crate::k8s::OwnerReference {
+                    api_version: "apps/v1".into(),
+                    kind: "StatefulSet".into(),
+                    name: "web".into(),
+                    controller: Some(true),
+                }]);
             }),
         ];
         for (what, change) in changes {
@@ -959,5 +1146,253 @@ mod tests {
         done.status.as_mut().unwrap().phase = Some("Succeeded".into());
         let (index, _) = WorkloadIndex::build("n1", "cluster.local", [&done], [&ns("amb", true)]);
         assert!(index.by_ip("10.0.0.1".parse().unwrap()).is_none());
+    }
+
+    /// Pod `name` with `labels` (YAML flow-map entries) and the owner
+    /// references `owners` (`kind`, `name`, `controller`).
+    fn owned(name: &str, labels: &str, owners: &[(&str, &str, Option<bool>)]) -> Pod {
+        let mut pod = p(name, "amb", labels, false, "10.0.0.1", "n1");
+        pod.metadata.owner_references = Some(
+            owners
+                .iter()
+                .map(|(kind, name, controller)| crate::k8s::OwnerReference {
+                    api_version: "apps/v1".into(),
+                    kind: kind.to_string(),
+                    name: name.to_string(),
+                    controller: *controller,
+                })
+                .collect(),
+        );
+        pod
+    }
+
+    fn named(pod: &Pod) -> (&str, &str) {
+        let w = owning_workload(pod);
+        (w.name, w.kind)
+    }
+
+    /// Every kind of controller names the workload as Istio's
+    /// `GetDeployMetaFromPod` does.
+    #[test]
+    fn owners_name_the_workload() {
+        let hash = "pod-template-hash: 5d8f9c7b6";
+        let cases: [(Pod, (&str, &str)); 12] = [
+            // A bare pod, even one whose name looks generated.
+            (
+                p("web-5d8f9c7b6-x2x9q", "amb", hash, false, "10.0.0.1", "n1"),
+                ("web-5d8f9c7b6-x2x9q", "Pod"),
+            ),
+            // A Deployment's ReplicaSet: `-<hash>` stripped.
+            (
+                owned(
+                    "reviews-v1-5d8f9c7b6-x2x9q",
+                    hash,
+                    &[("ReplicaSet", "reviews-v1-5d8f9c7b6", Some(true))],
+                ),
+                ("reviews-v1", "Deployment"),
+            ),
+            // A ReplicaSet without the label, or whose name does not end with
+            // it, is its own workload, whatever its name looks like.
+            (
+                owned(
+                    "web-7c9d8-abcde",
+                    "",
+                    &[("ReplicaSet", "web-7c9d8", Some(true))],
+                ),
+                ("web-7c9d8", "ReplicaSet"),
+            ),
+            (
+                owned(
+                    "web-7c9d8-abcde",
+                    hash,
+                    &[("ReplicaSet", "web-7c9d8", Some(true))],
+                ),
+                ("web-7c9d8", "ReplicaSet"),
+            ),
+            // The hash without a `-` before it: the name is kept whole.
+            (
+                owned(
+                    "web5d8f9c7b6-abcde",
+                    hash,
+                    &[("ReplicaSet", "web5d8f9c7b6", Some(true))],
+                ),
+                ("web5d8f9c7b6", "Deployment"),
+            ),
+            (
+                owned("db-0", "", &[("StatefulSet", "db", Some(true))]),
+                ("db", "StatefulSet"),
+            ),
+            // A StatefulSet whose name ends like a hash or a schedule keeps it.
+            (
+                owned(
+                    "db-5d8f9c7b6-0",
+                    hash,
+                    &[("StatefulSet", "db-5d8f9c7b6", Some(true))],
+                ),
+                ("db-5d8f9c7b6", "StatefulSet"),
+            ),
+            (
+                owned("agent-x7k2p", "", &[("DaemonSet", "agent", Some(true))]),
+                ("agent", "DaemonSet"),
+            ),
+            (
+                owned("migrate-v2-abcde", "", &[("Job", "migrate-v2", Some(true))]),
+                ("migrate-v2", "Job"),
+            ),
+            // A CronJob's Job: `-<8 to 10 digits>` stripped.
+            (
+                owned(
+                    "backup-29145600-abcde",
+                    "",
+                    &[("Job", "backup-29145600", Some(true))],
+                ),
+                ("backup", "CronJob"),
+            ),
+            (
+                owned(
+                    "legacy-1-abcde",
+                    "deploymentconfig: legacy",
+                    &[("ReplicationController", "legacy-1", Some(true))],
+                ),
+                ("legacy", "DeploymentConfig"),
+            ),
+            (
+                owned(
+                    "plain-abcde",
+                    "",
+                    &[("ReplicationController", "plain", Some(true))],
+                ),
+                ("plain", "ReplicationController"),
+            ),
+        ];
+        for (pod, want) in &cases {
+            assert_eq!(named(pod), *want, "{:?}", pod.metadata.name);
+        }
+    }
+
+    /// Only the controller counts; the workload-name label wins; an Argo
+    /// Rollout's ReplicaSet is stripped by its own hash label.
+    #[test]
+    fn the_controller_and_the_workload_name_label_decide() {
+        // Owners that are not the controller are not read.
+        let pod = owned(
+            "web-0",
+            "",
+            &[
+                ("ConfigMap", "settings", None),
+                ("StatefulSet", "other", Some(false)),
+            ],
+        );
+        assert_eq!(named(&pod), ("web-0", "Pod"));
+        let pod = owned(
+            "web-0",
+            "",
+            &[
+                ("ConfigMap", "settings", None),
+                ("StatefulSet", "web", Some(true)),
+            ],
+        );
+        assert_eq!(named(&pod), ("web", "StatefulSet"));
+        // A controller without a name leaves the pod's.
+        let pod = owned("web-0", "", &[("StatefulSet", "", Some(true))]);
+        assert_eq!(named(&pod), ("web-0", "StatefulSet"));
+        // Labelled, whatever the owner; an empty label is not a name.
+        let pod = owned(
+            "db-0",
+            "service.istio.io/workload-name: database",
+            &[("StatefulSet", "db", Some(true))],
+        );
+        assert_eq!(named(&pod), ("database", "StatefulSet"));
+        let pod = owned(
+            "db-0",
+            "service.istio.io/workload-name: ''",
+            &[("StatefulSet", "db", Some(true))],
+        );
+        assert_eq!(named(&pod), ("db", "StatefulSet"));
+        let pod = owned(
+            "canary-6b7f9-abcde",
+            "rollouts-pod-template-hash: 6b7f9",
+            &[("ReplicaSet", "canary-6b7f9", Some(true))],
+        );
+        assert_eq!(named(&pod), ("canary", "Rollout"));
+    }
+
+    /// Istio's `(.+)-\d{8,10}$`: a name before the `-`, then 8 to 10 ASCII
+    /// digits and nothing else.
+    #[test]
+    fn cron_job_suffixes() {
+        for (job, want) in [
+            ("backup-29145600", Some("backup")),
+            ("backup-1234567890", Some("backup")),
+            ("nightly-backup-123456789", Some("nightly-backup")),
+            ("a-b-12345678", Some("a-b")),
+            ("backup-1234567", None),
+            ("backup-12345678901", None),
+            ("backup-2914560a", None),
+            ("backup-٢٩١٤٥٦٠٠", None),
+            ("-29145600", None),
+            ("29145600", None),
+            ("backup", None),
+        ] {
+            assert_eq!(cron_job_of(job), want, "{job}");
+        }
+    }
+
+    /// The canonical labels' precedence, and the defaults: the workload's name
+    /// (not the pod's) and `latest`.
+    #[test]
+    fn canonical_labels_follow_istio() {
+        let labels = |pairs: &[(&str, &str)]| -> BTreeMap<String, String> {
+            pairs
+                .iter()
+                .map(|(k, v)| (k.to_string(), v.to_string()))
+                .collect()
+        };
+        let none = labels(&[]);
+        assert_eq!(canonical_service(&none, "reviews"), "reviews");
+        assert_eq!(canonical_revision(&none), "latest");
+        let app = labels(&[("app", "web"), ("version", "v1")]);
+        assert_eq!(canonical_service(&app, "reviews"), "web");
+        assert_eq!(canonical_revision(&app), "v1");
+        let k8s = labels(&[
+            ("app", "web"),
+            ("version", "v1"),
+            ("app.kubernetes.io/name", "shop-web"),
+            ("app.kubernetes.io/version", "1.2"),
+        ]);
+        assert_eq!(canonical_service(&k8s, "reviews"), "shop-web");
+        assert_eq!(canonical_revision(&k8s), "1.2");
+        let mut istio = k8s.clone();
+        istio.insert(
+            "service.istio.io/canonical-name".into(),
+            "storefront".into(),
+        );
+        istio.insert(
+            "service.istio.io/canonical-revision".into(),
+            "2024-06".into(),
+        );
+        assert_eq!(canonical_service(&istio, "reviews"), "storefront");
+        assert_eq!(canonical_revision(&istio), "2024-06");
+        // Present counts, even empty, as in Istio.
+        let empty = labels(&[("app", ""), ("version", "v1")]);
+        assert_eq!(canonical_service(&empty, "reviews"), "");
+
+        // Made once with the workload, from its owner.
+        let pod = owned(
+            "reviews-v1-5d8f9c7b6-x2x9q",
+            "pod-template-hash: 5d8f9c7b6",
+            &[("ReplicaSet", "reviews-v1-5d8f9c7b6", Some(true))],
+        );
+        let (index, _) = WorkloadIndex::build("n1", "cluster.local", [&pod], [&ns("amb", true)]);
+        let w = index.get("amb/reviews-v1-5d8f9c7b6-x2x9q").unwrap();
+        assert_eq!(w.name, "reviews-v1-5d8f9c7b6-x2x9q");
+        assert_eq!(w.workload_name, "reviews-v1");
+        assert_eq!(w.workload_kind, "Deployment");
+        assert_eq!(w.canonical_service, "reviews-v1");
+        assert_eq!(w.canonical_revision, "latest");
+        let dump = serde_json::to_value(w.as_ref()).unwrap();
+        assert_eq!(dump["workload_name"], "reviews-v1");
+        assert_eq!(dump["workload_kind"], "Deployment");
+        assert_eq!(dump["name"], "reviews-v1-5d8f9c7b6-x2x9q");
     }
 }

@@ -9,7 +9,8 @@
 //! | `direction` | `outbound` or `inbound` |
 //! | `route` | `hbone`, `local` (two pods of this node), `passthrough` (outside the mesh), `inbound_hbone`, `inbound_plaintext` |
 //! | `src.addr`, `dst.addr` | `ip:port` of the client and of the original destination |
-//! | `src.workload`, `src.namespace`, `dst.workload`, `dst.namespace` | the pods, when their addresses belong to known workloads (absent otherwise) |
+//! | `src.workload`, `src.namespace`, `dst.workload`, `dst.namespace` | the pods' names and namespaces, as ztunnel's, when their addresses belong to known workloads (absent otherwise); the metrics name the workloads the pods belong to |
+//! | `dst.service` | for a connection to a Service's ClusterIP, its host name `<name>.<namespace>.svc.cluster.local` (absent otherwise) |
 //! | `src.identity`, `dst.identity` | SPIFFE IDs, when known: the client's proved (HBONE) or its pod's (outbound), the destination's expected or presented (absent for plaintext peers) |
 //! | `bytes_recv` | bytes from the client to the server (Istio's `received`, the request direction) |
 //! | `bytes_sent` | bytes from the server to the client (Istio's `sent`, the response direction) |
@@ -39,6 +40,7 @@ use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 
 use super::metrics::{
     Direction, FailureKind, Metrics, Peer, Reporter, SecurityPolicy, TcpLabels, WorkloadMeta,
+    service_host,
 };
 use crate::identity::SpiffeId;
 
@@ -287,6 +289,10 @@ impl ConnectionRecord {
             w.as_deref().map(WorkloadMeta::namespace)
         }
         let id = |i: &Option<SpiffeId>| i.as_ref().map(ToString::to_string);
+        let service = e
+            .service
+            .as_ref()
+            .map(|(namespace, name)| service_host(namespace, name));
         tracing::info!(
             target: "access",
             direction = %self.direction.as_str(),
@@ -296,6 +302,7 @@ impl ConnectionRecord {
             src.namespace = namespace(&e.src_workload),
             src.identity = id(&e.src_identity),
             dst.addr = %e.dst,
+            dst.service = service,
             dst.workload = name(&e.dst_workload),
             dst.namespace = namespace(&e.dst_workload),
             dst.identity = id(&e.dst_identity),
@@ -409,5 +416,93 @@ mod tests {
             2
         );
         assert_eq!(metrics.failures(Direction::Outbound, FailureKind::Io), 1);
+    }
+
+    /// A writer into a shared buffer, for a test's subscriber.
+    #[derive(Clone, Default)]
+    struct Captured(Arc<std::sync::Mutex<Vec<u8>>>);
+
+    impl io::Write for Captured {
+        fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
+            self.0.lock().unwrap().extend_from_slice(buf);
+            Ok(buf.len())
+        }
+
+        fn flush(&mut self) -> io::Result<()> {
+            Ok(())
+        }
+    }
+
+    /// A known pod of a Deployment, as telemetry reads it.
+    #[derive(Debug)]
+    struct Pod;
+
+    impl WorkloadMeta for Pod {
+        fn name(&self) -> &str {
+            "web-5d8f9c7b6-x2x9q"
+        }
+        fn namespace(&self) -> &str {
+            "shop"
+        }
+        fn workload_name(&self) -> &str {
+            "web"
+        }
+        fn canonical_service(&self) -> &str {
+            "web"
+        }
+        fn canonical_revision(&self) -> &str {
+            "latest"
+        }
+        fn label(&self, _: &str) -> Option<&str> {
+            None
+        }
+    }
+
+    /// The access line names the pods (as ztunnel's) and the Service; the
+    /// metrics name the workload.
+    #[test]
+    fn the_access_line_names_pods_and_the_service() {
+        let captured = Captured::default();
+        let writer = captured.clone();
+        let subscriber = tracing_subscriber::fmt()
+            .with_writer(move || writer.clone())
+            .with_ansi(false)
+            .finish();
+        let metrics = Arc::new(Metrics::new("Kubernetes"));
+        tracing::subscriber::with_default(subscriber, || {
+            let record = ConnectionRecord::open(
+                &metrics,
+                Direction::Outbound,
+                &[Reporter::Source],
+                SecurityPolicy::MutualTls,
+                Endpoints {
+                    route: "hbone",
+                    dst_workload: Some(Arc::new(Pod)),
+                    service: Some(("shop".into(), "web".into())),
+                    ..endpoints()
+                },
+            );
+            record.finish(Outcome::Ok);
+        });
+        let log = String::from_utf8(captured.0.lock().unwrap().clone()).unwrap();
+        for field in [
+            "dst.service=\"web.shop.svc.cluster.local\"",
+            "dst.workload=\"web-5d8f9c7b6-x2x9q\"",
+            "dst.namespace=\"shop\"",
+            "result=ok",
+        ] {
+            assert!(log.contains(field), "{field} missing from {log}");
+        }
+        assert!(!log.contains("src.workload"), "{log}");
+        let page = {
+            let mut page = String::new();
+            metrics.encode_live(&mut page).unwrap();
+            page
+        };
+        assert!(page.contains("destination_workload=\"web\""), "{page}");
+        assert!(
+            page.contains("destination_service=\"web.shop.svc.cluster.local\""),
+            "{page}"
+        );
     }
 }

@@ -18,10 +18,19 @@
 //! `*_canonical_service`, `*_canonical_revision`, `*_cluster`,
 //! `destination_service*`, `request_protocol` (`tcp`), `response_flags` (`-`) and
 //! `connection_security_policy` (`mutual_tls` over HBONE, `none` otherwise).
-//! Values that are not known are `unknown`, as in Istio. Differences from Istio:
-//! `*_workload` is the pod's name (Istio uses the owning Deployment's; podlink reads
-//! Pods only), and `destination_service*` is `unknown` (Services are not resolved
-//! yet).
+//! Values that are not known are `unknown`, as in Istio. A known pod's labels
+//! are made once with its workload ([`crate::state::Workload`]), as istiod makes
+//! them for ztunnel: `*_workload` is the workload the pod belongs to (the
+//! Deployment of its ReplicaSet, its StatefulSet, DaemonSet, Job, CronJob, …, or
+//! the pod's name for a pod without a controller: see
+//! [`crate::state::workload::owning_workload`]), so that the pods of one Deployment make
+//! one series; `*_canonical_service` and `*_canonical_revision` are Istio's
+//! (labels `service.istio.io/canonical-name`, `app.kubernetes.io/name`, `app`,
+//! else the workload's name; `service.istio.io/canonical-revision`,
+//! `app.kubernetes.io/version`, `version`, else `latest`), and `*_app` and
+//! `*_version` are the same two, as ztunnel reports them.
+//! `destination_service*` name the Service of a connection to a ClusterIP, else
+//! `unknown`.
 //!
 //! podlink's own metrics:
 //!
@@ -215,14 +224,24 @@ impl FailureKind {
 }
 label_value!(FailureKind);
 
-/// What the metric labels and the access log read of a pod: its name,
-/// namespace and labels. The agent's workloads have it (`state::Workload`, whose
+/// What the metric labels and the access log read of a pod: its name and
+/// namespace, and the names telemetry reports it by, made once with the
+/// workload. The agent's workloads have it (`state::Workload`, whose
 /// implementation is in the proxy's `telemetry` module).
 pub trait WorkloadMeta: std::fmt::Debug + Send + Sync {
-    /// The pod's name.
+    /// The pod's name (the access log's `src.workload` and `dst.workload`, as
+    /// ztunnel's).
     fn name(&self) -> &str;
     /// The pod's namespace.
     fn namespace(&self) -> &str;
+    /// The name of the workload the pod belongs to (its Deployment's,
+    /// StatefulSet's, …, or the pod's own): the `*_workload` label.
+    fn workload_name(&self) -> &str;
+    /// Istio's canonical service: the `*_canonical_service` and `*_app` labels.
+    fn canonical_service(&self) -> &str;
+    /// Istio's canonical revision: the `*_canonical_revision` and `*_version`
+    /// labels.
+    fn canonical_revision(&self) -> &str;
     /// The value of the pod's label `key`, if it has it.
     fn label(&self, key: &str) -> Option<&str>;
 }
@@ -265,39 +284,11 @@ pub struct TcpLabels {
     pub connection_security_policy: SecurityPolicy,
 }
 
-/// The first of `keys` that `w` has as a label.
-fn label<'a>(w: &'a dyn WorkloadMeta, keys: &[&str]) -> Option<&'a str> {
-    keys.iter().find_map(|k| w.label(k))
-}
-
-/// Istio's canonical service of a workload: label
-/// `service.istio.io/canonical-name`, else `app.kubernetes.io/name`, else `app`,
-/// else the workload's name.
-pub fn canonical_service(w: &dyn WorkloadMeta) -> &str {
-    label(
-        w,
-        &[
-            "service.istio.io/canonical-name",
-            "app.kubernetes.io/name",
-            "app",
-        ],
-    )
-    .unwrap_or(w.name())
-}
-
-/// Istio's canonical revision of a workload: label
-/// `service.istio.io/canonical-revision`, else `app.kubernetes.io/version`, else
-/// `version`, else `latest`.
-pub fn canonical_revision(w: &dyn WorkloadMeta) -> &str {
-    label(
-        w,
-        &[
-            "service.istio.io/canonical-revision",
-            "app.kubernetes.io/version",
-            "version",
-        ],
-    )
-    .unwrap_or("latest")
+/// The host name of Service `name` in `namespace`:
+/// `<name>.<namespace>.svc.cluster.local` (`destination_service`, and the access
+/// log's `dst.service`).
+pub fn service_host(namespace: &str, name: &str) -> String {
+    format!("{name}.{namespace}.svc.cluster.local")
 }
 
 /// The label values of one side: workload, canonical service, canonical revision,
@@ -307,14 +298,16 @@ fn side(peer: Peer<'_>, cluster: &str) -> [String; 8] {
         .identity
         .map_or(UNKNOWN.to_string(), |id| id.to_string());
     match peer.workload {
+        // `*_app` and `*_version` are the canonical service and revision, as
+        // ztunnel reports them.
         Some(w) => [
-            w.name().to_string(),
-            canonical_service(w).to_string(),
-            canonical_revision(w).to_string(),
+            w.workload_name().to_string(),
+            w.canonical_service().to_string(),
+            w.canonical_revision().to_string(),
             w.namespace().to_string(),
             principal,
-            label(w, &["app"]).unwrap_or(UNKNOWN).to_string(),
-            label(w, &["version"]).unwrap_or(UNKNOWN).to_string(),
+            w.canonical_service().to_string(),
+            w.canonical_revision().to_string(),
             cluster.to_string(),
         ],
         None => {
@@ -329,7 +322,7 @@ impl TcpLabels {
     /// Names the destination Service (a connection to its ClusterIP):
     /// `destination_service` is its host name `<name>.<namespace>.svc.cluster.local`.
     pub fn with_service(mut self, namespace: &str, name: &str) -> Self {
-        self.destination_service = format!("{name}.{namespace}.svc.cluster.local");
+        self.destination_service = service_host(namespace, name);
         self.destination_service_namespace = namespace.to_string();
         self.destination_service_name = name.to_string();
         self
@@ -486,49 +479,110 @@ impl Default for Metrics {
 
 #[cfg(test)]
 mod tests {
-    use std::collections::BTreeMap;
+    use std::sync::Arc;
 
     use super::*;
-    use crate::state::{Enrollment, Workload};
+    use crate::{
+        k8s::{ObjectMeta, OwnerReference, Pod, PodSpec, PodStatus},
+        state::{Workload, WorkloadIndex},
+    };
 
-    fn workload(name: &str, labels: &[(&str, &str)]) -> Workload {
-        Workload {
-            key: format!("shop/{name}").into(),
-            namespace: "shop".into(),
-            name: name.into(),
-            node: Some("node1".into()),
-            service_account: "web".into(),
-            ips: vec!["10.244.1.2".parse().unwrap()],
-            enrollment: Enrollment::Enrolled,
-            terminating: false,
-            host_network: false,
-            labels: labels
-                .iter()
-                .map(|(k, v)| (k.to_string(), v.to_string()))
-                .collect::<BTreeMap<_, _>>(),
-            identity: SpiffeId::new("cluster.local", "shop", "web"),
-        }
+    /// The workload of pod `shop/<name>` with `labels`, made by the controller
+    /// `owner` (`kind`, `name`) if any, as the index makes it.
+    fn owned(name: &str, labels: &[(&str, &str)], owner: Option<(&str, &str)>) -> Arc<Workload> {
+        let pod = Pod {
+            metadata: ObjectMeta {
+                name: Some(name.into()),
+                namespace: Some("shop".into()),
+                labels: Some(
+                    labels
+                        .iter()
+                        .map(|(k, v)| (k.to_string(), v.to_string()))
+                        .collect(),
+                ),
+                owner_references: owner.map(|(kind, name)| {
+                    vec![OwnerReference {
+                        api_version: "apps/v1".into(),
+                        kind: kind.into(),
+                        name: name.into(),
+                        controller: Some(true),
+                    }]
+                }),
+                ..Default::default()
+            },
+            spec: Some(PodSpec {
+                node_name: Some("node1".into()),
+                service_account_name: Some("web".into()),
+                host_network: None,
+            }),
+            status: Some(PodStatus {
+                pod_ip: Some("10.244.1.2".into()),
+                ..Default::default()
+            }),
+        };
+        let (index, _) = WorkloadIndex::build("node1", "cluster.local", [&pod], []);
+        index.get(&format!("shop/{name}")).unwrap().clone()
     }
 
+    fn workload(name: &str, labels: &[(&str, &str)]) -> Arc<Workload> {
+        owned(name, labels, None)
+    }
+
+    fn to(server: &Workload) -> TcpLabels {
+        TcpLabels::new(
+            Reporter::Destination,
+            Peer::default(),
+            Peer {
+                workload: Some(server),
+                identity: Some(&server.identity),
+            },
+            SecurityPolicy::MutualTls,
+            "Kubernetes",
+        )
+    }
+
+    /// The pods of one Deployment (through its ReplicaSet) make one series,
+    /// named by the Deployment; `*_app` and `*_version` are the canonical
+    /// service and revision, as ztunnel's; a bare pod is named by its name.
     #[test]
-    fn canonical_names_follow_istio() {
-        let bare = workload("web-0", &[]);
-        assert_eq!(canonical_service(&bare), "web-0");
-        assert_eq!(canonical_revision(&bare), "latest");
-        let app = workload("web-0", &[("app", "web"), ("version", "v2")]);
-        assert_eq!(canonical_service(&app), "web");
-        assert_eq!(canonical_revision(&app), "v2");
-        let both = workload(
-            "web-0",
-            &[
-                ("app", "web"),
-                ("app.kubernetes.io/name", "shop-web"),
-                ("service.istio.io/canonical-name", "storefront"),
-                ("app.kubernetes.io/version", "1.2"),
-            ],
+    fn the_pods_of_one_deployment_make_one_series() {
+        let hash = [("pod-template-hash", "5d8f9c7b6"), ("app", "reviews")];
+        let a = owned(
+            "reviews-5d8f9c7b6-x2x9q",
+            &hash,
+            Some(("ReplicaSet", "reviews-5d8f9c7b6")),
         );
-        assert_eq!(canonical_service(&both), "storefront");
-        assert_eq!(canonical_revision(&both), "1.2");
+        let b = owned(
+            "reviews-5d8f9c7b6-k7j4z",
+            &hash,
+            Some(("ReplicaSet", "reviews-5d8f9c7b6")),
+        );
+        let metrics = Metrics::new("Kubernetes");
+        for w in [&a, &b] {
+            metrics.opened.get_or_create(&to(w)).inc();
+        }
+        let labels = to(&a);
+        assert_eq!(labels, to(&b));
+        assert_eq!(metrics.opened.get_or_create(&labels).get(), 2);
+        assert_eq!(labels.destination_workload, "reviews");
+        assert_eq!(labels.destination_canonical_service, "reviews");
+        assert_eq!(labels.destination_app, "reviews");
+        assert_eq!(labels.destination_canonical_revision, "latest");
+        assert_eq!(labels.destination_version, "latest");
+
+        let bare = workload("web-0", &[]);
+        let labels = to(&bare);
+        assert_eq!(labels.destination_workload, "web-0");
+        assert_eq!(labels.destination_canonical_service, "web-0");
+        assert_eq!(labels.destination_app, "web-0");
+        assert_eq!(labels.destination_version, "latest");
+
+        let db = owned("db-1", &[("version", "v2")], Some(("StatefulSet", "db")));
+        let labels = to(&db);
+        assert_eq!(labels.destination_workload, "db");
+        assert_eq!(labels.destination_canonical_service, "db");
+        assert_eq!(labels.destination_canonical_revision, "v2");
+        assert_eq!(labels.destination_version, "v2");
     }
 
     #[test]
@@ -542,7 +596,7 @@ mod tests {
                 identity: Some(&client_id),
             },
             Peer {
-                workload: Some(&server),
+                workload: Some(server.as_ref()),
                 identity: Some(&server.identity),
             },
             SecurityPolicy::MutualTls,
@@ -557,7 +611,7 @@ mod tests {
         );
         assert_eq!(labels.destination_workload, "web-0");
         assert_eq!(labels.destination_app, "web");
-        assert_eq!(labels.destination_version, UNKNOWN);
+        assert_eq!(labels.destination_version, "latest");
         assert_eq!(labels.destination_cluster, "Kubernetes");
     }
 
@@ -571,7 +625,7 @@ mod tests {
             Reporter::Source,
             Peer::default(),
             Peer {
-                workload: Some(&server),
+                workload: Some(server.as_ref()),
                 identity: Some(&server.identity),
             },
             SecurityPolicy::None,
