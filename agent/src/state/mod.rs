@@ -3,7 +3,8 @@
 //! A source ([`crate::source`]) sends [`Delta`]s: the objects that changed and
 //! how complete its view is. [`State`] keeps the objects and derives from them
 //! what the proxy and the dataplane read: the workload index and the
-//! enrollment decision ([`workload`]), the Services ([`service`]) and the
+//! enrollment decision ([`workload`]), the Services ([`service`], their
+//! endpoints chosen for this node and its zone, from its Node object) and the
 //! authorization policies ([`crate::authz::PolicySet`]). It knows nothing of
 //! where the objects came from; a [`PodLayer`] (podlink-cni's reported
 //! addresses) is laid over the pods of whichever source runs. The proxy's
