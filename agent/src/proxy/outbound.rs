@@ -69,14 +69,10 @@ pub async fn handle(
     let service = view.services.lookup(dst).cloned();
     let endpoint = match &service {
         None => None,
-        Some(svc) => match state.endpoints.pick(svc) {
+        Some(svc) => match state.endpoints.pick(svc, src.ip()) {
             Some(endpoint) => Some(endpoint),
             None => {
-                let why = if svc.has_slices {
-                    "has no ready endpoint"
-                } else {
-                    "has no EndpointSlice yet"
-                };
+                let why = svc.why_no_endpoint();
                 state.service_log.warn(|n| {
                     format!("outbound connection from {src} ({}) to {dst}: service {} {why}; reset ({n} such)", source.key(), svc.key())
                 });

@@ -3,7 +3,8 @@
 //! A source ([`crate::source`]) sends [`Delta`]s: the objects that changed and
 //! how complete its view is. [`State`] keeps the objects and derives from them
 //! what the proxy and the dataplane read: the workload index and the
-//! enrollment decision ([`workload`]), the Services ([`service`]) and the
+//! enrollment decision ([`workload`]), the Services ([`service`], their
+//! endpoints chosen for this node and its zone, from its Node object) and the
 //! authorization policies, AuthorizationPolicy and PeerAuthentication
 //! ([`crate::authz::PolicySet`]). It knows nothing of
 //! where the objects came from; a [`PodLayer`] (podlink-cni's reported
@@ -31,10 +32,10 @@ pub use workload::{
     WorkloadIndex, enrollment,
 };
 
-use self::service::ServiceIndex;
+use self::service::{Locality, ServiceIndex};
 use crate::{
     authz::{MtlsPolicy, Policy, PolicySet},
-    k8s::{EndpointSlice, Namespace, Node, Pod, Service},
+    k8s::{EndpointSlice, Namespace, Node, Pod, Service, ZONE_LABEL},
     telemetry::logging::{HeldMessages, Severity},
 };
 
@@ -79,6 +80,9 @@ pub struct State {
     policy_objects: Vec<Arc<Policy>>,
     mtls_policies: Vec<Arc<MtlsPolicy>>,
     nodes: Vec<Node>,
+    /// This node's zone (its Node object's [`ZONE_LABEL`]), as the Service
+    /// index was last built with.
+    zone: Option<String>,
     completeness: Completeness,
     policies_unknown: Option<PoliciesUnknown>,
     /// What the deltas applied since the last refresh left to derive.
@@ -138,6 +142,7 @@ impl State {
             policy_objects: Vec::new(),
             mtls_policies: Vec::new(),
             nodes: Vec::new(),
+            zone: None,
             completeness: Completeness::Incomplete,
             policies_unknown: None,
             dirty: Dirty::default(),
@@ -271,8 +276,21 @@ impl State {
                     .collect(),
             );
         }
-        if first || dirty.services {
-            let (services, warnings) = ServiceIndex::build(&self.services, &self.endpoint_slices);
+        // The Service index depends on the Node objects only through this
+        // node's zone.
+        let mut zone_changed = false;
+        if first || dirty.nodes {
+            let zone = self.node_zone();
+            zone_changed = zone != self.zone;
+            self.zone = zone;
+        }
+        if first || dirty.services || zone_changed {
+            let here = Locality {
+                node: &self.node,
+                zone: self.zone.as_deref(),
+            };
+            let (services, warnings) =
+                ServiceIndex::build(&self.services, &self.endpoint_slices, here);
             self.service_messages
                 .log(warnings.into_iter().map(|w| (Severity::Warn, w)).collect());
             self.service_index = Arc::new(services);
@@ -292,6 +310,17 @@ impl State {
                 || dirty.completeness,
             enrollment_labels: first || dirty.enrollment_labels,
         }
+    }
+
+    /// This node's zone: the [`ZONE_LABEL`] of its Node object (the last of
+    /// that name), if the source has one and the label is not empty.
+    fn node_zone(&self) -> Option<String> {
+        self.nodes
+            .iter()
+            .rfind(|n| n.metadata.name.as_deref() == Some(self.node.as_str()))
+            .and_then(|n| n.metadata.labels.as_ref()?.get(ZONE_LABEL))
+            .filter(|z| !z.is_empty())
+            .cloned()
     }
 
     /// Updates pod `key`'s (`namespace/name`) workload in `index` from its

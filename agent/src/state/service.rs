@@ -1,27 +1,55 @@
 //! Services and their endpoints, for resolving a captured connection to a
 //! Service's ClusterIP inside the proxy (capture happens before kube-proxy would
-//! translate it).
+//! translate it), choosing among the endpoints as kube-proxy does.
 //!
 //! Built from `v1` Services (`spec.clusterIP`/`clusterIPs`, `spec.ports` with
-//! `port`, `targetPort` by number or name, `protocol`) and `discovery.k8s.io/v1`
-//! EndpointSlices (the `kubernetes.io/service-name` label, `endpoints[].addresses`,
-//! `conditions.ready`/`serving`/`terminating`, `ports`), as the Kubernetes
-//! documentation ("Services", "EndpointSlices") defines them:
+//! `port`, `targetPort` by number or name, `protocol`, `sessionAffinity`,
+//! `sessionAffinityConfig`, `internalTrafficPolicy`, `trafficDistribution`) and
+//! `discovery.k8s.io/v1` EndpointSlices (the `kubernetes.io/service-name` label,
+//! `endpoints[].addresses`, `conditions.ready`/`serving`/`terminating`,
+//! `nodeName`, `zone`, `ports`), as the Kubernetes documentation ("Services",
+//! "EndpointSlices", "Service Internal Traffic Policy", "Traffic
+//! distribution") defines them:
 //!
 //! * An EndpointSlice port's `name` is the Service port's name, and its `port` the
 //!   resolved target port, so a named `targetPort` is resolved per endpoint
 //!   through its slice's ports.
-//! * `conditions.ready` unset means ready; `terminating` unset means not
-//!   terminating. Only ready, non-terminating endpoints get new connections.
+//! * Conditions (KEP-1669): `ready` unset means ready, `terminating` unset means
+//!   not terminating, `serving` unset means the value of `ready`. An endpoint is
+//!   ready when `ready` holds and it is not terminating (the API never sets both
+//!   for a pod). New connections go to ready endpoints; when none is ready, to
+//!   the serving, terminating ones (kube-proxy's fallback, so that a rollout
+//!   does not drop connections); never to one that is not serving.
+//! * `internalTrafficPolicy: Local`: only the endpoints whose `nodeName` is this
+//!   node (ready ones, else serving-terminating ones); none there means no
+//!   endpoint, even when other nodes have some.
+//! * `trafficDistribution` (`internalTrafficPolicy: Cluster` only), as
+//!   kube-proxy applies the hints the EndpointSlice controller derives from
+//!   each ready endpoint's `zone` and `nodeName`: `PreferSameNode` keeps the
+//!   ready endpoints on this node, when every ready endpoint names its node and
+//!   one is here; otherwise (and for `PreferClose` and `PreferSameZone`) the
+//!   ready endpoints in this node's zone (its Node object's
+//!   `topology.kubernetes.io/zone` label), when every ready endpoint names its
+//!   zone and one is in this zone; otherwise every ready endpoint. Without this
+//!   node's zone there is no zone preference. Other values are ignored.
+//! * `sessionAffinity: ClientIP` keeps a client on its endpoint for
+//!   `sessionAffinityConfig.clientIP.timeoutSeconds` (default 10800) after its
+//!   last connection ([`super::endpoint`]).
+//! * A virtual address gets the endpoints of its own address family.
 //! * Headless Services (`clusterIP: None`) have no virtual address: clients
 //!   connect to pod addresses, which need no resolution.
 //! * Services without selectors work the same: their EndpointSlices are written
 //!   by hand with the service-name label.
+//!
+//! What can be decided before a connection comes is decided when the index is
+//! built (made again when Services, EndpointSlices or this node's zone change):
+//! each port carries the endpoints new connections go to.
 
 use std::{
     collections::{BTreeMap, HashMap},
     net::{IpAddr, SocketAddr},
     sync::Arc,
+    time::Duration,
 };
 
 use crate::k8s::{EndpointSlice, IntOrString, Service};
@@ -30,15 +58,77 @@ use serde::Serialize;
 /// The label tying an EndpointSlice to its Service.
 pub const SERVICE_NAME_LABEL: &str = "kubernetes.io/service-name";
 
-/// One endpoint of a Service port.
+/// `sessionAffinityConfig.clientIP.timeoutSeconds` when unset, in seconds.
+pub const DEFAULT_AFFINITY_SECONDS: u32 = 10_800;
+
+/// The largest `timeoutSeconds` the API accepts, in seconds (one day).
+const MAX_AFFINITY_SECONDS: u32 = 86_400;
+
+/// Where this node is, for `internalTrafficPolicy` and `trafficDistribution`.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Locality<'a> {
+    /// This node's name (the endpoints' `nodeName`).
+    pub node: &'a str,
+    /// This node's zone (its Node object's `topology.kubernetes.io/zone`
+    /// label), when known.
+    pub zone: Option<&'a str>,
+}
+
+/// One endpoint of a Service port, with its conditions as the slice gives them.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize)]
 pub struct Endpoint {
     /// Where to connect: the endpoint's address and the resolved target port.
     pub addr: SocketAddr,
-    /// `conditions.ready` (unset: true) and not terminating.
+    /// `conditions.ready` (unset: true).
     pub ready: bool,
+    /// `conditions.serving` (unset: the value of `ready`).
+    pub serving: bool,
     /// `conditions.terminating` (unset: false).
     pub terminating: bool,
+    /// `nodeName`, if any.
+    pub node_name: Option<String>,
+    /// `zone`, if any.
+    pub zone: Option<String>,
+}
+
+impl Endpoint {
+    /// Ready for new connections: `ready` and not terminating.
+    pub fn is_ready(&self) -> bool {
+        self.ready && !self.terminating
+    }
+
+    /// Serving while terminating: used when no endpoint is ready.
+    pub fn is_serving_terminating(&self) -> bool {
+        self.serving && self.terminating
+    }
+
+    fn on_node(&self, node: &str) -> bool {
+        self.node_name.as_deref() == Some(node)
+    }
+}
+
+/// Which endpoints of a Service port new connections from this node go to,
+/// and why those.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Choice {
+    /// Every ready endpoint.
+    Ready,
+    /// The ready endpoints on this node (`trafficDistribution:
+    /// PreferSameNode`).
+    SameNode,
+    /// The ready endpoints in this node's zone (`trafficDistribution:
+    /// PreferClose`, `PreferSameZone`, or `PreferSameNode` with none here).
+    SameZone,
+    /// No endpoint is ready: the serving, terminating ones.
+    ServingTerminating,
+    /// `internalTrafficPolicy: Local`: the ready endpoints on this node.
+    Local,
+    /// `internalTrafficPolicy: Local`, none ready on this node: the serving,
+    /// terminating ones on this node.
+    LocalServingTerminating,
+    /// None: new connections are reset.
+    None,
 }
 
 /// One port of a Service's virtual address.
@@ -54,11 +144,22 @@ pub struct ServicePort {
     pub port_name: Option<String>,
     /// `targetPort` as written (number or name; `port` when unset).
     pub target_port: String,
-    /// Endpoints whose target port could be resolved, from every slice of the
-    /// Service.
+    /// Endpoints of the virtual address's family whose target port could be
+    /// resolved, from every slice of the Service.
     pub endpoints: Vec<Endpoint>,
     /// Whether any EndpointSlice names the Service.
     pub has_slices: bool,
+    /// `internalTrafficPolicy: Local`.
+    pub local_only: bool,
+    /// `trafficDistribution` as written, if set.
+    pub traffic_distribution: Option<String>,
+    /// `sessionAffinity: ClientIP`: how long a client keeps its endpoint after
+    /// its last connection, in seconds; `None` without affinity.
+    pub affinity_seconds: Option<u32>,
+    /// Which endpoints new connections from this node go to.
+    pub choice: Choice,
+    /// Those endpoints, sorted, each once (empty for [`Choice::None`]).
+    pub usable: Vec<SocketAddr>,
 }
 
 impl ServicePort {
@@ -67,12 +168,32 @@ impl ServicePort {
         format!("{}/{}", self.namespace, self.name)
     }
 
-    /// The endpoints that may get new connections.
-    pub fn ready(&self) -> impl Iterator<Item = SocketAddr> + '_ {
-        self.endpoints
-            .iter()
-            .filter(|e| e.ready && !e.terminating)
-            .map(|e| e.addr)
+    /// The endpoints that may get new connections from this node.
+    pub fn usable(&self) -> &[SocketAddr] {
+        &self.usable
+    }
+
+    /// How long a client keeps its endpoint (`sessionAffinity: ClientIP`).
+    pub fn affinity_timeout(&self) -> Option<Duration> {
+        self.affinity_seconds
+            .map(|s| Duration::from_secs(u64::from(s)))
+    }
+
+    /// Why no endpoint is usable, for the log line of a reset connection
+    /// (`service <ns>/<name> <why>`).
+    pub fn why_no_endpoint(&self) -> &'static str {
+        if !self.has_slices {
+            "has no EndpointSlice yet"
+        } else if self.local_only
+            && self
+                .endpoints
+                .iter()
+                .any(|e| e.is_ready() || e.is_serving_terminating())
+        {
+            "has no endpoint on this node (internalTrafficPolicy: Local)"
+        } else {
+            "has no ready endpoint"
+        }
     }
 }
 
@@ -82,12 +203,80 @@ pub struct ServiceIndex {
     by_vip: HashMap<SocketAddr, Arc<ServicePort>>,
 }
 
+/// What a Service's spec says of how its endpoints are chosen.
+struct Policy {
+    local_only: bool,
+    traffic_distribution: Option<String>,
+    affinity_seconds: Option<u32>,
+}
+
+impl Policy {
+    /// Reads `service`'s spec; unknown values are warned of and ignored.
+    fn of(service: &Service, key: &str, warnings: &mut Vec<String>) -> Policy {
+        let spec = service.spec.as_ref();
+        let local_only = match spec.and_then(|s| s.internal_traffic_policy.as_deref()) {
+            None | Some("Cluster") => false,
+            Some("Local") => true,
+            Some(other) => {
+                warnings.push(format!(
+                    "service {key}: internalTrafficPolicy {other:?} is neither Cluster nor Local; Cluster is used"
+                ));
+                false
+            }
+        };
+        let traffic_distribution = spec.and_then(|s| s.traffic_distribution.clone());
+        if let Some(other) = traffic_distribution
+            .as_deref()
+            .filter(|d| !matches!(*d, "PreferClose" | "PreferSameZone" | "PreferSameNode"))
+        {
+            warnings.push(format!(
+                "service {key}: trafficDistribution {other:?} is not known (PreferClose, PreferSameZone, PreferSameNode); no preference is applied"
+            ));
+        }
+        let affinity_seconds = match spec.and_then(|s| s.session_affinity.as_deref()) {
+            None | Some("None") => None,
+            Some("ClientIP") => {
+                let written = spec
+                    .and_then(|s| s.session_affinity_config.as_ref())
+                    .and_then(|c| c.client_ip.as_ref())
+                    .and_then(|c| c.timeout_seconds);
+                Some(match written {
+                    None => DEFAULT_AFFINITY_SECONDS,
+                    Some(n) => match u32::try_from(n) {
+                        Ok(n) if (1..=MAX_AFFINITY_SECONDS).contains(&n) => n,
+                        _ => {
+                            warnings.push(format!(
+                                "service {key}: sessionAffinityConfig.clientIP.timeoutSeconds {n} is not within 1..=86400; {DEFAULT_AFFINITY_SECONDS} is used"
+                            ));
+                            DEFAULT_AFFINITY_SECONDS
+                        }
+                    },
+                })
+            }
+            Some(other) => {
+                warnings.push(format!(
+                    "service {key}: sessionAffinity {other:?} is neither None nor ClientIP; no affinity is kept"
+                ));
+                None
+            }
+        };
+        Policy {
+            local_only,
+            traffic_distribution,
+            affinity_seconds,
+        }
+    }
+}
+
 impl ServiceIndex {
-    /// Builds the index; returns warnings (two Services claiming one address and
-    /// port: the first by `namespace/name` keeps it).
+    /// Builds the index for the node at `here`; returns warnings (two Services
+    /// claiming one address and port: the first by `namespace/name` keeps it;
+    /// values of `internalTrafficPolicy`, `trafficDistribution`,
+    /// `sessionAffinity` and its timeout that are not known or out of range).
     pub fn build<'a>(
         services: impl IntoIterator<Item = &'a Service>,
         slices: impl IntoIterator<Item = &'a EndpointSlice>,
+        here: Locality<'_>,
     ) -> (Self, Vec<String>) {
         let mut slices_of: BTreeMap<(String, String), Vec<&EndpointSlice>> = BTreeMap::new();
         for slice in slices {
@@ -112,17 +301,34 @@ impl ServiceIndex {
             let namespace = service.metadata.namespace_or_default().to_string();
             let name = service.metadata.name.clone().unwrap_or_default();
             let Some(spec) = &service.spec else { continue };
+            let ips = cluster_ips(service);
+            if ips.is_empty() {
+                continue;
+            }
+            let policy = Policy::of(service, &format!("{namespace}/{name}"), &mut warnings);
             let slices = slices_of.get(&(namespace.clone(), name.clone()));
-            for ip in cluster_ips(service) {
-                for port in spec.ports.iter().flatten() {
-                    if port.protocol.as_deref().is_some_and(|p| p != "TCP") {
-                        continue;
-                    }
-                    let Ok(number) = u16::try_from(port.port) else {
-                        continue;
-                    };
+            for port in spec.ports.iter().flatten() {
+                if port.protocol.as_deref().is_some_and(|p| p != "TCP") {
+                    continue;
+                }
+                let Ok(number) = u16::try_from(port.port) else {
+                    continue;
+                };
+                let target = port.target_port.clone();
+                let all = endpoints(
+                    slices.map(Vec::as_slice).unwrap_or(&[]),
+                    port.name.as_deref(),
+                    &target,
+                    number,
+                );
+                for &ip in &ips {
                     let vip = SocketAddr::new(ip, number);
-                    let target = port.target_port.clone();
+                    let endpoints: Vec<Endpoint> = all
+                        .iter()
+                        .filter(|e| e.addr.is_ipv4() == ip.is_ipv4())
+                        .cloned()
+                        .collect();
+                    let (choice, usable) = choose(&endpoints, &policy, here);
                     let entry = ServicePort {
                         namespace: namespace.clone(),
                         name: name.clone(),
@@ -133,13 +339,13 @@ impl ServiceIndex {
                             Some(IntOrString::String(s)) => s.clone(),
                             None => number.to_string(),
                         },
-                        endpoints: endpoints(
-                            slices.map(Vec::as_slice).unwrap_or(&[]),
-                            port.name.as_deref(),
-                            &target,
-                            number,
-                        ),
+                        endpoints,
                         has_slices: slices.is_some(),
+                        local_only: policy.local_only,
+                        traffic_distribution: policy.traffic_distribution.clone(),
+                        affinity_seconds: policy.affinity_seconds,
+                        choice,
+                        usable,
                     };
                     if let Some(other) = index.by_vip.get(&vip) {
                         warnings.push(format!(
@@ -182,6 +388,66 @@ impl ServiceIndex {
         all.sort_by_key(|p| (p.key(), p.vip));
         all.into_iter()
     }
+}
+
+/// The endpoints of `endpoints` new connections from the node at `here` go
+/// to under `policy`, as kube-proxy's `CategorizeEndpoints` chooses them.
+fn choose(
+    endpoints: &[Endpoint],
+    policy: &Policy,
+    here: Locality<'_>,
+) -> (Choice, Vec<SocketAddr>) {
+    let pick = |choice: Choice, keep: &dyn Fn(&Endpoint) -> bool| {
+        let mut usable: Vec<SocketAddr> = endpoints
+            .iter()
+            .filter(|e| keep(e))
+            .map(|e| e.addr)
+            .collect();
+        usable.sort_unstable();
+        usable.dedup();
+        if usable.is_empty() {
+            None
+        } else {
+            Some((choice, usable))
+        }
+    };
+    let chosen = if policy.local_only {
+        // Topology does not apply: the endpoints are here already.
+        pick(Choice::Local, &|e| e.is_ready() && e.on_node(here.node)).or_else(|| {
+            pick(Choice::LocalServingTerminating, &|e| {
+                e.is_serving_terminating() && e.on_node(here.node)
+            })
+        })
+    } else {
+        let ready = || endpoints.iter().filter(|e| e.is_ready());
+        let distribution = policy.traffic_distribution.as_deref();
+        let same_node = (distribution == Some("PreferSameNode")
+            && ready().all(|e| e.node_name.is_some())
+            && ready().any(|e| e.on_node(here.node)))
+        .then(|| pick(Choice::SameNode, &|e| e.is_ready() && e.on_node(here.node)))
+        .flatten();
+        let in_zone = |e: &Endpoint| here.zone.is_some() && e.zone.as_deref() == here.zone;
+        let same_zone = || {
+            (matches!(
+                distribution,
+                Some("PreferClose" | "PreferSameZone" | "PreferSameNode")
+            ) && ready().all(|e| e.zone.is_some())
+                && ready().any(in_zone))
+            .then(|| pick(Choice::SameZone, &|e| e.is_ready() && in_zone(e)))
+            .flatten()
+        };
+        same_node
+            .or_else(same_zone)
+            .or_else(|| pick(Choice::Ready, &Endpoint::is_ready))
+            // No endpoint ready anywhere: topology is not considered.
+            .or_else(|| {
+                pick(
+                    Choice::ServingTerminating,
+                    &Endpoint::is_serving_terminating,
+                )
+            })
+    };
+    chosen.unwrap_or((Choice::None, Vec::new()))
 }
 
 /// A Service's virtual addresses (`clusterIPs`, else `clusterIP`); none for a
@@ -228,13 +494,17 @@ fn endpoints(
         for endpoint in slice.endpoints.iter().flatten() {
             let conditions = endpoint.conditions.as_ref();
             let ready = conditions.and_then(|c| c.ready).unwrap_or(true);
+            let serving = conditions.and_then(|c| c.serving).unwrap_or(ready);
             let terminating = conditions.and_then(|c| c.terminating).unwrap_or(false);
             for address in &endpoint.addresses {
                 if let Ok(ip) = address.parse::<IpAddr>() {
                     out.push(Endpoint {
                         addr: SocketAddr::new(ip, resolved),
                         ready,
+                        serving,
                         terminating,
+                        node_name: endpoint.node_name.clone().filter(|n| !n.is_empty()),
+                        zone: endpoint.zone.clone().filter(|z| !z.is_empty()),
                     });
                 }
             }
@@ -254,6 +524,12 @@ mod tests {
     fn slice(yaml: &str) -> EndpointSlice {
         serde_yaml_ng::from_str(yaml).unwrap()
     }
+
+    /// Node `n1` in zone `z1`.
+    const HERE: Locality<'static> = Locality {
+        node: "n1",
+        zone: Some("z1"),
+    };
 
     const WEB: &str = "metadata: {name: web, namespace: shop}
 spec:
@@ -282,17 +558,23 @@ endpoints:
   conditions: {ready: true, serving: true, terminating: true}
 ";
 
+    fn usable(port: &ServicePort) -> Vec<String> {
+        port.usable().iter().map(|a| a.to_string()).collect()
+    }
+
     #[test]
     fn named_target_ports_resolve_through_the_slice() {
-        let (index, warnings) = ServiceIndex::build([&service(WEB)], [&slice(WEB_SLICE)]);
+        let (index, warnings) = ServiceIndex::build([&service(WEB)], [&slice(WEB_SLICE)], HERE);
         assert!(warnings.is_empty());
         let http = index.lookup("10.96.0.10:80".parse().unwrap()).unwrap();
         assert_eq!(http.key(), "shop/web");
-        let ready: Vec<String> = http.ready().map(|a| a.to_string()).collect();
-        // Unset ready counts as ready; not ready and terminating get nothing.
-        assert_eq!(ready, ["10.244.1.2:8080", "10.244.2.2:8080"]);
+        // Unset ready counts as ready; not ready and terminating get nothing
+        // while some endpoint is ready.
+        assert_eq!(usable(http), ["10.244.1.2:8080", "10.244.2.2:8080"]);
+        assert_eq!(http.choice, Choice::Ready);
+        assert_eq!(http.affinity_timeout(), None);
         let admin = index.lookup("10.96.0.10:9000".parse().unwrap()).unwrap();
-        assert!(admin.ready().all(|a| a.port() == 9090));
+        assert!(admin.usable().iter().all(|a| a.port() == 9090));
         // UDP ports and unknown ports are not resolved.
         assert!(index.lookup("10.96.0.10:53".parse().unwrap()).is_none());
         assert!(index.lookup("10.96.0.10:81".parse().unwrap()).is_none());
@@ -301,17 +583,54 @@ endpoints:
 
     #[test]
     fn services_without_slices_and_headless_services() {
-        let (index, _) = ServiceIndex::build([&service(WEB)], []);
+        let (index, _) = ServiceIndex::build([&service(WEB)], [], HERE);
         let http = index.lookup("10.96.0.10:80".parse().unwrap()).unwrap();
-        assert!(!http.has_slices && http.ready().next().is_none());
-        let headless = service(&WEB.replace("10.96.0.10", "None"));
-        let (index, _) = ServiceIndex::build([&headless], [&slice(WEB_SLICE)]);
+        assert!(!http.has_slices && http.usable().is_empty());
+        assert_eq!(http.choice, Choice::None);
+        assert_eq!(http.why_no_endpoint(), "has no EndpointSlice yet");
+        // Headless: no virtual address, clients connect to the pods as they
+        // are, whatever the rest of the spec says.
+        let headless = service(
+            &WEB.replace("10.96.0.10", "None")
+                .replace("  ports:", "  sessionAffinity: Bogus\n  ports:"),
+        );
+        let (index, warnings) = ServiceIndex::build([&headless], [&slice(WEB_SLICE)], HERE);
         assert_eq!(index.ports().count(), 0);
+        assert!(!index.is_vip("10.244.1.2".parse().unwrap()));
+        assert!(warnings.is_empty(), "{warnings:?}");
         // A named target port the slice does not list cannot be resolved.
         let other = slice(&WEB_SLICE.replace("name: http, port: 8080", "name: web, port: 8080"));
-        let (index, _) = ServiceIndex::build([&service(WEB)], [&other]);
+        let (index, _) = ServiceIndex::build([&service(WEB)], [&other], HERE);
         let http = index.lookup("10.96.0.10:80".parse().unwrap()).unwrap();
         assert!(http.has_slices && http.endpoints.is_empty());
+        assert_eq!(http.why_no_endpoint(), "has no ready endpoint");
+    }
+
+    #[test]
+    fn every_cluster_ip_gets_the_endpoints_of_its_family() {
+        let dual = service(
+            "metadata: {name: web, namespace: shop}
+spec:
+  clusterIP: 10.96.0.10
+  clusterIPs: [10.96.0.10, 'fd00:96::10']
+  ports: [{port: 80, targetPort: 8080}]
+",
+        );
+        let v6 = slice(
+            "metadata: {name: web-v6, namespace: shop, labels: {kubernetes.io/service-name: web}}
+addressType: IPv6
+ports: [{port: 8080}]
+endpoints: [{addresses: ['fd00:244::2']}]
+",
+        );
+        let v4 = slice(&WEB_SLICE.replace("name: http, port: 8080", "port: 8080"));
+        let (index, _) = ServiceIndex::build([&dual], [&v4, &v6], HERE);
+        let four = index.lookup("10.96.0.10:80".parse().unwrap()).unwrap();
+        assert_eq!(usable(four), ["10.244.1.2:8080", "10.244.2.2:8080"]);
+        let six = index.lookup("[fd00:96::10]:80".parse().unwrap()).unwrap();
+        assert_eq!(usable(six), ["[fd00:244::2]:8080"]);
+        assert_eq!(six.endpoints.len(), 1);
+        assert!(index.is_vip("fd00:96::10".parse().unwrap()));
     }
 
     #[test]
@@ -320,7 +639,7 @@ endpoints:
             &WEB.replace("name: web,", "name: aaa,")
                 .replace("name: web\n", "name: aaa\n"),
         );
-        let (index, warnings) = ServiceIndex::build([&service(WEB), &other], []);
+        let (index, warnings) = ServiceIndex::build([&service(WEB), &other], [], HERE);
         assert_eq!(
             index.lookup("10.96.0.10:80".parse().unwrap()).unwrap().name,
             "aaa"
@@ -329,5 +648,238 @@ endpoints:
             warnings[0].contains("both claim 10.96.0.10:80"),
             "{warnings:?}"
         );
+    }
+
+    /// Service `shop/api` at 10.96.0.20:80, with `spec` lines added.
+    fn api(spec: &str) -> Service {
+        service(&format!(
+            "metadata: {{name: api, namespace: shop}}
+spec:
+  clusterIP: 10.96.0.20
+  ports: [{{port: 80, targetPort: 8080}}]
+{spec}"
+        ))
+    }
+
+    /// Its slice: endpoints as (address, nodeName, zone, conditions), empty
+    /// strings leaving a field out.
+    fn api_slice(endpoints: &[(&str, &str, &str, &str)]) -> EndpointSlice {
+        let mut yaml = String::from(
+            "metadata: {name: api-1, namespace: shop, labels: {kubernetes.io/service-name: api}}
+addressType: IPv4
+ports: [{port: 8080}]
+endpoints:
+",
+        );
+        for (addr, node, zone, conditions) in endpoints {
+            yaml.push_str(&format!("- addresses: [{addr}]\n"));
+            for (field, value) in [
+                ("nodeName", node),
+                ("zone", zone),
+                ("conditions", conditions),
+            ] {
+                if !value.is_empty() {
+                    yaml.push_str(&format!("  {field}: {value}\n"));
+                }
+            }
+        }
+        slice(&yaml)
+    }
+
+    /// The choice for `api` with `spec` and `endpoints`, seen from `here`, and
+    /// the chosen addresses (without the port).
+    fn chosen(
+        spec: &str,
+        endpoints: &[(&str, &str, &str, &str)],
+        here: Locality<'_>,
+    ) -> (Choice, Vec<String>, &'static str) {
+        let (index, warnings) = ServiceIndex::build([&api(spec)], [&api_slice(endpoints)], here);
+        assert!(warnings.is_empty(), "{warnings:?}");
+        let port = index.lookup("10.96.0.20:80".parse().unwrap()).unwrap();
+        let addrs = port.usable().iter().map(|a| a.ip().to_string()).collect();
+        (port.choice, addrs, port.why_no_endpoint())
+    }
+
+    const TERMINATING: &str = "{ready: false, serving: true, terminating: true}";
+
+    #[test]
+    fn serving_terminating_endpoints_only_when_none_is_ready() {
+        let endpoints = [
+            ("10.0.0.1", "", "", "{ready: true}"),
+            ("10.0.0.2", "", "", TERMINATING),
+            (
+                "10.0.0.3",
+                "",
+                "",
+                "{ready: false, serving: false, terminating: true}",
+            ),
+            // `serving` unset is `ready`: false.
+            ("10.0.0.4", "", "", "{ready: false, terminating: true}"),
+            ("10.0.0.5", "", "", "{ready: false}"),
+        ];
+        let (choice, addrs, _) = chosen("", &endpoints, HERE);
+        assert_eq!(
+            (choice, addrs),
+            (Choice::Ready, vec!["10.0.0.1".to_string()])
+        );
+        let (choice, addrs, _) = chosen("", &endpoints[1..], HERE);
+        assert_eq!(
+            (choice, addrs),
+            (Choice::ServingTerminating, vec!["10.0.0.2".to_string()])
+        );
+        // Not serving: never.
+        let (choice, addrs, why) = chosen("", &endpoints[2..], HERE);
+        assert_eq!((choice, addrs.len()), (Choice::None, 0));
+        assert_eq!(why, "has no ready endpoint");
+        // `ready` written with terminating is not ready (the API never sets
+        // both for a pod), but it is serving (`serving` unset is `ready`).
+        let (choice, addrs, _) = chosen(
+            "",
+            &[("10.0.0.6", "", "", "{ready: true, terminating: true}")],
+            HERE,
+        );
+        assert_eq!(
+            (choice, addrs),
+            (Choice::ServingTerminating, vec!["10.0.0.6".to_string()])
+        );
+    }
+
+    /// On this node (n1, zone z1), elsewhere in its zone, in another zone.
+    const SPREAD: [(&str, &str, &str, &str); 3] = [
+        ("10.0.1.1", "n1", "z1", ""),
+        ("10.0.2.1", "n2", "z1", ""),
+        ("10.0.3.1", "n3", "z2", ""),
+    ];
+
+    fn strings(addrs: &[&str]) -> Vec<String> {
+        addrs.iter().map(|a| a.to_string()).collect()
+    }
+
+    #[test]
+    fn internal_traffic_policy_local_keeps_this_nodes_endpoints() {
+        let local = "  internalTrafficPolicy: Local\n";
+        let (choice, addrs, _) = chosen(local, &SPREAD, HERE);
+        assert_eq!((choice, addrs), (Choice::Local, strings(&["10.0.1.1"])));
+        // None here: none at all, though other nodes have some.
+        let (choice, addrs, why) = chosen(local, &SPREAD[1..], HERE);
+        assert_eq!((choice, addrs.len()), (Choice::None, 0));
+        assert_eq!(
+            why,
+            "has no endpoint on this node (internalTrafficPolicy: Local)"
+        );
+        // Serving-terminating here, ready elsewhere: the local terminating one.
+        let mut endpoints = SPREAD;
+        endpoints[0].3 = TERMINATING;
+        let (choice, addrs, _) = chosen(local, &endpoints, HERE);
+        assert_eq!(
+            (choice, addrs),
+            (Choice::LocalServingTerminating, strings(&["10.0.1.1"]))
+        );
+        // Topology does not apply to Local; Cluster is the default.
+        let (choice, _, _) = chosen(
+            "  internalTrafficPolicy: Local\n  trafficDistribution: PreferSameZone\n",
+            &SPREAD,
+            HERE,
+        );
+        assert_eq!(choice, Choice::Local);
+        let (choice, addrs, _) = chosen("  internalTrafficPolicy: Cluster\n", &SPREAD, HERE);
+        assert_eq!((choice, addrs.len()), (Choice::Ready, 3));
+        // No endpoint anywhere: the usual reason.
+        let (_, _, why) = chosen(local, &[("10.0.1.1", "n1", "", "{ready: false}")], HERE);
+        assert_eq!(why, "has no ready endpoint");
+    }
+
+    #[test]
+    fn prefer_close_and_same_zone_keep_this_zones_endpoints() {
+        for value in ["PreferClose", "PreferSameZone"] {
+            let spec = format!("  trafficDistribution: {value}\n");
+            let (choice, addrs, _) = chosen(&spec, &SPREAD, HERE);
+            assert_eq!(
+                (choice, addrs),
+                (Choice::SameZone, strings(&["10.0.1.1", "10.0.2.1"])),
+                "{value}"
+            );
+            // None in this zone: every ready endpoint.
+            let (choice, addrs, _) = chosen(&spec, &SPREAD[2..], HERE);
+            assert_eq!((choice, addrs), (Choice::Ready, strings(&["10.0.3.1"])));
+            // This zone's only endpoint not ready: the others, not the
+            // terminating one.
+            let mut endpoints = SPREAD;
+            endpoints[0].3 = TERMINATING;
+            endpoints[1].3 = "{ready: false}";
+            let (choice, addrs, _) = chosen(&spec, &endpoints, HERE);
+            assert_eq!((choice, addrs), (Choice::Ready, strings(&["10.0.3.1"])));
+            // No zone known for this node: no preference.
+            let nowhere = Locality {
+                node: "n1",
+                zone: None,
+            };
+            let (choice, addrs, _) = chosen(&spec, &SPREAD, nowhere);
+            assert_eq!((choice, addrs.len()), (Choice::Ready, 3));
+            // A ready endpoint without a zone: no hints, no preference (as
+            // kube-proxy does).
+            let mut endpoints = SPREAD;
+            endpoints[2].2 = "";
+            let (choice, addrs, _) = chosen(&spec, &endpoints, HERE);
+            assert_eq!((choice, addrs.len()), (Choice::Ready, 3));
+        }
+        // Without trafficDistribution: no preference.
+        let (choice, addrs, _) = chosen("", &SPREAD, HERE);
+        assert_eq!((choice, addrs.len()), (Choice::Ready, 3));
+    }
+
+    #[test]
+    fn prefer_same_node_then_same_zone_then_any() {
+        let spec = "  trafficDistribution: PreferSameNode\n";
+        let (choice, addrs, _) = chosen(spec, &SPREAD, HERE);
+        assert_eq!((choice, addrs), (Choice::SameNode, strings(&["10.0.1.1"])));
+        // None on this node: this zone's.
+        let (choice, addrs, _) = chosen(spec, &SPREAD[1..], HERE);
+        assert_eq!((choice, addrs), (Choice::SameZone, strings(&["10.0.2.1"])));
+        // None in this zone either: any.
+        let (choice, addrs, _) = chosen(spec, &SPREAD[2..], HERE);
+        assert_eq!((choice, addrs), (Choice::Ready, strings(&["10.0.3.1"])));
+        // No zone known: this node's still, then any.
+        let nowhere = Locality {
+            node: "n1",
+            zone: None,
+        };
+        let (choice, _, _) = chosen(spec, &SPREAD, nowhere);
+        assert_eq!(choice, Choice::SameNode);
+        let (choice, addrs, _) = chosen(spec, &SPREAD[1..], nowhere);
+        assert_eq!((choice, addrs.len()), (Choice::Ready, 2));
+        // This node's endpoint terminating: not preferred.
+        let mut endpoints = SPREAD;
+        endpoints[0].3 = TERMINATING;
+        let (choice, addrs, _) = chosen(spec, &endpoints, HERE);
+        assert_eq!((choice, addrs), (Choice::SameZone, strings(&["10.0.2.1"])));
+    }
+
+    #[test]
+    fn session_affinity_and_unknown_values() {
+        let (index, _) = ServiceIndex::build([&api("  sessionAffinity: ClientIP\n")], [], HERE);
+        let port = index.lookup("10.96.0.20:80".parse().unwrap()).unwrap();
+        assert_eq!(port.affinity_timeout(), Some(Duration::from_secs(10_800)));
+        let spec = "  sessionAffinity: ClientIP\n  sessionAffinityConfig: {clientIP: {timeoutSeconds: 30}}\n";
+        let (index, _) = ServiceIndex::build([&api(spec)], [], HERE);
+        let port = index.lookup("10.96.0.20:80".parse().unwrap()).unwrap();
+        assert_eq!(port.affinity_timeout(), Some(Duration::from_secs(30)));
+        let (index, _) = ServiceIndex::build([&api("  sessionAffinity: None\n")], [], HERE);
+        let port = index.lookup("10.96.0.20:80".parse().unwrap()).unwrap();
+        assert_eq!(port.affinity_timeout(), None);
+
+        let spec = "  sessionAffinity: ClientIP
+  sessionAffinityConfig: {clientIP: {timeoutSeconds: 0}}
+  internalTrafficPolicy: Nearby
+  trafficDistribution: PreferMoon
+";
+        let (index, warnings) = ServiceIndex::build([&api(spec)], [&api_slice(&SPREAD)], HERE);
+        let port = index.lookup("10.96.0.20:80".parse().unwrap()).unwrap();
+        assert_eq!(port.affinity_timeout(), Some(Duration::from_secs(10_800)));
+        assert_eq!((port.choice, port.usable().len()), (Choice::Ready, 3));
+        assert_eq!(warnings.len(), 3, "{warnings:?}");
+        assert!(warnings[0].contains("shop/api: internalTrafficPolicy \"Nearby\""));
+        assert!(warnings[1].contains("trafficDistribution \"PreferMoon\" is not known"));
+        assert!(warnings[2].contains("timeoutSeconds 0 is not within 1..=86400"));
     }
 }

@@ -243,3 +243,63 @@ fn peer_authentications_reach_the_policy_set() {
     assert!(s.refresh(&NoLayer, BTreeSet::new()).changed);
     assert!(s.policies().evaluate("a", &labels, &req).allowed());
 }
+
+/// The Services are chosen for this node's zone, from its Node object: made
+/// again when that zone changes, kept when other nodes change.
+#[test]
+fn this_nodes_zone_chooses_the_services_endpoints() {
+    use crate::state::service::Choice;
+    fn node(name: &str, zone: Option<&str>) -> Node {
+        let labels = zone.map_or(String::new(), |z| {
+            format!(", labels: {{topology.kubernetes.io/zone: {z}}}")
+        });
+        serde_yaml_ng::from_str(&format!("metadata: {{name: {name}{labels}}}")).unwrap()
+    }
+    let service: Service = serde_yaml_ng::from_str(
+        "metadata: {name: api, namespace: a}
+spec: {clusterIP: 10.96.0.20, trafficDistribution: PreferClose, ports: [{port: 80}]}",
+    )
+    .unwrap();
+    let slice: EndpointSlice = serde_yaml_ng::from_str(
+        "metadata: {name: api-1, namespace: a, labels: {kubernetes.io/service-name: api}}
+addressType: IPv4
+endpoints:
+- {addresses: [10.0.1.1], nodeName: n2, zone: z1}
+- {addresses: [10.0.2.1], nodeName: n3, zone: z2}",
+    )
+    .unwrap();
+    let vip = "10.96.0.20:80".parse().unwrap();
+    let usable = |s: &State| {
+        let port = s.services().lookup(vip).unwrap();
+        (port.choice, port.usable().len())
+    };
+    let mut s = state();
+    s.apply(complete(Delta {
+        all_pods: Some(Vec::new()),
+        services: Some(vec![service]),
+        endpoint_slices: Some(vec![slice]),
+        ..Delta::default()
+    }));
+    s.refresh(&NoLayer, BTreeSet::new());
+    // No Node object: no zone, no preference.
+    assert_eq!(usable(&s), (Choice::Ready, 2));
+    s.apply(complete(Delta {
+        nodes: Some(vec![node("n1", Some("z2")), node("n2", Some("z1"))]),
+        ..Delta::default()
+    }));
+    assert!(s.refresh(&NoLayer, BTreeSet::new()).changed);
+    assert_eq!(usable(&s), (Choice::SameZone, 1));
+    let before = s.services().clone();
+    s.apply(complete(Delta {
+        nodes: Some(vec![node("n1", Some("z2")), node("n3", Some("z2"))]),
+        ..Delta::default()
+    }));
+    s.refresh(&NoLayer, BTreeSet::new());
+    assert!(Arc::ptr_eq(&before, s.services()));
+    s.apply(complete(Delta {
+        nodes: Some(vec![node("n1", None)]),
+        ..Delta::default()
+    }));
+    s.refresh(&NoLayer, BTreeSet::new());
+    assert_eq!(usable(&s), (Choice::Ready, 2));
+}
