@@ -611,4 +611,34 @@ mod tests {
             assert_eq!(dir, agent.cni_bin_dir);
         }
     }
+
+    /// `--cluster-cidrs` takes both families, repeated or comma-separated, and
+    /// refuses an entry that is not a CIDR, naming it.
+    #[test]
+    fn cluster_cidrs_parse_and_bad_ones_are_refused() {
+        let parse = |cidrs: &[&str]| {
+            let mut argv = vec!["podlink", "agent", "--node", "n1", "--ca-dir", "/ca"];
+            for c in cidrs {
+                argv.extend(["--cluster-cidrs", c]);
+            }
+            Cli::try_parse_from(argv).map(|cli| match cli.command {
+                Command::Agent(args) => args.cluster_cidrs,
+                _ => unreachable!("parsed as the agent"),
+            })
+        };
+        let cidrs = parse(&["10.244.0.0/16,fd00:10:244::/56", "10.96.0.0/12"]).unwrap();
+        let cidrs: Vec<String> = cidrs.iter().map(ToString::to_string).collect();
+        assert_eq!(cidrs, ["10.244.0.0/16", "fd00:10:244::/56", "10.96.0.0/12"]);
+        assert!(parse(&[]).unwrap().is_empty());
+        let err = parse(&["10.244.0.0/16,10.96.0.0"])
+            .err()
+            .unwrap()
+            .to_string();
+        assert!(
+            err.contains("--cluster-cidrs") && err.contains("\"10.96.0.0\" is not a CIDR"),
+            "{err}"
+        );
+        let err = parse(&["10.244.7.0/16"]).err().unwrap().to_string();
+        assert!(err.contains("the range is 10.244.0.0/16"), "{err}");
+    }
 }

@@ -283,3 +283,34 @@ async fn proxy(
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use super::*;
+    use crate::proxy::learning::tests::{pod, proxy_state, view};
+
+    /// An address that stayed unknown through a whole wait ([`LEARN_WAIT`]) is
+    /// not waited for again; once known, it is routed without a wait.
+    #[tokio::test]
+    async fn an_address_that_stayed_unknown_is_not_waited_for_again() {
+        let (state, _ca) = proxy_state(view(&[], true));
+        let src: SocketAddr = "10.244.1.5:40000".parse().unwrap();
+        let dst: SocketAddr = "10.244.2.9:80".parse().unwrap();
+        let started = Instant::now();
+        let learned = learn(&state, state.view(), (src, dst), Awaited::Address).await;
+        let waited = started.elapsed();
+        assert!(learning::awaited(&learned, dst).is_some());
+        assert!(
+            waited >= LEARN_WAIT && waited < LEARN_WAIT * 3,
+            "{waited:?}"
+        );
+        let started = Instant::now();
+        let _ = learn(&state, state.view(), (src, dst), Awaited::Address).await;
+        assert!(started.elapsed() < Duration::from_millis(500));
+        // Known now: nothing to wait for.
+        state.update(view(&[pod("new", "new", "10.244.2.9")], true));
+        assert!(learning::awaited(&state.view(), dst).is_none());
+    }
+}
