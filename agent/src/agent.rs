@@ -81,6 +81,10 @@ pub struct AgentConfig {
     pub expedite_attach: bool,
     /// Destination IPv4 prefixes that bypass capture.
     pub excluded_cidrs: Vec<ipnet::Ipv4Net>,
+    /// The cluster's pod and service ranges (IPv4 and IPv6): an outbound
+    /// connection to an address in them that the agent does not know yet waits
+    /// briefly for it ([`crate::state::ClusterRanges`]).
+    pub cluster_cidrs: Vec<ipnet::IpNet>,
     /// Destination ports that bypass capture (both directions).
     pub excluded_ports: Vec<u16>,
     /// Time allowed to connect upstream.
@@ -169,7 +173,12 @@ pub async fn run(cfg: AgentConfig) -> Result<()> {
         proxy_mark: PROXY_MARK,
         connect_timeout: cfg.connect_timeout,
         cluster_id: cfg.cluster_id.clone(),
+        cluster_cidrs: cfg.cluster_cidrs.clone(),
     };
+    if !cfg.cluster_cidrs.is_empty() {
+        let ranges: Vec<String> = cfg.cluster_cidrs.iter().map(ToString::to_string).collect();
+        tracing::info!(ranges = %ranges.join(","), "cluster ranges");
+    }
     let listeners = Listeners::bind(&proxy_config)?;
     let admin_listener = admin::bind(cfg.admin_address)
         .await

@@ -219,6 +219,14 @@ struct AgentArgs {
     /// Destination IPv4 prefix that bypasses capture (repeatable).
     #[arg(long = "exclude-cidr", value_name = "CIDR")]
     excluded_cidrs: Vec<ipnet::Ipv4Net>,
+    /// The cluster's pod and service ranges, IPv4 and IPv6 (repeatable, or
+    /// comma-separated), e.g. 10.244.0.0/16,10.96.0.0/12. An enrolled pod's
+    /// connection to an address in them that the agent does not know yet (a
+    /// pod or Service created a moment ago) waits up to 1s for it to be learned,
+    /// then goes over HBONE if it is an enrolled pod. Ranges are also learned
+    /// from the Node objects' podCIDRs and the Services' ClusterIPs.
+    #[arg(long = "cluster-cidrs", value_name = "CIDR", value_delimiter = ',', value_parser = parse_cluster_cidr)]
+    cluster_cidrs: Vec<ipnet::IpNet>,
     /// Destination port that bypasses capture, both directions (repeatable).
     #[arg(long = "exclude-port", value_name = "PORT")]
     excluded_ports: Vec<u16>,
@@ -235,6 +243,10 @@ const CERT_LIFETIME_RANGE: (Duration, Duration) = (
     Duration::from_secs(10 * 60),
     Duration::from_secs(366 * 24 * 3600),
 );
+
+fn parse_cluster_cidr(s: &str) -> Result<ipnet::IpNet, String> {
+    crate::state::ranges::parse_cidr(s).map_err(|e| e.to_string())
+}
 
 fn parse_cert_lifetime(s: &str) -> Result<Duration, String> {
     let d = humantime::parse_duration(s).map_err(|e| e.to_string())?;
@@ -339,6 +351,7 @@ pub fn main() -> Result<()> {
                 fail_open: args.fail_open,
                 expedite_attach: args.expedite_attach,
                 excluded_cidrs: args.excluded_cidrs,
+                cluster_cidrs: args.cluster_cidrs,
                 excluded_ports: args.excluded_ports,
                 connect_timeout: args.connect_timeout,
                 max_connections: args.max_connections,
@@ -597,5 +610,35 @@ mod tests {
         if let Some(dir) = cni_bin_dir {
             assert_eq!(dir, agent.cni_bin_dir);
         }
+    }
+
+    /// `--cluster-cidrs` takes both families, repeated or comma-separated, and
+    /// refuses an entry that is not a CIDR, naming it.
+    #[test]
+    fn cluster_cidrs_parse_and_bad_ones_are_refused() {
+        let parse = |cidrs: &[&str]| {
+            let mut argv = vec!["podlink", "agent", "--node", "n1", "--ca-dir", "/ca"];
+            for c in cidrs {
+                argv.extend(["--cluster-cidrs", c]);
+            }
+            Cli::try_parse_from(argv).map(|cli| match cli.command {
+                Command::Agent(args) => args.cluster_cidrs,
+                _ => unreachable!("parsed as the agent"),
+            })
+        };
+        let cidrs = parse(&["10.244.0.0/16,fd00:10:244::/56", "10.96.0.0/12"]).unwrap();
+        let cidrs: Vec<String> = cidrs.iter().map(ToString::to_string).collect();
+        assert_eq!(cidrs, ["10.244.0.0/16", "fd00:10:244::/56", "10.96.0.0/12"]);
+        assert!(parse(&[]).unwrap().is_empty());
+        let err = parse(&["10.244.0.0/16,10.96.0.0"])
+            .err()
+            .unwrap()
+            .to_string();
+        assert!(
+            err.contains("--cluster-cidrs") && err.contains("\"10.96.0.0\" is not a CIDR"),
+            "{err}"
+        );
+        let err = parse(&["10.244.7.0/16"]).err().unwrap().to_string();
+        assert!(err.contains("the range is 10.244.0.0/16"), "{err}");
     }
 }

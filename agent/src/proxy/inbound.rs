@@ -4,6 +4,8 @@
 //! proxy presents that pod's certificate and requires a client certificate of the
 //! mesh. Each CONNECT stream must name that same pod: the tunnel is never an open
 //! proxy to other addresses (another node's pod, the node itself, loopback).
+//! The connection to the pod keeps the client's address unless that address is
+//! known to belong to another identity ([`learning::client_address`]).
 
 use std::{
     net::{IpAddr, SocketAddr},
@@ -26,6 +28,7 @@ use tokio_rustls::TlsAcceptor;
 use super::{
     Budget, ProxyState, Refusal, copy,
     hbone::{self, ActiveStream, H2Stream},
+    learning::{self, ClientAddress},
     socket,
     telemetry::meta,
 };
@@ -289,15 +292,21 @@ async fn serve_stream(
         );
         return bad_request(respond, StatusCode::BAD_REQUEST, &why);
     }
-    // Keep the client's address only when it belongs to a workload whose identity
-    // is the one the client proved; otherwise connect from the node's address.
-    let source = index
-        .by_ip(peer.ip())
-        .filter(|w| w.identity == client)
-        .map(|_| peer.ip());
-    if source.is_none() {
-        tracing::info!(%peer, %client, "client address does not belong to the client's identity; not preserving it");
+    // Keep the client's address unless it is known to belong to another
+    // identity (then connect from the node's address). An address not known yet
+    // is kept: it is the HBONE connection's own source, whose client proved its
+    // certificate (docs/architecture.md, "HBONE").
+    let kept = learning::client_address(index, peer.ip(), &client);
+    match kept {
+        ClientAddress::Known(_) => {}
+        ClientAddress::Unknown(_) => {
+            tracing::debug!(%peer, %client, "client address not known yet; preserving it (the HBONE connection's own source)");
+        }
+        ClientAddress::NotKept => {
+            tracing::info!(%peer, %client, "client address does not belong to the client's identity; not preserving it");
+        }
     }
+    let source = kept.source();
     let source_workload = source.and_then(|ip| index.by_ip(ip)).cloned();
     let destination = view.local_pod(target.ip()).cloned();
     let record = ConnectionRecord::open(

@@ -10,11 +10,15 @@
 //!
 //! The listeners are bound to 127.0.0.1: nothing reaches them but connections that
 //! the programs assigned to them, whose local address is the original destination.
+//!
+//! An outbound connection to an address of the cluster that the agent does not
+//! know yet waits briefly for it to be learned (`learning`).
 
 pub mod copy;
 pub mod hbone;
 mod inbound;
 mod inbound_plaintext;
+mod learning;
 mod limits;
 mod outbound;
 pub mod pool;
@@ -39,7 +43,7 @@ use crate::{
     authz::{self, Denial, DenialCounts, Request},
     error::Chain,
     identity::CertManager,
-    state::{View, endpoint::EndpointLoad},
+    state::{ClusterRanges, View, endpoint::EndpointLoad},
     telemetry::{
         logging::RateLimited,
         metrics::{Direction, Metrics},
@@ -68,6 +72,10 @@ pub struct ProxyConfig {
     /// The cluster ID: the `source_cluster` and `destination_cluster` metric
     /// labels of known workloads.
     pub cluster_id: String,
+    /// The cluster's pod and service ranges as configured (`--cluster-cidrs`);
+    /// the view starts with them and adds those it learns
+    /// ([`ClusterRanges`]).
+    pub cluster_cidrs: Vec<ipnet::IpNet>,
 }
 
 /// Authorization against the policies in the view (the proxy's part of [`View`]).
@@ -128,6 +136,9 @@ pub struct ProxyState {
     denial_log: RateLimited,
     /// Connections to Services without a ready endpoint, logged at a bounded rate.
     pub service_log: RateLimited,
+    /// Addresses that stayed unknown through a wait, not waited for again for
+    /// a while.
+    unlearned: learning::Unlearned,
 }
 
 impl ProxyState {
@@ -142,10 +153,14 @@ impl ProxyState {
             metrics: Arc::new(Metrics::new(&config.cluster_id)),
             limits: ConnectionLimits::new(config.max_connections),
             endpoints: EndpointLoad::default(),
-            view: watch::Sender::new(View::default()),
+            view: watch::Sender::new(View {
+                ranges: Arc::new(ClusterRanges::configured(&config.cluster_cidrs)),
+                ..View::default()
+            }),
             denials: Default::default(),
             denial_log: RateLimited::default(),
             service_log: RateLimited::default(),
+            unlearned: learning::Unlearned::default(),
             config,
         }
     }
@@ -214,6 +229,28 @@ impl ProxyState {
     pub fn update(&self, view: View) {
         self.pool.retain(|key| view.local_pod(key.src_ip).is_some());
         self.view.send_replace(view);
+    }
+
+    /// The view once it knows what a connection to `dst` needs
+    /// ([`learning::awaited`]), or once `bound` has passed (at once when it knows
+    /// it now). Woken by each [`ProxyState::update`]; holds no view and no lock
+    /// while it waits.
+    async fn learned(&self, dst: SocketAddr, bound: Duration) -> View {
+        let deadline = tokio::time::Instant::now() + bound;
+        let mut rx = self.view.subscribe();
+        loop {
+            {
+                let view = rx.borrow_and_update();
+                if learning::awaited(&view, dst).is_none() {
+                    return view.clone();
+                }
+            }
+            match tokio::time::timeout_at(deadline, rx.changed()).await {
+                Ok(Ok(())) => {}
+                // Timed out (the sender goes only with `self`).
+                Ok(Err(_)) | Err(_) => return rx.borrow().clone(),
+            }
+        }
     }
 
     /// Resolves once `ip` is no longer a captured pod of this node (at once if it is
@@ -418,6 +455,7 @@ mod tests {
             connect_timeout: Duration::from_secs(1),
             max_connections: 1,
             cluster_id: "Kubernetes".into(),
+            cluster_cidrs: Vec::new(),
         };
         let Err(error) = Listeners::bind(&config) else {
             panic!("a taken port was bound");

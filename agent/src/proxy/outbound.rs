@@ -1,18 +1,19 @@
 //! Connections leaving an enrolled pod (listener 15001).
 
-use std::{net::SocketAddr, sync::Arc};
+use std::{net::SocketAddr, sync::Arc, time::Instant};
 
 use tokio::{net::TcpStream, sync::OwnedSemaphorePermit};
 
 use super::{
     ProxyState, copy,
+    learning::{self, Awaited, LEARN_WAIT},
     pool::{HboneError, PoolKey},
     socket,
     telemetry::meta,
 };
 use crate::{
     authz::Request,
-    state::Workload,
+    state::{View, Workload},
     telemetry::{
         connection::{ConnectionRecord, Endpoints, Failure, Outcome},
         metrics::{Direction, FailureKind, Reporter, SecurityPolicy},
@@ -49,7 +50,6 @@ pub async fn handle(
     _slot: OwnedSemaphorePermit,
 ) {
     let view = state.view();
-    let index = &view.workloads;
     let refuse = |tcp: &TcpStream| {
         state
             .metrics
@@ -63,6 +63,13 @@ pub async fn handle(
         refuse(&tcp);
         return;
     };
+    // A destination the agent may not know yet (a pod or Service created a
+    // moment ago): wait briefly for it rather than go in plain text.
+    let view = match learning::awaited(&view, dst) {
+        Some(awaited) => learn(&state, view, (src, dst), awaited).await,
+        None => view,
+    };
+    let index = &view.workloads;
     // A Service's virtual address: the proxy picks one of its ready endpoints and
     // connects to it (HBONE when it is an enrolled pod elsewhere), as ztunnel does;
     // the original destination stays the one logged.
@@ -182,6 +189,32 @@ pub async fn handle(
     }
 }
 
+/// Waits, for at most [`LEARN_WAIT`], for the view to learn what a connection
+/// from `src` to `dst` lacks (`awaited`); returns the view then. `view` is let
+/// go meanwhile. An address that stayed unknown through a wait is not waited
+/// for again for a while ([`learning::UNLEARNED_FOR`]).
+async fn learn(
+    state: &ProxyState,
+    view: View,
+    (src, dst): (SocketAddr, SocketAddr),
+    awaited: Awaited,
+) -> View {
+    let started = Instant::now();
+    if state.unlearned.recent(dst.ip(), started) {
+        return view;
+    }
+    drop(view);
+    let view = state.learned(dst, LEARN_WAIT).await;
+    let waited_ms = started.elapsed().as_millis();
+    if learning::awaited(&view, dst).is_none() {
+        tracing::debug!(%src, %dst, waited_ms, "outbound connection to {}: learned it", awaited.describe());
+    } else {
+        state.unlearned.note(dst.ip(), Instant::now());
+        tracing::debug!(%src, %dst, waited_ms, "outbound connection to {}: still not known; going on with what is known", awaited.describe());
+    }
+    view
+}
+
 /// Connects upstream along `route` and copies until both sides are done,
 /// counting the bytes in `record`.
 async fn proxy(
@@ -244,5 +277,36 @@ async fn proxy(
                 )),
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use super::*;
+    use crate::proxy::learning::tests::{pod, proxy_state, view};
+
+    /// An address that stayed unknown through a whole wait ([`LEARN_WAIT`]) is
+    /// not waited for again; once known, it is routed without a wait.
+    #[tokio::test]
+    async fn an_address_that_stayed_unknown_is_not_waited_for_again() {
+        let (state, _ca) = proxy_state(view(&[], true));
+        let src: SocketAddr = "10.244.1.5:40000".parse().unwrap();
+        let dst: SocketAddr = "10.244.2.9:80".parse().unwrap();
+        let started = Instant::now();
+        let learned = learn(&state, state.view(), (src, dst), Awaited::Address).await;
+        let waited = started.elapsed();
+        assert!(learning::awaited(&learned, dst).is_some());
+        assert!(
+            waited >= LEARN_WAIT && waited < LEARN_WAIT * 3,
+            "{waited:?}"
+        );
+        let started = Instant::now();
+        let _ = learn(&state, state.view(), (src, dst), Awaited::Address).await;
+        assert!(started.elapsed() < Duration::from_millis(500));
+        // Known now: nothing to wait for.
+        state.update(view(&[pod("new", "new", "10.244.2.9")], true));
+        assert!(learning::awaited(&state.view(), dst).is_none());
     }
 }

@@ -210,23 +210,31 @@ impl<C: Capture> Reconciler<C> {
         self.wanted = self.wanted_pods(network);
     }
 
-    /// Hands the proxy the workloads, the policies, the Services and the
-    /// planned pods' addresses (before anything is attached: a pod's first
+    /// Hands the proxy the workloads, the policies, the Services, the cluster's
+    /// ranges and the planned pods' addresses (before anything is attached: a pod's first
     /// connection finds the proxy knowing it), and the certificates it needs.
     pub fn publish(&self, proxy: &ProxyState) {
         let captured: HashSet<IpAddr> = self.wanted.iter().map(|p| IpAddr::V4(p.ipv4)).collect();
         let view = proxy.view();
         let index = self.state.workloads();
+        // The cluster's ranges: the configured ones stay, the Nodes' are learned
+        // again, the Services' when the Services changed.
+        let mut ranges = view.ranges.with_nodes(self.state.nodes());
+        if !Arc::ptr_eq(&view.services, self.state.services()) {
+            ranges = ranges.with_cluster_ips(self.state.services().ports().map(|p| p.vip.ip()));
+        }
         if !Arc::ptr_eq(&view.workloads, index)
             || !Arc::ptr_eq(&view.policies, self.state.policies())
             || !Arc::ptr_eq(&view.services, self.state.services())
             || *view.captured != captured
+            || *view.ranges != ranges
         {
             proxy.update(View {
                 workloads: index.clone(),
                 captured: Arc::new(captured),
                 policies: self.state.policies().clone(),
                 services: self.state.services().clone(),
+                ranges: Arc::new(ranges),
             });
             // Certificates are only needed for this node's enrolled workloads
             // (often many pods to one identity: each is copied once).

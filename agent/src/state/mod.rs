@@ -10,10 +10,11 @@
 //! where the objects came from; a [`PodLayer`] (podlink-cni's reported
 //! addresses) is laid over the pods of whichever source runs. The proxy's
 //! view of it is [`view`], its choice among a Service's endpoints
-//! [`endpoint`].
+//! [`endpoint`], the cluster's address ranges [`ranges`].
 
 pub mod delta;
 pub mod endpoint;
+pub mod ranges;
 pub mod service;
 pub mod view;
 pub mod workload;
@@ -25,6 +26,7 @@ use std::{
 };
 
 pub use delta::{Completeness, Delta, PoliciesUnknown};
+pub use ranges::ClusterRanges;
 pub use view::View;
 pub(crate) use workload::is_finished;
 pub use workload::{

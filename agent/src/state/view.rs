@@ -1,10 +1,10 @@
 //! The proxy's view of the node: the workloads, the addresses of the pods this
-//! node captures, the authorization policies and the Services, replaced as a
-//! whole each time the agent's state changes.
+//! node captures, the authorization policies, the Services and the cluster's
+//! address ranges, replaced as a whole each time the agent's state changes.
 
 use std::{collections::HashSet, net::IpAddr, sync::Arc};
 
-use super::{Workload, WorkloadIndex, service::ServiceIndex};
+use super::{Workload, WorkloadIndex, ranges::ClusterRanges, service::ServiceIndex};
 use crate::{authz::PolicySet, identity::SpiffeId};
 
 /// The proxy's view of the node: the workloads, and the addresses of the pods this
@@ -19,6 +19,10 @@ pub struct View {
     pub policies: Arc<PolicySet>,
     /// The Services, by virtual address.
     pub services: Arc<ServiceIndex>,
+    /// The cluster's pod and service ranges (`--cluster-cidrs`, and those
+    /// learned from the Nodes and Services): an address in them that is not
+    /// known yet is waited for briefly.
+    pub ranges: Arc<ClusterRanges>,
 }
 
 impl View {
