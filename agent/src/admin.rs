@@ -19,7 +19,13 @@
 //!                    "mode": "UNSET" | "DISABLE" | "PERMISSIVE" | "STRICT",
 //!                    "port_modes": {"<port>": mode}, "in_effect": bool}]},
 //!   "services": [{"namespace", "name", "vip", "port_name", "target_port",
-//!                 "endpoints": [{"addr", "ready", "terminating"}], "has_slices"}],
+//!                 "endpoints": [{"addr", "ready", "serving", "terminating",
+//!                                "node_name", "zone"}], "has_slices",
+//!                 "local_only", "traffic_distribution", "affinity_seconds",
+//!                 "choice": "ready" | "same-node" | "same-zone"
+//!                   | "serving-terminating" | "local"
+//!                   | "local-serving-terminating" | "none",
+//!                 "usable": ["addr:port"]}],
 //!   "denials": {"<namespace>/<name>" (AuthorizationPolicy or PeerAuthentication)
 //!               | "allow-policies" | "unknown-policies": count},
 //!   "certificates": [{"identity", "state": "issued" | "pending",
