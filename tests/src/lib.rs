@@ -209,6 +209,9 @@ pub struct Pod {
     pub host_veth: String,
     pub labels: BTreeMap<String, String>,
     pub service_account: String,
+    /// Its controller (`ownerReferences` with `controller: true`): kind and
+    /// name, e.g. `ReplicaSet` `web-5d8f9c7b6`.
+    pub owner: Option<(String, String)>,
     /// The sandbox id the CNI plugins were given (`CNI_CONTAINERID`).
     pub container_id: String,
 }
@@ -228,6 +231,7 @@ pub struct PodSpec {
     pub node: usize,
     pub labels: BTreeMap<String, String>,
     pub service_account: Option<String>,
+    pub owner: Option<(String, String)>,
 }
 
 impl PodSpec {
@@ -247,6 +251,13 @@ impl PodSpec {
 
     pub fn service_account(mut self, sa: &str) -> Self {
         self.service_account = Some(sa.into());
+        self
+    }
+
+    /// Its controller: `kind` (`ReplicaSet`, `StatefulSet`, `Job`, ...) and
+    /// `name`.
+    pub fn owner(mut self, kind: &str, name: &str) -> Self {
+        self.owner = Some((kind.into(), name.into()));
         self
     }
 }
@@ -750,6 +761,7 @@ impl Cluster {
                 .service_account
                 .clone()
                 .unwrap_or_else(|| "default".into()),
+            owner: spec.owner.clone(),
             container_id,
         };
         self.pods.insert(pod.name.clone(), pod.clone());
@@ -772,6 +784,7 @@ impl Cluster {
             &spec.labels,
             &self.nodes[spec.node].name,
             spec.service_account.as_deref().unwrap_or("default"),
+            spec.owner.as_ref(),
             None,
         );
         self.write_manifest(&format!("pod-{}-{}.yaml", spec.namespace, spec.name), &text)
@@ -788,6 +801,7 @@ impl Cluster {
             &pod.labels,
             &self.nodes[pod.node].name,
             &pod.service_account,
+            pod.owner.as_ref(),
             Some(pod.ip),
         );
         self.write_manifest(&Self::pod_manifest_file(pod), &text)
@@ -1312,8 +1326,15 @@ fn pod_manifest(
     labels: &BTreeMap<String, String>,
     node: &str,
     sa: &str,
+    owner: Option<&(String, String)>,
     ip: Option<Ipv4Addr>,
 ) -> String {
+    let owner = owner.map_or(String::new(), |(kind, owner)| {
+        let api = if kind == "Job" || kind == "CronJob" { "batch/v1" } else { "apps/v1" };
+        format!(
+            "  ownerReferences:\n  - {{apiVersion: {api}, kind: {kind}, name: {owner}, uid: uid-{owner}, controller: true}}\n"
+        )
+    });
     let status = match ip {
         Some(ip) => format!("  phase: Running\n  podIP: {ip}\n  podIPs:\n  - ip: {ip}\n"),
         None => "  phase: Pending\n".into(),
@@ -1325,7 +1346,7 @@ metadata:
   name: {name}
   namespace: {ns}
   labels: {labels}
-spec:
+{owner}spec:
   nodeName: {node}
   serviceAccountName: {sa}
   containers:

@@ -302,3 +302,245 @@ endpoints: [{{addresses: [\"{}\"]}}]
     c.wait_log(0, &["service shop/lonely has no EndpointSlice yet"])
         .unwrap();
 }
+
+const PICK_VIP: &str = "10.96.0.20:80";
+
+/// Nodes 1 and 2 in zone `a`, node 3 in zone `b`.
+const NODES: &str = "apiVersion: v1
+kind: Node
+metadata: {name: node1, labels: {topology.kubernetes.io/zone: a}}
+---
+apiVersion: v1
+kind: Node
+metadata: {name: node2, labels: {topology.kubernetes.io/zone: a}}
+---
+apiVersion: v1
+kind: Node
+metadata: {name: node3, labels: {topology.kubernetes.io/zone: b}}
+";
+
+/// Service `pick` with `spec` lines added, and its slice of `endpoints`
+/// (pod, node index, conditions).
+fn pick(spec: &str, endpoints: &[(&Pod, usize, &str)]) -> String {
+    let mut text = format!(
+        "apiVersion: v1
+kind: Service
+metadata: {{name: pick, namespace: shop}}
+spec:
+  clusterIP: 10.96.0.20
+  ports: [{{name: http, port: 80, targetPort: 8080}}]
+{spec}---
+apiVersion: discovery.k8s.io/v1
+kind: EndpointSlice
+metadata: {{name: pick-1, namespace: shop, labels: {{kubernetes.io/service-name: pick}}}}
+addressType: IPv4
+ports: [{{name: http, port: 8080, protocol: TCP}}]
+endpoints:
+"
+    );
+    for (pod, node, conditions) in endpoints {
+        let zone = if *node == 2 { "b" } else { "a" };
+        text.push_str(&format!(
+            "- addresses: [\"{}\"]\n  conditions: {conditions}\n  nodeName: node{}\n  zone: {zone}\n",
+            pod.ip,
+            node + 1
+        ));
+    }
+    text
+}
+
+/// Waits until node 1's agent has Service `pick` with `choice` and `usable`
+/// endpoints.
+fn wait_choice(c: &Cluster, choice: &str, usable: usize) {
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        let dump = c.config_dump(0).unwrap();
+        let port = dump["services"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .find(|s| s["name"] == "pick")
+            .cloned();
+        if let Some(port) = &port
+            && port["choice"] == choice
+            && port["usable"].as_array().map(Vec::len) == Some(usable)
+        {
+            return;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "never {choice} with {usable} usable: {port:#?}\n{}",
+            c.agent_log(0)
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+/// Makes `n` exchanges with Service `pick`; returns how many each server
+/// accepted meanwhile.
+fn spread(c: &Cluster, client: &Pod, servers: &[app::EchoServer], n: usize) -> Vec<usize> {
+    let before = accepted(servers);
+    for i in 0..n {
+        let ex = app::exchange(&client.netns, PICK_VIP.parse().unwrap(), b"pick")
+            .unwrap_or_else(|e| panic!("exchange {i} failed: {e}\n{}", c.agent_log(0)));
+        assert_eq!(ex.echoed, b"pick");
+    }
+    accepted(servers)
+        .iter()
+        .zip(before)
+        .map(|(a, b)| a - b)
+        .collect()
+}
+
+#[test]
+fn endpoint_choice_follows_the_service_from_manifests() {
+    endpoint_choice(Source::Manifests);
+}
+
+#[test]
+fn endpoint_choice_follows_the_service_from_the_kubernetes_api() {
+    endpoint_choice(Source::Kubernetes);
+}
+
+/// How the proxy chooses among a Service's endpoints, as kube-proxy would:
+/// serving-terminating endpoints when none is ready, `trafficDistribution` by
+/// the Node objects' zones, `internalTrafficPolicy: Local`, `sessionAffinity:
+/// ClientIP`; and the endpoints, pods of one Deployment, make one
+/// `destination_workload` series.
+fn endpoint_choice(source: Source) {
+    let mut c = Cluster::with_namespaces_from(3, &[("shop", true)], source).unwrap();
+    c.write_manifest("nodes.yaml", NODES).unwrap();
+    let client = c.add_pod(PodSpec::new("client", "shop", 0)).unwrap();
+    let web = |name: &str, node: usize| {
+        PodSpec::new(name, "shop", node)
+            .label("app", "web")
+            .label("pod-template-hash", "5d8f9c7b6")
+            .owner("ReplicaSet", "web-5d8f9c7b6")
+    };
+    let w1 = c.add_pod(web("web-5d8f9c7b6-aaaaa", 0)).unwrap();
+    let w2 = c.add_pod(web("web-5d8f9c7b6-bbbbb", 1)).unwrap();
+    let w3 = c.add_pod(web("web-5d8f9c7b6-ccccc", 2)).unwrap();
+    c.start_agents().unwrap();
+    c.wait_all_captured(&[&client, &w1, &w2, &w3]).unwrap();
+    let servers: Vec<app::EchoServer> = [&w1, &w2, &w3]
+        .iter()
+        .map(|p| app::EchoServer::start(&p.netns, p.addr(8080)).unwrap())
+        .collect();
+    let terminating = "{ready: false, serving: true, terminating: true}";
+    let gone = "{ready: false, serving: false, terminating: true}";
+
+    // No endpoint ready: the serving ones that are terminating, never the
+    // ones that no longer serve.
+    c.write_manifest(
+        "pick.yaml",
+        &pick("", &[(&w2, 1, terminating), (&w3, 2, gone)]),
+    )
+    .unwrap();
+    wait_choice(&c, "serving-terminating", 1);
+    assert_eq!(spread(&c, &client, &servers, 10), [0, 10, 0]);
+
+    // PreferClose: node 1 is in zone a, as node 2's endpoint is.
+    c.write_manifest(
+        "pick.yaml",
+        &pick(
+            "  trafficDistribution: PreferClose\n",
+            &[(&w2, 1, READY), (&w3, 2, READY)],
+        ),
+    )
+    .unwrap();
+    wait_choice(&c, "same-zone", 1);
+    assert_eq!(spread(&c, &client, &servers, 10), [0, 10, 0]);
+    // No endpoint near: any.
+    c.write_manifest(
+        "pick.yaml",
+        &pick("  trafficDistribution: PreferClose\n", &[(&w3, 2, READY)]),
+    )
+    .unwrap();
+    wait_choice(&c, "ready", 1);
+    assert_eq!(spread(&c, &client, &servers, 5), [0, 0, 5]);
+    // Node 1 moves to zone b: the Service is chosen for it again.
+    c.write_manifest("nodes.yaml", &NODES.replacen("zone: a", "zone: b", 1))
+        .unwrap();
+    c.write_manifest(
+        "pick.yaml",
+        &pick(
+            "  trafficDistribution: PreferClose\n",
+            &[(&w2, 1, READY), (&w3, 2, READY)],
+        ),
+    )
+    .unwrap();
+    wait_choice(&c, "same-zone", 1);
+    assert_eq!(spread(&c, &client, &servers, 10), [0, 0, 10]);
+    c.write_manifest("nodes.yaml", NODES).unwrap();
+
+    // PreferSameNode: the endpoint on the client's node.
+    c.write_manifest(
+        "pick.yaml",
+        &pick(
+            "  trafficDistribution: PreferSameNode\n",
+            &[(&w1, 0, READY), (&w2, 1, READY), (&w3, 2, READY)],
+        ),
+    )
+    .unwrap();
+    wait_choice(&c, "same-node", 1);
+    assert_eq!(spread(&c, &client, &servers, 10), [10, 0, 0]);
+
+    // internalTrafficPolicy Local: only this node's endpoints; none here,
+    // none at all.
+    c.write_manifest(
+        "pick.yaml",
+        &pick(
+            "  internalTrafficPolicy: Local\n",
+            &[(&w2, 1, READY), (&w3, 2, READY)],
+        ),
+    )
+    .unwrap();
+    wait_choice(&c, "none", 0);
+    reset_at_once(&client, PICK_VIP.parse().unwrap());
+    c.wait_log(
+        0,
+        &["service shop/pick has no endpoint on this node (internalTrafficPolicy: Local)"],
+    )
+    .unwrap();
+    c.write_manifest(
+        "pick.yaml",
+        &pick(
+            "  internalTrafficPolicy: Local\n",
+            &[(&w1, 0, READY), (&w2, 1, READY), (&w3, 2, READY)],
+        ),
+    )
+    .unwrap();
+    wait_choice(&c, "local", 1);
+    assert_eq!(spread(&c, &client, &servers, 10), [10, 0, 0]);
+
+    // sessionAffinity ClientIP: every connection of the client to one endpoint.
+    c.write_manifest(
+        "pick.yaml",
+        &pick(
+            "  sessionAffinity: ClientIP\n  sessionAffinityConfig: {clientIP: {timeoutSeconds: 600}}\n",
+            &[(&w2, 1, READY), (&w3, 2, READY)],
+        ),
+    )
+    .unwrap();
+    wait_choice(&c, "ready", 2);
+    let counts = spread(&c, &client, &servers, 20);
+    assert!(counts == [0, 20, 0] || counts == [0, 0, 20], "{counts:?}");
+
+    // The endpoints are pods of Deployment web: one series for all of them.
+    let metrics = c.metrics(0).unwrap();
+    let series: Vec<_> = metrics
+        .matching(
+            "istio_tcp_connections_opened_total",
+            &[("reporter", "source")],
+        )
+        .filter(|(_, labels, _)| {
+            labels.get("destination_service_name").map(String::as_str) == Some("pick")
+        })
+        .collect();
+    assert!(!series.is_empty(), "{}", metrics.text);
+    for (_, labels, _) in &series {
+        assert_eq!(labels["destination_workload"], "web", "{}", metrics.text);
+        assert_eq!(labels["destination_canonical_service"], "web");
+        assert_eq!(labels["destination_canonical_revision"], "latest");
+    }
+}
