@@ -1066,7 +1066,7 @@ impl Cluster {
             ])
             // The test bed's source, unless the agent is given one.
             .args(
-                (!extra.contains(&"--kubeconfig"))
+                (!extra.contains(&"--kubeconfig") && !extra.contains(&"--manifests"))
                     .then(|| match &self.api {
                         Some(api) => ["--kubeconfig".as_ref(), api.kubeconfigs[node].as_os_str()],
                         None => ["--manifests".as_ref(), self.manifests.as_os_str()],
