@@ -1339,3 +1339,127 @@ fn the_wire_protocol_of_the_new_kinds() {
     let (code, _) = raw(addr, "GET", "/api/v1/nodes", true, "");
     assert_eq!(code, 200);
 }
+
+/// The agent's Kubernetes source against the double: the new kinds in its
+/// first view, the Istio CRDs installed after it started, a policy that
+/// cannot be compiled making the policies unknown until it is gone.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_agents_source_reads_the_new_kinds_and_istio_crds_installed_later() {
+    use podlink_agent::{source::Source, state::Delta};
+    let api = ApiServer::start().unwrap();
+    let addr = api.listen_local().unwrap();
+    let kubeconfig = std::env::temp_dir().join(format!(
+        "podlink-api-double-source-{}-{}.yaml",
+        std::process::id(),
+        addr.port()
+    ));
+    api.write_kubeconfig(addr, &kubeconfig).unwrap();
+    api.set_istio_crds_installed(false);
+    api.apply_namespace(namespace("shop", json!({}))).unwrap();
+    let mut web = pod("shop", "web-1", Some("node1"), json!({"app": "web"}));
+    web["metadata"]["ownerReferences"] = json!([
+        {"apiVersion": "apps/v1", "kind": "ReplicaSet", "name": "web-5d8f", "uid": "u-1", "controller": true},
+        {"apiVersion": "v1", "kind": "ConfigMap", "name": "other", "uid": "u-2"},
+    ]);
+    api.apply_pod(web).unwrap();
+    api.apply("services", service("shop", "web", "10.96.0.10"))
+        .unwrap();
+    api.apply(
+        "endpointslices",
+        endpoint_slice("shop", "web-1", "web", "10.244.1.2"),
+    )
+    .unwrap();
+    api.apply("nodes", node("node1", "a", "10.244.1.0/24"))
+        .unwrap();
+
+    let mut source = podlink_agent::source::kube::KubeSource::start(Some(&kubeconfig), "node1")
+        .await
+        .unwrap();
+    let _ = std::fs::remove_file(&kubeconfig);
+    let first = tokio::time::timeout(Duration::from_secs(15), source.next())
+        .await
+        .expect("the first view");
+    assert_eq!(
+        first.completeness,
+        podlink_agent::state::Completeness::Complete
+    );
+    // Istio not installed: no policies, and known to be none.
+    assert_eq!(first.policies_unknown, None);
+    assert_eq!(first.policies.as_ref().map(Vec::len), Some(0));
+    assert_eq!(first.mtls_policies.as_ref().map(Vec::len), Some(0));
+    assert_eq!(first.services.as_ref().map(Vec::len), Some(1));
+    assert_eq!(first.endpoint_slices.as_ref().map(Vec::len), Some(1));
+    let nodes = first.nodes.unwrap();
+    assert_eq!(nodes[0].metadata.name.as_deref(), Some("node1"));
+    let pods = first.all_pods.unwrap();
+    let owners = pods[0].metadata.owner_references.as_ref().unwrap();
+    assert_eq!(owners.len(), 1, "only the controller: {owners:?}");
+    assert_eq!(owners[0].name, "web-5d8f");
+
+    // Takes deltas (20 s at most) until `done` holds of one.
+    async fn until(
+        source: &mut podlink_agent::source::kube::KubeSource,
+        what: &str,
+        mut done: impl FnMut(&Delta) -> bool,
+    ) -> Delta {
+        tokio::time::timeout(Duration::from_secs(20), async {
+            loop {
+                let delta = source.next().await;
+                if done(&delta) {
+                    return delta;
+                }
+            }
+        })
+        .await
+        .unwrap_or_else(|_| panic!("no delta with {what}"))
+    }
+
+    // Installed later: listed again within 10 s, without a restart; the
+    // policy served under both versions counts once.
+    api.set_istio_crds_installed(true);
+    api.apply("authorizationpolicies", policy("shop", "deny", "DENY"))
+        .unwrap();
+    api.apply(
+        "peerauthentications",
+        json!({"metadata": {"name": "strict", "namespace": "shop"}, "spec": {"mtls": {"mode": "STRICT"}}}),
+    )
+    .unwrap();
+    // Both kinds may come in one delta or two.
+    let (mut policies, mut mtls) = (None, None);
+    until(&mut source, "the policy and the PeerAuthentication", |d| {
+        if let Some(p) = d.policies.as_ref().filter(|p| !p.is_empty()) {
+            policies = Some(p.iter().map(|p| p.to_string()).collect::<Vec<_>>());
+        }
+        if let Some(m) = d.mtls_policies.as_ref().filter(|m| !m.is_empty()) {
+            mtls = Some(m.iter().map(|m| m.to_string()).collect::<Vec<_>>());
+        }
+        policies.is_some() && mtls.is_some()
+    })
+    .await;
+    assert_eq!(policies.unwrap(), ["shop/deny"]);
+    assert_eq!(mtls.unwrap(), ["shop/strict"]);
+
+    // A policy that cannot be compiled: unknown, naming it; known once gone.
+    api.apply("authorizationpolicies", policy("shop", "bad", "ALLOWW"))
+        .unwrap();
+    let delta = until(&mut source, "policies unknown", |d| {
+        d.policies_unknown.is_some()
+    })
+    .await;
+    let unknown = delta.policies_unknown.unwrap();
+    assert_eq!(unknown.what, "AuthorizationPolicy shop/bad");
+    assert!(unknown.why.contains("ALLOWW"), "{unknown:?}");
+    api.delete("authorizationpolicies", "shop", "bad").unwrap();
+    until(&mut source, "policies known", |d| {
+        d.policies_unknown.is_none()
+    })
+    .await;
+
+    // A Service change comes as the whole set.
+    api.apply("services", service("shop", "api", "10.96.0.12"))
+        .unwrap();
+    until(&mut source, "two Services", |d| {
+        d.services.as_ref().is_some_and(|s| s.len() == 2)
+    })
+    .await;
+}

@@ -78,11 +78,12 @@ impl Loop {
 
     /// Sets the readiness waited for once the view is whole.
     fn update_readiness(&mut self) {
-        if self.readiness.is_some() && self.view_is_whole() {
-            if let Some(readiness) = self.readiness.take() {
-                readiness.set(true);
-                tracing::info!("ready: the workload source's view is whole");
-            }
+        if self.readiness.is_some()
+            && self.view_is_whole()
+            && let Some(readiness) = self.readiness.take()
+        {
+            readiness.set(true);
+            tracing::info!("ready: the workload source's view is whole");
         }
     }
 
