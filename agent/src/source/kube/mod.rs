@@ -341,8 +341,10 @@ where
                 // The reflector has stored the event's object when it is seen here.
                 let changed = match event {
                     Ok(watcher::Event::Init) => {
+                        // Emitted before every list attempt, also one that
+                        // then fails: not progress (the backoff keeps growing).
                         listing.clear();
-                        None
+                        continue;
                     }
                     Ok(watcher::Event::InitApply(o)) => {
                         listing.insert(key(&o), o.projection());
