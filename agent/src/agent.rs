@@ -12,6 +12,10 @@
 //!    view; the dataplane is then reconciled (new pods attached), and the
 //!    reconcile loop ([`crate::reconcile::run`]) runs until a signal.
 //!
+//! The agent is ready (`/healthz/ready`) once the proxy accepts; with the
+//! Kubernetes API as its source, only once the source's view is whole and the
+//! authorization policies are known too.
+//!
 //! At run time a workload is known to the proxy before its host veth is attached,
 //! and a pod is detached only once the workload source is complete (no manifest
 //! waiting to settle, none broken without a good version; the Kubernetes API's
@@ -282,7 +286,11 @@ pub async fn run(cfg: AgentConfig) -> Result<()> {
         None => None,
     };
     release_startup_memory();
-    readiness.set(true);
+    if source.readiness_waits_for_whole_view {
+        reconcile.ready_once_whole(readiness.clone());
+    } else {
+        readiness.set(true);
+    }
     tracing::info!(
         node = %cfg.node,
         pin_dir = %cfg.pin_dir.display(),

@@ -3,7 +3,7 @@
 //! the unmodified kube-rs client in the agent runs against it, and the test drives
 //! the cluster state and injects faults through a synchronous API.
 //!
-//! What it serves (all under `/api/v1`, see "API concepts",
+//! What it serves (see "API concepts",
 //! <https://kubernetes.io/docs/reference/using-api/api-concepts/>):
 //!
 //! * `pods`: `GET /api/v1/pods` (cluster-wide list or watch),
@@ -11,6 +11,15 @@
 //!   `GET` and `PATCH /api/v1/namespaces/{ns}/pods/{name}`;
 //! * `namespaces`: `GET /api/v1/namespaces` (list or watch), `GET` and
 //!   `PATCH /api/v1/namespaces/{name}`;
+//! * likewise (list, watch, get, patch; namespaced where the kind is)
+//!   `services` and `nodes` (`/api/v1`), `endpointslices`
+//!   (`/apis/discovery.k8s.io/v1`), and `authorizationpolicies` and
+//!   `peerauthentications` under both `/apis/security.istio.io/v1` and
+//!   `/apis/security.istio.io/v1beta1`: one store, served under either
+//!   version with that version's `apiVersion`, as an API server serves a CRD
+//!   with two versions. [`ApiServer::set_istio_crds_installed`] takes the Istio
+//!   CRDs away (every request under `security.istio.io` is then 404
+//!   `NotFound`, as for a resource the server does not know) and back;
 //! * `GET /version`, `/healthz`, `/livez`, `/readyz`.
 //!
 //! Every request needs `Authorization: Bearer` [`TOKEN`] (else 401, as an API
@@ -133,18 +142,86 @@ pub struct PatchRequest {
     pub user_agent: String,
 }
 
-/// The two resources the double serves.
+/// The resources the double serves; an Istio kind once per API version,
+/// both versions on one store.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 enum Kind {
-    Pods = 0,
-    Namespaces = 1,
+    Pods,
+    Namespaces,
+    Services,
+    EndpointSlices,
+    Nodes,
+    AuthorizationPolicies,
+    AuthorizationPoliciesV1beta1,
+    PeerAuthentications,
+    PeerAuthenticationsV1beta1,
 }
 
+/// How many stores the kinds have.
+const STORES: usize = 7;
+
 impl Kind {
+    const ALL: [Kind; 9] = [
+        Kind::Pods,
+        Kind::Namespaces,
+        Kind::Services,
+        Kind::EndpointSlices,
+        Kind::Nodes,
+        Kind::AuthorizationPolicies,
+        Kind::AuthorizationPoliciesV1beta1,
+        Kind::PeerAuthentications,
+        Kind::PeerAuthenticationsV1beta1,
+    ];
+
+    /// The kind a resource name (`pods`, `endpointslices`, …) names, in its
+    /// storage version.
+    fn of_resource(resource: &str) -> Option<Kind> {
+        Kind::ALL
+            .into_iter()
+            .find(|k| k.resource() == resource && k.storage() == *k)
+    }
+
+    /// The kind of `resource` served at `group`/`version` (`""`/`v1` for the
+    /// core API).
+    fn at(group: &str, version: &str, resource: &str) -> Option<Kind> {
+        Kind::ALL
+            .into_iter()
+            .find(|k| k.group() == group && k.version() == version && k.resource() == resource)
+    }
+
+    /// The index of the kind's store (an Istio kind's versions share one).
+    fn slot(self) -> usize {
+        match self {
+            Kind::Pods => 0,
+            Kind::Namespaces => 1,
+            Kind::Services => 2,
+            Kind::EndpointSlices => 3,
+            Kind::Nodes => 4,
+            Kind::AuthorizationPolicies | Kind::AuthorizationPoliciesV1beta1 => 5,
+            Kind::PeerAuthentications | Kind::PeerAuthenticationsV1beta1 => 6,
+        }
+    }
+
+    /// The version objects are stored in.
+    fn storage(self) -> Kind {
+        match self {
+            Kind::AuthorizationPoliciesV1beta1 => Kind::AuthorizationPolicies,
+            Kind::PeerAuthenticationsV1beta1 => Kind::PeerAuthentications,
+            k => k,
+        }
+    }
+
     fn resource(self) -> &'static str {
         match self {
             Kind::Pods => "pods",
             Kind::Namespaces => "namespaces",
+            Kind::Services => "services",
+            Kind::EndpointSlices => "endpointslices",
+            Kind::Nodes => "nodes",
+            Kind::AuthorizationPolicies | Kind::AuthorizationPoliciesV1beta1 => {
+                "authorizationpolicies"
+            }
+            Kind::PeerAuthentications | Kind::PeerAuthenticationsV1beta1 => "peerauthentications",
         }
     }
 
@@ -152,11 +229,56 @@ impl Kind {
         match self {
             Kind::Pods => "Pod",
             Kind::Namespaces => "Namespace",
+            Kind::Services => "Service",
+            Kind::EndpointSlices => "EndpointSlice",
+            Kind::Nodes => "Node",
+            Kind::AuthorizationPolicies | Kind::AuthorizationPoliciesV1beta1 => {
+                "AuthorizationPolicy"
+            }
+            Kind::PeerAuthentications | Kind::PeerAuthenticationsV1beta1 => "PeerAuthentication",
         }
     }
 
+    fn group(self) -> &'static str {
+        match self {
+            Kind::Pods | Kind::Namespaces | Kind::Services | Kind::Nodes => "",
+            Kind::EndpointSlices => "discovery.k8s.io",
+            _ => "security.istio.io",
+        }
+    }
+
+    fn version(self) -> &'static str {
+        match self {
+            Kind::AuthorizationPoliciesV1beta1 | Kind::PeerAuthenticationsV1beta1 => "v1beta1",
+            _ => "v1",
+        }
+    }
+
+    /// `apiVersion` of the kind's objects: `v1`, `discovery.k8s.io/v1`, …
+    fn api_version(self) -> String {
+        match self.group() {
+            "" => self.version().to_string(),
+            group => format!("{group}/{}", self.version()),
+        }
+    }
+
+    /// Whether the kind is one of Istio's CRDs.
+    fn is_istio(self) -> bool {
+        self.group() == "security.istio.io"
+    }
+
     fn namespaced(self) -> bool {
-        self == Kind::Pods
+        !matches!(self, Kind::Namespaces | Kind::Nodes)
+    }
+
+    /// `obj` as this version serves it (its `apiVersion`, when it has one).
+    fn versioned(self, mut obj: Value) -> Value {
+        if let Value::Object(map) = &mut obj
+            && map.contains_key("apiVersion")
+        {
+            map.insert("apiVersion".into(), self.api_version().into());
+        }
+        obj
     }
 
     /// The field selectors the real API server supports for this resource
@@ -176,6 +298,15 @@ impl Kind {
                 "status.nominatedNodeName",
             ],
             Kind::Namespaces => &["metadata.name", "status.phase"],
+            Kind::Nodes => &["metadata.name", "spec.unschedulable"],
+            Kind::Services => &[
+                "metadata.name",
+                "metadata.namespace",
+                "spec.clusterIP",
+                "spec.type",
+            ],
+            Kind::EndpointSlices => &["metadata.name", "metadata.namespace", "addressType"],
+            _ => &["metadata.name", "metadata.namespace"],
         }
     }
 }
@@ -233,7 +364,9 @@ struct State {
     rv: u64,
     /// Watches from a resourceVersion below this get 410 Expired.
     oldest: u64,
-    stores: [Store; 2],
+    stores: [Store; STORES],
+    /// Whether Istio's CRDs are installed ([`ApiServer::set_istio_crds_installed`]).
+    istio: bool,
     faults: HashMap<String, u16>,
     requests: Vec<Request>,
     patches: Vec<PatchRequest>,
@@ -244,11 +377,11 @@ struct State {
 
 impl State {
     fn store(&self, kind: Kind) -> &Store {
-        &self.stores[kind as usize]
+        &self.stores[kind.slot()]
     }
 
     fn store_mut(&mut self, kind: Kind) -> &mut Store {
-        &mut self.stores[kind as usize]
+        &mut self.stores[kind.slot()]
     }
 
     fn new_uid(&mut self) -> String {
@@ -265,11 +398,18 @@ impl State {
     /// resourceVersion and records the event; an object equal to the stored one
     /// changes nothing. Returns the object's resourceVersion.
     fn put(&mut self, kind: Kind, mut obj: Value) -> Result<u64> {
+        let kind = kind.storage();
+        if kind.is_istio() && !self.istio {
+            bail!(
+                "the {} CRD is not installed (set_istio_crds_installed)",
+                kind.resource()
+            );
+        }
         let Value::Object(map) = &mut obj else {
             bail!("a {} must be a JSON object", kind.kind());
         };
         map.insert("kind".into(), kind.kind().into());
-        map.insert("apiVersion".into(), "v1".into());
+        map.insert("apiVersion".into(), kind.api_version().into());
         let meta = map
             .entry("metadata")
             .or_insert_with(|| Value::Object(Map::new()));
@@ -431,6 +571,7 @@ impl ApiServer {
                     rv: 1,
                     oldest: 0,
                     stores: Default::default(),
+                    istio: true,
                     faults: HashMap::new(),
                     requests: Vec::new(),
                     patches: Vec::new(),
@@ -544,6 +685,73 @@ current-context: podlink-api-double
         self.change(|st| st.delete(Kind::Namespaces, "", name))
     }
 
+    /// Creates or replaces an object of `resource` (`pods`, `namespaces`,
+    /// `services`, `endpointslices`, `nodes`, `authorizationpolicies`,
+    /// `peerauthentications`), as [`ApiServer::apply_pod`] does a pod:
+    /// `kind` and `apiVersion` are set (an Istio object is stored as
+    /// `security.istio.io/v1` and served under both versions),
+    /// `metadata.namespace` defaults to `default` for a namespaced kind.
+    /// Returns the object's resourceVersion. Fails for an unknown resource, and
+    /// for an Istio kind while its CRDs are not installed.
+    pub fn apply(&self, resource: &str, object: Value) -> Result<String> {
+        let kind = Kind::of_resource(resource)
+            .with_context(|| format!("the double does not serve {resource:?}"))?;
+        self.change(|st| st.put(kind, object))
+    }
+
+    /// Deletes an object of `resource` at once (`namespace` is ignored for
+    /// a cluster-scoped kind). Returns the resourceVersion of the `DELETED`
+    /// event; fails if the object does not exist.
+    pub fn delete(&self, resource: &str, namespace: &str, name: &str) -> Result<String> {
+        let kind = Kind::of_resource(resource)
+            .with_context(|| format!("the double does not serve {resource:?}"))?;
+        let namespace = if kind.namespaced() { namespace } else { "" };
+        self.change(|st| st.delete(kind, namespace, name))
+    }
+
+    /// The stored object of `resource` (`namespace` ignored for a
+    /// cluster-scoped kind), in its storage version.
+    pub fn object(&self, resource: &str, namespace: &str, name: &str) -> Option<Value> {
+        let kind = Kind::of_resource(resource)?;
+        let namespace = if kind.namespaced() { namespace } else { "" };
+        let st = self.shared.lock();
+        st.store(kind)
+            .objects
+            .get(&(namespace.to_string(), name.to_string()))
+            .cloned()
+    }
+
+    /// Installs (`true`, the default) or removes Istio's CRDs
+    /// (`authorizationpolicies` and `peerauthentications.security.istio.io`).
+    /// Removed, every request under `/apis/security.istio.io/` is answered 404
+    /// `NotFound` with the `Status` an API server sends for a resource it does
+    /// not serve, the open watches of those kinds are cut, and their objects are
+    /// gone (as deleting a CRD deletes its objects); installed again, they
+    /// are served empty.
+    pub fn set_istio_crds_installed(&self, installed: bool) {
+        let mut st = self.shared.lock();
+        if st.istio == installed {
+            return;
+        }
+        st.istio = installed;
+        if !installed {
+            let rv = st.rv;
+            st.watches.retain(|w| {
+                if w.kind.is_istio() {
+                    let _ = w.control.send(Control::Cut(rv));
+                    false
+                } else {
+                    true
+                }
+            });
+            for kind in [Kind::AuthorizationPolicies, Kind::PeerAuthentications] {
+                *st.store_mut(kind) = Store::default();
+            }
+        }
+        drop(st);
+        self.shared.notify();
+    }
+
     /// The stored pod (with `kind` and `apiVersion`), e.g. to read what a client
     /// patched.
     pub fn pod(&self, namespace: &str, name: &str) -> Option<Value> {
@@ -584,7 +792,8 @@ current-context: podlink-api-double
         self.shared.lock().patches.clone()
     }
 
-    /// How many watches of `resource` (`pods` or `namespaces`) are open (not yet
+    /// How many watches of `resource` (`pods`, `namespaces`, …; an Istio kind's
+    /// of both versions) are open (not yet
     /// ended by their client, their timeout or [`ApiServer::cut_watches`]).
     pub fn open_watches(&self, resource: &str) -> usize {
         let st = self.shared.lock();
@@ -594,7 +803,8 @@ current-context: podlink-api-double
             .count()
     }
 
-    /// From now on every request on `resource` (`pods` or `namespaces`: list,
+    /// From now on every request on `resource` (`pods`, `namespaces`, …, an
+    /// Istio kind's under both versions: list,
     /// watch, get and patch) is answered `code` with the `Status` the real server
     /// sends: 401 `Unauthorized`; 403 `Forbidden` with the RBAC message
     /// (`pods is forbidden: User "<USER>" cannot list resource "pods" in API group
@@ -826,32 +1036,50 @@ fn route(path: &str) -> Option<Target> {
         "/healthz" | "/livez" | "/readyz" => return Some(Target::Health),
         _ => {}
     }
-    let rest = path.strip_prefix("/api/v1/")?;
+    let (group, version, rest) = match path.strip_prefix("/api/v1/") {
+        Some(rest) => ("", "v1", rest),
+        None => {
+            let rest = path.strip_prefix("/apis/")?;
+            let mut parts = rest.splitn(3, '/');
+            (parts.next()?, parts.next()?, parts.next()?)
+        }
+    };
     let segments: Vec<&str> = rest.trim_end_matches('/').split('/').collect();
+    let at = |resource: &str| Kind::at(group, version, resource);
     let s = |s: &str| s.to_string();
     Some(match segments.as_slice() {
-        ["pods"] => Target::Collection {
-            kind: Kind::Pods,
-            namespace: None,
-        },
-        ["namespaces"] => Target::Collection {
+        ["namespaces"] if group.is_empty() => Target::Collection {
             kind: Kind::Namespaces,
             namespace: None,
         },
-        ["namespaces", name] if !name.is_empty() => Target::Object {
+        ["namespaces", name] if group.is_empty() && !name.is_empty() => Target::Object {
             kind: Kind::Namespaces,
             namespace: None,
             name: s(name),
         },
-        ["namespaces", ns, "pods"] if !ns.is_empty() => Target::Collection {
-            kind: Kind::Pods,
+        [resource] => Target::Collection {
+            kind: at(resource)?,
+            namespace: None,
+        },
+        [resource, name] if !name.is_empty() => {
+            let kind = at(resource).filter(|k| !k.namespaced())?;
+            Target::Object {
+                kind,
+                namespace: None,
+                name: s(name),
+            }
+        }
+        ["namespaces", ns, resource] if !ns.is_empty() => Target::Collection {
+            kind: at(resource).filter(|k| k.namespaced())?,
             namespace: Some(s(ns)),
         },
-        ["namespaces", ns, "pods", name] if !ns.is_empty() && !name.is_empty() => Target::Object {
-            kind: Kind::Pods,
-            namespace: Some(s(ns)),
-            name: s(name),
-        },
+        ["namespaces", ns, resource, name] if !ns.is_empty() && !name.is_empty() => {
+            Target::Object {
+                kind: at(resource).filter(|k| k.namespaced())?,
+                namespace: Some(s(ns)),
+                name: s(name),
+            }
+        }
         _ => return None,
     })
 }
@@ -1014,6 +1242,10 @@ async fn respond(
         (&Method::PATCH, Some(_)) => "patch",
         _ => return method_not_allowed(),
     };
+    if kind.is_istio() && !shared.lock().istio {
+        // As for any resource the server does not serve.
+        return not_found_path();
+    }
     let fault = shared.lock().faults.get(kind.resource()).copied();
     if let Some(code) = fault {
         return fault_response(code, kind, verb, namespace.as_deref(), name.as_deref());
@@ -1025,7 +1257,7 @@ async fn respond(
         ("get", Some(name)) => {
             let st = shared.lock();
             match st.store(kind).objects.get(&(ns_key, name.clone())) {
-                Some(obj) => json_response(200, obj),
+                Some(obj) => json_response(200, &kind.versioned(obj.clone())),
                 None => object_not_found(kind, &name),
             }
         }
@@ -1093,7 +1325,8 @@ fn fault_response(
                 403,
                 "Forbidden",
                 &format!(
-                    "{subject} is forbidden: User \"{USER}\" cannot {verb} resource \"{resource}\" in API group \"\" {scope}"
+                    "{subject} is forbidden: User \"{USER}\" cannot {verb} resource \"{resource}\" in API group \"{}\" {scope}",
+                    kind.group()
                 ),
                 Some(details),
             )
@@ -1428,7 +1661,7 @@ fn list(
         200,
         &json!({
             "kind": format!("{}List", kind.kind()),
-            "apiVersion": "v1",
+            "apiVersion": kind.api_version(),
             "metadata": metadata,
             "items": items,
         }),
@@ -1538,11 +1771,11 @@ async fn patch(
         }
         new["metadata"]["resourceVersion"] = old["metadata"]["resourceVersion"].clone();
         if dry_run || new == old {
-            json_response(200, &new)
+            json_response(200, &kind.versioned(new))
         } else {
             match st.put(kind, new) {
                 Ok(_) => match st.store(kind).objects.get(&key) {
-                    Some(stored) => json_response(200, stored),
+                    Some(stored) => json_response(200, &kind.versioned(stored.clone())),
                     None => error(500, "InternalError", "the patched object vanished", None),
                 },
                 Err(e) => error(422, "Invalid", &e.to_string(), None),
@@ -1571,7 +1804,7 @@ fn bookmark_line(kind: Kind, rv: u64, initial_end: bool) -> Bytes {
     }
     let mut line = serde_json::to_vec(&json!({
         "type": "BOOKMARK",
-        "object": {"kind": kind.kind(), "apiVersion": "v1", "metadata": metadata},
+        "object": {"kind": kind.kind(), "apiVersion": kind.api_version(), "metadata": metadata},
     }))
     .unwrap_or_default();
     line.push(b'\n');
@@ -1672,7 +1905,10 @@ fn start_watch(
     if initial {
         for obj in st.store(kind).objects.values() {
             if filter.matches(obj) {
-                let _ = tx.send(Ok(event_line(EventType::Added, obj)));
+                let _ = tx.send(Ok(event_line(
+                    EventType::Added,
+                    &kind.versioned(obj.clone()),
+                )));
             }
         }
     }
@@ -1741,7 +1977,7 @@ impl WatchTask {
                 .iter()
                 .take_while(|e| e.rv <= upto)
                 .filter_map(|e| self.filter.convert(e))
-                .map(|(kind, obj)| event_line(kind, &obj))
+                .map(|(kind, obj)| event_line(kind, &self.kind.versioned(obj)))
                 .collect();
             self.cursor = upto;
             lines

@@ -993,3 +993,473 @@ fn it_listens_inside_a_network_namespace() {
     drop(api);
     netns::remove(&Resource::Netns(ns));
 }
+
+// ---------------------------------------------------------------------------
+// Services, EndpointSlices, Nodes and Istio's policies.
+
+/// An Istio kind as the agent watches it: metadata, the spec as JSON, and the
+/// `apiVersion` the object was served with (watch events carry it; list items
+/// do not).
+macro_rules! istio_kind {
+    ($ty:ident, $kind:literal, $version:literal, $plural:literal) => {
+        #[derive(Clone, Debug, serde::Deserialize)]
+        #[allow(dead_code, reason = "not every kind's test reads every field")]
+        struct $ty {
+            #[serde(rename = "apiVersion")]
+            api_version: Option<String>,
+            metadata: kube::core::ObjectMeta,
+            spec: Option<Value>,
+        }
+        impl kube::Resource for $ty {
+            type DynamicType = ();
+            type Scope = k8s_openapi::NamespaceResourceScope;
+            fn kind(_: &()) -> std::borrow::Cow<'_, str> {
+                $kind.into()
+            }
+            fn group(_: &()) -> std::borrow::Cow<'_, str> {
+                "security.istio.io".into()
+            }
+            fn version(_: &()) -> std::borrow::Cow<'_, str> {
+                $version.into()
+            }
+            fn plural(_: &()) -> std::borrow::Cow<'_, str> {
+                $plural.into()
+            }
+            fn meta(&self) -> &kube::core::ObjectMeta {
+                &self.metadata
+            }
+            fn meta_mut(&mut self) -> &mut kube::core::ObjectMeta {
+                &mut self.metadata
+            }
+        }
+    };
+}
+
+istio_kind!(
+    PolicyV1,
+    "AuthorizationPolicy",
+    "v1",
+    "authorizationpolicies"
+);
+istio_kind!(
+    PolicyV1beta1,
+    "AuthorizationPolicy",
+    "v1beta1",
+    "authorizationpolicies"
+);
+istio_kind!(
+    PeerAuthenticationV1,
+    "PeerAuthentication",
+    "v1",
+    "peerauthentications"
+);
+
+fn service(ns: &str, name: &str, ip: &str) -> Value {
+    json!({
+        "metadata": {"name": name, "namespace": ns},
+        "spec": {"clusterIP": ip, "clusterIPs": [ip], "ports": [{"name": "http", "port": 80, "targetPort": 8080}]},
+    })
+}
+
+fn endpoint_slice(ns: &str, name: &str, service: &str, ip: &str) -> Value {
+    json!({
+        "metadata": {"name": name, "namespace": ns, "labels": {"kubernetes.io/service-name": service}},
+        "addressType": "IPv4",
+        "endpoints": [{"addresses": [ip], "conditions": {"ready": true}, "nodeName": "node1"}],
+        "ports": [{"name": "http", "port": 8080, "protocol": "TCP"}],
+    })
+}
+
+fn node(name: &str, zone: &str, cidr: &str) -> Value {
+    json!({
+        "metadata": {"name": name, "labels": {"topology.kubernetes.io/zone": zone}},
+        "spec": {"podCIDR": cidr, "podCIDRs": [cidr]},
+    })
+}
+
+fn policy(ns: &str, name: &str, action: &str) -> Value {
+    json!({
+        "apiVersion": "security.istio.io/v1",
+        "kind": "AuthorizationPolicy",
+        "metadata": {"name": name, "namespace": ns},
+        "spec": {"action": action, "rules": [{}]},
+    })
+}
+
+#[tokio::test]
+async fn services_endpoint_slices_and_nodes_are_listed_and_watched() {
+    use k8s_openapi::api::{core::v1::Node, core::v1::Service, discovery::v1::EndpointSlice};
+    let (api, client) = start().await;
+    api.apply("services", service("shop", "web", "10.96.0.10"))
+        .unwrap();
+    api.apply(
+        "endpointslices",
+        endpoint_slice("shop", "web-1", "web", "10.244.1.2"),
+    )
+    .unwrap();
+    api.apply("nodes", node("node1", "a", "10.244.1.0/24"))
+        .unwrap();
+
+    let services = watch(
+        Api::<Service>::all(client.clone()),
+        watcher::Config::default(),
+    );
+    let shop = watch(
+        Api::<Service>::namespaced(client.clone(), "shop"),
+        watcher::Config::default(),
+    );
+    let slices = watch(
+        Api::<EndpointSlice>::all(client.clone()),
+        watcher::Config::default(),
+    );
+    let nodes = watch(Api::<Node>::all(client.clone()), watcher::Config::default());
+    services.wait_names(&["shop/web"]).await;
+    shop.wait_names(&["shop/web"]).await;
+    slices.wait_names(&["shop/web-1"]).await;
+    nodes.wait_names(&["/node1"]).await;
+    let slice = slices.object("shop", "web-1").unwrap();
+    assert_eq!(slice.endpoints[0].node_name.as_deref(), Some("node1"));
+    let n = nodes.object("", "node1").unwrap();
+    assert_eq!(
+        n.spec.as_ref().unwrap().pod_cidr.as_deref(),
+        Some("10.244.1.0/24")
+    );
+    for path in [
+        "/api/v1/services",
+        "/api/v1/namespaces/shop/services",
+        "/apis/discovery.k8s.io/v1/endpointslices",
+        "/api/v1/nodes",
+    ] {
+        assert_eq!(lists_of(&api, path).len(), 1, "{path}");
+    }
+
+    // Followed: added, modified, deleted; another namespace not in `shop`'s.
+    api.apply("services", service("bank", "teller", "10.96.0.11"))
+        .unwrap();
+    api.apply("nodes", node("node2", "b", "10.244.2.0/24"))
+        .unwrap();
+    api.apply(
+        "endpointslices",
+        endpoint_slice("shop", "web-1", "web", "10.244.1.3"),
+    )
+    .unwrap();
+    services.wait_names(&["bank/teller", "shop/web"]).await;
+    nodes.wait_names(&["/node1", "/node2"]).await;
+    eventually(
+        || {
+            slices
+                .object("shop", "web-1")
+                .is_some_and(|s| s.endpoints[0].addresses == ["10.244.1.3"])
+        },
+        || format!("{:?}", slices.log()),
+    )
+    .await;
+    api.delete("services", "shop", "web").unwrap();
+    api.delete("nodes", "", "node1").unwrap();
+    api.delete("endpointslices", "shop", "web-1").unwrap();
+    services.wait_names(&["bank/teller"]).await;
+    shop.wait_names(&[]).await;
+    nodes.wait_names(&["/node2"]).await;
+    slices.wait_names(&[]).await;
+    assert!(api.object("nodes", "", "node2").is_some());
+    assert!(
+        api.apply("replicasets", json!({"metadata": {"name": "x"}}))
+            .is_err()
+    );
+}
+
+#[tokio::test]
+async fn istio_policies_are_served_under_both_versions_and_404_while_not_installed() {
+    let (api, client) = start().await;
+    api.set_istio_crds_installed(false);
+    assert!(
+        api.apply("authorizationpolicies", policy("shop", "deny", "DENY"))
+            .is_err(),
+        "no object of a CRD that is not installed"
+    );
+
+    // Not installed: the list is 404 NotFound, retried with backoff.
+    let v1 = watch(
+        Api::<PolicyV1>::all(client.clone()),
+        watcher::Config::default(),
+    );
+    let beta = watch(
+        Api::<PolicyV1beta1>::all(client.clone()),
+        watcher::Config::default(),
+    );
+    let mtls = watch(
+        Api::<PeerAuthenticationV1>::all(client.clone()),
+        watcher::Config::default(),
+    );
+    for w in [&v1.errors, &beta.errors, &mtls.errors] {
+        eventually(|| !w.lock().unwrap().is_empty(), || format!("{api:?}")).await;
+        let first = w.lock().unwrap()[0].clone();
+        assert!(
+            first.contains("failed to perform initial object list") && first.contains("404"),
+            "{first}"
+        );
+        assert!(first.contains("NotFound"), "{first}");
+    }
+    assert_eq!(
+        lists_of(
+            &api,
+            "/apis/security.istio.io/v1beta1/authorizationpolicies"
+        )[0]
+        .status,
+        404
+    );
+
+    // Installed: the watchers list without a restart; one object, both versions.
+    api.set_istio_crds_installed(true);
+    api.apply("authorizationpolicies", policy("shop", "deny", "DENY"))
+        .unwrap();
+    api.apply(
+        "peerauthentications",
+        json!({"metadata": {"name": "strict", "namespace": "shop"}, "spec": {"mtls": {"mode": "STRICT"}}}),
+    )
+    .unwrap();
+    v1.wait_names(&["shop/deny"]).await;
+    beta.wait_names(&["shop/deny"]).await;
+    mtls.wait_names(&["shop/strict"]).await;
+    assert_eq!(
+        v1.object("shop", "deny").unwrap().spec.as_ref().unwrap()["action"],
+        "DENY"
+    );
+    eventually(
+        || api.open_watches("authorizationpolicies") == 2,
+        || format!("{api:?}"),
+    )
+    .await;
+    // A change is watched under both versions, each with its apiVersion.
+    api.apply("authorizationpolicies", policy("shop", "allow", "ALLOW"))
+        .unwrap();
+    v1.wait_names(&["shop/allow", "shop/deny"]).await;
+    beta.wait_names(&["shop/allow", "shop/deny"]).await;
+    assert_eq!(
+        v1.object("shop", "allow").unwrap().api_version.as_deref(),
+        Some("security.istio.io/v1")
+    );
+    assert_eq!(
+        beta.object("shop", "allow").unwrap().api_version.as_deref(),
+        Some("security.istio.io/v1beta1")
+    );
+    api.delete("authorizationpolicies", "shop", "allow")
+        .unwrap();
+    beta.wait_names(&["shop/deny"]).await;
+    v1.wait_names(&["shop/deny"]).await;
+
+    // Removed again: open watches are cut, lists are 404 again.
+    let errors_before = v1.errors().len();
+    api.set_istio_crds_installed(false);
+    assert_eq!(api.open_watches("authorizationpolicies"), 0);
+    assert!(
+        api.object("authorizationpolicies", "shop", "deny")
+            .is_none()
+    );
+    eventually(
+        || {
+            v1.errors()[errors_before..]
+                .iter()
+                .any(|e| e.contains("404"))
+        },
+        || format!("{:?}", v1.errors()),
+    )
+    .await;
+}
+
+#[test]
+fn the_wire_protocol_of_the_new_kinds() {
+    let api = ApiServer::start().unwrap();
+    let addr = api.listen_local().unwrap();
+    api.apply("authorizationpolicies", policy("shop", "deny", "DENY"))
+        .unwrap();
+    api.apply("nodes", node("node1", "a", "10.244.1.0/24"))
+        .unwrap();
+
+    // The same object under both versions, in the version's list kind.
+    for version in ["v1", "v1beta1"] {
+        let (code, body) = raw(
+            addr,
+            "GET",
+            &format!("/apis/security.istio.io/{version}/namespaces/shop/authorizationpolicies"),
+            true,
+            "",
+        );
+        assert_eq!(code, 200, "{body}");
+        let list: Value = serde_json::from_str(&body).unwrap();
+        assert_eq!(list["kind"], "AuthorizationPolicyList");
+        assert_eq!(list["apiVersion"], format!("security.istio.io/{version}"));
+        assert_eq!(list["items"][0]["metadata"]["name"], "deny");
+        let (code, body) = raw(
+            addr,
+            "GET",
+            &format!(
+                "/apis/security.istio.io/{version}/namespaces/shop/authorizationpolicies/deny"
+            ),
+            true,
+            "",
+        );
+        assert_eq!(code, 200, "{body}");
+        let obj: Value = serde_json::from_str(&body).unwrap();
+        assert_eq!(obj["apiVersion"], format!("security.istio.io/{version}"));
+    }
+    // Cluster-scoped nodes: by name, not under a namespace.
+    let (code, _) = raw(addr, "GET", "/api/v1/nodes/node1", true, "");
+    assert_eq!(code, 200);
+    let (code, _) = raw(addr, "GET", "/api/v1/namespaces/shop/nodes", true, "");
+    assert_eq!(code, 404);
+    let (code, _) = raw(
+        addr,
+        "GET",
+        "/apis/discovery.k8s.io/v1/endpointslices",
+        true,
+        "",
+    );
+    assert_eq!(code, 200);
+
+    // Not installed: 404 with the Status of a resource the server does not serve,
+    // on list, watch and get.
+    api.set_istio_crds_installed(false);
+    for target in [
+        "/apis/security.istio.io/v1/authorizationpolicies",
+        "/apis/security.istio.io/v1beta1/peerauthentications?watch=true",
+        "/apis/security.istio.io/v1/namespaces/shop/authorizationpolicies/deny",
+    ] {
+        let (code, body) = raw(addr, "GET", target, true, "");
+        assert_eq!(code, 404, "{target}");
+        let status: Value = serde_json::from_str(&body).unwrap();
+        assert_eq!(status["kind"], "Status", "{target}");
+        assert_eq!(status["reason"], "NotFound", "{target}");
+        assert_eq!(
+            status["message"], "the server could not find the requested resource",
+            "{target}"
+        );
+    }
+    // Other kinds are served as before.
+    let (code, _) = raw(addr, "GET", "/api/v1/nodes", true, "");
+    assert_eq!(code, 200);
+}
+
+/// The agent's Kubernetes source against the double: the new kinds in its
+/// first view, the Istio CRDs installed after it started, a policy that
+/// cannot be compiled making the policies unknown until it is gone.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_agents_source_reads_the_new_kinds_and_istio_crds_installed_later() {
+    use podlink_agent::{source::Source, state::Delta};
+    let api = ApiServer::start().unwrap();
+    let addr = api.listen_local().unwrap();
+    let kubeconfig = std::env::temp_dir().join(format!(
+        "podlink-api-double-source-{}-{}.yaml",
+        std::process::id(),
+        addr.port()
+    ));
+    api.write_kubeconfig(addr, &kubeconfig).unwrap();
+    api.set_istio_crds_installed(false);
+    api.apply_namespace(namespace("shop", json!({}))).unwrap();
+    let mut web = pod("shop", "web-1", Some("node1"), json!({"app": "web"}));
+    web["metadata"]["ownerReferences"] = json!([
+        {"apiVersion": "apps/v1", "kind": "ReplicaSet", "name": "web-5d8f", "uid": "u-1", "controller": true},
+        {"apiVersion": "v1", "kind": "ConfigMap", "name": "other", "uid": "u-2"},
+    ]);
+    api.apply_pod(web).unwrap();
+    api.apply("services", service("shop", "web", "10.96.0.10"))
+        .unwrap();
+    api.apply(
+        "endpointslices",
+        endpoint_slice("shop", "web-1", "web", "10.244.1.2"),
+    )
+    .unwrap();
+    api.apply("nodes", node("node1", "a", "10.244.1.0/24"))
+        .unwrap();
+
+    let mut source = podlink_agent::source::kube::KubeSource::start(Some(&kubeconfig), "node1")
+        .await
+        .unwrap();
+    let _ = std::fs::remove_file(&kubeconfig);
+    let first = tokio::time::timeout(Duration::from_secs(15), source.next())
+        .await
+        .expect("the first view");
+    assert_eq!(
+        first.completeness,
+        podlink_agent::state::Completeness::Complete
+    );
+    // Istio not installed: no policies, and known to be none.
+    assert_eq!(first.policies_unknown, None);
+    assert_eq!(first.policies.as_ref().map(Vec::len), Some(0));
+    assert_eq!(first.mtls_policies.as_ref().map(Vec::len), Some(0));
+    assert_eq!(first.services.as_ref().map(Vec::len), Some(1));
+    assert_eq!(first.endpoint_slices.as_ref().map(Vec::len), Some(1));
+    let nodes = first.nodes.unwrap();
+    assert_eq!(nodes[0].metadata.name.as_deref(), Some("node1"));
+    let pods = first.all_pods.unwrap();
+    let owners = pods[0].metadata.owner_references.as_ref().unwrap();
+    assert_eq!(owners.len(), 1, "only the controller: {owners:?}");
+    assert_eq!(owners[0].name, "web-5d8f");
+
+    // Takes deltas (20 s at most) until `done` holds of one.
+    async fn until(
+        source: &mut podlink_agent::source::kube::KubeSource,
+        what: &str,
+        mut done: impl FnMut(&Delta) -> bool,
+    ) -> Delta {
+        tokio::time::timeout(Duration::from_secs(20), async {
+            loop {
+                let delta = source.next().await;
+                if done(&delta) {
+                    return delta;
+                }
+            }
+        })
+        .await
+        .unwrap_or_else(|_| panic!("no delta with {what}"))
+    }
+
+    // Installed later: listed again within 10 s, without a restart; the
+    // policy served under both versions counts once.
+    api.set_istio_crds_installed(true);
+    api.apply("authorizationpolicies", policy("shop", "deny", "DENY"))
+        .unwrap();
+    api.apply(
+        "peerauthentications",
+        json!({"metadata": {"name": "strict", "namespace": "shop"}, "spec": {"mtls": {"mode": "STRICT"}}}),
+    )
+    .unwrap();
+    // Both kinds may come in one delta or two.
+    let (mut policies, mut mtls) = (None, None);
+    until(&mut source, "the policy and the PeerAuthentication", |d| {
+        if let Some(p) = d.policies.as_ref().filter(|p| !p.is_empty()) {
+            policies = Some(p.iter().map(|p| p.to_string()).collect::<Vec<_>>());
+        }
+        if let Some(m) = d.mtls_policies.as_ref().filter(|m| !m.is_empty()) {
+            mtls = Some(m.iter().map(|m| m.to_string()).collect::<Vec<_>>());
+        }
+        policies.is_some() && mtls.is_some()
+    })
+    .await;
+    assert_eq!(policies.unwrap(), ["shop/deny"]);
+    assert_eq!(mtls.unwrap(), ["shop/strict"]);
+
+    // A policy that cannot be compiled: unknown, naming it; known once gone.
+    api.apply("authorizationpolicies", policy("shop", "bad", "ALLOWW"))
+        .unwrap();
+    let delta = until(&mut source, "policies unknown", |d| {
+        d.policies_unknown.is_some()
+    })
+    .await;
+    let unknown = delta.policies_unknown.unwrap();
+    assert_eq!(unknown.what, "AuthorizationPolicy shop/bad");
+    assert!(unknown.why.contains("ALLOWW"), "{unknown:?}");
+    api.delete("authorizationpolicies", "shop", "bad").unwrap();
+    until(&mut source, "policies known", |d| {
+        d.policies_unknown.is_none()
+    })
+    .await;
+
+    // A Service change comes as the whole set.
+    api.apply("services", service("shop", "api", "10.96.0.12"))
+        .unwrap();
+    until(&mut source, "two Services", |d| {
+        d.services.as_ref().is_some_and(|s| s.len() == 2)
+    })
+    .await;
+}

@@ -127,7 +127,7 @@ pub struct Service {
 }
 
 /// `Service.spec`.
-#[derive(Clone, Debug, Default, PartialEq, Eq, Deserialize)]
+#[derive(Clone, Debug, Default, PartialEq, Eq, Hash, Deserialize)]
 pub struct ServiceSpec {
     /// `spec.clusterIP`: the virtual address, `None` for a headless Service.
     #[serde(rename = "clusterIP")]
@@ -153,7 +153,7 @@ pub struct ServiceSpec {
 }
 
 /// `Service.spec.sessionAffinityConfig`.
-#[derive(Clone, Debug, Default, PartialEq, Eq, Deserialize)]
+#[derive(Clone, Debug, Default, PartialEq, Eq, Hash, Deserialize)]
 #[serde(rename_all = "camelCase")]
 pub struct SessionAffinityConfig {
     /// `clientIP`.
@@ -162,7 +162,7 @@ pub struct SessionAffinityConfig {
 }
 
 /// `Service.spec.sessionAffinityConfig.clientIP`.
-#[derive(Clone, Debug, Default, PartialEq, Eq, Deserialize)]
+#[derive(Clone, Debug, Default, PartialEq, Eq, Hash, Deserialize)]
 #[serde(rename_all = "camelCase")]
 pub struct ClientIpConfig {
     /// `timeoutSeconds`: how long a client sticks to its endpoint, in seconds
@@ -171,7 +171,7 @@ pub struct ClientIpConfig {
 }
 
 /// An entry of `Service.spec.ports`.
-#[derive(Clone, Debug, Default, PartialEq, Eq, Deserialize)]
+#[derive(Clone, Debug, Default, PartialEq, Eq, Hash, Deserialize)]
 #[serde(rename_all = "camelCase")]
 pub struct ServicePort {
     /// `name`; required when a Service has more than one port.
@@ -186,7 +186,7 @@ pub struct ServicePort {
 }
 
 /// A value that is a number or a name (`targetPort`).
-#[derive(Clone, Debug, PartialEq, Eq, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Eq, Hash, Deserialize)]
 #[serde(untagged)]
 pub enum IntOrString {
     /// A number.
@@ -211,7 +211,7 @@ pub struct EndpointSlice {
 }
 
 /// An entry of `EndpointSlice.endpoints`.
-#[derive(Clone, Debug, Default, PartialEq, Eq, Deserialize)]
+#[derive(Clone, Debug, Default, PartialEq, Eq, Hash, Deserialize)]
 #[serde(rename_all = "camelCase")]
 pub struct Endpoint {
     /// `addresses`, of the slice's address type.
@@ -225,7 +225,7 @@ pub struct Endpoint {
 }
 
 /// `Endpoint.conditions`.
-#[derive(Clone, Debug, Default, PartialEq, Eq, Deserialize)]
+#[derive(Clone, Debug, Default, PartialEq, Eq, Hash, Deserialize)]
 pub struct EndpointConditions {
     /// `ready`; unset means ready.
     pub ready: Option<bool>,
@@ -250,7 +250,7 @@ pub struct Node {
 pub const ZONE_LABEL: &str = "topology.kubernetes.io/zone";
 
 /// `Node.spec`.
-#[derive(Clone, Debug, Default, PartialEq, Eq, Deserialize)]
+#[derive(Clone, Debug, Default, PartialEq, Eq, Hash, Deserialize)]
 pub struct NodeSpec {
     /// `spec.podCIDR`.
     #[serde(rename = "podCIDR")]
@@ -261,7 +261,7 @@ pub struct NodeSpec {
 }
 
 /// An entry of `EndpointSlice.ports`.
-#[derive(Clone, Debug, Default, PartialEq, Eq, Deserialize)]
+#[derive(Clone, Debug, Default, PartialEq, Eq, Hash, Deserialize)]
 pub struct EndpointPort {
     /// `name`: the Service port's name (empty when unnamed).
     pub name: Option<String>,

@@ -13,7 +13,8 @@ use crate::{
         netlink::{Netlink, NodeNetwork},
     },
     proxy::ProxyState,
-    state::Delta,
+    state::{Completeness, Delta},
+    telemetry::server::Readiness,
 };
 
 /// How often an idle agent reads the whole node's network again (a full dump
@@ -34,6 +35,8 @@ pub struct Loop {
     /// The node's routes, veths and addresses as last read.
     network: NodeNetwork,
     proxy: Arc<ProxyState>,
+    /// The readiness to set once the view is whole ([`Loop::ready_once_whole`]).
+    readiness: Option<Arc<Readiness>>,
 }
 
 impl Loop {
@@ -50,6 +53,37 @@ impl Loop {
             netlink,
             network,
             proxy,
+            readiness: None,
+        }
+    }
+
+    /// Whether the state's view is whole: the source complete, the policies
+    /// known.
+    pub fn view_is_whole(&self) -> bool {
+        let state = &self.reconciler.state;
+        state.completeness() == Completeness::Complete && state.policies_known()
+    }
+
+    /// Sets `readiness` now if the view is whole ([`Loop::view_is_whole`]),
+    /// else once it is, after the reconcile that made it so.
+    pub fn ready_once_whole(&mut self, readiness: Arc<Readiness>) {
+        self.readiness = Some(readiness);
+        self.update_readiness();
+        if self.readiness.is_some() {
+            tracing::info!(
+                "not ready until the workload source's view is whole and the authorization policies are known"
+            );
+        }
+    }
+
+    /// Sets the readiness waited for once the view is whole.
+    fn update_readiness(&mut self) {
+        if self.readiness.is_some()
+            && self.view_is_whole()
+            && let Some(readiness) = self.readiness.take()
+        {
+            readiness.set(true);
+            tracing::info!("ready: the workload source's view is whole");
         }
     }
 
@@ -142,6 +176,7 @@ impl Loop {
                 self.forget_failed();
                 self.reconciler.answer_cni();
             }
+            self.update_readiness();
         }
     }
 

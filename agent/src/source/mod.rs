@@ -83,8 +83,9 @@ pub enum WorkloadSourceConfig {
     /// A directory of manifests (Pods, Namespaces, AuthorizationPolicies,
     /// Services, EndpointSlices), watched.
     Manifests(PathBuf),
-    /// The Kubernetes API: watchers of all pods, this node's pods and the
-    /// namespaces.
+    /// The Kubernetes API: watchers of all pods, this node's pods, the
+    /// namespaces, Services, EndpointSlices, Nodes, AuthorizationPolicies and
+    /// PeerAuthentications.
     Kubernetes {
         /// The kubeconfig to use; `None`: the in-cluster configuration.
         kubeconfig: Option<PathBuf>,
@@ -106,6 +107,14 @@ pub trait Source: Send + 'static {
     /// exist (the Kubernetes API); a manifests directory need not hold one for
     /// every namespace its pods use.
     fn lists_every_namespace(&self) -> bool;
+
+    /// Whether the agent is to be ready (`/healthz/ready`) only once the
+    /// source's view is whole ([`crate::state::Completeness::Complete`]) and
+    /// the policies are known (the Kubernetes API: its first lists); a
+    /// manifests directory makes it ready with its first view.
+    fn readiness_waits_for_whole_view(&self) -> bool {
+        false
+    }
 
     /// What tells the cluster which pods are captured, if the source has one
     /// (the Kubernetes API: the pods' redirection annotation).
@@ -131,6 +140,8 @@ pub struct Opened {
     pub lists_every_namespace: bool,
     /// See [`Source::capture_reporter`].
     pub reporter: Option<Box<dyn CaptureReporter>>,
+    /// See [`Source::readiness_waits_for_whole_view`].
+    pub readiness_waits_for_whole_view: bool,
     task: JoinHandle<()>,
 }
 
@@ -145,6 +156,7 @@ pub fn spawn(mut source: impl Source) -> Opened {
     let (tx, deltas) = mpsc::channel(16);
     let lists_every_namespace = source.lists_every_namespace();
     let reporter = source.capture_reporter();
+    let readiness_waits_for_whole_view = source.readiness_waits_for_whole_view();
     let task = tokio::spawn(async move {
         loop {
             let delta = source.next().await;
@@ -157,6 +169,7 @@ pub fn spawn(mut source: impl Source) -> Opened {
         deltas,
         lists_every_namespace,
         reporter,
+        readiness_waits_for_whole_view,
         task,
     }
 }

@@ -87,6 +87,9 @@ pub struct State {
     zone: Option<String>,
     completeness: Completeness,
     policies_unknown: Option<PoliciesUnknown>,
+    /// Whether the policies were known at some refresh (their return is then
+    /// logged as "known again").
+    policies_were_known: bool,
     /// What the deltas applied since the last refresh left to derive.
     dirty: Dirty,
     /// Whether a refresh has made the indexes once.
@@ -147,6 +150,7 @@ impl State {
             zone: None,
             completeness: Completeness::Incomplete,
             policies_unknown: None,
+            policies_were_known: false,
             dirty: Dirty::default(),
             refreshed: false,
             workloads: Arc::new(WorkloadIndex::default()),
@@ -380,11 +384,16 @@ impl State {
                 ),
             ));
             set.deny_all_unknown(format!("{} is broken", unknown.what));
-        } else if were_unknown {
+        } else if were_unknown && self.policies_were_known {
             tracing::info!(
                 "authorization policies are known again: inbound connections are authorized by them"
             );
+        } else if were_unknown {
+            tracing::info!(
+                "authorization policies are known: inbound connections are authorized by them"
+            );
         }
+        self.policies_were_known |= self.policies_unknown.is_none();
         self.policy_messages.log(messages);
         set
     }
@@ -430,6 +439,11 @@ impl State {
     /// Every Node object the source has.
     pub fn nodes(&self) -> &[Node] {
         &self.nodes
+    }
+
+    /// Whether the policies are known, as the source's last delta said.
+    pub fn policies_known(&self) -> bool {
+        self.policies_unknown.is_none()
     }
 
     /// How complete the source's view is, as its last delta said.

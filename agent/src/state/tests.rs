@@ -196,9 +196,14 @@ fn unknown_policies_deny_until_known() {
     });
     s.refresh(&NoLayer, BTreeSet::new());
     assert_eq!(s.policies().unknown(), Some("/m/p.yaml is broken"));
+    assert!(!s.policies_known());
+    assert!(!s.policies_were_known, "never known yet");
     s.apply(complete(Delta::default()));
     assert!(s.refresh(&NoLayer, BTreeSet::new()).changed);
     assert_eq!(s.policies().unknown(), None);
+    assert!(s.policies_known());
+    // Known from now on: a return after another break is "known again".
+    assert!(s.policies_were_known);
 }
 
 /// PeerAuthentications from a delta reach the policy set; a change of them

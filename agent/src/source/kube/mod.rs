@@ -1,6 +1,9 @@
 //! The Kubernetes API as a workload source: kube-rs watchers and reflector
 //! stores of all pods (destination lookup and identities), this node's pods
-//! (capture) and the namespaces (enrollment labels).
+//! (capture), the namespaces (enrollment labels), the Services and
+//! EndpointSlices (outbound), the Nodes (zones, pod ranges), and Istio's
+//! AuthorizationPolicies and PeerAuthentications in both `security.istio.io`
+//! versions ([`policies`]).
 //!
 //! The watchers list, then watch from the list's `resourceVersion`, and start
 //! over with a new list when the API server answers `410 Gone` (Kubernetes API
@@ -10,14 +13,20 @@
 //! with kube-rs's default exponential backoff (0.8 s to 30 s); the stores, and
 //! the data path built from them, keep their last state meanwhile.
 //!
-//! Objects are kept in partial form: the metadata podlink reads (managed fields
-//! and every annotation but [`REDIRECTION_ANNOTATION`] are dropped on arrival)
-//! and podlink's own `spec`/`status` types ([`crate::k8s`]), not the full ones.
+//! An Istio kind whose CRD is not installed answers `404 Not Found`: it is
+//! taken as empty, logged once, and counts as listed; it is listed again every
+//! [`policies::NOT_INSTALLED_RETRY`] at most, so that installing the CRDs takes
+//! effect without a restart. Until every Istio kind has been listed (or found
+//! not installed) the policies are unknown, as they are while one of them
+//! cannot be compiled: enrolled pods' inbound connections are denied.
+//!
+//! Objects are kept in partial form ([`kinds`]): the metadata podlink reads
+//! (managed fields, finalizers, owners but the controller and every annotation
+//! but [`REDIRECTION_ANNOTATION`] are dropped on arrival) and podlink's own
+//! `spec`/`status` types ([`crate::k8s`]), not the full ones.
 
 use std::{
-    borrow::Cow,
     collections::{BTreeMap, BTreeSet, HashMap},
-    hash::{Hash, Hasher},
     path::Path,
     sync::{
         Arc, Mutex, PoisonError,
@@ -27,10 +36,6 @@ use std::{
 };
 
 use futures_util::StreamExt;
-use k8s_openapi::{
-    ClusterResourceScope, NamespaceResourceScope,
-    apimachinery::pkg::apis::meta::v1::ObjectMeta as ApiObjectMeta,
-};
 use kube::{
     Api, Client, Resource,
     runtime::{
@@ -39,17 +44,25 @@ use kube::{
         watcher,
     },
 };
-use serde::Deserialize;
 use tokio::sync::Notify;
 
 mod annotate;
+mod kinds;
+mod policies;
 
 pub use annotate::RedirectionAnnotator;
+use kinds::{
+    ApiAuthorizationPolicyV1, ApiAuthorizationPolicyV1beta1, ApiEndpointSlice, ApiNamespace,
+    ApiNode, ApiPeerAuthenticationV1, ApiPeerAuthenticationV1beta1, ApiPod, ApiService, Projection,
+    endpoint_slice_of, meta_of, node_of, pod_of, service_of, trim,
+};
+use policies::{Object, Refused};
 
 use super::{CaptureReporter, Error, FIRST_LIST_WAIT, Source};
 use crate::{
-    k8s::{self, Namespace, Pod},
-    state::{Completeness, Delta},
+    authz::{MtlsPolicy, Policy},
+    k8s::{EndpointSlice, Namespace, Node, Pod, Service},
+    state::{Completeness, Delta, PoliciesUnknown},
 };
 
 /// The annotation ztunnel's node agent sets on a pod whose traffic it captures
@@ -63,105 +76,17 @@ pub const REDIRECTION_ENABLED: &str = "enabled";
 /// watched pod is waited for before it is sent again.
 const PATCH_RETRY: Duration = Duration::from_secs(10);
 
-/// A pod as watched: API metadata, podlink's partial spec and status.
-#[derive(Clone, Debug, Deserialize)]
-struct ApiPod {
-    metadata: ApiObjectMeta,
-    spec: Option<k8s::PodSpec>,
-    status: Option<k8s::PodStatus>,
-}
-
-/// A namespace as watched: its metadata only.
-#[derive(Clone, Debug, Deserialize)]
-struct ApiNamespace {
-    metadata: ApiObjectMeta,
-}
-
-impl Resource for ApiPod {
-    type DynamicType = ();
-    type Scope = NamespaceResourceScope;
-    fn kind(_: &()) -> Cow<'_, str> {
-        "Pod".into()
-    }
-    fn group(_: &()) -> Cow<'_, str> {
-        "".into()
-    }
-    fn version(_: &()) -> Cow<'_, str> {
-        "v1".into()
-    }
-    fn plural(_: &()) -> Cow<'_, str> {
-        "pods".into()
-    }
-    fn meta(&self) -> &ApiObjectMeta {
-        &self.metadata
-    }
-    fn meta_mut(&mut self) -> &mut ApiObjectMeta {
-        &mut self.metadata
-    }
-}
-
-impl Resource for ApiNamespace {
-    type DynamicType = ();
-    type Scope = ClusterResourceScope;
-    fn kind(_: &()) -> Cow<'_, str> {
-        "Namespace".into()
-    }
-    fn group(_: &()) -> Cow<'_, str> {
-        "".into()
-    }
-    fn version(_: &()) -> Cow<'_, str> {
-        "v1".into()
-    }
-    fn plural(_: &()) -> Cow<'_, str> {
-        "namespaces".into()
-    }
-    fn meta(&self) -> &ApiObjectMeta {
-        &self.metadata
-    }
-    fn meta_mut(&mut self) -> &mut ApiObjectMeta {
-        &mut self.metadata
-    }
-}
-
-/// What podlink reads of a watched object, as a fingerprint: an event that
-/// changes none of it (status conditions, container statuses, a resourceVersion
-/// bump) does not make the agent rebuild its view.
-trait Projection {
-    fn projection(&self) -> u64;
-}
-
-fn fingerprint(meta: &ApiObjectMeta, rest: impl Hash) -> u64 {
-    let mut h = std::collections::hash_map::DefaultHasher::new();
-    meta.labels.hash(&mut h);
-    meta.annotations.hash(&mut h);
-    meta.deletion_timestamp
-        .as_ref()
-        .map(|t| t.0.to_string())
-        .hash(&mut h);
-    rest.hash(&mut h);
-    h.finish()
-}
-
-impl Projection for ApiPod {
-    fn projection(&self) -> u64 {
-        fingerprint(&self.metadata, (&self.spec, &self.status))
-    }
-}
-
-impl Projection for ApiNamespace {
-    fn projection(&self) -> u64 {
-        fingerprint(&self.metadata, ())
-    }
-}
-
 /// kube-runtime's default backoff (0.8 s doubling to 30 s, with jitter), started
 /// over only once a watch has delivered something since the last failure. The
 /// watcher emits an `Init` marker before every list attempt, on which
 /// `StreamBackoff` would otherwise reset it: a failing list would be retried
-/// about once a second for as long as it fails, from every node.
+/// about once a second for as long as it fails, from every node. After a 404
+/// of an Istio kind (`not_found`) it waits at most
+/// [`policies::NOT_INSTALLED_RETRY`].
 struct ProgressBackoff {
     inner: watcher::DefaultBackoff,
     progressed: Arc<AtomicBool>,
+    not_found: Arc<AtomicBool>,
 }
 
 impl Iterator for ProgressBackoff {
@@ -171,36 +96,15 @@ impl Iterator for ProgressBackoff {
         if self.progressed.swap(false, Ordering::Relaxed) {
             kube::runtime::utils::Backoff::reset(&mut self.inner);
         }
-        self.inner.next()
+        let not_found = self.not_found.load(Ordering::Relaxed);
+        self.inner
+            .next()
+            .map(|delay| policies::retry_delay(delay, not_found))
     }
 }
 
 impl kube::runtime::utils::Backoff for ProgressBackoff {
     fn reset(&mut self) {}
-}
-
-/// Keeps of an object's metadata what podlink reads.
-fn trim(meta: &mut ApiObjectMeta) {
-    meta.managed_fields = None;
-    meta.owner_references = None;
-    meta.finalizers = None;
-    if let Some(annotations) = meta.annotations.as_mut() {
-        annotations.retain(|k, _| k == REDIRECTION_ANNOTATION);
-        if annotations.is_empty() {
-            meta.annotations = None;
-        }
-    }
-}
-
-fn meta_of(meta: &ApiObjectMeta) -> k8s::ObjectMeta {
-    k8s::ObjectMeta {
-        name: meta.name.clone(),
-        namespace: meta.namespace.clone(),
-        labels: meta.labels.clone(),
-        annotations: meta.annotations.clone(),
-        deletion_timestamp: meta.deletion_timestamp.as_ref().map(|t| t.0.to_string()),
-        owner_references: None,
-    }
 }
 
 /// What the watches saw change since the last delta.
@@ -212,20 +116,25 @@ struct Pending {
     namespaces: bool,
     /// A pod watch listed (again): every pod is read anew.
     everything: bool,
+    /// A Service changed, or the Services were listed (or each of the other
+    /// kinds likewise).
+    services: bool,
+    endpoint_slices: bool,
+    nodes: bool,
+    policies: bool,
+    mtls_policies: bool,
 }
 
 impl Pending {
     fn is_empty(&self) -> bool {
-        self.pods.is_empty() && !self.namespaces && !self.everything
-    }
-}
-
-/// podlink's view of a watched pod.
-fn pod_of(pod: &ApiPod) -> Pod {
-    Pod {
-        metadata: meta_of(&pod.metadata),
-        spec: pod.spec.clone(),
-        status: pod.status.clone(),
+        self.pods.is_empty()
+            && !self.namespaces
+            && !self.everything
+            && !self.services
+            && !self.endpoint_slices
+            && !self.nodes
+            && !self.policies
+            && !self.mtls_policies
     }
 }
 
@@ -275,12 +184,91 @@ fn record_namespace(pending: &mut Pending, _: Seen) {
     pending.namespaces = true;
 }
 
+/// Records what a Service watch saw (the other kinds likewise): the kind is
+/// sent whole.
+fn record_service(pending: &mut Pending, _: Seen) {
+    pending.services = true;
+}
+
+fn record_endpoint_slice(pending: &mut Pending, _: Seen) {
+    pending.endpoint_slices = true;
+}
+
+fn record_node(pending: &mut Pending, _: Seen) {
+    pending.nodes = true;
+}
+
+fn record_policy(pending: &mut Pending, _: Seen) {
+    pending.policies = true;
+}
+
+fn record_mtls_policy(pending: &mut Pending, _: Seen) {
+    pending.mtls_policies = true;
+}
+
 /// One watch and its store.
 struct Watch<K: Resource<DynamicType = ()> + Clone + 'static> {
     store: Store<K>,
-    /// The first list has been stored.
+    /// The first list has been stored, or the resource is not served (404).
     ready: Arc<AtomicBool>,
+    /// The last list answered 404 (an Istio CRD that is not installed): the
+    /// kind is empty, whatever the store kept.
+    absent: Arc<AtomicBool>,
     task: tokio::task::JoinHandle<()>,
+}
+
+impl<K: Resource<DynamicType = ()> + Clone + 'static> Watch<K> {
+    /// Whether listed once (or found not served).
+    fn listed(&self) -> bool {
+        self.ready.load(Ordering::Relaxed)
+    }
+
+    /// Whether listed, and served now.
+    fn served(&self) -> bool {
+        self.listed() && !self.absent.load(Ordering::Relaxed)
+    }
+
+    /// The objects of the store; none while the resource is not served.
+    fn objects(&self) -> Vec<Arc<K>> {
+        if self.absent.load(Ordering::Relaxed) {
+            Vec::new()
+        } else {
+            self.store.state()
+        }
+    }
+}
+
+/// What to watch.
+struct WatchSpec<K: Resource> {
+    /// The watch as logs name it (`pods (this node)`).
+    what: &'static str,
+    api: Api<K>,
+    config: watcher::Config,
+    /// Records what the watch saw in [`Pending`].
+    record: fn(&mut Pending, Seen),
+    /// For an Istio kind: the resource as the 404 warning names it
+    /// (`authorizationpolicies.security.istio.io/v1`); a 404 then means its
+    /// CRD is not installed.
+    crd: Option<&'static str>,
+}
+
+impl<K: Resource<DynamicType = ()>> WatchSpec<K> {
+    /// Watches every object of the cluster.
+    fn all(what: &'static str, client: &Client, record: fn(&mut Pending, Seen)) -> Self {
+        WatchSpec {
+            what,
+            api: Api::all(client.clone()),
+            config: watcher::Config::default(),
+            record,
+            crd: None,
+        }
+    }
+
+    /// An Istio kind: see [`WatchSpec::crd`].
+    fn crd(mut self, resource: &'static str) -> Self {
+        self.crd = Some(resource);
+        self
+    }
 }
 
 impl<K: Resource<DynamicType = ()> + Clone + 'static> Drop for Watch<K> {
@@ -289,18 +277,10 @@ impl<K: Resource<DynamicType = ()> + Clone + 'static> Drop for Watch<K> {
     }
 }
 
-/// Starts watching `api` into a reflector store; each change to the store that
-/// podlink reads ([`Projection`]) is recorded in `pending` by `record` and wakes
-/// `changes`.
-fn watch<K>(
-    what: &'static str,
-    api: Api<K>,
-    config: watcher::Config,
-    modify: fn(&mut K),
-    pending: Arc<Mutex<Pending>>,
-    record: fn(&mut Pending, Seen),
-    changes: Arc<Notify>,
-) -> Watch<K>
+/// Starts watching `spec.api` into a reflector store, its objects trimmed
+/// ([`trim`]); each change to the store that podlink reads ([`Projection`]) is
+/// recorded in `pending` by `spec.record` and wakes `changes`.
+fn watch<K>(spec: WatchSpec<K>, pending: Arc<Mutex<Pending>>, changes: Arc<Notify>) -> Watch<K>
 where
     K: Resource<DynamicType = ()>
         + Projection
@@ -311,20 +291,39 @@ where
         + Sync
         + 'static,
 {
+    let WatchSpec {
+        what,
+        api,
+        config,
+        record,
+        crd,
+    } = spec;
     let (store, writer) = reflector::store();
     let ready = Arc::new(AtomicBool::new(false));
+    let absent = Arc::new(AtomicBool::new(false));
     let task = tokio::spawn({
-        let ready = ready.clone();
+        let (ready, absent) = (ready.clone(), absent.clone());
         async move {
             let progressed = Arc::new(AtomicBool::new(false));
+            // Set before the backoff sees the error, so that it is spaced as a 404.
+            let not_found = Arc::new(AtomicBool::new(false));
             let stream = reflector::reflector(
                 writer,
                 watcher(api, config)
+                    .map({
+                        let not_found = not_found.clone();
+                        move |event| {
+                            let is_404 = matches!(&event, Err(e) if policies::is_not_found(e));
+                            not_found.store(crd.is_some() && is_404, Ordering::Relaxed);
+                            event
+                        }
+                    })
                     .backoff(ProgressBackoff {
                         inner: watcher::DefaultBackoff::default(),
                         progressed: progressed.clone(),
+                        not_found,
                     })
-                    .map(|event| event.map(|e| e.modify(modify))),
+                    .map(|event| event.map(|e| e.modify(|o| trim(o.meta_mut())))),
             );
             let mut stream = std::pin::pin!(stream);
             let mut failing = false;
@@ -342,8 +341,10 @@ where
                 // The reflector has stored the event's object when it is seen here.
                 let changed = match event {
                     Ok(watcher::Event::Init) => {
+                        // Emitted before every list attempt, also one that
+                        // then fails: not progress (the backoff keeps growing).
                         listing.clear();
-                        None
+                        continue;
                     }
                     Ok(watcher::Event::InitApply(o)) => {
                         listing.insert(key(&o), o.projection());
@@ -352,6 +353,13 @@ where
                     Ok(watcher::Event::InitDone) => {
                         if !ready.swap(true, Ordering::Relaxed) {
                             tracing::info!(watch = what, "listed");
+                        }
+                        if absent.swap(false, Ordering::Relaxed) {
+                            tracing::info!(
+                                watch = what,
+                                "the Kubernetes API serves {} now (its CRD is installed): its policies are read",
+                                crd.unwrap_or(what)
+                            );
                         }
                         seen = std::mem::take(&mut listing);
                         Some(Seen::Listed)
@@ -365,6 +373,28 @@ where
                         let key = key(&o);
                         seen.remove(&key);
                         Some(Seen::Object(key))
+                    }
+                    Err(e) if crd.is_some() && policies::is_not_found(&e) => {
+                        // Not installed: the kind is empty, and counts as listed.
+                        let newly_absent = !absent.swap(true, Ordering::Relaxed);
+                        let newly_ready = !ready.swap(true, Ordering::Relaxed);
+                        if newly_absent {
+                            tracing::warn!(
+                                watch = what,
+                                "the Kubernetes API does not serve {} (404 Not Found: its CRD is not installed): policies of that kind are taken as none until its CRD is installed; listing it again every {}s at most",
+                                crd.unwrap_or(what),
+                                policies::NOT_INSTALLED_RETRY.as_secs()
+                            );
+                        }
+                        failing = false;
+                        if newly_absent || newly_ready {
+                            record(
+                                &mut pending.lock().unwrap_or_else(PoisonError::into_inner),
+                                Seen::Listed,
+                            );
+                            changes.notify_one();
+                        }
+                        continue;
                     }
                     Err(e) => {
                         // The backoff spaces the retries; the store keeps its state.
@@ -390,7 +420,12 @@ where
             }
         }
     });
-    Watch { store, ready, task }
+    Watch {
+        store,
+        ready,
+        absent,
+        task,
+    }
 }
 
 /// The Kubernetes API as a workload source.
@@ -399,6 +434,17 @@ pub struct KubeSource {
     all_pods: Watch<ApiPod>,
     local_pods: Watch<ApiPod>,
     namespaces: Watch<ApiNamespace>,
+    services: Watch<ApiService>,
+    endpoint_slices: Watch<ApiEndpointSlice>,
+    nodes: Watch<ApiNode>,
+    policies_v1: Watch<ApiAuthorizationPolicyV1>,
+    policies_v1beta1: Watch<ApiAuthorizationPolicyV1beta1>,
+    mtls_v1: Watch<ApiPeerAuthenticationV1>,
+    mtls_v1beta1: Watch<ApiPeerAuthenticationV1beta1>,
+    /// The AuthorizationPolicies and PeerAuthentications that could not be
+    /// compiled when last read: the policies are unknown while there are any.
+    refused_policies: Vec<Refused>,
+    refused_mtls: Vec<Refused>,
     /// What changed since the last delta.
     pending: Arc<Mutex<Pending>>,
     /// Whether the first delta was sent.
@@ -447,65 +493,105 @@ impl KubeSource {
         tracing::info!(api = %cluster, node, "watching the Kubernetes API");
         let pending = Arc::new(Mutex::new(Pending::default()));
         let changes = Arc::new(Notify::new());
-        let pod_modify: fn(&mut ApiPod) = |p| trim(&mut p.metadata);
-        let ns_modify: fn(&mut ApiNamespace) = |n| trim(&mut n.metadata);
-        let all_pods = watch(
-            "pods (all)",
-            Api::all(client.clone()),
-            watcher::Config::default(),
-            pod_modify,
-            pending.clone(),
-            record_pod,
-            changes.clone(),
+        let c = &client;
+        macro_rules! start {
+            ($spec:expr) => {
+                watch($spec, pending.clone(), changes.clone())
+            };
+        }
+        let all_pods = start!(WatchSpec::all("pods (all)", c, record_pod));
+        let local_pods = start!(WatchSpec {
+            config: watcher::Config::default().fields(&format!("spec.nodeName={node}")),
+            ..WatchSpec::all("pods (this node)", c, record_pod)
+        });
+        let namespaces = start!(WatchSpec::all("namespaces", c, record_namespace));
+        let services = start!(WatchSpec::all("services", c, record_service));
+        let endpoint_slices = start!(WatchSpec::all("endpointslices", c, record_endpoint_slice));
+        let nodes = start!(WatchSpec::all("nodes", c, record_node));
+        let policies_v1 = start!(
+            WatchSpec::all("authorizationpolicies (v1)", c, record_policy)
+                .crd("authorizationpolicies.security.istio.io/v1")
         );
-        let local_pods = watch(
-            "pods (this node)",
-            Api::all(client.clone()),
-            watcher::Config::default().fields(&format!("spec.nodeName={node}")),
-            pod_modify,
-            pending.clone(),
-            record_pod,
-            changes.clone(),
+        let policies_v1beta1 = start!(
+            WatchSpec::all("authorizationpolicies (v1beta1)", c, record_policy)
+                .crd("authorizationpolicies.security.istio.io/v1beta1")
         );
-        let namespaces = watch(
-            "namespaces",
-            Api::all(client.clone()),
-            watcher::Config::default(),
-            ns_modify,
-            pending.clone(),
-            record_namespace,
-            changes.clone(),
+        let mtls_v1 = start!(
+            WatchSpec::all("peerauthentications (v1)", c, record_mtls_policy)
+                .crd("peerauthentications.security.istio.io/v1")
+        );
+        let mtls_v1beta1 = start!(
+            WatchSpec::all("peerauthentications (v1beta1)", c, record_mtls_policy)
+                .crd("peerauthentications.security.istio.io/v1beta1")
         );
         Ok(KubeSource {
             client,
             all_pods,
             local_pods,
             namespaces,
+            services,
+            endpoint_slices,
+            nodes,
+            policies_v1,
+            policies_v1beta1,
+            mtls_v1,
+            mtls_v1beta1,
+            refused_policies: Vec::new(),
+            refused_mtls: Vec::new(),
             pending,
             started: false,
             changes,
         })
     }
 
-    /// Whether this node's pods and the namespaces have been listed: only then
-    /// may pods missing from the source be taken as deleted.
+    /// Whether this node's pods, the namespaces, the Services and the
+    /// EndpointSlices have been listed: only then may pods missing from the
+    /// source be taken as deleted, and is the view whole.
     pub fn ready(&self) -> bool {
-        self.local_pods.ready.load(Ordering::Relaxed)
-            && self.namespaces.ready.load(Ordering::Relaxed)
+        self.local_pods.listed()
+            && self.namespaces.listed()
+            && self.services.listed()
+            && self.endpoint_slices.listed()
     }
 
-    /// Waits until [`Self::ready`] or `timeout` has passed; returns whether ready.
+    /// Whether every Istio kind has been listed (or found not installed), so
+    /// that the policies can be known. Of a kind's two versions, one served
+    /// has every object; both must have answered otherwise.
+    fn policies_listed(&self) -> bool {
+        let kind = |v1_served: bool, beta_served: bool, both_listed: bool| {
+            v1_served || beta_served || both_listed
+        };
+        kind(
+            self.policies_v1.served(),
+            self.policies_v1beta1.served(),
+            self.policies_v1.listed() && self.policies_v1beta1.listed(),
+        ) && kind(
+            self.mtls_v1.served(),
+            self.mtls_v1beta1.served(),
+            self.mtls_v1.listed() && self.mtls_v1beta1.listed(),
+        )
+    }
+
+    /// Whether every watch has listed once: [`Self::ready`], the policies
+    /// and the Nodes.
+    fn all_listed(&self) -> bool {
+        self.ready() && self.policies_listed() && self.nodes.listed()
+    }
+
+    /// Waits until every watch has listed once ([`Self::all_listed`]) or
+    /// `timeout` has passed; returns whether the view is whole
+    /// ([`Self::ready`]).
     pub async fn wait_ready(&self, timeout: Duration) -> bool {
         let deadline = tokio::time::Instant::now() + timeout;
-        while !self.ready() {
+        while !self.all_listed() {
             if tokio::time::timeout_at(deadline, self.changes.notified())
                 .await
                 .is_err()
             {
-                return self.ready();
+                break;
             }
         }
-        true
+        self.ready()
     }
 
     /// Every pod of both pod stores, one per namespace/name (this node's watch
@@ -517,8 +603,7 @@ impl KubeSource {
     /// Every namespace of the store.
     fn read_namespaces(&self) -> Vec<Namespace> {
         self.namespaces
-            .store
-            .state()
+            .objects()
             .iter()
             .map(|ns| Namespace {
                 metadata: meta_of(&ns.metadata),
@@ -526,8 +611,79 @@ impl KubeSource {
             .collect()
     }
 
-    /// How complete the watches' view is: whole once this node's pods and the
-    /// namespaces were listed.
+    fn read_services(&self) -> Vec<Service> {
+        self.services
+            .objects()
+            .iter()
+            .map(|s| service_of(s))
+            .collect()
+    }
+
+    fn read_endpoint_slices(&self) -> Vec<EndpointSlice> {
+        self.endpoint_slices
+            .objects()
+            .iter()
+            .map(|s| endpoint_slice_of(s))
+            .collect()
+    }
+
+    fn read_nodes(&self) -> Vec<Node> {
+        self.nodes.objects().iter().map(|n| node_of(n)).collect()
+    }
+
+    /// The AuthorizationPolicies of both versions, compiled; those refused are
+    /// kept to make the policies unknown.
+    fn read_policies(&mut self) -> Vec<Arc<Policy>> {
+        let objects = policies::merge_versions(
+            self.policies_v1
+                .objects()
+                .iter()
+                .map(|o| Object::of(&**o))
+                .collect(),
+            self.policies_v1beta1
+                .objects()
+                .iter()
+                .map(|o| Object::of(&**o))
+                .collect(),
+        );
+        let (compiled, refused) = policies::compile_policies(&objects);
+        self.refused_policies = refused;
+        compiled
+    }
+
+    /// The PeerAuthentications of both versions, compiled, as
+    /// [`Self::read_policies`].
+    fn read_mtls_policies(&mut self) -> Vec<Arc<MtlsPolicy>> {
+        let objects = policies::merge_versions(
+            self.mtls_v1
+                .objects()
+                .iter()
+                .map(|o| Object::of(&**o))
+                .collect(),
+            self.mtls_v1beta1
+                .objects()
+                .iter()
+                .map(|o| Object::of(&**o))
+                .collect(),
+        );
+        let (compiled, refused) = policies::compile_mtls_policies(&objects);
+        self.refused_mtls = refused;
+        compiled
+    }
+
+    /// Why the policies cannot be known, if they cannot; `listed` is
+    /// [`Self::policies_listed`] as read before the stores.
+    fn policies_unknown(&self, listed: bool) -> Option<PoliciesUnknown> {
+        let refused: Vec<&Refused> = self
+            .refused_policies
+            .iter()
+            .chain(&self.refused_mtls)
+            .collect();
+        policies::policies_unknown(listed, &refused)
+    }
+
+    /// How complete the watches' view is: whole once this node's pods, the
+    /// namespaces, the Services and the EndpointSlices were listed.
     fn completeness(&self) -> Completeness {
         if self.ready() {
             Completeness::Complete
@@ -537,10 +693,11 @@ impl KubeSource {
     }
 
     /// The delta of what the watches saw: every pod when a pod watch listed
-    /// (again), else the pods they named with their objects now; every
-    /// namespace when one changed.
-    fn delta(&self, pending: Pending) -> Delta {
+    /// (again), else the pods they named with their objects now; every object
+    /// of another kind when one of that kind changed.
+    fn delta(&mut self, pending: Pending) -> Delta {
         // Read before the stores (see `next`).
+        let listed = self.policies_listed();
         let mut delta = Delta {
             completeness: self.completeness(),
             ..Delta::default()
@@ -553,6 +710,43 @@ impl KubeSource {
         if pending.namespaces {
             delta.namespaces = Some(self.read_namespaces());
         }
+        if pending.services {
+            delta.services = Some(self.read_services());
+        }
+        if pending.endpoint_slices {
+            delta.endpoint_slices = Some(self.read_endpoint_slices());
+        }
+        if pending.nodes {
+            delta.nodes = Some(self.read_nodes());
+        }
+        if pending.policies {
+            delta.policies = Some(self.read_policies());
+        }
+        if pending.mtls_policies {
+            delta.mtls_policies = Some(self.read_mtls_policies());
+        }
+        delta.policies_unknown = self.policies_unknown(listed);
+        delta
+    }
+
+    /// The whole view: every object of every kind.
+    fn whole(&mut self) -> Delta {
+        // Read before the stores: a list that ends meanwhile comes as a
+        // delta of its own, never as a complete view of what was read before.
+        let listed = self.policies_listed();
+        let completeness = self.completeness();
+        let mut delta = Delta {
+            all_pods: Some(self.read_all_pods()),
+            namespaces: Some(self.read_namespaces()),
+            services: Some(self.read_services()),
+            endpoint_slices: Some(self.read_endpoint_slices()),
+            nodes: Some(self.read_nodes()),
+            policies: Some(self.read_policies()),
+            mtls_policies: Some(self.read_mtls_policies()),
+            completeness,
+            ..Delta::default()
+        };
+        delta.policies_unknown = self.policies_unknown(listed);
         delta
     }
 
@@ -582,20 +776,12 @@ impl Source for KubeSource {
         if !std::mem::replace(&mut self.started, true) {
             if !self.wait_ready(FIRST_LIST_WAIT).await {
                 tracing::warn!(
-                    "the Kubernetes API has not listed this node's pods and the namespaces within {}s; serving with what is known, nothing is detached until it has",
+                    "the Kubernetes API has not listed this node's pods, the namespaces, the Services and the EndpointSlices within {}s; serving with what is known, nothing is detached until it has",
                     FIRST_LIST_WAIT.as_secs()
                 );
             }
             self.take_pending();
-            // Read before the stores: a list that ends meanwhile comes as a
-            // delta of its own, never as a complete view of what was read before.
-            let completeness = self.completeness();
-            return Delta {
-                all_pods: Some(self.read_all_pods()),
-                namespaces: Some(self.read_namespaces()),
-                completeness,
-                ..Delta::default()
-            };
+            return self.whole();
         }
         loop {
             let pending = self.take_pending();
@@ -604,6 +790,10 @@ impl Source for KubeSource {
             }
             self.changes.notified().await;
         }
+    }
+
+    fn readiness_waits_for_whole_view(&self) -> bool {
+        true
     }
 
     fn lists_every_namespace(&self) -> bool {
@@ -627,57 +817,12 @@ mod tests {
     }
 
     #[test]
-    fn a_watched_pod_keeps_only_what_podlink_reads() {
-        let mut pod = api_pod(serde_json::json!({
-            "metadata": {
-                "name": "web-1", "namespace": "shop", "uid": "u-1", "resourceVersion": "42",
-                "labels": {"app": "web", "istio.io/dataplane-mode": "ambient"},
-                "annotations": {REDIRECTION_ANNOTATION: "enabled", "kubectl.kubernetes.io/last-applied-configuration": "{...}"},
-                "managedFields": [{"manager": "kubectl", "operation": "Update"}],
-                "ownerReferences": [{"apiVersion": "apps/v1", "kind": "ReplicaSet", "name": "web", "uid": "u-0"}],
-                "deletionTimestamp": "2026-11-30T18:00:00Z",
-            },
-            "spec": {"nodeName": "node1", "serviceAccountName": "web", "containers": [{"name": "app", "image": "x"}]},
-            "status": {"phase": "Running", "podIP": "10.0.0.5", "podIPs": [{"ip": "10.0.0.5"}], "conditions": []},
-        }));
-        trim(&mut pod.metadata);
-        assert!(pod.metadata.managed_fields.is_none());
-        assert!(pod.metadata.owner_references.is_none());
-        let meta = meta_of(&pod.metadata);
-        assert_eq!(meta.name.as_deref(), Some("web-1"));
-        assert_eq!(meta.namespace.as_deref(), Some("shop"));
-        assert_eq!(meta.labels.as_ref().unwrap()["app"], "web");
-        assert_eq!(
-            meta.annotations,
-            Some([(REDIRECTION_ANNOTATION.to_string(), "enabled".to_string())].into())
-        );
-        assert!(
-            meta.deletion_timestamp
-                .as_deref()
-                .unwrap()
-                .starts_with("2026-11-30")
-        );
-        let spec = pod.spec.unwrap();
-        assert_eq!(spec.node_name.as_deref(), Some("node1"));
-        assert_eq!(spec.service_account_name.as_deref(), Some("web"));
-        assert_eq!(pod.status.unwrap().pod_ip.as_deref(), Some("10.0.0.5"));
-    }
-
-    #[test]
-    fn other_annotations_alone_leave_none() {
-        let mut pod = api_pod(serde_json::json!({
-            "metadata": {"name": "a", "namespace": "b", "annotations": {"other": "x"}},
-        }));
-        trim(&mut pod.metadata);
-        assert_eq!(meta_of(&pod.metadata).annotations, None);
-    }
-
-    #[test]
     fn the_backoff_grows_until_a_watch_delivers() {
         let progressed = Arc::new(AtomicBool::new(false));
         let mut backoff = ProgressBackoff {
             inner: watcher::DefaultBackoff::default(),
             progressed: progressed.clone(),
+            not_found: Arc::new(AtomicBool::new(false)),
         };
         // Resets from StreamBackoff (on the watcher's Init markers) change nothing.
         let mut last = Duration::ZERO;
@@ -689,20 +834,6 @@ mod tests {
         // Something delivered: the next failure starts over.
         progressed.store(true, Ordering::Relaxed);
         assert!(backoff.next().unwrap() < Duration::from_secs(2));
-    }
-
-    #[test]
-    fn only_what_podlink_reads_changes_the_fingerprint() {
-        let pod = |rv: &str, ready: bool, phase: &str| {
-            api_pod(serde_json::json!({
-                "metadata": {"name": "a", "namespace": "b", "resourceVersion": rv},
-                "spec": {"nodeName": "n1"},
-                "status": {"phase": phase, "podIP": "10.0.0.1", "conditions": [{"type": "Ready", "status": ready.to_string()}]},
-            }))
-        };
-        let base = pod("1", false, "Running").projection();
-        assert_eq!(pod("2", true, "Running").projection(), base);
-        assert_ne!(pod("3", true, "Succeeded").projection(), base);
     }
 
     /// With both pod stores, a pod's update takes the object a full read
@@ -769,14 +900,33 @@ mod tests {
         assert!(pending.everything);
         record_namespace(&mut pending, Seen::Object("/shop".into()));
         assert!(pending.namespaces);
+        for (record, what) in [
+            (record_service as fn(&mut Pending, Seen), "services"),
+            (record_endpoint_slice, "endpoint_slices"),
+            (record_node, "nodes"),
+            (record_policy, "policies"),
+            (record_mtls_policy, "mtls_policies"),
+        ] {
+            let mut pending = Pending::default();
+            record(&mut pending, Seen::Listed);
+            assert!(!pending.is_empty(), "{what}");
+        }
     }
 
+    /// A 404 of an Istio kind is retried within `NOT_INSTALLED_RETRY`,
+    /// however long the backoff has grown.
     #[test]
-    fn resources_name_the_core_v1_api() {
-        assert_eq!(
-            ApiPod::url_path(&(), Some("shop")),
-            "/api/v1/namespaces/shop/pods"
-        );
-        assert_eq!(ApiNamespace::url_path(&(), None), "/api/v1/namespaces");
+    fn a_404_caps_the_backoff() {
+        let not_found = Arc::new(AtomicBool::new(true));
+        let mut backoff = ProgressBackoff {
+            inner: watcher::DefaultBackoff::default(),
+            progressed: Arc::new(AtomicBool::new(false)),
+            not_found: not_found.clone(),
+        };
+        for _ in 0..10 {
+            assert!(backoff.next().unwrap() <= policies::NOT_INSTALLED_RETRY);
+        }
+        not_found.store(false, Ordering::Relaxed);
+        assert!(backoff.next().unwrap() > policies::NOT_INSTALLED_RETRY);
     }
 }

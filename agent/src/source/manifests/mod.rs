@@ -3,9 +3,9 @@
 //!
 //! Every `*.yaml`, `*.yml` and `*.json` file in the directory (not its
 //! subdirectories; hidden files are skipped) is read as a multi-document YAML
-//! stream. Documents of kind `Pod`, `Namespace` and `Service` (API version `v1`),
-//! `EndpointSlice` (`discovery.k8s.io/v1`) and `AuthorizationPolicy`
-//! (`security.istio.io/v1` or `v1beta1`) are used,
+//! stream. Documents of kind `Pod`, `Namespace`, `Service` and `Node` (API
+//! version `v1`), `EndpointSlice` (`discovery.k8s.io/v1`), `AuthorizationPolicy`
+//! and `PeerAuthentication` (`security.istio.io/v1` or `v1beta1`) are used,
 //! `List` documents are unpacked, and other kinds are ignored. A file that fails to
 //! parse is reported with its path, the line and what is wrong; the objects it held
 //! before keep being used until it is fixed. A changed (or removed) file is applied
@@ -33,9 +33,9 @@ use std::{
     time::{Duration, Instant},
 };
 
-use crate::k8s::{EndpointSlice, Namespace, Pod, Service};
+use crate::k8s::{EndpointSlice, Namespace, Node, Pod, Service};
 
-use crate::authz::Policy;
+use crate::authz::{MtlsPolicy, Policy};
 
 mod parse;
 mod source;
@@ -96,7 +96,8 @@ struct FileState {
     /// Whether `objects` came from a successful parse (not just the empty default
     /// of a file that was broken when first seen).
     good: bool,
-    /// Whether the version read names `AuthorizationPolicy`.
+    /// Whether the version read names `AuthorizationPolicy` or
+    /// `PeerAuthentication`.
     mentions_policy: bool,
     /// The entry is a directory, FIFO or the like with a manifest's name: never
     /// read, so that it adds no object and hides none (what an earlier good
@@ -172,6 +173,8 @@ pub struct Changes {
     pub namespaces: bool,
     /// Some Service or EndpointSlice was added, removed or changed.
     pub services: bool,
+    /// Some Node was added, removed or changed.
+    pub nodes: bool,
 }
 
 impl Changes {
@@ -181,6 +184,7 @@ impl Changes {
         let (old, new) = (old.unwrap_or(&none), new.unwrap_or(&none));
         self.namespaces |= old.namespaces != new.namespaces;
         self.services |= old.services != new.services || old.endpoint_slices != new.endpoint_slices;
+        self.nodes |= old.nodes != new.nodes;
         // Each pod's definitions in the file, in order.
         fn by_key(pods: &[Pod]) -> HashMap<String, Vec<&Pod>> {
             let mut by_key: HashMap<String, Vec<&Pod>> = HashMap::new();
@@ -497,7 +501,8 @@ impl ManifestDir {
                     problem: Problem::Unreadable(message),
                 })
                 .and_then(|text| {
-                    mentions_policy = text.contains("AuthorizationPolicy");
+                    mentions_policy =
+                        text.contains("AuthorizationPolicy") || text.contains("PeerAuthentication");
                     parse(&path, &text)
                 });
             // Written to while being read: read it again once it settles.
@@ -659,8 +664,19 @@ impl ManifestDir {
         self.files.values().flat_map(|f| &f.objects.policies)
     }
 
+    /// All PeerAuthentications of all files.
+    pub fn mtls_policies(&self) -> impl Iterator<Item = &Arc<MtlsPolicy>> {
+        self.files.values().flat_map(|f| &f.objects.mtls_policies)
+    }
+
+    /// All Nodes of all files.
+    pub fn nodes(&self) -> impl Iterator<Item = &Node> {
+        self.files.values().flat_map(|f| &f.objects.nodes)
+    }
+
     /// A file that is broken, has no good version, and names `AuthorizationPolicy`
-    /// or cannot be read at all: the policies it holds are unknown, so the proxy
+    /// or `PeerAuthentication`, or cannot be read at all: the policies it holds
+    /// are unknown, so the proxy
     /// must not guess that they allow. Returns the first such file's error.
     pub fn policies_unknown(&self) -> Option<&ManifestError> {
         self.files
@@ -712,6 +728,10 @@ mod tests {
         // hold any policy.
         for (name, bytes) in [
             ("bad.yaml", b"kind: AuthorizationPolicy\nspec: [\n".to_vec()),
+            (
+                "bad-pa.yaml",
+                b"apiVersion: security.istio.io/v1\nkind: PeerAuthentication\nmetadata: {name: p, namespace: shop}\nspec: {mtls: {mode: STRICTER}}\n".to_vec(),
+            ),
             ("latin1.yaml", b"# caf\xe9\n".to_vec()),
         ] {
             let mut fresh = ManifestDir::new(dir).unwrap();

@@ -1,6 +1,6 @@
 //! Parsing manifest files: multi-document YAML, `Pod`, `Namespace`, `Service`,
-//! `EndpointSlice`, `AuthorizationPolicy` and `List` documents, and the checks the enrollment and
-//! the proxy rely on.
+//! `Node`, `EndpointSlice`, `AuthorizationPolicy`, `PeerAuthentication` and
+//! `List` documents, and the checks the enrollment and the proxy rely on.
 
 use std::{
     net::IpAddr,
@@ -9,14 +9,18 @@ use std::{
 };
 
 use crate::k8s::{
-    EndpointSlice, Namespace, Pod, Service,
+    EndpointSlice, Namespace, Node, Pod, Service,
     names::{NameRule, is_dns1123_label, is_dns1123_subdomain},
 };
 use serde_yaml_ng::Value;
 
-use crate::authz::{CompileError, Policy, spec::AuthorizationPolicy};
+use crate::authz::{
+    CompileError, MtlsError, MtlsPolicy, Policy,
+    spec::{AuthorizationPolicy, PeerAuthentication},
+};
 
-/// API versions of `AuthorizationPolicy` read (the same schema).
+/// API versions of `AuthorizationPolicy` and `PeerAuthentication` read (the
+/// same schema).
 const SECURITY_API_VERSIONS: [&str; 2] = ["security.istio.io/v1", "security.istio.io/v1beta1"];
 
 /// A manifest problem: file, 1-based line, and what is wrong.
@@ -69,6 +73,9 @@ pub enum Problem {
     /// An AuthorizationPolicy that cannot be compiled.
     #[error(transparent)]
     Policy(#[from] CompileError),
+    /// A PeerAuthentication that cannot be compiled.
+    #[error(transparent)]
+    Mtls(#[from] MtlsError),
     /// The problem of item `index` of a `List`.
     #[error("List item {index}: {problem}")]
     ListItem {
@@ -92,6 +99,10 @@ pub struct Objects {
     pub services: Vec<Service>,
     /// EndpointSlices, in file order.
     pub endpoint_slices: Vec<EndpointSlice>,
+    /// PeerAuthentications, compiled, in file order.
+    pub mtls_policies: Vec<Arc<MtlsPolicy>>,
+    /// Nodes, in file order.
+    pub nodes: Vec<Node>,
 }
 
 impl Objects {
@@ -102,6 +113,8 @@ impl Objects {
             + self.policies.len()
             + self.services.len()
             + self.endpoint_slices.len()
+            + self.mtls_policies.len()
+            + self.nodes.len()
     }
 
     /// Whether there are none.
@@ -197,6 +210,11 @@ pub fn parse(file: &Path, text: &str) -> Result<Objects, ManifestError> {
                 check_service(&service).map_err(|m| err(start, Problem::Invalid(m)))?;
                 objects.services.push(service);
             }
+            (Some("v1"), Some("Node")) => {
+                let node: Node = serde_yaml_ng::from_str(&doc).map_err(yaml_err)?;
+                check_node(&node).map_err(|m| err(start, Problem::Invalid(m)))?;
+                objects.nodes.push(node);
+            }
             (Some("discovery.k8s.io/v1"), Some("EndpointSlice")) => {
                 let slice: EndpointSlice = serde_yaml_ng::from_str(&doc).map_err(yaml_err)?;
                 check_endpoint_slice(&slice).map_err(|m| err(start, Problem::Invalid(m)))?;
@@ -229,7 +247,7 @@ pub fn parse(file: &Path, text: &str) -> Result<Objects, ManifestError> {
                     };
                     let kind = item.get("kind").and_then(Value::as_str);
                     let expected = match kind {
-                        Some("Pod" | "Namespace" | "Service") => Some("v1"),
+                        Some("Pod" | "Namespace" | "Service" | "Node") => Some("v1"),
                         Some("EndpointSlice") => Some("discovery.k8s.io/v1"),
                         _ => None,
                     };
@@ -261,6 +279,30 @@ pub fn parse(file: &Path, text: &str) -> Result<Objects, ManifestError> {
                                 .map_err(|e| item_err(Problem::Syntax(e.to_string())))?;
                             check_service(&service).map_err(|m| item_err(Problem::Invalid(m)))?;
                             objects.services.push(service);
+                        }
+                        Some("Node") => {
+                            let node: Node = serde_yaml_ng::from_value(item.clone())
+                                .map_err(|e| item_err(Problem::Syntax(e.to_string())))?;
+                            check_node(&node).map_err(|m| item_err(Problem::Invalid(m)))?;
+                            objects.nodes.push(node);
+                        }
+                        Some("PeerAuthentication") => {
+                            let version = item.get("apiVersion").and_then(Value::as_str);
+                            if !version.is_some_and(|v| SECURITY_API_VERSIONS.contains(&v)) {
+                                return Err(item_err(Problem::ApiVersion {
+                                    kind: "PeerAuthentication".into(),
+                                    version: format!("{version:?}"),
+                                    expected: SECURITY_API_VERSIONS.join(" and "),
+                                }));
+                            }
+                            let policy: PeerAuthentication =
+                                serde_yaml_ng::from_value(item.clone())
+                                    .map_err(|e| item_err(Problem::Syntax(e.to_string())))?;
+                            let policy = MtlsPolicy::compile(&policy)
+                                .map_err(|m| item_err(Problem::Mtls(m)))?;
+                            check_mtls_policy(&policy)
+                                .map_err(|m| item_err(Problem::Invalid(m)))?;
+                            objects.mtls_policies.push(Arc::new(policy));
                         }
                         Some("EndpointSlice") => {
                             let slice: EndpointSlice = serde_yaml_ng::from_value(item.clone())
@@ -300,17 +342,26 @@ pub fn parse(file: &Path, text: &str) -> Result<Objects, ManifestError> {
                 check_policy(&policy).map_err(|m| err(start, Problem::Invalid(m)))?;
                 objects.policies.push(Arc::new(policy));
             }
-            (Some(version), Some("AuthorizationPolicy")) => {
+            (Some(version), Some("PeerAuthentication"))
+                if SECURITY_API_VERSIONS.contains(&version) =>
+            {
+                let policy: PeerAuthentication = serde_yaml_ng::from_str(&doc).map_err(yaml_err)?;
+                let policy =
+                    MtlsPolicy::compile(&policy).map_err(|m| err(start, Problem::Mtls(m)))?;
+                check_mtls_policy(&policy).map_err(|m| err(start, Problem::Invalid(m)))?;
+                objects.mtls_policies.push(Arc::new(policy));
+            }
+            (Some(version), Some(kind @ ("AuthorizationPolicy" | "PeerAuthentication"))) => {
                 return Err(err(
                     start,
                     Problem::ApiVersion {
-                        kind: "AuthorizationPolicy".into(),
+                        kind: kind.into(),
                         version: format!("{version:?}"),
                         expected: SECURITY_API_VERSIONS.join(" and "),
                     },
                 ));
             }
-            (Some(version), Some(kind @ ("Pod" | "Namespace" | "Service" | "List"))) => {
+            (Some(version), Some(kind @ ("Pod" | "Namespace" | "Service" | "Node" | "List"))) => {
                 return Err(err(
                     start,
                     Problem::ApiVersion {
@@ -428,6 +479,58 @@ fn check_policy(policy: &Policy) -> Result<(), String> {
     }
     if !is_dns1123_label(&policy.namespace) {
         return Err(format!("{who}: metadata.namespace is not a DNS-1123 label"));
+    }
+    Ok(())
+}
+
+fn check_mtls_policy(policy: &MtlsPolicy) -> Result<(), String> {
+    let who = format!("PeerAuthentication {policy}");
+    if !is_dns1123_subdomain(&policy.name) {
+        return Err(format!("{who}: metadata.name is not a DNS-1123 subdomain"));
+    }
+    if !is_dns1123_label(&policy.namespace) {
+        return Err(format!("{who}: metadata.namespace is not a DNS-1123 label"));
+    }
+    Ok(())
+}
+
+/// Checks a Node's name and pod ranges (`spec.podCIDR(s)`: an address and a
+/// prefix length of its family).
+fn check_node(node: &Node) -> Result<(), String> {
+    let name = node.metadata.name.as_deref().unwrap_or("");
+    if name.is_empty() {
+        return Err("Node has no metadata.name".into());
+    }
+    let who = format!("Node {name}");
+    if !is_dns1123_subdomain(name) {
+        return Err(format!("{who}: metadata.name is not a DNS-1123 subdomain"));
+    }
+    let Some(spec) = &node.spec else {
+        return Ok(());
+    };
+    let fields = spec
+        .pod_cidr
+        .iter()
+        .map(|c| ("spec.podCIDR".to_string(), c))
+        .chain(
+            spec.pod_cidrs
+                .iter()
+                .flatten()
+                .enumerate()
+                .map(|(i, c)| (format!("spec.podCIDRs[{i}]"), c)),
+        );
+    for (field, cidr) in fields {
+        let valid = cidr.split_once('/').is_some_and(|(ip, len)| {
+            let max = match ip.parse::<IpAddr>() {
+                Ok(IpAddr::V4(_)) => 32,
+                Ok(IpAddr::V6(_)) => 128,
+                Err(_) => return false,
+            };
+            len.parse::<u8>().is_ok_and(|l| l <= max) && !len.starts_with('+')
+        });
+        if !valid {
+            return Err(format!("{who}: {field} {cidr:?} is not a CIDR block"));
+        }
     }
     Ok(())
 }
@@ -709,6 +812,131 @@ mod tests {
             let err = parse(Path::new("s.yaml"), &text.replace(from, to)).unwrap_err();
             assert!(err.problem.to_string().contains(want), "{to}: {err}");
         }
+    }
+
+    #[test]
+    fn peer_authentications() {
+        let text = "apiVersion: security.istio.io/v1\nkind: PeerAuthentication\nmetadata: {name: strict, namespace: shop}\nspec: {mtls: {mode: STRICT}}\n---\napiVersion: security.istio.io/v1beta1\nkind: PeerAuthentication\nmetadata: {name: open, namespace: bank}\nspec:\n  selector: {matchLabels: {app: teller}}\n  portLevelMtls: {\"8080\": {mode: DISABLE}}\n";
+        let objects = parse(Path::new("pa.yaml"), text).unwrap();
+        let names: Vec<String> = objects
+            .mtls_policies
+            .iter()
+            .map(|p| p.to_string())
+            .collect();
+        assert_eq!(names, ["shop/strict", "bank/open"]);
+        assert_eq!(
+            objects.mtls_policies[0].mode,
+            crate::authz::MtlsMode::Strict
+        );
+
+        // Errors name the file, the document's line, the policy and the field.
+        let bad = text.replace("mode: DISABLE", "mode: OFF");
+        let err = parse(Path::new("pa.yaml"), &bad).unwrap_err();
+        assert_eq!(err.line, 6, "{err}");
+        assert!(
+            err.to_string().starts_with(
+                "pa.yaml:6: PeerAuthentication bank/open: spec.portLevelMtls.8080.mode \"OFF\""
+            ),
+            "{err}"
+        );
+        let typo = text.replace("mtls: {mode: STRICT}", "mTLS: {mode: STRICT}");
+        let err = parse(Path::new("pa.yaml"), &typo).unwrap_err();
+        assert!(
+            err.problem.to_string().contains("unknown field `mTLS`"),
+            "{err}"
+        );
+        let alpha = text.replace("security.istio.io/v1beta1", "security.istio.io/v1alpha1");
+        let err = parse(Path::new("pa.yaml"), &alpha).unwrap_err();
+        assert!(
+            err.problem
+                .to_string()
+                .contains("PeerAuthentication has apiVersion \"security.istio.io/v1alpha1\""),
+            "{err}"
+        );
+        let bad_name = text.replace("name: strict", "name: Strict");
+        let err = parse(Path::new("pa.yaml"), &bad_name).unwrap_err();
+        assert!(
+            err.problem.to_string().contains("not a DNS-1123 subdomain"),
+            "{err}"
+        );
+
+        // Inside a List too, its version checked.
+        let list = "apiVersion: v1\nkind: List\nitems:\n- apiVersion: security.istio.io/v1beta1\n  kind: PeerAuthentication\n  metadata: {name: a, namespace: b}\n  spec: {mtls: {mode: PERMISSIVE}}\n";
+        assert_eq!(
+            parse(Path::new("l.yaml"), list)
+                .unwrap()
+                .mtls_policies
+                .len(),
+            1
+        );
+        let bad = list.replace("security.istio.io/v1beta1", "security.istio.io/v2");
+        let err = parse(Path::new("l.yaml"), &bad).unwrap_err();
+        assert!(
+            err.problem
+                .to_string()
+                .contains("List item 0: PeerAuthentication has apiVersion"),
+            "{err}"
+        );
+        let bad = list.replace("PERMISSIVE", "LOOSE");
+        let err = parse(Path::new("l.yaml"), &bad).unwrap_err();
+        assert!(
+            err.problem
+                .to_string()
+                .contains("List item 0: PeerAuthentication b/a"),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn nodes() {
+        let text = "apiVersion: v1\nkind: Node\nmetadata:\n  name: node1\n  labels: {topology.kubernetes.io/zone: zone-a}\nspec:\n  podCIDR: 10.244.1.0/24\n  podCIDRs: [10.244.1.0/24, 'fd00:1::/64']\n";
+        let objects = parse(Path::new("n.yaml"), text).unwrap();
+        assert_eq!(objects.nodes.len(), 1);
+        let node = &objects.nodes[0];
+        assert_eq!(
+            node.metadata.labels.as_ref().unwrap()[crate::k8s::ZONE_LABEL],
+            "zone-a"
+        );
+        assert_eq!(
+            node.spec
+                .as_ref()
+                .unwrap()
+                .pod_cidrs
+                .as_ref()
+                .unwrap()
+                .len(),
+            2
+        );
+        for (from, to, want) in [
+            (
+                "podCIDR: 10.244.1.0/24",
+                "podCIDR: 10.244.1.0",
+                "spec.podCIDR \"10.244.1.0\" is not a CIDR block",
+            ),
+            (
+                "'fd00:1::/64'",
+                "'fd00:1::/129'",
+                "spec.podCIDRs[1] \"fd00:1::/129\" is not a CIDR block",
+            ),
+            (
+                "name: node1",
+                "name: Node_1",
+                "Node Node_1: metadata.name is not a DNS-1123 subdomain",
+            ),
+            (
+                "apiVersion: v1",
+                "apiVersion: v2",
+                "Node has apiVersion \"v2\"",
+            ),
+        ] {
+            let err = parse(Path::new("n.yaml"), &text.replace(from, to)).unwrap_err();
+            assert!(err.problem.to_string().contains(want), "{to}: {err}");
+        }
+        let list = format!(
+            "apiVersion: v1\nkind: List\nitems:\n- {}",
+            text.replace('\n', "\n  ")
+        );
+        assert_eq!(parse(Path::new("l.yaml"), &list).unwrap().nodes.len(), 1);
     }
 
     #[test]

@@ -89,10 +89,10 @@ impl ManifestSource {
             }),
             ..Delta::default()
         };
-        let (pods, namespaces, services) = match &rescan.changes {
+        let (pods, namespaces, services, nodes) = match &rescan.changes {
             None => {
                 delta.all_pods = Some(self.dir.pods().cloned().collect());
-                (true, true, true)
+                (true, true, true, true)
             }
             Some(changes) => {
                 if !changes.pods.is_empty() {
@@ -102,9 +102,13 @@ impl ManifestSource {
                     !changes.pods.is_empty(),
                     changes.namespaces,
                     changes.services,
+                    changes.nodes,
                 )
             }
         };
+        if nodes {
+            delta.nodes = Some(self.dir.nodes().cloned().collect());
+        }
         if namespaces {
             delta.namespaces = Some(self.dir.namespaces().cloned().collect());
         }
@@ -114,6 +118,7 @@ impl ManifestSource {
         }
         if rescan.changed || rescan.changes.is_none() {
             delta.policies = Some(self.dir.policies().cloned().collect());
+            delta.mtls_policies = Some(self.dir.mtls_policies().cloned().collect());
         }
         // Which files define a pod twice is looked for (a walk of every pod)
         // only where it may have changed: a changed pod has several
@@ -311,5 +316,51 @@ mod tests {
         std::fs::remove_file(dir.path().join("b.yaml")).unwrap();
         next_pods(&mut source).await;
         assert!(!source.had_duplicates);
+    }
+
+    /// PeerAuthentications and Nodes are sent whole: in the first view, and
+    /// when a file changes them; a broken PeerAuthentication file makes the
+    /// policies unknown, naming it.
+    #[tokio::test]
+    async fn peer_authentications_and_nodes_are_sent() {
+        let dir = tempfile::tempdir().unwrap();
+        let pa = "apiVersion: security.istio.io/v1\nkind: PeerAuthentication\nmetadata: {name: strict, namespace: shop}\nspec: {mtls: {mode: STRICT}}\n";
+        let node = "apiVersion: v1\nkind: Node\nmetadata: {name: node-1, labels: {topology.kubernetes.io/zone: a}}\nspec: {podCIDR: 10.244.1.0/24}\n";
+        std::fs::write(dir.path().join("pa.yaml"), pa).unwrap();
+        std::fs::write(dir.path().join("node.yaml"), node).unwrap();
+        let mut source = ManifestSource::open(dir.path()).unwrap();
+        let first = source.next().await;
+        assert_eq!(first.mtls_policies.map(|p| p.len()), Some(1));
+        assert_eq!(first.nodes.map(|n| n.len()), Some(1));
+        assert_eq!(first.policies_unknown, None);
+
+        std::fs::write(
+            dir.path().join("node.yaml"),
+            node.replace("zone: a", "zone: b"),
+        )
+        .unwrap();
+        let delta = tokio::time::timeout(Duration::from_secs(5), async {
+            loop {
+                let delta = source.next().await;
+                if delta.nodes.is_some() {
+                    return delta;
+                }
+            }
+        })
+        .await
+        .expect("the nodes were sent");
+        let nodes = delta.nodes.unwrap();
+        assert_eq!(
+            nodes[0].metadata.labels.as_ref().unwrap()[crate::k8s::ZONE_LABEL],
+            "b"
+        );
+
+        // Broken from the start (a fresh source): the policies are unknown.
+        std::fs::write(dir.path().join("pa.yaml"), pa.replace("STRICT", "STRICTER")).unwrap();
+        let mut fresh = ManifestSource::open(dir.path()).unwrap();
+        let first = fresh.next().await;
+        let unknown = first.policies_unknown.expect("policies unknown");
+        assert!(unknown.what.ends_with("pa.yaml"), "{unknown:?}");
+        assert!(unknown.why.contains("STRICTER"), "{unknown:?}");
     }
 }
