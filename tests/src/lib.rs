@@ -317,9 +317,23 @@ fn write_atomically(path: &Path, text: &str) -> Result<()> {
     Ok(())
 }
 
+/// The API server double's resource of `kind`.
+fn resource_of(kind: &str) -> Result<&'static str> {
+    Ok(match kind {
+        "Pod" => "pods",
+        "Namespace" => "namespaces",
+        "Service" => "services",
+        "EndpointSlice" => "endpointslices",
+        "Node" => "nodes",
+        "AuthorizationPolicy" => "authorizationpolicies",
+        "PeerAuthentication" => "peerauthentications",
+        other => bail!("the API server double does not serve {other:?}"),
+    })
+}
+
 /// Applies `object` to the API server double by its `kind`; returns its kind,
-/// namespace (empty for a cluster-scoped kind) and name.
-fn apply_object(api: &api_double::ApiServer, object: Value) -> Result<(String, String, String)> {
+/// namespace and name.
+fn apply_object(api: &api_double::ApiServer, object: Value) -> Result<ObjectKey> {
     let kind = object["kind"].as_str().unwrap_or_default().to_string();
     let name = object["metadata"]["name"]
         .as_str()
@@ -329,17 +343,9 @@ fn apply_object(api: &api_double::ApiServer, object: Value) -> Result<(String, S
         .as_str()
         .unwrap_or("default")
         .to_string();
-    match kind.as_str() {
-        "Pod" => {
-            api.apply_pod(object)?;
-            Ok((kind, namespace, name))
-        }
-        "Namespace" => {
-            api.apply_namespace(object)?;
-            Ok((kind, String::new(), name))
-        }
-        other => bail!("the API server double does not serve {other:?}"),
-    }
+    api.apply(resource_of(&kind)?, object)
+        .with_context(|| format!("applying {kind} {namespace}/{name}"))?;
+    Ok((kind, namespace, name))
 }
 
 /// Deletes an object [`apply_object`] applied.
@@ -349,11 +355,9 @@ fn delete_object(
     namespace: &str,
     name: &str,
 ) -> Result<()> {
-    match kind {
-        "Pod" => api.delete_pod(namespace, name).map(drop),
-        "Namespace" => api.delete_namespace(name).map(drop),
-        other => bail!("the API server double does not serve {other:?}"),
-    }
+    api.delete(resource_of(kind)?, namespace, name)
+        .with_context(|| format!("deleting {kind} {namespace}/{name}"))
+        .map(drop)
 }
 
 /// The objects of a multi-document YAML text, as JSON values (`List` items
