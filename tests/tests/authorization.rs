@@ -424,3 +424,69 @@ fn peer_authentication(source: Source) {
     wait_until(&c, &plain, http, true);
     check(&c, &[(&plain, admin, true), (&front, http, true)]);
 }
+
+/// With the Kubernetes API: Istio's CRDs missing at start are not fatal (the
+/// agent is ready, nothing is denied, each 404 is logged once), and
+/// installing them later takes effect without a restart. Until the policies
+/// have been listed once, the agent is not ready and inbound connections are
+/// denied.
+#[test]
+fn istio_crds_missing_then_installed() {
+    let mut c = Cluster::with_namespaces_from(2, &[("shop", true)], Source::Kubernetes).unwrap();
+    let web = c
+        .add_pod(PodSpec::new("web", "shop", 1).label("app", "web"))
+        .unwrap();
+    let front = c
+        .add_pod(PodSpec::new("front", "shop", 0).service_account("front"))
+        .unwrap();
+    c.api().unwrap().set_istio_crds_installed(false);
+    c.start_agents().unwrap();
+    c.wait_all_captured(&[&web, &front]).unwrap();
+    let _http = app::EchoServer::start(&web.netns, web.addr(8080)).unwrap();
+    let http = web.addr(8080);
+    wait_until(&c, &front, http, true);
+    assert_eq!(c.readiness(1).unwrap(), 200, "{}", c.agent_log(1));
+    // Past a retry of the lists: each missing resource was logged once.
+    std::thread::sleep(Duration::from_secs(11));
+    let log = c.agent_log(1);
+    let missing: Vec<&str> = log
+        .lines()
+        .filter(|l| l.contains("does not serve"))
+        .map(|l| l.split_once("Z ").map_or(l, |(_, rest)| rest))
+        .collect();
+    assert!(!missing.is_empty(), "{log}");
+    let mut distinct = missing.clone();
+    distinct.sort_unstable();
+    distinct.dedup();
+    assert_eq!(distinct.len(), missing.len(), "{missing:#?}");
+    assert!(
+        missing.iter().any(|l| l.contains("authorizationpolicies"))
+            && missing.iter().any(|l| l.contains("peerauthentications")),
+        "{missing:#?}"
+    );
+
+    // Installed later: a DENY policy is enforced without a restart.
+    c.api().unwrap().set_istio_crds_installed(true);
+    c.write_manifest("policy-deny-front.yaml", DENY_FRONT)
+        .unwrap();
+    wait_until(&c, &front, http, false);
+    c.wait_log(1, &["serves", "now"]).unwrap();
+    c.remove_manifest("policy-deny-front.yaml").unwrap();
+    wait_until(&c, &front, http, true);
+
+    // A restarted agent whose policy list fails is not ready, and denies
+    // inbound connections, until the list succeeds.
+    c.api().unwrap().fail("authorizationpolicies", 500);
+    c.stop_agent(1).unwrap();
+    c.start_agent(1).unwrap();
+    wait_until(&c, &front, http, false);
+    assert_eq!(c.readiness(1).unwrap(), 503, "{}", c.agent_log(1));
+    c.api().unwrap().heal("authorizationpolicies");
+    wait_until(&c, &front, http, true);
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while c.readiness(1).unwrap() != 200 {
+        assert!(Instant::now() < deadline, "{}", c.agent_log(1));
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    c.wait_log(1, &["authorization policies are known"]).unwrap();
+}
