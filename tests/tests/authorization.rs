@@ -390,6 +390,14 @@ fn peer_authentication(source: Source) {
         ],
     );
     wait_denial_logged(&c, &plain, http, "istio-system/default");
+    let log = c.agent_log(1);
+    assert!(
+        log.lines().any(|l| l.contains("access: connection complete")
+            && l.contains("route=inbound_plaintext")
+            && l.contains("result=denied")
+            && l.contains("policy=\"istio-system/default\"")),
+        "{log}"
+    );
     let denials = c.metrics(1).unwrap();
     assert!(
         denials.sum(
