@@ -392,10 +392,11 @@ fn peer_authentication(source: Source) {
     wait_denial_logged(&c, &plain, http, "istio-system/default");
     let log = c.agent_log(1);
     assert!(
-        log.lines().any(|l| l.contains("access: connection complete")
-            && l.contains("route=inbound_plaintext")
-            && l.contains("result=denied")
-            && l.contains("policy=\"istio-system/default\"")),
+        log.lines()
+            .any(|l| l.contains("access: connection complete")
+                && l.contains("route=inbound_plaintext")
+                && l.contains("result=denied")
+                && l.contains("policy=\"istio-system/default\"")),
         "{log}"
     );
     let denials = c.metrics(1).unwrap();
@@ -496,5 +497,6 @@ fn istio_crds_missing_then_installed() {
         assert!(Instant::now() < deadline, "{}", c.agent_log(1));
         std::thread::sleep(Duration::from_millis(100));
     }
-    c.wait_log(1, &["authorization policies are known"]).unwrap();
+    c.wait_log(1, &["authorization policies are known"])
+        .unwrap();
 }

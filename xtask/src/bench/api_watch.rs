@@ -64,9 +64,69 @@ pub(super) struct ApiWatch {
     pub(super) change_ms: Vec<(String, f64)>,
     /// p50 of one scrape of `/metrics` (ms).
     pub(super) scrape_p50_ms: f64,
+    /// Of the settled VmRSS, the anonymous part (KiB): the heap, not the
+    /// mapped binary.
+    pub(super) idle_rss_anon_kib: u64,
+    /// p50 of each step of the agent's reconciliations during the changes
+    /// (its `reconciled` debug lines, µs): refreshing the state's indexes,
+    /// reading the node's network, planning (and publishing the proxy's
+    /// view), applying.
+    pub(super) reconcile_p50_us: [f64; 4],
+}
+
+/// A field of `/proc/PID/status`, KiB.
+fn status_kib(pid: u32, field: &str) -> u64 {
+    std::fs::read_to_string(format!("/proc/{pid}/status"))
+        .unwrap_or_default()
+        .lines()
+        .find_map(|l| l.strip_prefix(field))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+        .unwrap_or(0)
+}
+
+/// The p50 of each step of the `reconciled` lines of `log` (µs).
+fn reconcile_steps(log: &str) -> [f64; 4] {
+    let mut steps: [Vec<f64>; 4] = Default::default();
+    for line in log.lines().filter(|l| l.contains("reconciled")) {
+        for (i, key) in ["read_us=", "network_us=", "plan_us=", "apply_us="]
+            .iter()
+            .enumerate()
+        {
+            if let Some(v) = line
+                .split_whitespace()
+                .find_map(|w| w.strip_prefix(key))
+                .and_then(|v| v.parse().ok())
+            {
+                steps[i].push(v);
+            }
+        }
+    }
+    steps.map(|mut v| {
+        v.sort_by(f64::total_cmp);
+        if v.is_empty() {
+            0.0
+        } else {
+            percentile(&v, 0.5)
+        }
+    })
 }
 
 impl ApiWatch {
+    /// p50 and p99 of the change times of `kind` (ms).
+    pub(super) fn by_kind(&self, kind: &str) -> [f64; 2] {
+        let mut v: Vec<f64> = self
+            .change_ms
+            .iter()
+            .filter(|(k, _)| k == kind)
+            .map(|(_, ms)| *ms)
+            .collect();
+        v.sort_by(f64::total_cmp);
+        if v.is_empty() {
+            return [0.0; 2];
+        }
+        [percentile(&v, 0.5), percentile(&v, 0.99)]
+    }
+
     /// p50, p99 and max of all change times (ms).
     pub(super) fn summary(&self) -> [f64; 3] {
         let mut v: Vec<f64> = self.change_ms.iter().map(|(_, ms)| *ms).collect();
@@ -208,6 +268,8 @@ pub(super) fn api_watch() -> Result<ApiWatch> {
     std::thread::sleep(Duration::from_secs(2));
     let pid = c.agent_pid(0).context("the agent is not running")?;
     let idle_rss_kib = rss_kib(pid);
+    let idle_rss_anon_kib = status_kib(pid, "RssAnon:");
+    let log_start = c.agent_log(0).len();
 
     eprintln!("bench: api-watch: {CHANGES} changes, each added then deleted");
     let sampler = RssSampler::start(vec![pid]);
@@ -259,6 +321,7 @@ pub(super) fn api_watch() -> Result<ApiWatch> {
         }
     }
     let max_rss_kib = sampler.stop().into_iter().max().unwrap_or(0);
+    let reconcile_p50_us = reconcile_steps(c.agent_log(0).get(log_start..).unwrap_or(""));
     scrapes.sort_by(f64::total_cmp);
     Ok(ApiWatch {
         pods: PODS,
@@ -274,6 +337,8 @@ pub(super) fn api_watch() -> Result<ApiWatch> {
         } else {
             percentile(&scrapes, 0.5)
         },
+        idle_rss_anon_kib,
+        reconcile_p50_us,
     })
 }
 
@@ -314,6 +379,30 @@ pub(super) fn blocks(w: &ApiWatch) -> Vec<Block> {
                     ),
                     format!("< {AIM_RSS_MIB:.0}"),
                     met(rss < AIM_RSS_MIB),
+                ],
+                vec![
+                    "by kind, p50 / p99 (ms): Service and slice, pod, policy".into(),
+                    ["service", "pod", "policy"]
+                        .map(|k| {
+                            let [a, b] = w.by_kind(k);
+                            format!("{} / {}", num(a), num(b))
+                        })
+                        .join(", "),
+                    "-".into(),
+                    "-".into(),
+                ],
+                vec![
+                    "agent reconciliation steps, p50 (µs): state, network, plan and publish, apply"
+                        .into(),
+                    w.reconcile_p50_us.map(num).join(" / "),
+                    "-".into(),
+                    "-".into(),
+                ],
+                vec![
+                    "settled VmRSS that is anonymous memory (MiB)".into(),
+                    num(w.idle_rss_anon_kib as f64 / 1024.0),
+                    "-".into(),
+                    "-".into(),
                 ],
                 vec![
                     "agent start to its first view (s)".into(),

@@ -225,6 +225,8 @@ mod tests {
                     .map(|i| ("service".to_string(), 5.0 + i as f64))
                     .collect(),
                 scrape_p50_ms: 0.5,
+                idle_rss_anon_kib: 30_000,
+                reconcile_p50_us: [1_000.0, 200.0, 300.0, 10.0],
             },
             timings: Timings::default(),
             settings: s,

@@ -205,6 +205,14 @@ pub fn probe(o: &Options) -> Result<()> {
             w.first_view_seconds,
             w.scrape_p50_ms
         );
+        let [s50, s99] = w.by_kind("service");
+        let [p50, p99] = w.by_kind("pod");
+        let [a50, a99] = w.by_kind("policy");
+        println!(
+            "  by kind p50/p99 ms: service {s50:.1}/{s99:.1}, pod {p50:.1}/{p99:.1}, policy {a50:.1}/{a99:.1}; reconcile steps p50 µs (state, network, plan+publish, apply): {:?}; settled RssAnon {:.1} MiB",
+            w.reconcile_p50_us,
+            w.idle_rss_anon_kib as f64 / 1024.0
+        );
         return Ok(());
     }
     eprintln!("bench: building the two-node test bed");
