@@ -3,9 +3,9 @@
 //! ready endpoint, resolves the named target port through the EndpointSlice, and
 //! carries the connection over HBONE to endpoints on the other nodes; connections
 //! spread over the endpoints; removed, not ready and terminating endpoints get no
-//! new connections; a Service without ready endpoints, or without an
-//! EndpointSlice, resets the client at once; an endpoint outside the mesh is
-//! reached in plain TCP.
+//! new connections; a Service without ready endpoints resets the client at
+//! once, one without an EndpointSlice after waiting up to 1 s for one; an
+//! endpoint outside the mesh is reached in plain TCP.
 
 use std::{
     io::{ErrorKind, Read},

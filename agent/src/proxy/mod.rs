@@ -43,7 +43,7 @@ use crate::{
     authz::{self, Denial, DenialCounts, Request},
     error::Chain,
     identity::CertManager,
-    state::{ClusterRanges, View, endpoint::EndpointLoad},
+    state::{ClusterRanges, View, endpoint::EndpointLoad, view::DecisionInputs},
     telemetry::{
         logging::RateLimited,
         metrics::{Direction, Metrics},
@@ -195,11 +195,23 @@ impl ProxyState {
     /// mesh or the policies (or the pod's labels) change so that `req` is denied;
     /// such a denial is counted and logged. Open connections do not outlive the
     /// permission they were made with.
+    ///
+    /// A view that changed only in what this decision does not read (the
+    /// Services, the cluster's ranges) is not decided again: an EndpointSlice
+    /// change anywhere in the cluster costs open connections nothing.
     pub async fn revoked(&self, req: &Request<'_>, what: &str) -> String {
         let mut rx = self.view.subscribe();
+        let mut decided = None;
         loop {
-            {
+            'decide: {
                 let view = rx.borrow_and_update();
+                if decided
+                    .as_ref()
+                    .is_some_and(|d: &DecisionInputs| d.same_in(&view))
+                {
+                    break 'decide;
+                }
+                decided = Some(view.decision_inputs());
                 if view.local_pod(req.destination_ip).is_none() {
                     return "the pod left the mesh".into();
                 }

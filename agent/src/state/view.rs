@@ -35,6 +35,16 @@ impl View {
             .filter(|_| self.captured.contains(&ip))
     }
 
+    /// What an authorization decision reads of this view: the workloads, the
+    /// captured addresses and the policies (the indexes themselves, shared).
+    pub fn decision_inputs(&self) -> DecisionInputs {
+        DecisionInputs {
+            workloads: self.workloads.clone(),
+            captured: self.captured.clone(),
+            policies: self.policies.clone(),
+        }
+    }
+
     /// The identities of this node's captured pods, sorted, each once (the
     /// certificates the config dump and the metrics report).
     pub fn local_identities(&self) -> Vec<SpiffeId> {
@@ -47,5 +57,40 @@ impl View {
         ids.sort();
         ids.dedup();
         ids
+    }
+}
+
+/// What an authorization decision reads of a [`View`]
+/// ([`View::decision_inputs`]).
+pub struct DecisionInputs {
+    workloads: Arc<WorkloadIndex>,
+    captured: Arc<HashSet<IpAddr>>,
+    policies: Arc<PolicySet>,
+}
+
+impl DecisionInputs {
+    /// Whether `view` holds these same indexes (not equal copies): whatever
+    /// is decided from them alone is decided alike in it.
+    pub fn same_in(&self, view: &View) -> bool {
+        Arc::ptr_eq(&self.workloads, &view.workloads)
+            && Arc::ptr_eq(&self.captured, &view.captured)
+            && Arc::ptr_eq(&self.policies, &view.policies)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_change_of_services_alone_decides_alike() {
+        let view = View::default();
+        let inputs = view.decision_inputs();
+        let mut other = view.clone();
+        other.services = Arc::new(ServiceIndex::default());
+        other.ranges = Arc::new(ClusterRanges::default());
+        assert!(inputs.same_in(&other));
+        other.policies = Arc::new(PolicySet::default());
+        assert!(!inputs.same_in(&other));
     }
 }
