@@ -3,7 +3,7 @@
 //! (capture), the namespaces (enrollment labels), the Services and
 //! EndpointSlices (outbound), the Nodes (zones, pod ranges), and Istio's
 //! AuthorizationPolicies and PeerAuthentications in both `security.istio.io`
-//! versions ([`policies`]).
+//! versions, the `v1` store read while `v1` is served ([`policies`]).
 //!
 //! The watchers list, then watch from the list's `resourceVersion`, and start
 //! over with a new list when the API server answers `410 Gone` (Kubernetes API
@@ -17,8 +17,10 @@
 //! taken as empty, logged once, and counts as listed; it is listed again every
 //! [`policies::NOT_INSTALLED_RETRY`] at most, so that installing the CRDs takes
 //! effect without a restart. Until every Istio kind has been listed (or found
-//! not installed) the policies are unknown, as they are while one of them
-//! cannot be compiled: enrolled pods' inbound connections are denied.
+//! not installed) the policies are unknown: enrolled pods' inbound
+//! connections are denied. A policy object that cannot be compiled keeps its
+//! last good version in force, or else makes the policies of its namespace
+//! alone unknown ([`policies`]); it does not keep the view from being whole.
 //!
 //! Objects are kept in partial form ([`kinds`]): the metadata podlink reads
 //! (managed fields, finalizers, owners but the controller and every annotation
