@@ -13,6 +13,7 @@
 //!                  "workload_name", "workload_kind", "canonical_service",
 //!                  "canonical_revision", "captured": bool}],
 //!   "policies": {"root_namespace", "unknown": null | "why",
+//!                "unknown_namespaces": {"<namespace>": "why"},
 //!                "items": [{"namespace", "name", "action", "scope", "notes"}],
 //!                "peer_authentications": [{"namespace", "name",
 //!                    "scope": "mesh" | {"namespace": ns} | {"workload": {"namespace", "labels"}} | "ignored",
@@ -208,6 +209,7 @@ pub fn config_dump(state: &ProxyState) -> Value {
         "policies": {
             "root_namespace": root,
             "unknown": view.policies.unknown(),
+            "unknown_namespaces": view.policies.unknown_namespaces(),
             "items": policies,
             "peer_authentications": peer_authentications,
         },

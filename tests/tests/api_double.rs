@@ -1439,19 +1439,21 @@ async fn the_agents_source_reads_the_new_kinds_and_istio_crds_installed_later() 
     assert_eq!(policies.unwrap(), ["shop/deny"]);
     assert_eq!(mtls.unwrap(), ["shop/strict"]);
 
-    // A policy that cannot be compiled: unknown, naming it; known once gone.
+    // A policy that cannot be compiled: its namespace's policies unknown,
+    // naming it, the others' known; known once gone.
     api.apply("authorizationpolicies", policy("shop", "bad", "ALLOWW"))
         .unwrap();
     let delta = until(&mut source, "policies unknown", |d| {
-        d.policies_unknown.is_some()
+        !d.policies_unknown_in.is_empty()
     })
     .await;
-    let unknown = delta.policies_unknown.unwrap();
+    assert_eq!(delta.policies_unknown, None);
+    let unknown = &delta.policies_unknown_in["shop"];
     assert_eq!(unknown.what, "AuthorizationPolicy shop/bad");
     assert!(unknown.why.contains("ALLOWW"), "{unknown:?}");
     api.delete("authorizationpolicies", "shop", "bad").unwrap();
     until(&mut source, "policies known", |d| {
-        d.policies_unknown.is_none()
+        d.policies_unknown.is_none() && d.policies_unknown_in.is_empty()
     })
     .await;
 

@@ -165,10 +165,11 @@ pub enum SetWarning {
         /// The `namespace/name`.
         policy: String,
     },
-    /// A PeerAuthentication's `namespace/name` is defined more than once; the
-    /// first definition is enforced.
+    /// A PeerAuthentication's `namespace/name` is defined more than once; its
+    /// definitions with one selector are enforced as one, the strictest mode
+    /// of each level and port.
     #[error(
-        "PeerAuthentication {policy} is defined more than once; the first definition is enforced"
+        "PeerAuthentication {policy} is defined more than once; the strictest mode its definitions give (for the policy and for each port) is enforced"
     )]
     MtlsDuplicate {
         /// The `namespace/name`.

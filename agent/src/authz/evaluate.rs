@@ -72,8 +72,9 @@ pub enum Denial {
     Policy(String),
     /// ALLOW policies apply to the workload and none matched: their names.
     NoAllowMatch(Vec<String>),
-    /// The policies cannot be known (a broken manifest holds some): everything is
-    /// denied until it is fixed. The reason.
+    /// The policies cannot be known (a broken manifest holds some, or a
+    /// policy of the workload's namespace or the root namespace cannot be
+    /// compiled): denied until it is fixed. The reason.
     Unknown(String),
     /// A plaintext request (no peer identity) to a port where mutual TLS is
     /// `STRICT`: the `namespace/name` of the PeerAuthentication that set the
@@ -139,6 +140,10 @@ pub struct PolicySet {
     mtls: MtlsPolicies,
     /// Set when some policies cannot be known: every request is denied.
     unknown: Option<String>,
+    /// Namespaces some of whose policies cannot be known, with the reason:
+    /// requests to their workloads are denied (to every workload when the
+    /// root namespace is one).
+    unknown_in: BTreeMap<String, String>,
 }
 
 impl PolicySet {
@@ -180,6 +185,34 @@ impl PolicySet {
     /// Why every request is denied, when the policies cannot be known.
     pub fn unknown(&self) -> Option<&str> {
         self.unknown.as_deref()
+    }
+
+    /// Marks the policies of `namespace` unknown, for `reason` (a policy of
+    /// it that cannot be compiled): requests to its workloads are denied, to
+    /// every workload when it is the root namespace (its policies may apply
+    /// mesh-wide).
+    pub fn deny_namespace_unknown(&mut self, namespace: &str, reason: String) {
+        self.unknown_in.insert(namespace.to_string(), reason);
+    }
+
+    /// The namespaces whose policies cannot be known, with the reason, by
+    /// namespace ([`PolicySet::deny_namespace_unknown`]).
+    pub fn unknown_namespaces(&self) -> &BTreeMap<String, String> {
+        &self.unknown_in
+    }
+
+    /// Why requests to a workload of `namespace` are denied whatever the
+    /// policies, if they are: the policies unknown everywhere, in the root
+    /// namespace, or in `namespace`.
+    pub fn unknown_for(&self, namespace: &str) -> Option<&str> {
+        self.unknown
+            .as_deref()
+            .or_else(|| {
+                self.unknown_in
+                    .get(&self.root_namespace)
+                    .map(String::as_str)
+            })
+            .or_else(|| self.unknown_in.get(namespace).map(String::as_str))
     }
 
     /// The namespace whose policies apply mesh-wide.
@@ -225,9 +258,9 @@ impl PolicySet {
         labels: &BTreeMap<String, String>,
         req: &Request<'_>,
     ) -> Decision {
-        if let Some(why) = &self.unknown {
+        if let Some(why) = self.unknown_for(namespace) {
             return Decision {
-                denial: Some(Denial::Unknown(why.clone())),
+                denial: Some(Denial::Unknown(why.to_string())),
                 audited: Vec::new(),
             };
         }

@@ -18,6 +18,10 @@
 //!   `PERMISSIVE`. The workload-level policy's `portLevelMtls` entry for the
 //!   connection's destination port on the pod (the target port) comes before its
 //!   `mtls.mode`; an `UNSET` entry inherits too.
+//! * A `namespace/name` defined twice (a manifests directory, or two API
+//!   versions' objects): its definitions with one selector are enforced as
+//!   one, the strictest mode of each (`STRICT` over `PERMISSIVE`/`DISABLE`
+//!   over `UNSET`) for `mtls.mode` and for each port, with a warning.
 //! * Several policies at one level: Istio enforces the oldest. podlink does not
 //!   know creation times: it enforces the first by `namespace/name` and warns.
 //! * `DISABLE` accepts plaintext, as `PERMISSIVE` does (as in ztunnel: there is
@@ -244,11 +248,73 @@ pub struct EffectiveMtls<'a> {
     pub set_by: Option<&'a MtlsPolicy>,
 }
 
+/// How strict `mode` is: `STRICT` over `PERMISSIVE` and `DISABLE` (which
+/// accept the same connections) over `UNSET`.
+fn strictness(mode: MtlsMode) -> u8 {
+    match mode {
+        MtlsMode::Unset => 0,
+        MtlsMode::Disable | MtlsMode::Permissive => 1,
+        MtlsMode::Strict => 2,
+    }
+}
+
+/// The stricter of `a` and `b`; `a` when they are as strict.
+fn stricter(a: MtlsMode, b: MtlsMode) -> MtlsMode {
+    if strictness(b) > strictness(a) { b } else { a }
+}
+
+/// `all` (sorted by `namespace/name`, a name's definitions in the source's
+/// order) with the definitions of one name and one selector merged into the
+/// first: the strictest `spec.mtls.mode`, and for each port of
+/// `spec.portLevelMtls` the strictest mode given for it (a port only one
+/// definition names keeps its mode). Definitions of one name with different
+/// selectors apply at different levels or to different pods: each is kept.
+/// A [`SetWarning::MtlsDuplicate`] for each name defined more than once.
+fn merge_duplicates(
+    all: Vec<Arc<MtlsPolicy>>,
+    warnings: &mut Vec<SetWarning>,
+) -> Vec<Arc<MtlsPolicy>> {
+    let mut merged: Vec<Arc<MtlsPolicy>> = Vec::with_capacity(all.len());
+    // The index in `merged` where the current name's definitions start.
+    let mut start = 0;
+    for p in all {
+        let same_name = merged
+            .get(start)
+            .is_some_and(|q| q.namespace == p.namespace && q.name == p.name);
+        if !same_name {
+            start = merged.len();
+            merged.push(p);
+            continue;
+        }
+        let policy = p.to_string();
+        if !warnings
+            .iter()
+            .any(|w| matches!(w, SetWarning::MtlsDuplicate { policy: q } if *q == policy))
+        {
+            warnings.push(SetWarning::MtlsDuplicate { policy });
+        }
+        let Some(q) = merged[start..]
+            .iter_mut()
+            .find(|q| q.selector == p.selector)
+        else {
+            merged.push(p);
+            continue;
+        };
+        let q = Arc::make_mut(q);
+        q.mode = stricter(q.mode, p.mode);
+        for (port, mode) in &p.port_modes {
+            let m = q.port_modes.entry(*port).or_insert(*mode);
+            *m = stricter(*m, *mode);
+        }
+    }
+    merged
+}
+
 /// The mesh's PeerAuthentications, by level (module documentation).
 #[derive(Clone, Debug, Default)]
 pub struct MtlsPolicies {
-    /// Every policy given, sorted by `namespace/name` (a second definition of a
-    /// name after the first).
+    /// Every policy given, sorted by `namespace/name`, the definitions of one
+    /// name with one selector merged into one ([`merge_duplicates`]).
     all: Vec<Arc<MtlsPolicy>>,
     /// The mesh-level policy enforced.
     mesh: Option<Arc<MtlsPolicy>>,
@@ -261,8 +327,9 @@ pub struct MtlsPolicies {
 
 impl MtlsPolicies {
     /// The set of `policies`, those of `root_namespace` without a selector
-    /// applying mesh-wide. Warnings: a name defined more than once (the first
-    /// definition is enforced), several policies at the mesh or a namespace's
+    /// applying mesh-wide. Warnings: a name defined more than once (its
+    /// definitions with one selector are enforced as one, the strictest mode
+    /// of each level and port: [`merge_duplicates`]), several policies at the mesh or a namespace's
     /// level (the first by name is enforced), a selector in the root namespace
     /// (it applies to no workload).
     pub fn build(
@@ -276,15 +343,8 @@ impl MtlsPolicies {
         let mut set = MtlsPolicies::default();
         let mut mesh = Vec::new();
         let mut namespaces: BTreeMap<&str, Vec<&Arc<MtlsPolicy>>> = BTreeMap::new();
-        let mut previous: Option<&Arc<MtlsPolicy>> = None;
+        let all = merge_duplicates(all, &mut warnings);
         for p in &all {
-            if previous.is_some_and(|q| q.namespace == p.namespace && q.name == p.name) {
-                warnings.push(SetWarning::MtlsDuplicate {
-                    policy: p.to_string(),
-                });
-                continue;
-            }
-            previous = Some(p);
             match p.scope(root_namespace) {
                 MtlsScope::Mesh => mesh.push(p),
                 MtlsScope::Namespace(_) => namespaces.entry(&p.namespace).or_default().push(p),

@@ -390,17 +390,64 @@ fn a_selector_in_the_root_namespace_applies_to_no_workload() {
 }
 
 #[test]
-fn a_second_definition_is_ignored_with_a_warning() {
-    let first = pa("shop", "default", "{mtls: {mode: STRICT}}");
-    let second = pa("shop", "default", "{mtls: {mode: PERMISSIVE}}");
-    let (set, warnings) = PolicySet::build(ROOT, [], [first, second]);
-    assert_eq!(plaintext(&set, 80).as_deref(), Some("shop/default"));
-    assert_eq!(
-        warnings,
-        [SetWarning::MtlsDuplicate {
-            policy: "shop/default".into()
-        }]
+fn a_name_defined_twice_enforces_the_strictest_mode_with_a_warning() {
+    let warned = [SetWarning::MtlsDuplicate {
+        policy: "shop/default".into(),
+    }];
+    // The stricter second.
+    let permissive = pa("shop", "default", "{mtls: {mode: PERMISSIVE}}");
+    let strict = pa("shop", "default", "{mtls: {mode: STRICT}}");
+    for order in [[&permissive, &strict], [&strict, &permissive]] {
+        let (set, warnings) = PolicySet::build(ROOT, [], order.map(Arc::clone));
+        assert_eq!(plaintext(&set, 80).as_deref(), Some("shop/default"));
+        assert_eq!(warnings, warned);
+        assert_eq!(set.mtls().policies().count(), 1);
+        assert!(set.mtls().in_effect(set.mtls().policies().next().unwrap()));
+    }
+    // UNSET gives way to DISABLE, which accepts plaintext.
+    let unset = pa("shop", "default", "{mtls: {mode: UNSET}}");
+    let disable = pa("shop", "default", "{mtls: {mode: DISABLE}}");
+    let mesh_strict = pa(ROOT, "default", "{mtls: {mode: STRICT}}");
+    let (set, _) = PolicySet::build(ROOT, [], [unset.clone(), disable, mesh_strict.clone()]);
+    assert_eq!(plaintext(&set, 80), None);
+    let (set, _) = PolicySet::build(ROOT, [], [unset.clone(), unset, mesh_strict]);
+    assert_eq!(plaintext(&set, 80).as_deref(), Some("istio-system/default"));
+    // Per port: the strictest of each port, the mode of a port only one names.
+    let a = pa(
+        "shop",
+        "web",
+        "{selector: {matchLabels: {app: web}}, mtls: {mode: STRICT}, portLevelMtls: {\"8080\": {mode: PERMISSIVE}, \"9090\": {mode: STRICT}}}",
     );
+    let b = pa(
+        "shop",
+        "web",
+        "{selector: {matchLabels: {app: web}}, mtls: {mode: PERMISSIVE}, portLevelMtls: {\"8080\": {mode: STRICT}, \"7070\": {mode: DISABLE}}}",
+    );
+    let (set, warnings) = PolicySet::build(ROOT, [], [a, b]);
+    assert_eq!(warnings.len(), 1);
+    let merged = set.mtls().policies().next().unwrap();
+    assert_eq!(merged.mode, MtlsMode::Strict);
+    assert_eq!(
+        merged.port_modes,
+        BTreeMap::from([
+            (7070, MtlsMode::Disable),
+            (8080, MtlsMode::Strict),
+            (9090, MtlsMode::Strict)
+        ])
+    );
+    assert_eq!(plaintext(&set, 7070), None);
+    assert_eq!(plaintext(&set, 8080).as_deref(), Some("shop/web"));
+    // Different selectors: both kept, each at its level.
+    let ns_level = pa("shop", "twice", "{mtls: {mode: STRICT}}");
+    let other = pa(
+        "shop",
+        "twice",
+        "{selector: {matchLabels: {app: db}}, mtls: {mode: PERMISSIVE}}",
+    );
+    let (set, warnings) = PolicySet::build(ROOT, [], [ns_level, other]);
+    assert_eq!(warnings.len(), 1);
+    assert_eq!(set.mtls().policies().count(), 2);
+    assert_eq!(plaintext(&set, 80).as_deref(), Some("shop/twice"));
 }
 
 #[test]

@@ -999,6 +999,42 @@ fn unknown_policies_deny_everything() {
 }
 
 #[test]
+fn unknown_policies_of_a_namespace_deny_its_workloads_only() {
+    let labels = BTreeMap::new();
+    let client = mtls("shop", "front", "10.0.1.5");
+    let request = Request {
+        source_ip: client.ip.parse().unwrap(),
+        source: client.id.as_ref(),
+        destination_ip: "10.0.2.9".parse().unwrap(),
+        destination_port: 80,
+    };
+    let req = |_: &Client| request;
+    let mut policies = set(&[]);
+    policies.deny_namespace_unknown("shop", "AuthorizationPolicy shop/x is refused".into());
+    let denied = policies.evaluate("shop", &labels, &req(&client));
+    assert_eq!(
+        denied.denied_by(),
+        Some(&Denial::Unknown(
+            "AuthorizationPolicy shop/x is refused".into()
+        ))
+    );
+    assert_eq!(
+        denied.denied_by().unwrap().to_string(),
+        "authorization policies unknown: AuthorizationPolicy shop/x is refused"
+    );
+    assert!(policies.evaluate("bank", &labels, &req(&client)).allowed());
+    assert_eq!(policies.unknown(), None);
+    assert_eq!(policies.unknown_namespaces().len(), 1);
+    // The root namespace's policies may apply anywhere.
+    policies.deny_namespace_unknown(ROOT, "PeerAuthentication istio-system/m is refused".into());
+    assert_eq!(
+        policies.unknown_for("bank"),
+        Some("PeerAuthentication istio-system/m is refused")
+    );
+    assert!(!policies.evaluate("bank", &labels, &req(&client)).allowed());
+}
+
+#[test]
 fn duplicates_are_all_enforced() {
     let (set, warnings) = PolicySet::build(
         ROOT,

@@ -1,7 +1,7 @@
 //! What a source tells the state: the objects that changed since its last
 //! delta, and how complete its view is.
 
-use std::sync::Arc;
+use std::{collections::BTreeMap, sync::Arc};
 
 use crate::{
     authz::{MtlsPolicy, Policy},
@@ -43,6 +43,13 @@ pub struct Delta {
     /// delta): every inbound connection to this node's enrolled pods is then
     /// denied.
     pub policies_unknown: Option<PoliciesUnknown>,
+    /// Policies the source refused, by the namespace they are in (carried by
+    /// every delta; empty when there are none): inbound connections to the
+    /// enrolled pods of that namespace are denied, to every enrolled pod when
+    /// it is the root namespace ([`crate::authz::PolicySet::deny_namespace_unknown`]).
+    /// Unlike [`Delta::policies_unknown`], they do not keep the view from
+    /// being whole: one namespace's broken policy denies that namespace only.
+    pub policies_unknown_in: BTreeMap<String, PoliciesUnknown>,
 }
 
 impl Delta {
@@ -75,10 +82,12 @@ pub enum Completeness {
     Complete,
 }
 
-/// Why the authorization policies cannot be known.
+/// Why the authorization policies (all of them, or those of a namespace:
+/// [`Delta::policies_unknown_in`]) cannot be known.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct PoliciesUnknown {
-    /// What is broken, as logs name it: `/etc/podlink/manifests/p.yaml`.
+    /// What is broken, as logs name it: `/etc/podlink/manifests/p.yaml`,
+    /// `AuthorizationPolicy shop/x`.
     pub what: String,
     /// Why, as the source found it.
     pub why: String,

@@ -87,6 +87,8 @@ pub struct State {
     zone: Option<String>,
     completeness: Completeness,
     policies_unknown: Option<PoliciesUnknown>,
+    /// Policies refused by the source, by namespace ([`Delta::policies_unknown_in`]).
+    policies_unknown_in: BTreeMap<String, PoliciesUnknown>,
     /// Whether the policies were known at some refresh (their return is then
     /// logged as "known again").
     policies_were_known: bool,
@@ -150,6 +152,7 @@ impl State {
             zone: None,
             completeness: Completeness::Incomplete,
             policies_unknown: None,
+            policies_unknown_in: BTreeMap::new(),
             policies_were_known: false,
             dirty: Dirty::default(),
             refreshed: false,
@@ -237,6 +240,10 @@ impl State {
             self.policies_unknown = delta.policies_unknown;
             self.dirty.policies = true;
             self.dirty.completeness = true;
+        }
+        if delta.policies_unknown_in != self.policies_unknown_in {
+            self.policies_unknown_in = delta.policies_unknown_in;
+            self.dirty.policies = true;
         }
     }
 
@@ -355,8 +362,9 @@ impl State {
         );
     }
 
-    /// The policies; all requests are denied while they cannot be known.
-    /// Warnings and notes on how a policy is enforced at layer 4 are logged
+    /// The policies; all requests are denied while they cannot be known,
+    /// those to a namespace's pods while its policies cannot be (all requests
+    /// for the root namespace's). Warnings and notes on how a policy is enforced at layer 4 are logged
     /// once while they hold, and the policies' return once they are known
     /// again.
     fn policy_set(&mut self) -> PolicySet {
@@ -374,7 +382,26 @@ impl State {
                 messages.push((Severity::Warn, format!("AuthorizationPolicy {policy}: {n}")));
             }
         }
-        let were_unknown = self.policies.unknown().is_some();
+        let were_unknown =
+            self.policies.unknown().is_some() || !self.policies.unknown_namespaces().is_empty();
+        for (namespace, unknown) in &self.policies_unknown_in {
+            let pods = if *namespace == self.root_namespace {
+                "every inbound connection to this node's pods is denied (the root namespace's policies apply mesh-wide)".to_string()
+            } else {
+                format!(
+                    "inbound connections to this node's pods in namespace {namespace} are denied"
+                )
+            };
+            messages.push((
+                Severity::Error,
+                format!(
+                    "authorization policies of namespace {namespace} cannot be known while {} cannot be compiled ({}): {pods} until it is fixed or removed",
+                    unknown.what, unknown.why
+                ),
+            ));
+            set.deny_namespace_unknown(namespace, format!("{} cannot be compiled", unknown.what));
+        }
+        let now_known = self.policies_unknown.is_none() && self.policies_unknown_in.is_empty();
         if let Some(unknown) = &self.policies_unknown {
             messages.push((
                 Severity::Error,
@@ -384,16 +411,16 @@ impl State {
                 ),
             ));
             set.deny_all_unknown(format!("{} is broken", unknown.what));
-        } else if were_unknown && self.policies_were_known {
+        } else if now_known && were_unknown && self.policies_were_known {
             tracing::info!(
                 "authorization policies are known again: inbound connections are authorized by them"
             );
-        } else if were_unknown {
+        } else if now_known && were_unknown {
             tracing::info!(
                 "authorization policies are known: inbound connections are authorized by them"
             );
         }
-        self.policies_were_known |= self.policies_unknown.is_none();
+        self.policies_were_known |= now_known;
         self.policy_messages.log(messages);
         set
     }
@@ -441,7 +468,10 @@ impl State {
         &self.nodes
     }
 
-    /// Whether the policies are known, as the source's last delta said.
+    /// Whether the policies are known, as the source's last delta said: all
+    /// but those of namespaces with refused policies
+    /// ([`Delta::policies_unknown_in`]), which do not count here (the view is
+    /// whole without them).
     pub fn policies_known(&self) -> bool {
         self.policies_unknown.is_none()
     }

@@ -206,6 +206,39 @@ fn unknown_policies_deny_until_known() {
     assert!(s.policies_were_known);
 }
 
+/// Policies refused in a namespace deny that namespace's pods only, and do
+/// not make the view less than whole; gone, the policies are known again.
+#[test]
+fn refused_policies_of_a_namespace_deny_it_only() {
+    let mut s = state();
+    s.apply(complete(Delta {
+        all_pods: Some(Vec::new()),
+        ..Delta::default()
+    }));
+    s.refresh(&NoLayer, BTreeSet::new());
+    assert!(s.policies_were_known);
+    let refused = PoliciesUnknown {
+        what: "AuthorizationPolicy shop/x".into(),
+        why: "spec.action \"ALLOWW\" is not one of ALLOW, DENY, AUDIT, CUSTOM".into(),
+    };
+    s.apply(complete(Delta {
+        policies_unknown_in: BTreeMap::from([("shop".to_string(), refused)]),
+        ..Delta::default()
+    }));
+    assert!(s.refresh(&NoLayer, BTreeSet::new()).changed);
+    assert!(s.policies_known(), "the view stays whole");
+    assert_eq!(s.policies().unknown(), None);
+    assert_eq!(
+        s.policies().unknown_for("shop"),
+        Some("AuthorizationPolicy shop/x cannot be compiled")
+    );
+    assert_eq!(s.policies().unknown_for("bank"), None);
+    s.apply(complete(Delta::default()));
+    assert!(s.refresh(&NoLayer, BTreeSet::new()).changed);
+    assert!(s.policies().unknown_namespaces().is_empty());
+    assert_eq!(s.policies().unknown_for("shop"), None);
+}
+
 /// PeerAuthentications from a delta reach the policy set; a change of them
 /// alone is a change, and removing them restores plaintext.
 #[test]

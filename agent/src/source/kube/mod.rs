@@ -3,7 +3,7 @@
 //! (capture), the namespaces (enrollment labels), the Services and
 //! EndpointSlices (outbound), the Nodes (zones, pod ranges), and Istio's
 //! AuthorizationPolicies and PeerAuthentications in both `security.istio.io`
-//! versions ([`policies`]).
+//! versions, the `v1` store read while `v1` is served ([`policies`]).
 //!
 //! The watchers list, then watch from the list's `resourceVersion`, and start
 //! over with a new list when the API server answers `410 Gone` (Kubernetes API
@@ -17,8 +17,10 @@
 //! taken as empty, logged once, and counts as listed; it is listed again every
 //! [`policies::NOT_INSTALLED_RETRY`] at most, so that installing the CRDs takes
 //! effect without a restart. Until every Istio kind has been listed (or found
-//! not installed) the policies are unknown, as they are while one of them
-//! cannot be compiled: enrolled pods' inbound connections are denied.
+//! not installed) the policies are unknown: enrolled pods' inbound
+//! connections are denied. A policy object that cannot be compiled keeps its
+//! last good version in force, or else makes the policies of its namespace
+//! alone unknown ([`policies`]); it does not keep the view from being whole.
 //!
 //! Objects are kept in partial form ([`kinds`]): the metadata podlink reads
 //! (managed fields, finalizers, owners but the controller and every annotation
@@ -56,13 +58,14 @@ use kinds::{
     ApiNode, ApiPeerAuthenticationV1, ApiPeerAuthenticationV1beta1, ApiPod, ApiService, Projection,
     endpoint_slice_of, meta_of, node_of, pod_of, service_of, trim,
 };
-use policies::{Object, Refused};
+use policies::{LastGood, Object, PolicyLists, Refused, Version};
 
 use super::{CaptureReporter, Error, FIRST_LIST_WAIT, Source};
 use crate::{
     authz::{MtlsPolicy, Policy},
     k8s::{EndpointSlice, Namespace, Node, Pod, Service},
     state::{Completeness, Delta, PoliciesUnknown},
+    telemetry::logging::{HeldMessages, Severity},
 };
 
 /// The annotation ztunnel's node agent sets on a pod whose traffic it captures
@@ -441,10 +444,21 @@ pub struct KubeSource {
     policies_v1beta1: Watch<ApiAuthorizationPolicyV1beta1>,
     mtls_v1: Watch<ApiPeerAuthenticationV1>,
     mtls_v1beta1: Watch<ApiPeerAuthenticationV1beta1>,
+    /// The last version that compiled of each AuthorizationPolicy and
+    /// PeerAuthentication.
+    policy_versions: LastGood<Policy>,
+    mtls_versions: LastGood<MtlsPolicy>,
     /// The AuthorizationPolicies and PeerAuthentications that could not be
-    /// compiled when last read: the policies are unknown while there are any.
+    /// compiled when last read and have no good version: the policies of
+    /// their namespaces are unknown while there are any.
     refused_policies: Vec<Refused>,
     refused_mtls: Vec<Refused>,
+    /// Objects refused whose last good version stays in force, each logged
+    /// once while it holds.
+    held_policies: HeldMessages,
+    held_mtls: HeldMessages,
+    /// The Istio watches' flags as the last delta was made of them.
+    sent_lists: Option<PolicyLists>,
     /// What changed since the last delta.
     pending: Arc<Mutex<Pending>>,
     /// Whether the first delta was sent.
@@ -536,8 +550,13 @@ impl KubeSource {
             policies_v1beta1,
             mtls_v1,
             mtls_v1beta1,
+            policy_versions: LastGood::default(),
+            mtls_versions: LastGood::default(),
             refused_policies: Vec::new(),
             refused_mtls: Vec::new(),
+            held_policies: HeldMessages::default(),
+            held_mtls: HeldMessages::default(),
+            sent_lists: None,
             pending,
             started: false,
             changes,
@@ -570,6 +589,19 @@ impl KubeSource {
             self.mtls_v1beta1.served(),
             self.mtls_v1.listed() && self.mtls_v1beta1.listed(),
         )
+    }
+
+    /// Whether the policies are listed, and which version of each kind is
+    /// read ([`policies::choose_version`]); read before the stores.
+    fn policy_lists(&self) -> PolicyLists {
+        PolicyLists {
+            listed: self.policies_listed(),
+            policies: policies::choose_version(
+                self.policies_v1.served(),
+                self.policies_v1beta1.served(),
+            ),
+            mtls: policies::choose_version(self.mtls_v1.served(), self.mtls_v1beta1.served()),
+        }
     }
 
     /// Whether every watch has listed once: [`Self::ready`], the policies
@@ -631,49 +663,44 @@ impl KubeSource {
         self.nodes.objects().iter().map(|n| node_of(n)).collect()
     }
 
-    /// The AuthorizationPolicies of both versions, compiled; those refused are
-    /// kept to make the policies unknown.
-    fn read_policies(&mut self) -> Vec<Arc<Policy>> {
-        let objects = policies::merge_versions(
-            self.policies_v1
-                .objects()
-                .iter()
-                .map(|o| Object::of(&**o))
-                .collect(),
-            self.policies_v1beta1
-                .objects()
-                .iter()
-                .map(|o| Object::of(&**o))
-                .collect(),
+    /// The AuthorizationPolicies of `version`'s store, compiled; an object
+    /// that cannot be compiled keeps its last good version in force (logged
+    /// once while it holds), or is kept as refused to make its namespace's
+    /// policies unknown.
+    fn read_policies(&mut self, version: Version) -> Vec<Arc<Policy>> {
+        let objects = policies::objects_of(
+            version,
+            objects(&self.policies_v1),
+            objects(&self.policies_v1beta1),
         );
-        let (compiled, refused) = policies::compile_policies(&objects);
-        self.refused_policies = refused;
-        compiled
+        let compiled = self
+            .policy_versions
+            .compile(&objects, policies::compile_policy);
+        log_held(&mut self.held_policies, &compiled.held);
+        self.refused_policies = compiled.refused;
+        compiled.policies
     }
 
-    /// The PeerAuthentications of both versions, compiled, as
+    /// The PeerAuthentications of `version`'s store, compiled, as
     /// [`Self::read_policies`].
-    fn read_mtls_policies(&mut self) -> Vec<Arc<MtlsPolicy>> {
-        let objects = policies::merge_versions(
-            self.mtls_v1
-                .objects()
-                .iter()
-                .map(|o| Object::of(&**o))
-                .collect(),
-            self.mtls_v1beta1
-                .objects()
-                .iter()
-                .map(|o| Object::of(&**o))
-                .collect(),
-        );
-        let (compiled, refused) = policies::compile_mtls_policies(&objects);
-        self.refused_mtls = refused;
-        compiled
+    fn read_mtls_policies(&mut self, version: Version) -> Vec<Arc<MtlsPolicy>> {
+        let objects =
+            policies::objects_of(version, objects(&self.mtls_v1), objects(&self.mtls_v1beta1));
+        let compiled = self
+            .mtls_versions
+            .compile(&objects, policies::compile_mtls_policy);
+        log_held(&mut self.held_mtls, &compiled.held);
+        self.refused_mtls = compiled.refused;
+        compiled.policies
     }
 
-    /// Why the policies cannot be known, if they cannot; `listed` is
+    /// Why the policies cannot be known, all of them or those of some
+    /// namespaces ([`policies::policies_unknown`]); `listed` is
     /// [`Self::policies_listed`] as read before the stores.
-    fn policies_unknown(&self, listed: bool) -> Option<PoliciesUnknown> {
+    fn policies_unknown(
+        &self,
+        listed: bool,
+    ) -> (Option<PoliciesUnknown>, BTreeMap<String, PoliciesUnknown>) {
         let refused: Vec<&Refused> = self
             .refused_policies
             .iter()
@@ -695,9 +722,9 @@ impl KubeSource {
     /// The delta of what the watches saw: every pod when a pod watch listed
     /// (again), else the pods they named with their objects now; every object
     /// of another kind when one of that kind changed.
-    fn delta(&mut self, pending: Pending) -> Delta {
-        // Read before the stores (see `next`).
-        let listed = self.policies_listed();
+    /// `lists` are the Istio watches' flags, read before `pending` was taken.
+    fn delta(&mut self, pending: Pending, lists: PolicyLists) -> Delta {
+        self.sent_lists = Some(lists);
         let mut delta = Delta {
             completeness: self.completeness(),
             ..Delta::default()
@@ -720,12 +747,12 @@ impl KubeSource {
             delta.nodes = Some(self.read_nodes());
         }
         if pending.policies {
-            delta.policies = Some(self.read_policies());
+            delta.policies = Some(self.read_policies(lists.policies));
         }
         if pending.mtls_policies {
-            delta.mtls_policies = Some(self.read_mtls_policies());
+            delta.mtls_policies = Some(self.read_mtls_policies(lists.mtls));
         }
-        delta.policies_unknown = self.policies_unknown(listed);
+        (delta.policies_unknown, delta.policies_unknown_in) = self.policies_unknown(lists.listed);
         delta
     }
 
@@ -733,7 +760,8 @@ impl KubeSource {
     fn whole(&mut self) -> Delta {
         // Read before the stores: a list that ends meanwhile comes as a
         // delta of its own, never as a complete view of what was read before.
-        let listed = self.policies_listed();
+        let lists = self.policy_lists();
+        self.sent_lists = Some(lists);
         let completeness = self.completeness();
         let mut delta = Delta {
             all_pods: Some(self.read_all_pods()),
@@ -741,18 +769,36 @@ impl KubeSource {
             services: Some(self.read_services()),
             endpoint_slices: Some(self.read_endpoint_slices()),
             nodes: Some(self.read_nodes()),
-            policies: Some(self.read_policies()),
-            mtls_policies: Some(self.read_mtls_policies()),
+            policies: Some(self.read_policies(lists.policies)),
+            mtls_policies: Some(self.read_mtls_policies(lists.mtls)),
             completeness,
             ..Delta::default()
         };
-        delta.policies_unknown = self.policies_unknown(listed);
+        (delta.policies_unknown, delta.policies_unknown_in) = self.policies_unknown(lists.listed);
         delta
     }
 
     fn take_pending(&self) -> Pending {
         std::mem::take(&mut *self.pending.lock().unwrap_or_else(PoisonError::into_inner))
     }
+}
+
+/// The objects of `watch`'s store, as [`Object`]s.
+fn objects<K>(watch: &Watch<K>) -> Vec<Object>
+where
+    K: Resource<DynamicType = ()> + kinds::IstioObject + Clone + 'static,
+{
+    watch.objects().iter().map(|o| Object::of(&**o)).collect()
+}
+
+/// Logs, once while it holds, each object refused whose last good version
+/// stays in force.
+fn log_held(messages: &mut HeldMessages, held: &[Refused]) {
+    messages.log(
+        held.iter()
+            .map(|r| (Severity::Warn, policies::held_message(r)))
+            .collect(),
+    );
 }
 
 /// The pods `keys` (`namespace/name`) with their objects now ([`current_pod`]),
@@ -784,9 +830,17 @@ impl Source for KubeSource {
             return self.whole();
         }
         loop {
-            let pending = self.take_pending();
+            // The flags before the pending changes, and both before the
+            // stores: a list that ends meanwhile is read again
+            // ([`policies::rereads`]) or comes with the next delta, never
+            // taken as listed with the policies read before it.
+            let lists = self.policy_lists();
+            let mut pending = self.take_pending();
+            let (policies, mtls) = policies::rereads(self.sent_lists, lists);
+            pending.policies |= policies;
+            pending.mtls_policies |= mtls;
             if !pending.is_empty() {
-                return self.delta(pending);
+                return self.delta(pending, lists);
             }
             self.changes.notified().await;
         }
