@@ -304,6 +304,8 @@ fn policies_between_pods(source: Source) {
     wait_denial_logged(&c, &front, http, "denied: authorization policies unknown");
     let log = c.agent_log(1);
     assert!(log.contains("spec.action \"ALLOWW\""), "{log}");
+    // The agent stays ready: its lists are done, one policy is broken.
+    assert_eq!(c.readiness(1).unwrap(), 200, "{log}");
     c.remove_manifest("policy-broken.yaml").unwrap();
     wait_until(&c, &front, http, true);
     c.wait_log(1, &["authorization policies are known again"])
@@ -480,6 +482,21 @@ fn istio_crds_missing_then_installed() {
         .unwrap();
     wait_until(&c, &front, http, false);
     c.wait_log(1, &["serves", "now"]).unwrap();
+    // Edited into a policy that cannot be compiled: the last good version
+    // stays in force, and the agent says so.
+    let before = c.agent_log(1).len();
+    c.write_manifest(
+        "policy-deny-front.yaml",
+        &DENY_FRONT.replace("action: DENY", "action: DENYY"),
+    )
+    .unwrap();
+    c.wait_log(1, &["the previous one stays in force"]).unwrap();
+    check(&c, &[(&front, http, false)]);
+    let log = c.agent_log(1);
+    assert!(
+        !log[before..].contains("authorization policies unknown"),
+        "{log}"
+    );
     c.remove_manifest("policy-deny-front.yaml").unwrap();
     wait_until(&c, &front, http, true);
 
