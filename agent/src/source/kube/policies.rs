@@ -232,7 +232,9 @@ pub(super) struct Compiled<P> {
 /// namespace/name, while the object exists.
 #[derive(Debug)]
 pub(super) struct LastGood<P> {
-    last: BTreeMap<(String, String), Arc<P>>,
+    /// By namespace/name: the last good version, and the resourceVersion it
+    /// was compiled from.
+    last: BTreeMap<(String, String), (Option<String>, Arc<P>)>,
 }
 
 impl<P> Default for LastGood<P> {
@@ -247,7 +249,10 @@ impl<P> LastGood<P> {
     /// Compiles `objects` (one per namespace/name) with `compile`: an object
     /// that compiles is in force and kept as its last good version; one that
     /// does not is refused, and its last good version, if it has one, stays
-    /// in force. The versions of objects gone are forgotten.
+    /// in force. The versions of objects gone are forgotten. An object whose
+    /// `resourceVersion` is that of its last good version is that version
+    /// (the API server changes it with every change of the object): it is
+    /// not compiled again, so a change of one policy compiles one policy.
     pub(super) fn compile(
         &mut self,
         objects: &[Object],
@@ -261,12 +266,19 @@ impl<P> LastGood<P> {
         let keys: BTreeSet<(String, String)> = objects.iter().map(Object::key).collect();
         self.last.retain(|k, _| keys.contains(k));
         for o in objects {
+            let rv = o.metadata.resource_version.as_ref();
+            if let Some((Some(last_rv), p)) = self.last.get(&o.key())
+                && Some(last_rv) == rv
+            {
+                compiled.policies.push(p.clone());
+                continue;
+            }
             match compile(o) {
                 Ok(p) => {
-                    self.last.insert(o.key(), p.clone());
+                    self.last.insert(o.key(), (rv.cloned(), p.clone()));
                     compiled.policies.push(p);
                 }
-                Err(r) => match self.last.get(&o.key()) {
+                Err(r) => match self.last.get(&o.key()).map(|(_, p)| p) {
                     Some(p) => {
                         compiled.policies.push(p.clone());
                         compiled.held.push(r);
@@ -342,6 +354,33 @@ mod tests {
     fn compile_policies(objects: &[Object]) -> (Vec<Arc<Policy>>, Vec<Refused>) {
         let c = LastGood::default().compile(objects, compile_policy);
         (c.policies, c.refused)
+    }
+
+    /// An object whose resourceVersion is that of its last good version is
+    /// not compiled again; a new resourceVersion is.
+    #[test]
+    fn an_unchanged_object_is_not_compiled_again() {
+        let at = |rv: &str| {
+            let mut o = object(
+                "shop",
+                "x",
+                serde_json::json!({"action": "DENY", "rules": [{}]}),
+            );
+            o.metadata.resource_version = Some(rv.into());
+            o
+        };
+        let compiles = std::cell::Cell::new(0);
+        let counting = |o: &Object| {
+            compiles.set(compiles.get() + 1);
+            compile_policy(o)
+        };
+        let mut last = LastGood::default();
+        let first = last.compile(&[at("7")], counting).policies;
+        let again = last.compile(&[at("7")], counting).policies;
+        assert_eq!(compiles.get(), 1);
+        assert!(Arc::ptr_eq(&first[0], &again[0]));
+        last.compile(&[at("8")], counting);
+        assert_eq!(compiles.get(), 2);
     }
 
     #[test]
