@@ -58,7 +58,7 @@ pub enum Problem {
     ApiVersion {
         /// The document's kind.
         kind: String,
-        /// The version it has, quoted (or `None`).
+        /// The version it has, quoted (or `none`).
         version: String,
         /// The versions podlink reads.
         expected: String,
@@ -195,41 +195,6 @@ pub fn parse(file: &Path, text: &str) -> Result<Objects, ManifestError> {
                     Problem::NoType("document has no apiVersion".into()),
                 ));
             }
-            (Some("v1"), Some("Pod")) => {
-                let pod: Pod = serde_yaml_ng::from_str(&doc).map_err(yaml_err)?;
-                check_pod(&pod).map_err(|m| err(start, Problem::Invalid(m)))?;
-                objects.pods.push(pod);
-            }
-            (Some("v1"), Some("Namespace")) => {
-                let ns: Namespace = serde_yaml_ng::from_str(&doc).map_err(yaml_err)?;
-                check_namespace(&ns).map_err(|m| err(start, Problem::Invalid(m)))?;
-                objects.namespaces.push(ns);
-            }
-            (Some("v1"), Some("Service")) => {
-                let service: Service = serde_yaml_ng::from_str(&doc).map_err(yaml_err)?;
-                check_service(&service).map_err(|m| err(start, Problem::Invalid(m)))?;
-                objects.services.push(service);
-            }
-            (Some("v1"), Some("Node")) => {
-                let node: Node = serde_yaml_ng::from_str(&doc).map_err(yaml_err)?;
-                check_node(&node).map_err(|m| err(start, Problem::Invalid(m)))?;
-                objects.nodes.push(node);
-            }
-            (Some("discovery.k8s.io/v1"), Some("EndpointSlice")) => {
-                let slice: EndpointSlice = serde_yaml_ng::from_str(&doc).map_err(yaml_err)?;
-                check_endpoint_slice(&slice).map_err(|m| err(start, Problem::Invalid(m)))?;
-                objects.endpoint_slices.push(slice);
-            }
-            (Some(version), Some("EndpointSlice")) => {
-                return Err(err(
-                    start,
-                    Problem::ApiVersion {
-                        kind: "EndpointSlice".into(),
-                        version: format!("{version:?}"),
-                        expected: "discovery.k8s.io/v1".into(),
-                    },
-                ));
-            }
             (Some("v1"), Some("List")) => {
                 let items = value
                     .get("items")
@@ -246,136 +211,141 @@ pub fn parse(file: &Path, text: &str) -> Result<Objects, ManifestError> {
                         )
                     };
                     let kind = item.get("kind").and_then(Value::as_str);
-                    let expected = match kind {
-                        Some("Pod" | "Namespace" | "Service" | "Node") => Some("v1"),
-                        Some("EndpointSlice") => Some("discovery.k8s.io/v1"),
-                        _ => None,
-                    };
                     let version = item.get("apiVersion").and_then(Value::as_str);
-                    if let (Some(kind), Some(expected)) = (kind, expected)
-                        && version != Some(expected)
-                    {
-                        return Err(item_err(Problem::ApiVersion {
-                            kind: kind.into(),
-                            version: format!("{version:?}"),
-                            expected: expected.into(),
-                        }));
-                    }
-                    match kind {
-                        Some("Pod") => {
-                            let pod: Pod = serde_yaml_ng::from_value(item.clone())
-                                .map_err(|e| item_err(Problem::Syntax(e.to_string())))?;
-                            check_pod(&pod).map_err(|m| item_err(Problem::Invalid(m)))?;
-                            objects.pods.push(pod);
-                        }
-                        Some("Namespace") => {
-                            let ns: Namespace = serde_yaml_ng::from_value(item.clone())
-                                .map_err(|e| item_err(Problem::Syntax(e.to_string())))?;
-                            check_namespace(&ns).map_err(|m| item_err(Problem::Invalid(m)))?;
-                            objects.namespaces.push(ns);
-                        }
-                        Some("Service") => {
-                            let service: Service = serde_yaml_ng::from_value(item.clone())
-                                .map_err(|e| item_err(Problem::Syntax(e.to_string())))?;
-                            check_service(&service).map_err(|m| item_err(Problem::Invalid(m)))?;
-                            objects.services.push(service);
-                        }
-                        Some("Node") => {
-                            let node: Node = serde_yaml_ng::from_value(item.clone())
-                                .map_err(|e| item_err(Problem::Syntax(e.to_string())))?;
-                            check_node(&node).map_err(|m| item_err(Problem::Invalid(m)))?;
-                            objects.nodes.push(node);
-                        }
-                        Some("PeerAuthentication") => {
-                            let version = item.get("apiVersion").and_then(Value::as_str);
-                            if !version.is_some_and(|v| SECURITY_API_VERSIONS.contains(&v)) {
-                                return Err(item_err(Problem::ApiVersion {
-                                    kind: "PeerAuthentication".into(),
-                                    version: format!("{version:?}"),
-                                    expected: SECURITY_API_VERSIONS.join(" and "),
-                                }));
-                            }
-                            let policy: PeerAuthentication =
-                                serde_yaml_ng::from_value(item.clone())
-                                    .map_err(|e| item_err(Problem::Syntax(e.to_string())))?;
-                            let policy = MtlsPolicy::compile(&policy)
-                                .map_err(|m| item_err(Problem::Mtls(m)))?;
-                            check_mtls_policy(&policy)
-                                .map_err(|m| item_err(Problem::Invalid(m)))?;
-                            objects.mtls_policies.push(Arc::new(policy));
-                        }
-                        Some("EndpointSlice") => {
-                            let slice: EndpointSlice = serde_yaml_ng::from_value(item.clone())
-                                .map_err(|e| item_err(Problem::Syntax(e.to_string())))?;
-                            check_endpoint_slice(&slice)
-                                .map_err(|m| item_err(Problem::Invalid(m)))?;
-                            objects.endpoint_slices.push(slice);
-                        }
-                        Some("AuthorizationPolicy") => {
-                            let version = item.get("apiVersion").and_then(Value::as_str);
-                            if !version.is_some_and(|v| SECURITY_API_VERSIONS.contains(&v)) {
-                                return Err(item_err(Problem::ApiVersion {
-                                    kind: "AuthorizationPolicy".into(),
-                                    version: format!("{version:?}"),
-                                    expected: SECURITY_API_VERSIONS.join(" and "),
-                                }));
-                            }
-                            let policy: AuthorizationPolicy =
-                                serde_yaml_ng::from_value(item.clone())
-                                    .map_err(|e| item_err(Problem::Syntax(e.to_string())))?;
-                            let policy = Policy::compile(&policy)
-                                .map_err(|m| item_err(Problem::Policy(m)))?;
-                            check_policy(&policy).map_err(|m| item_err(Problem::Invalid(m)))?;
-                            objects.policies.push(Arc::new(policy));
-                        }
-                        _ => {}
-                    }
+                    let decode = |item: &Value| Decoded::Value(item.clone());
+                    read_object(kind, version, decode(item), &mut objects).map_err(|f| {
+                        item_err(match f {
+                            Failure::Yaml(e) => Problem::Syntax(e.to_string()),
+                            Failure::Problem(p) => p,
+                        })
+                    })?;
                 }
             }
-            (Some(version), Some("AuthorizationPolicy"))
-                if SECURITY_API_VERSIONS.contains(&version) =>
-            {
-                let policy: AuthorizationPolicy =
-                    serde_yaml_ng::from_str(&doc).map_err(yaml_err)?;
-                let policy =
-                    Policy::compile(&policy).map_err(|m| err(start, Problem::Policy(m)))?;
-                check_policy(&policy).map_err(|m| err(start, Problem::Invalid(m)))?;
-                objects.policies.push(Arc::new(policy));
-            }
-            (Some(version), Some("PeerAuthentication"))
-                if SECURITY_API_VERSIONS.contains(&version) =>
-            {
-                let policy: PeerAuthentication = serde_yaml_ng::from_str(&doc).map_err(yaml_err)?;
-                let policy =
-                    MtlsPolicy::compile(&policy).map_err(|m| err(start, Problem::Mtls(m)))?;
-                check_mtls_policy(&policy).map_err(|m| err(start, Problem::Invalid(m)))?;
-                objects.mtls_policies.push(Arc::new(policy));
-            }
-            (Some(version), Some(kind @ ("AuthorizationPolicy" | "PeerAuthentication"))) => {
+            (Some(version), Some("List")) => {
                 return Err(err(
                     start,
                     Problem::ApiVersion {
-                        kind: kind.into(),
+                        kind: "List".into(),
                         version: format!("{version:?}"),
-                        expected: SECURITY_API_VERSIONS.join(" and "),
+                        expected: "v1".into(),
                     },
                 ));
             }
-            (Some(version), Some(kind @ ("Pod" | "Namespace" | "Service" | "Node" | "List"))) => {
-                return Err(err(
-                    start,
-                    Problem::ApiVersion {
-                        kind: kind.into(),
-                        version: format!("{version:?}"),
-                        expected: "apiVersion v1".into(),
+            (version, kind) => {
+                read_object(kind, version, Decoded::Text(&doc), &mut objects).map_err(
+                    |f| match f {
+                        Failure::Yaml(e) => yaml_err(e),
+                        Failure::Problem(p) => err(start, p),
                     },
-                ));
+                )?;
             }
-            // Other kinds (Services, …) are not read yet.
-            _ => {}
         }
     }
     Ok(objects)
+}
+
+/// A document or `List` item to make an object of: the document's text (so
+/// that a syntax error names its line) or the item's parsed value.
+enum Decoded<'a> {
+    Text(&'a str),
+    Value(Value),
+}
+
+impl Decoded<'_> {
+    fn decode<T: serde::de::DeserializeOwned>(self) -> Result<T, serde_yaml_ng::Error> {
+        match self {
+            Decoded::Text(text) => serde_yaml_ng::from_str(text),
+            Decoded::Value(value) => serde_yaml_ng::from_value(value),
+        }
+    }
+}
+
+/// Why an object was not read: its YAML does not fit its kind, or a
+/// [`Problem`] of its content.
+enum Failure {
+    Yaml(serde_yaml_ng::Error),
+    Problem(Problem),
+}
+
+impl From<Problem> for Failure {
+    fn from(p: Problem) -> Self {
+        Failure::Problem(p)
+    }
+}
+
+/// The API versions podlink reads `kind` in; `None` for a kind it does not
+/// read (a `List` is unpacked by [`parse`]).
+fn versions_of(kind: &str) -> Option<&'static [&'static str]> {
+    match kind {
+        "Pod" | "Namespace" | "Service" | "Node" => Some(&["v1"]),
+        "EndpointSlice" => Some(&["discovery.k8s.io/v1"]),
+        "AuthorizationPolicy" | "PeerAuthentication" => Some(&SECURITY_API_VERSIONS),
+        _ => None,
+    }
+}
+
+/// Reads one object of `kind` in `version` (a document or a `List` item)
+/// into `objects`: its version checked, then made from `decoded`, checked and
+/// compiled. Kinds podlink does not read are skipped.
+fn read_object(
+    kind: Option<&str>,
+    version: Option<&str>,
+    decoded: Decoded<'_>,
+    objects: &mut Objects,
+) -> Result<(), Failure> {
+    let Some((kind, expected)) = kind.and_then(|k| Some((k, versions_of(k)?))) else {
+        return Ok(());
+    };
+    if !version.is_some_and(|v| expected.contains(&v)) {
+        return Err(Problem::ApiVersion {
+            kind: kind.into(),
+            version: version.map_or_else(|| "none".into(), |v| format!("{v:?}")),
+            expected: expected.join(" and "),
+        }
+        .into());
+    }
+    let invalid = |m: String| Failure::Problem(Problem::Invalid(m));
+    match kind {
+        "Pod" => {
+            let pod: Pod = decoded.decode().map_err(Failure::Yaml)?;
+            check_pod(&pod).map_err(invalid)?;
+            objects.pods.push(pod);
+        }
+        "Namespace" => {
+            let ns: Namespace = decoded.decode().map_err(Failure::Yaml)?;
+            check_namespace(&ns).map_err(invalid)?;
+            objects.namespaces.push(ns);
+        }
+        "Service" => {
+            let service: Service = decoded.decode().map_err(Failure::Yaml)?;
+            check_service(&service).map_err(invalid)?;
+            objects.services.push(service);
+        }
+        "Node" => {
+            let node: Node = decoded.decode().map_err(Failure::Yaml)?;
+            check_node(&node).map_err(invalid)?;
+            objects.nodes.push(node);
+        }
+        "EndpointSlice" => {
+            let slice: EndpointSlice = decoded.decode().map_err(Failure::Yaml)?;
+            check_endpoint_slice(&slice).map_err(invalid)?;
+            objects.endpoint_slices.push(slice);
+        }
+        "AuthorizationPolicy" => {
+            let policy: AuthorizationPolicy = decoded.decode().map_err(Failure::Yaml)?;
+            let policy = Policy::compile(&policy).map_err(Problem::Policy)?;
+            check_policy(&policy).map_err(invalid)?;
+            objects.policies.push(Arc::new(policy));
+        }
+        "PeerAuthentication" => {
+            let policy: PeerAuthentication = decoded.decode().map_err(Failure::Yaml)?;
+            let policy = MtlsPolicy::compile(&policy).map_err(Problem::Mtls)?;
+            check_mtls_policy(&policy).map_err(invalid)?;
+            objects.mtls_policies.push(Arc::new(policy));
+        }
+        _ => unreachable!("versions_of names only the kinds read here"),
+    }
+    Ok(())
 }
 
 fn check_namespace(ns: &Namespace) -> Result<(), String> {
