@@ -124,6 +124,17 @@ struct Dirty {
     completeness: bool,
 }
 
+/// Puts `new` in `slot` when it is given and differs; returns whether it did.
+fn replaced<T: PartialEq>(slot: &mut T, new: Option<T>) -> bool {
+    match new {
+        Some(new) if new != *slot => {
+            *slot = new;
+            true
+        }
+        _ => false,
+    }
+}
+
 /// Whether one of `definitions` carries [`DATAPLANE_MODE_LABEL`].
 fn labelled(definitions: &[Pod]) -> bool {
     definitions.iter().any(|p| {
@@ -195,43 +206,15 @@ impl State {
             }
             self.dirty.pods.insert(key);
         }
-        if let Some(namespaces) = delta.namespaces
-            && namespaces != self.namespaces
-        {
-            self.namespaces = namespaces;
+        if replaced(&mut self.namespaces, delta.namespaces) {
             self.dirty.all_pods = true;
             self.dirty.enrollment_labels = true;
         }
-        if let Some(services) = delta.services
-            && services != self.services
-        {
-            self.services = services;
-            self.dirty.services = true;
-        }
-        if let Some(slices) = delta.endpoint_slices
-            && slices != self.endpoint_slices
-        {
-            self.endpoint_slices = slices;
-            self.dirty.services = true;
-        }
-        if let Some(policies) = delta.policies
-            && policies != self.policy_objects
-        {
-            self.policy_objects = policies;
-            self.dirty.policies = true;
-        }
-        if let Some(mtls) = delta.mtls_policies
-            && mtls != self.mtls_policies
-        {
-            self.mtls_policies = mtls;
-            self.dirty.policies = true;
-        }
-        if let Some(nodes) = delta.nodes
-            && nodes != self.nodes
-        {
-            self.nodes = nodes;
-            self.dirty.nodes = true;
-        }
+        self.dirty.services |= replaced(&mut self.services, delta.services);
+        self.dirty.services |= replaced(&mut self.endpoint_slices, delta.endpoint_slices);
+        self.dirty.policies |= replaced(&mut self.policy_objects, delta.policies);
+        self.dirty.policies |= replaced(&mut self.mtls_policies, delta.mtls_policies);
+        self.dirty.nodes |= replaced(&mut self.nodes, delta.nodes);
         if delta.completeness != self.completeness {
             self.completeness = delta.completeness;
             self.dirty.completeness = true;
