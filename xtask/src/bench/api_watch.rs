@@ -20,7 +20,7 @@ use podlink_tests::{Cluster, PodSpec, Source};
 use serde::Serialize;
 
 use super::{
-    memory::{RssSampler, rss_kib},
+    memory::{RssSampler, rss_kib, status_kib},
     print::Block,
     stats::{num, percentile},
 };
@@ -72,16 +72,6 @@ pub(super) struct ApiWatch {
     /// reading the node's network, planning (and publishing the proxy's
     /// view), applying.
     pub(super) reconcile_p50_us: [f64; 4],
-}
-
-/// A field of `/proc/PID/status`, KiB.
-fn status_kib(pid: u32, field: &str) -> u64 {
-    std::fs::read_to_string(format!("/proc/{pid}/status"))
-        .unwrap_or_default()
-        .lines()
-        .find_map(|l| l.strip_prefix(field))
-        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
-        .unwrap_or(0)
 }
 
 /// The p50 of each step of the `reconciled` lines of `log` (µs).

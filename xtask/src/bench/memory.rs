@@ -13,14 +13,20 @@ use std::{
 
 use serde::Serialize;
 
-/// VmRSS of a process, KiB (0 once it is gone).
-pub(super) fn rss_kib(pid: u32) -> u64 {
+/// A field of `/proc/PID/status` (`VmRSS:`, `RssAnon:`), KiB (0 once the
+/// process is gone).
+pub(super) fn status_kib(pid: u32, field: &str) -> u64 {
     fs::read_to_string(format!("/proc/{pid}/status"))
         .unwrap_or_default()
         .lines()
-        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .find_map(|l| l.strip_prefix(field))
         .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
         .unwrap_or(0)
+}
+
+/// VmRSS of a process, KiB (0 once it is gone).
+pub(super) fn rss_kib(pid: u32) -> u64 {
+    status_kib(pid, "VmRSS:")
 }
 
 /// Samples the agents' VmRSS every 100 ms until stopped; keeps each one's maximum.
