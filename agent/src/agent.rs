@@ -177,7 +177,6 @@ pub async fn run(cfg: AgentConfig) -> Result<()> {
         proxy_mark: PROXY_MARK,
         connect_timeout: cfg.connect_timeout,
         cluster_id: cfg.cluster_id.clone(),
-        cluster_cidrs: cfg.cluster_cidrs.clone(),
     };
     if !cfg.cluster_cidrs.is_empty() {
         let ranges: Vec<String> = cfg.cluster_cidrs.iter().map(ToString::to_string).collect();
@@ -263,7 +262,8 @@ pub async fn run(cfg: AgentConfig) -> Result<()> {
         .await
         .context("the workload source stopped before its first view")?;
     let reconciler = Reconciler::new(
-        State::new(&cfg.node, &cfg.trust_domain, &cfg.root_namespace),
+        State::new(&cfg.node, &cfg.trust_domain, &cfg.root_namespace)
+            .with_cluster_cidrs(&cfg.cluster_cidrs),
         dataplane,
         Enroller::new(&cfg.node, &cfg.cni.socket),
         source.reporter.take(),

@@ -236,7 +236,6 @@ pub(super) mod tests {
             connect_timeout: Duration::from_secs(1),
             max_connections: 1,
             cluster_id: "Kubernetes".into(),
-            cluster_cidrs: Vec::new(),
         };
         let state = Arc::new(ProxyState::new(config, certs));
         state.update(view);

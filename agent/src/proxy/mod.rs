@@ -43,7 +43,7 @@ use crate::{
     authz::{self, Denial, DenialCounts, Request},
     error::Chain,
     identity::CertManager,
-    state::{ClusterRanges, View, endpoint::EndpointLoad, view::DecisionInputs},
+    state::{View, endpoint::EndpointLoad, view::DecisionInputs},
     telemetry::{
         logging::RateLimited,
         metrics::{Direction, Metrics},
@@ -72,10 +72,6 @@ pub struct ProxyConfig {
     /// The cluster ID: the `source_cluster` and `destination_cluster` metric
     /// labels of known workloads.
     pub cluster_id: String,
-    /// The cluster's pod and service ranges as configured (`--cluster-cidrs`);
-    /// the view starts with them and adds those it learns
-    /// ([`ClusterRanges`]).
-    pub cluster_cidrs: Vec<ipnet::IpNet>,
 }
 
 /// Authorization against the policies in the view (the proxy's part of [`View`]).
@@ -153,10 +149,7 @@ impl ProxyState {
             metrics: Arc::new(Metrics::new(&config.cluster_id)),
             limits: ConnectionLimits::new(config.max_connections),
             endpoints: EndpointLoad::default(),
-            view: watch::Sender::new(View {
-                ranges: Arc::new(ClusterRanges::configured(&config.cluster_cidrs)),
-                ..View::default()
-            }),
+            view: watch::Sender::new(View::default()),
             denials: Default::default(),
             denial_log: RateLimited::default(),
             service_log: RateLimited::default(),
@@ -467,7 +460,6 @@ mod tests {
             connect_timeout: Duration::from_secs(1),
             max_connections: 1,
             cluster_id: "Kubernetes".into(),
-            cluster_cidrs: Vec::new(),
         };
         let Err(error) = Listeners::bind(&config) else {
             panic!("a taken port was bound");

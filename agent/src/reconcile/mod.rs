@@ -217,24 +217,18 @@ impl<C: Capture> Reconciler<C> {
         let captured: HashSet<IpAddr> = self.wanted.iter().map(|p| IpAddr::V4(p.ipv4)).collect();
         let view = proxy.view();
         let index = self.state.workloads();
-        // The cluster's ranges: the configured ones stay, the Nodes' are learned
-        // again, the Services' when the Services changed.
-        let mut ranges = view.ranges.with_nodes(self.state.nodes());
-        if !Arc::ptr_eq(&view.services, self.state.services()) {
-            ranges = ranges.with_cluster_ips(self.state.services().ports().map(|p| p.vip.ip()));
-        }
         if !Arc::ptr_eq(&view.workloads, index)
             || !Arc::ptr_eq(&view.policies, self.state.policies())
             || !Arc::ptr_eq(&view.services, self.state.services())
             || *view.captured != captured
-            || *view.ranges != ranges
+            || !Arc::ptr_eq(&view.ranges, self.state.ranges())
         {
             proxy.update(View {
                 workloads: index.clone(),
                 captured: Arc::new(captured),
                 policies: self.state.policies().clone(),
                 services: self.state.services().clone(),
-                ranges: Arc::new(ranges),
+                ranges: self.state.ranges().clone(),
             });
             // Certificates are only needed for this node's enrolled workloads
             // (often many pods to one identity: each is copied once).

@@ -82,6 +82,9 @@ pub struct State {
     policy_objects: Vec<Arc<Policy>>,
     mtls_policies: Vec<Arc<MtlsPolicy>>,
     nodes: Vec<Node>,
+    /// The cluster's address ranges: the configured ones, the Nodes' pod
+    /// ranges and the ones learned from the ClusterIPs.
+    ranges: Arc<ClusterRanges>,
     /// This node's zone (its Node object's [`ZONE_LABEL`]), as the Service
     /// index was last built with.
     zone: Option<String>,
@@ -161,6 +164,7 @@ impl State {
             mtls_policies: Vec::new(),
             nodes: Vec::new(),
             zone: None,
+            ranges: Arc::new(ClusterRanges::default()),
             completeness: Completeness::Incomplete,
             policies_unknown: None,
             policies_unknown_in: BTreeMap::new(),
@@ -175,6 +179,14 @@ impl State {
             policy_messages: HeldMessages::default(),
             mtls_messages: HeldMessages::default(),
         }
+    }
+
+    /// This state with the cluster's ranges `cidrs` given (`--cluster-cidrs`),
+    /// beside those it learns.
+    #[must_use]
+    pub fn with_cluster_cidrs(mut self, cidrs: &[ipnet::IpNet]) -> Self {
+        self.ranges = Arc::new(ClusterRanges::configured(cidrs));
+        self
     }
 
     /// Takes in a source's delta. The indexes are made again by the next
@@ -290,6 +302,15 @@ impl State {
             self.service_messages
                 .log(warnings.into_iter().map(|w| (Severity::Warn, w)).collect());
             self.service_index = Arc::new(services);
+        }
+        if first || dirty.nodes || dirty.services {
+            let ranges = self
+                .ranges
+                .with_nodes(&self.nodes)
+                .with_cluster_ips(self.service_index.ports().map(|p| p.vip.ip()));
+            if ranges != *self.ranges {
+                self.ranges = Arc::new(ranges);
+            }
         }
         if first || dirty.policies {
             self.policies = Arc::new(self.policy_set());
@@ -429,6 +450,13 @@ impl State {
     /// The workload index as last refreshed.
     pub fn workloads(&self) -> &Arc<WorkloadIndex> {
         &self.workloads
+    }
+
+    /// The cluster's address ranges as last refreshed: the configured ones
+    /// ([`State::with_cluster_cidrs`]), the Nodes' pod ranges and those
+    /// learned from the ClusterIPs.
+    pub fn ranges(&self) -> &Arc<ClusterRanges> {
+        &self.ranges
     }
 
     /// The Services as last refreshed.

@@ -341,3 +341,38 @@ endpoints:
     s.refresh(&NoLayer, BTreeSet::new());
     assert_eq!(usable(&s), (Choice::Ready, 2));
 }
+
+/// The cluster's ranges are the configured ones with the Nodes' pod ranges
+/// and those of the ClusterIPs added; a refresh that changes neither keeps
+/// the same index.
+#[test]
+fn the_ranges_keep_the_configured_and_learn_nodes_and_services() {
+    let configured = ranges::parse_cidr("10.96.0.0/12").unwrap();
+    let mut s = state().with_cluster_cidrs(&[configured]);
+    let node: Node =
+        serde_yaml_ng::from_str("metadata: {name: n2}\nspec: {podCIDR: 10.244.2.0/24}").unwrap();
+    s.apply(complete(Delta {
+        all_pods: Some(Vec::new()),
+        nodes: Some(vec![node]),
+        ..Delta::default()
+    }));
+    s.refresh(&NoLayer, BTreeSet::new());
+    let ip = |a: &str| a.parse::<std::net::IpAddr>().unwrap();
+    assert!(s.ranges().contains(ip("10.100.0.1")));
+    assert!(s.ranges().contains(ip("10.244.2.9")));
+    assert!(!s.ranges().contains(ip("10.244.3.9")));
+    let before = s.ranges().clone();
+    s.apply(complete(Delta {
+        pods: vec![("a/p".into(), vec![pod("a", "p", "10.244.2.5", None)])],
+        ..Delta::default()
+    }));
+    s.refresh(&NoLayer, BTreeSet::new());
+    assert!(Arc::ptr_eq(&before, s.ranges()));
+    s.apply(complete(Delta {
+        nodes: Some(Vec::new()),
+        ..Delta::default()
+    }));
+    s.refresh(&NoLayer, BTreeSet::new());
+    assert!(!s.ranges().contains(ip("10.244.2.9")));
+    assert!(s.ranges().contains(ip("10.100.0.1")));
+}
