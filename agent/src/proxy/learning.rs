@@ -72,7 +72,6 @@ pub fn awaited(view: &View, dst: SocketAddr) -> Option<Awaited> {
     }
     let ip = dst.ip();
     let known = view.workloads.by_ip(ip).is_some() || view.workloads.conflict(ip).is_some();
-    // `is_vip` looks at every Service: last, for in-range addresses only.
     (!known && view.ranges.contains(ip) && !view.services.is_vip(ip)).then_some(Awaited::Address)
 }
 

@@ -46,7 +46,7 @@
 //! each port carries the endpoints new connections go to.
 
 use std::{
-    collections::{BTreeMap, HashMap},
+    collections::{BTreeMap, HashMap, HashSet},
     net::{IpAddr, SocketAddr},
     sync::Arc,
     time::Duration,
@@ -201,6 +201,10 @@ impl ServicePort {
 #[derive(Debug, Default)]
 pub struct ServiceIndex {
     by_vip: HashMap<SocketAddr, Arc<ServicePort>>,
+    /// The virtual addresses, whatever the port.
+    vips: HashSet<IpAddr>,
+    /// How many Services (`namespace/name`) have a port in the index.
+    services: usize,
 }
 
 /// What a Service's spec says of how its endpoints are chosen.
@@ -301,6 +305,8 @@ impl ServiceIndex {
             let namespace = service.metadata.namespace_or_default().to_string();
             let name = service.metadata.name.clone().unwrap_or_default();
             let Some(spec) = &service.spec else { continue };
+            // Counted once, with its first port in the index.
+            let mut counted = false;
             let ips = cluster_ips(service);
             if ips.is_empty() {
                 continue;
@@ -356,6 +362,11 @@ impl ServiceIndex {
                         continue;
                     }
                     index.by_vip.insert(vip, Arc::new(entry));
+                    index.vips.insert(vip.ip());
+                    if !counted {
+                        counted = true;
+                        index.services += 1;
+                    }
                 }
             }
         }
@@ -369,17 +380,12 @@ impl ServiceIndex {
 
     /// Whether `ip` is some Service's virtual address.
     pub fn is_vip(&self, ip: IpAddr) -> bool {
-        self.by_vip.keys().any(|k| k.ip() == ip)
+        self.vips.contains(&ip)
     }
 
     /// How many Services have a port in the index.
     pub fn service_count(&self) -> usize {
-        let services: std::collections::HashSet<(&str, &str)> = self
-            .by_vip
-            .values()
-            .map(|p| (p.namespace.as_str(), p.name.as_str()))
-            .collect();
-        services.len()
+        self.services
     }
 
     /// All service ports, by address.
@@ -579,6 +585,7 @@ endpoints:
         assert!(index.lookup("10.96.0.10:53".parse().unwrap()).is_none());
         assert!(index.lookup("10.96.0.10:81".parse().unwrap()).is_none());
         assert!(index.is_vip("10.96.0.10".parse().unwrap()));
+        assert_eq!(index.service_count(), 1);
     }
 
     #[test]
