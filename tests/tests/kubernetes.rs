@@ -7,12 +7,11 @@
 
 use std::{
     net::IpAddr,
-    path::PathBuf,
     time::{Duration, Instant},
 };
 
 use podlink_tests::{
-    Cluster, Pod, PodSpec,
+    Cluster, Pod, PodSpec, Source,
     api_double::{ApiServer, namespace_object, pod_object},
     app,
 };
@@ -20,50 +19,38 @@ use serde_json::json;
 
 const ANNOTATION: &str = "ambient.istio.io/redirection";
 
-/// A test bed whose agents watch `api` (one listener in each node's namespace).
+/// A test bed whose agents watch the API server double (one listener in each
+/// node's namespace; [`Source::Kubernetes`]).
 struct KubeBed {
     c: Cluster,
-    api: ApiServer,
-    kubeconfigs: Vec<PathBuf>,
 }
 
 impl KubeBed {
     fn new(nodes: usize) -> Self {
-        let c = Cluster::new(nodes).unwrap();
-        let api = ApiServer::start().unwrap();
-        let kubeconfigs = c
-            .nodes
-            .iter()
-            .map(|n| {
-                let addr = api.listen_in(&n.netns).unwrap();
-                let path = c.dir.join(format!("kubeconfig-{}", n.name));
-                api.write_kubeconfig(addr, &path).unwrap();
-                path
-            })
-            .collect();
         KubeBed {
-            c,
-            api,
-            kubeconfigs,
+            c: Cluster::with_source(nodes, Source::Kubernetes).unwrap(),
         }
     }
 
-    fn start_agent(&mut self, node: usize) {
-        let kubeconfig = self.kubeconfigs[node].to_string_lossy().into_owned();
+    fn api(&self) -> &ApiServer {
         self.c
-            .start_agent_with(node, &["--kubeconfig", &kubeconfig])
-            .unwrap();
+            .api()
+            .expect("a Kubernetes test bed has an API server double")
+    }
+
+    fn start_agent(&mut self, node: usize) {
+        self.c.start_agent(node).unwrap();
     }
 
     /// A pod wired by the CNI plugins and created in the API server.
     fn add_pod(&mut self, spec: PodSpec) -> Pod {
         let pod = self.c.add_pod_unlisted(spec).unwrap();
-        self.api.apply_pod(pod_object(&self.c, &pod)).unwrap();
+        self.api().apply_pod(pod_object(&self.c, &pod)).unwrap();
         pod
     }
 
     fn annotation(&self, pod: &Pod) -> Option<String> {
-        self.api.pod(&pod.namespace, &pod.name)?["metadata"]["annotations"][ANNOTATION]
+        self.api().pod(&pod.namespace, &pod.name)?["metadata"]["annotations"][ANNOTATION]
             .as_str()
             .map(str::to_string)
     }
@@ -113,10 +100,10 @@ fn assert_tunnelled(c: &Cluster, client: &Pod, server: &Pod) {
 #[test]
 fn watched_pods_are_enrolled_annotated_and_released() {
     let mut b = KubeBed::new(2);
-    b.api
+    b.api()
         .apply_namespace(namespace_object("mesh", true))
         .unwrap();
-    b.api
+    b.api()
         .apply_namespace(namespace_object("plain", false))
         .unwrap();
     let client = b.add_pod(PodSpec::new("client", "mesh", 0));
@@ -133,7 +120,7 @@ fn watched_pods_are_enrolled_annotated_and_released() {
     b.wait_annotation(&server, true);
     assert_eq!(b.annotation(&outside), None);
     // The agents patched, with their own credentials.
-    let patches = b.api.patches();
+    let patches = b.api().patches();
     assert!(
         patches
             .iter()
@@ -144,7 +131,7 @@ fn watched_pods_are_enrolled_annotated_and_released() {
     // A pod labelled into the mesh in a plain namespace.
     let mut labelled = pod_object(&b.c, &outside);
     labelled["metadata"]["labels"] = json!({"istio.io/dataplane-mode": "ambient"});
-    b.api.apply_pod(labelled).unwrap();
+    b.api().apply_pod(labelled).unwrap();
     b.c.wait_captured(&outside, true).unwrap();
     b.wait_annotation(&outside, true);
 
@@ -152,26 +139,26 @@ fn watched_pods_are_enrolled_annotated_and_released() {
     let mut opted_out = pod_object(&b.c, &client);
     opted_out["metadata"]["labels"] = json!({"istio.io/dataplane-mode": "none"});
     opted_out["metadata"]["annotations"] = json!({ANNOTATION: "enabled"});
-    b.api.apply_pod(opted_out).unwrap();
+    b.api().apply_pod(opted_out).unwrap();
     b.c.wait_captured(&client, false).unwrap();
     b.wait_annotation(&client, false);
 
     // The namespace leaving the mesh releases the server.
-    b.api
+    b.api()
         .apply_namespace(namespace_object("mesh", false))
         .unwrap();
     b.c.wait_captured(&server, false).unwrap();
     b.wait_annotation(&server, false);
 
     // Deleting a pod detaches it.
-    b.api.delete_pod("plain", "outside").unwrap();
+    b.api().delete_pod("plain", "outside").unwrap();
     b.c.wait_captured(&outside, false).unwrap();
 }
 
 #[test]
 fn watch_failures_keep_the_data_path_and_recover() {
     let mut b = KubeBed::new(1);
-    b.api
+    b.api()
         .apply_namespace(namespace_object("mesh", true))
         .unwrap();
     let first = b.add_pod(PodSpec::new("first", "mesh", 0));
@@ -180,14 +167,14 @@ fn watch_failures_keep_the_data_path_and_recover() {
     let links = b.link_ids(&first);
 
     // A bookmark only moves the resourceVersion on.
-    b.api.bookmark();
+    b.api().bookmark();
     let second = b.add_pod(PodSpec::new("second", "mesh", 0));
     b.c.wait_captured(&second, true).unwrap();
 
     // History compacted and the watches cut: resuming gets 410 Gone, the agent
     // relists, and a pod created meanwhile is enrolled.
-    b.api.compact();
-    b.api.cut_watches();
+    b.api().compact();
+    b.api().cut_watches();
     let third = b.add_pod(PodSpec::new("third", "mesh", 0));
     b.c.wait_captured(&third, true).unwrap();
     // Both pod watches (all pods, this node's) were told 410 and listed again.
@@ -197,7 +184,7 @@ fn watch_failures_keep_the_data_path_and_recover() {
             .filter(|r| r.path == "/api/v1/pods" && r.is_list())
             .count()
     };
-    b.api
+    b.api()
         .wait_for(
             "both pod watches to list again",
             Duration::from_secs(10),
@@ -216,8 +203,8 @@ fn watch_failures_keep_the_data_path_and_recover() {
     .unwrap();
 
     // The API forbids pods for a while: logged, the data path unchanged.
-    b.api.fail("pods", 403);
-    b.api.cut_watches();
+    b.api().fail("pods", 403);
+    b.api().cut_watches();
     b.c.wait_log_lines(
         0,
         &["watching the Kubernetes API failed", "403"],
@@ -225,7 +212,7 @@ fn watch_failures_keep_the_data_path_and_recover() {
         Duration::from_secs(10),
     )
     .unwrap();
-    b.api.delete_pod("mesh", "second").unwrap();
+    b.api().delete_pod("mesh", "second").unwrap();
     let fourth = b.add_pod(PodSpec::new("fourth", "mesh", 0));
     std::thread::sleep(Duration::from_millis(500));
     for pod in [&first, &second, &third] {
@@ -233,12 +220,12 @@ fn watch_failures_keep_the_data_path_and_recover() {
     }
     assert!(!b.c.is_captured(&fourth).unwrap());
     // Healed: what happened meanwhile is applied.
-    b.api.heal("pods");
+    b.api().heal("pods");
     b.c.wait_captured(&fourth, true).unwrap();
     b.c.wait_captured(&second, false).unwrap();
     b.c.wait_log(0, &["watching again"]).unwrap();
     assert!(
-        b.api
+        b.api()
             .requests()
             .iter()
             .any(|r| r.path == "/api/v1/pods" && r.is_watch() && r.status == 200)
@@ -250,7 +237,7 @@ fn watch_failures_keep_the_data_path_and_recover() {
 #[test]
 fn a_restarted_agent_adopts_enrolls_and_cleans_up() {
     let mut b = KubeBed::new(1);
-    b.api
+    b.api()
         .apply_namespace(namespace_object("mesh", true))
         .unwrap();
     let stays = b.add_pod(PodSpec::new("stays", "mesh", 0));
@@ -261,7 +248,7 @@ fn a_restarted_agent_adopts_enrolls_and_cleans_up() {
 
     b.c.stop_agent(0).unwrap();
     // While the agent is down: one pod deleted, one created.
-    b.api.delete_pod("mesh", "goes").unwrap();
+    b.api().delete_pod("mesh", "goes").unwrap();
     let comes = b.add_pod(PodSpec::new("comes", "mesh", 0));
     // Pinned links keep the deleted pod captured until an agent is back.
     assert!(b.c.is_captured(&goes).unwrap());
