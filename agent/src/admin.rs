@@ -37,17 +37,19 @@
 //! It is bound to loopback: it exposes the mesh's workloads and must not be
 //! reachable from pods.
 
-use std::{net::SocketAddr, sync::Arc};
+use std::{collections::BTreeMap, net::SocketAddr, sync::Arc};
 
 use bytes::Bytes;
 use http::{Method, Request, Response, StatusCode};
 use http_body_util::Full;
 use hyper::body::Incoming;
-use serde_json::{Value, json};
+use serde::Serialize;
 use tokio::net::TcpListener;
 
 use crate::{
+    authz::{Action, MtlsMode, MtlsScope, Note, Scope},
     proxy::ProxyState,
+    state::{Workload, service::ServicePort},
     telemetry::{logging::LogControl, server},
 };
 
@@ -125,10 +127,7 @@ fn handle(
 ) -> Response<Full<Bytes>> {
     match (req.method(), req.uri().path()) {
         (&Method::GET, "/config_dump") => {
-            let mut text =
-                serde_json::to_string_pretty(&config_dump(state)).expect("JSON values serialize");
-            text.push('\n');
-            server::respond(StatusCode::OK, "application/json", text)
+            server::respond(StatusCode::OK, "application/json", config_dump(state))
         }
         (_, "/config_dump") => {
             server::text(StatusCode::METHOD_NOT_ALLOWED, "only GET is allowed\n")
@@ -141,79 +140,129 @@ fn handle(
     }
 }
 
-/// The config dump (shape in the module documentation).
-pub fn config_dump(state: &ProxyState) -> Value {
+/// A workload as the config dump shows it: its fields and whether this node
+/// captures it.
+#[derive(Serialize)]
+struct WorkloadEntry<'a> {
+    #[serde(flatten)]
+    workload: &'a Workload,
+    captured: bool,
+}
+
+#[derive(Serialize)]
+struct PolicyEntry<'a> {
+    namespace: &'a str,
+    name: &'a str,
+    action: &'a Action,
+    scope: Scope,
+    notes: &'a [Note],
+}
+
+/// `in_effect`: false for a second definition, one passed over at its level,
+/// or a selector in the root namespace.
+#[derive(Serialize)]
+struct PeerAuthenticationEntry<'a> {
+    namespace: &'a str,
+    name: &'a str,
+    scope: MtlsScope,
+    mode: &'a MtlsMode,
+    port_modes: &'a BTreeMap<u16, MtlsMode>,
+    in_effect: bool,
+}
+
+#[derive(Serialize)]
+struct Policies<'a> {
+    root_namespace: &'a str,
+    unknown: Option<&'a str>,
+    unknown_namespaces: &'a BTreeMap<String, String>,
+    items: Vec<PolicyEntry<'a>>,
+    peer_authentications: Vec<PeerAuthenticationEntry<'a>>,
+}
+
+#[derive(Serialize)]
+struct CertificateEntry {
+    identity: String,
+    state: &'static str,
+    not_after: Option<String>,
+    renew_at: Option<String>,
+}
+
+/// The config dump's document (shape in the module documentation), borrowing
+/// from the view: it is serialized straight to text, so a cluster's worth of
+/// workloads and Services costs the text alone.
+#[derive(Serialize)]
+struct ConfigDump<'a> {
+    node: &'a str,
+    certificates: Vec<CertificateEntry>,
+    workloads: Vec<WorkloadEntry<'a>>,
+    policies: Policies<'a>,
+    denials: BTreeMap<String, u64>,
+    services: Vec<&'a ServicePort>,
+}
+
+/// The config dump as pretty-printed JSON text, ending in a newline (shape in
+/// the module documentation).
+pub fn config_dump(state: &ProxyState) -> String {
     let view = state.view();
-    let workloads: Vec<Value> = view
-        .workloads
-        .workloads()
-        .map(|w| {
-            let mut value = serde_json::to_value(w.as_ref()).expect("workloads serialize");
-            value["captured"] = json!(w.ips.iter().any(|ip| view.local_pod(*ip).is_some()));
-            value
-        })
-        .collect();
     let root = view.policies.root_namespace();
-    let policies: Vec<Value> = view
-        .policies
-        .policies()
-        .map(|p| {
-            json!({
-                "namespace": p.namespace,
-                "name": p.name,
-                "action": p.action,
-                "scope": p.scope(root),
-                "notes": p.notes,
-            })
-        })
-        .collect();
-    // `in_effect`: false for a second definition, one passed over at its
-    // level, or a selector in the root namespace.
     let mtls = view.policies.mtls();
-    let peer_authentications: Vec<Value> = mtls
-        .policies()
-        .map(|p| {
-            json!({
-                "namespace": p.namespace,
-                "name": p.name,
-                "scope": p.scope(root),
-                "mode": p.mode,
-                "port_modes": p.port_modes,
-                "in_effect": mtls.in_effect(p),
-            })
-        })
-        .collect();
-    let denials: serde_json::Map<String, Value> = state
-        .denials()
-        .into_iter()
-        .map(|(k, v)| (k, json!(v)))
-        .collect();
     // This node's enrolled workload identities and their certificates.
-    let identities = view.local_identities();
-    let certificates: Vec<Value> = identities
+    let certificates = view
+        .local_identities()
         .iter()
         .map(|id| {
             let cert = state.certs.cached(id);
-            json!({
-                "identity": id.to_string(),
-                "state": if cert.is_some() { "issued" } else { "pending" },
-                "not_after": cert.as_ref().map(|c| humantime::format_rfc3339_seconds(c.not_after).to_string()),
-                "renew_at": cert.as_ref().map(|c| humantime::format_rfc3339_seconds(c.renew_at).to_string()),
-            })
+            let time = |t| humantime::format_rfc3339_seconds(t).to_string();
+            CertificateEntry {
+                identity: id.to_string(),
+                state: if cert.is_some() { "issued" } else { "pending" },
+                not_after: cert.as_ref().map(|c| time(c.not_after)),
+                renew_at: cert.as_ref().map(|c| time(c.renew_at)),
+            }
         })
         .collect();
-    json!({
-        "node": view.workloads.node(),
-        "certificates": certificates,
-        "workloads": workloads,
-        "policies": {
-            "root_namespace": root,
-            "unknown": view.policies.unknown(),
-            "unknown_namespaces": view.policies.unknown_namespaces(),
-            "items": policies,
-            "peer_authentications": peer_authentications,
+    let dump = ConfigDump {
+        node: view.workloads.node(),
+        certificates,
+        workloads: view
+            .workloads
+            .workloads()
+            .map(|w| WorkloadEntry {
+                workload: w,
+                captured: w.ips.iter().any(|ip| view.local_pod(*ip).is_some()),
+            })
+            .collect(),
+        policies: Policies {
+            root_namespace: root,
+            unknown: view.policies.unknown(),
+            unknown_namespaces: view.policies.unknown_namespaces(),
+            items: view
+                .policies
+                .policies()
+                .map(|p| PolicyEntry {
+                    namespace: &p.namespace,
+                    name: &p.name,
+                    action: &p.action,
+                    scope: p.scope(root),
+                    notes: &p.notes,
+                })
+                .collect(),
+            peer_authentications: mtls
+                .policies()
+                .map(|p| PeerAuthenticationEntry {
+                    namespace: &p.namespace,
+                    name: &p.name,
+                    scope: p.scope(root),
+                    mode: &p.mode,
+                    port_modes: &p.port_modes,
+                    in_effect: mtls.in_effect(p),
+                })
+                .collect(),
         },
-        "denials": denials,
-        "services": view.services.ports().map(|p| p.as_ref()).collect::<Vec<_>>(),
-    })
+        denials: state.denials().into_iter().collect(),
+        services: view.services.ports().map(|p| p.as_ref()).collect(),
+    };
+    let mut text = serde_json::to_string_pretty(&dump).expect("the config dump serializes");
+    text.push('\n');
+    text
 }

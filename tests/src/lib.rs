@@ -29,7 +29,7 @@ pub mod netns;
 pub use capture::{Capture, contains_bytes};
 
 use std::{
-    collections::{BTreeMap, HashMap},
+    collections::{BTreeMap, HashMap, HashSet},
     fs,
     net::{Ipv4Addr, SocketAddr},
     path::{Path, PathBuf},
@@ -579,30 +579,38 @@ impl Cluster {
             .try_for_each(|pod| self.wait_captured(pod, true))?;
         let deadline = Instant::now() + Duration::from_secs(10);
         for &node in self.agents.keys() {
-            for pod in pods {
-                while !self.knows(node, pod)? {
-                    if Instant::now() > deadline {
-                        bail!(
-                            "the agent of node {} does not know pod {} after 10 s; its log:\n{}",
-                            node + 1,
-                            pod.name,
-                            self.agent_log(node)
-                        );
-                    }
-                    std::thread::sleep(Duration::from_millis(10));
+            // One dump per try: on a cluster of thousands of workloads a dump
+            // is megabytes, and waiting for many pods must not ask for one per
+            // pod.
+            while let Some(pod) = self.first_unknown(node, pods)? {
+                if Instant::now() > deadline {
+                    bail!(
+                        "the agent of node {} does not know pod {} after 10 s; its log:\n{}",
+                        node + 1,
+                        pod.name,
+                        self.agent_log(node)
+                    );
                 }
+                std::thread::sleep(Duration::from_millis(10));
             }
         }
         Ok(())
     }
 
-    /// Whether node `node`'s agent lists `pod` among its workloads.
-    fn knows(&self, node: usize, pod: &Pod) -> Result<bool> {
+    /// The first of `pods` that node `node`'s agent does not list among its
+    /// workloads, if any.
+    fn first_unknown<'p>(&self, node: usize, pods: &[&'p Pod]) -> Result<Option<&'p Pod>> {
         let dump = self.config_dump(node)?;
-        Ok(dump["workloads"].as_array().into_iter().flatten().any(|w| {
-            w["namespace"].as_str() == Some(pod.namespace.as_str())
-                && w["name"].as_str() == Some(pod.name.as_str())
-        }))
+        let known: HashSet<(&str, &str)> = dump["workloads"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .filter_map(|w| Some((w["namespace"].as_str()?, w["name"].as_str()?)))
+            .collect();
+        Ok(pods
+            .iter()
+            .find(|p| !known.contains(&(p.namespace.as_str(), p.name.as_str())))
+            .copied())
     }
 
     fn track(&mut self, resource: Resource) {
