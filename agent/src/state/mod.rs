@@ -199,6 +199,9 @@ impl State {
                     pods.entry(key).or_default().push(pod);
                 }
             }
+            // A pushed-to Vec holds room for four pods: thousands of
+            // one-definition pods would keep three times their size unused.
+            pods.values_mut().for_each(Vec::shrink_to_fit);
             if pods != self.pods {
                 self.pods = pods;
                 self.dirty.all_pods = true;
@@ -214,6 +217,8 @@ impl State {
             if definitions.is_empty() {
                 self.pods.remove(&key);
             } else {
+                let mut definitions = definitions;
+                definitions.shrink_to_fit();
                 self.pods.insert(key.clone(), definitions);
             }
             self.dirty.pods.insert(key);
