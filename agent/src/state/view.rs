@@ -48,10 +48,12 @@ impl View {
     /// The identities of this node's captured pods, sorted, each once (the
     /// certificates the config dump and the metrics report).
     pub fn local_identities(&self) -> Vec<SpiffeId> {
+        // From the captured addresses (this node's pods), not every workload
+        // of the cluster: the metrics ask for these on every scrape.
         let mut ids: Vec<_> = self
-            .workloads
-            .workloads()
-            .filter(|w| w.ips.iter().any(|ip| self.local_pod(*ip).is_some()))
+            .captured
+            .iter()
+            .filter_map(|ip| self.local_pod(*ip))
             .map(|w| w.identity.clone())
             .collect();
         ids.sort();

@@ -668,11 +668,8 @@ impl KubeSource {
     /// once while it holds), or is kept as refused to make its namespace's
     /// policies unknown.
     fn read_policies(&mut self, version: Version) -> Vec<Arc<Policy>> {
-        let objects = policies::objects_of(
-            version,
-            objects(&self.policies_v1),
-            objects(&self.policies_v1beta1),
-        );
+        let (v1, v1beta1) = (self.policies_v1.objects(), self.policies_v1beta1.objects());
+        let objects = policies::objects_of(version, borrowed(&v1), borrowed(&v1beta1));
         let compiled = self
             .policy_versions
             .compile(&objects, policies::compile_policy);
@@ -684,8 +681,8 @@ impl KubeSource {
     /// The PeerAuthentications of `version`'s store, compiled, as
     /// [`Self::read_policies`].
     fn read_mtls_policies(&mut self, version: Version) -> Vec<Arc<MtlsPolicy>> {
-        let objects =
-            policies::objects_of(version, objects(&self.mtls_v1), objects(&self.mtls_v1beta1));
+        let (v1, v1beta1) = (self.mtls_v1.objects(), self.mtls_v1beta1.objects());
+        let objects = policies::objects_of(version, borrowed(&v1), borrowed(&v1beta1));
         let compiled = self
             .mtls_versions
             .compile(&objects, policies::compile_mtls_policy);
@@ -783,12 +780,9 @@ impl KubeSource {
     }
 }
 
-/// The objects of `watch`'s store, as [`Object`]s.
-fn objects<K>(watch: &Watch<K>) -> Vec<Object>
-where
-    K: Resource<DynamicType = ()> + kinds::IstioObject + Clone + 'static,
-{
-    watch.objects().iter().map(|o| Object::of(&**o)).collect()
+/// A store's objects as [`Object`]s borrowing from them.
+fn borrowed<K: kinds::IstioObject>(objects: &[Arc<K>]) -> Vec<Object<'_>> {
+    objects.iter().map(|o| Object::of(&**o)).collect()
 }
 
 /// Logs, once while it holds, each object refused whose last good version

@@ -17,6 +17,7 @@
 //! namespace's broken policy denies that namespace's pods only.
 
 use std::{
+    borrow::Cow,
     collections::{BTreeMap, BTreeSet},
     sync::Arc,
     time::Duration,
@@ -72,24 +73,32 @@ pub(super) fn retry_delay(delay: Duration, not_found: bool) -> Duration {
 
 /// An Istio object of either version, as read from its store.
 #[derive(Clone, Debug)]
-pub(super) struct Object {
-    pub metadata: ApiObjectMeta,
-    pub spec: Option<serde_json::Value>,
+pub(super) struct Object<'a> {
+    pub metadata: Cow<'a, ApiObjectMeta>,
+    pub spec: Option<Cow<'a, serde_json::Value>>,
 }
 
-impl Object {
-    pub(super) fn of(o: &impl IstioObject) -> Object {
+impl<'a> Object<'a> {
+    /// `o` as an [`Object`], borrowing its metadata and spec (the store's
+    /// objects are read on every change of their kind: nothing is copied).
+    pub(super) fn of(o: &'a impl IstioObject) -> Object<'a> {
         let (metadata, spec) = o.parts();
         Object {
-            metadata: metadata.clone(),
-            spec: spec.cloned(),
+            metadata: Cow::Borrowed(metadata),
+            spec: spec.map(Cow::Borrowed),
         }
     }
 
     fn key(&self) -> (String, String) {
+        let (namespace, name) = self.key_ref();
+        (namespace.to_string(), name.to_string())
+    }
+
+    /// `(namespace, name)`, borrowed.
+    fn key_ref(&self) -> (&str, &str) {
         (
-            self.metadata.namespace.clone().unwrap_or_default(),
-            self.metadata.name.clone().unwrap_or_default(),
+            self.metadata.namespace.as_deref().unwrap_or_default(),
+            self.metadata.name.as_deref().unwrap_or_default(),
         )
     }
 }
@@ -146,13 +155,17 @@ pub(super) fn rereads(sent: Option<PolicyLists>, now: PolicyLists) -> (bool, boo
 
 /// The objects of the version chosen ([`choose_version`]), sorted by
 /// namespace/name.
-pub(super) fn objects_of(version: Version, v1: Vec<Object>, v1beta1: Vec<Object>) -> Vec<Object> {
+pub(super) fn objects_of<'a>(
+    version: Version,
+    v1: Vec<Object<'a>>,
+    v1beta1: Vec<Object<'a>>,
+) -> Vec<Object<'a>> {
     let mut objects = match version {
         Version::V1 => v1,
         Version::V1beta1 => v1beta1,
         Version::Neither => Vec::new(),
     };
-    objects.sort_by_key(Object::key);
+    objects.sort_by(|a, b| a.key_ref().cmp(&b.key_ref()));
     objects
 }
 
@@ -174,7 +187,8 @@ fn read<T: serde::de::DeserializeOwned>(
 ) -> Result<T, Refused> {
     let spec = o
         .spec
-        .clone()
+        .as_deref()
+        .cloned()
         .unwrap_or_else(|| serde_json::Value::Object(Default::default()));
     serde_json::from_value::<T>(serde_json::json!({ "spec": spec }))
         .map(|t| with_meta(t, meta_of(&o.metadata)))
@@ -255,8 +269,8 @@ impl<P> LastGood<P> {
     /// not compiled again, so a change of one policy compiles one policy.
     pub(super) fn compile(
         &mut self,
-        objects: &[Object],
-        compile: impl Fn(&Object) -> Result<Arc<P>, Refused>,
+        objects: &[Object<'_>],
+        compile: impl Fn(&Object<'_>) -> Result<Arc<P>, Refused>,
     ) -> Compiled<P> {
         let mut compiled = Compiled {
             policies: Vec::with_capacity(objects.len()),
@@ -339,19 +353,19 @@ pub(super) fn policies_unknown(
 mod tests {
     use super::*;
 
-    fn object(ns: &str, name: &str, spec: serde_json::Value) -> Object {
+    fn object(ns: &str, name: &str, spec: serde_json::Value) -> Object<'static> {
         Object {
-            metadata: ApiObjectMeta {
+            metadata: Cow::Owned(ApiObjectMeta {
                 namespace: Some(ns.into()),
                 name: Some(name.into()),
                 ..Default::default()
-            },
-            spec: Some(spec),
+            }),
+            spec: Some(Cow::Owned(spec)),
         }
     }
 
     /// Compiles AuthorizationPolicies with no version kept before.
-    fn compile_policies(objects: &[Object]) -> (Vec<Arc<Policy>>, Vec<Refused>) {
+    fn compile_policies(objects: &[Object<'_>]) -> (Vec<Arc<Policy>>, Vec<Refused>) {
         let c = LastGood::default().compile(objects, compile_policy);
         (c.policies, c.refused)
     }
@@ -366,7 +380,7 @@ mod tests {
                 "x",
                 serde_json::json!({"action": "DENY", "rules": [{}]}),
             );
-            o.metadata.resource_version = Some(rv.into());
+            o.metadata.to_mut().resource_version = Some(rv.into());
             o
         };
         let compiles = std::cell::Cell::new(0);
