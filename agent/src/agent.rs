@@ -355,11 +355,21 @@ fn release_startup_memory() {
 /// several arenas' worth of resident memory. One arena per runtime thread (at
 /// least two) keeps contention low (mallopt(3), `M_ARENA_MAX`). Call before any
 /// thread starts.
+///
+/// It also fixes glibc's mmap and trim thresholds at
+/// [`MALLOC_THRESHOLD_BYTES`] ([`crate::sys::set_malloc_thresholds`]): blocks
+/// at least that large are mapped apart and unmapped when freed, and a free top
+/// of the heap larger than that is given back, whatever the agent freed before.
 pub fn limit_allocator_arenas(threads: usize) {
     crate::sys::set_malloc_arena_max(
         libc::c_int::try_from(threads.max(2)).unwrap_or(libc::c_int::MAX),
     );
+    crate::sys::set_malloc_thresholds(MALLOC_THRESHOLD_BYTES);
 }
+
+/// glibc's mmap and trim thresholds as the agent fixes them (bytes): its
+/// default starting value, 128 KiB (mallopt(3)).
+const MALLOC_THRESHOLD_BYTES: libc::c_int = 128 * 1024;
 
 /// Closes the listeners and waits until the open connections end, `grace` passes,
 /// or another signal comes.
