@@ -10,10 +10,11 @@ use crate::{
 
 /// A change of what a source knows, as [`super::State::apply`] takes it.
 ///
-/// Pods are carried one by one (the objects themselves, keyed `namespace/name`);
-/// namespaces, Services, EndpointSlices and policies, which a node holds few of
-/// and whose indexes are rebuilt whole, are carried as the whole set when any
-/// of them changed. `None` means unchanged.
+/// Pods, Services and EndpointSlices may be carried one by one (the objects
+/// themselves, keyed `namespace/name`) or as the whole set; namespaces, Nodes
+/// and policies, which a cluster holds few of and whose indexes are rebuilt
+/// whole, are carried as the whole set when any of them changed. `None` means
+/// unchanged; a whole set is applied before the changes one by one.
 #[derive(Clone, Debug, Default)]
 pub struct Delta {
     /// Every pod the source has, when it read them all anew (its first view, a
@@ -27,10 +28,17 @@ pub struct Delta {
     /// Every Namespace object, when one was added, changed or removed (of two
     /// of one name, the last is used).
     pub namespaces: Option<Vec<Namespace>>,
-    /// Every Service, when one changed.
+    /// Every Service, when the source read them all anew.
     pub services: Option<Vec<Service>>,
-    /// Every EndpointSlice (`discovery.k8s.io/v1`), when one changed.
+    /// Services changed since the last delta: `namespace/name` with the
+    /// object now, none when it is gone.
+    pub changed_services: Vec<(String, Option<Service>)>,
+    /// Every EndpointSlice (`discovery.k8s.io/v1`), when the source read them
+    /// all anew.
     pub endpoint_slices: Option<Vec<EndpointSlice>>,
+    /// EndpointSlices changed since the last delta, as
+    /// [`Delta::changed_services`].
+    pub changed_endpoint_slices: Vec<(String, Option<EndpointSlice>)>,
     /// Every authorization policy, when one changed.
     pub policies: Option<Vec<Arc<Policy>>>,
     /// Every PeerAuthentication, when one changed.
@@ -60,7 +68,9 @@ impl Delta {
             && self.pods.is_empty()
             && self.namespaces.is_none()
             && self.services.is_none()
+            && self.changed_services.is_empty()
             && self.endpoint_slices.is_none()
+            && self.changed_endpoint_slices.is_empty()
             && self.policies.is_none()
             && self.mtls_policies.is_none()
             && self.nodes.is_none()

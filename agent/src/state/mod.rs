@@ -77,8 +77,8 @@ pub struct State {
     /// Every pod's definitions, by `namespace/name`, in the source's order.
     pods: BTreeMap<String, Vec<Pod>>,
     namespaces: Vec<Namespace>,
-    services: Vec<Service>,
-    endpoint_slices: Vec<EndpointSlice>,
+    services: Keyed<Service>,
+    endpoint_slices: Keyed<EndpointSlice>,
     policy_objects: Vec<Arc<Policy>>,
     mtls_policies: Vec<Arc<MtlsPolicy>>,
     nodes: Vec<Node>,
@@ -127,6 +127,86 @@ struct Dirty {
     completeness: bool,
 }
 
+/// Objects of one kind by `namespace/name`, each key with its definitions in
+/// the source's order (a manifests directory may define one twice), so that a
+/// source may change them one by one.
+#[derive(Debug)]
+struct Keyed<T> {
+    objects: BTreeMap<String, Vec<T>>,
+}
+
+impl<T> Default for Keyed<T> {
+    fn default() -> Self {
+        Keyed {
+            objects: BTreeMap::new(),
+        }
+    }
+}
+
+impl<T: PartialEq + HasMeta> Keyed<T> {
+    /// Takes in `all` (every object anew, when given), then `changed` (each
+    /// `namespace/name` with its object now, none when gone); returns whether
+    /// anything differs.
+    fn apply(&mut self, all: Option<Vec<T>>, changed: Vec<(String, Option<T>)>) -> bool {
+        let mut differs = false;
+        if let Some(all) = all {
+            let mut objects: BTreeMap<String, Vec<T>> = BTreeMap::new();
+            for o in all {
+                let meta = o.meta();
+                let key = format!(
+                    "{}/{}",
+                    meta.namespace_or_default(),
+                    meta.name.as_deref().unwrap_or_default()
+                );
+                objects.entry(key).or_default().push(o);
+            }
+            objects.values_mut().for_each(Vec::shrink_to_fit);
+            if objects != self.objects {
+                self.objects = objects;
+                differs = true;
+            }
+        }
+        for (key, now) in changed {
+            let before = self.objects.get(&key).map_or(&[][..], Vec::as_slice);
+            if before == now.as_slice() {
+                continue;
+            }
+            differs = true;
+            match now {
+                Some(o) => {
+                    self.objects.insert(key, vec![o]);
+                }
+                None => {
+                    self.objects.remove(&key);
+                }
+            }
+        }
+        differs
+    }
+
+    /// Every object, by `namespace/name`.
+    fn iter(&self) -> impl Iterator<Item = &T> {
+        self.objects.values().flatten()
+    }
+}
+
+/// An API object's metadata.
+trait HasMeta {
+    fn meta(&self) -> &crate::k8s::ObjectMeta;
+}
+
+impl HasMeta for Service {
+    fn meta(&self) -> &crate::k8s::ObjectMeta {
+        &self.metadata
+    }
+}
+
+impl HasMeta for EndpointSlice {
+    fn meta(&self) -> &crate::k8s::ObjectMeta {
+        &self.metadata
+    }
+}
+
 /// Puts `new` in `slot` when it is given and differs; returns whether it did.
 fn replaced<T: PartialEq>(slot: &mut T, new: Option<T>) -> bool {
     match new {
@@ -158,8 +238,8 @@ impl State {
             root_namespace: root_namespace.to_string(),
             pods: BTreeMap::new(),
             namespaces: Vec::new(),
-            services: Vec::new(),
-            endpoint_slices: Vec::new(),
+            services: Keyed::default(),
+            endpoint_slices: Keyed::default(),
             policy_objects: Vec::new(),
             mtls_policies: Vec::new(),
             nodes: Vec::new(),
@@ -227,8 +307,10 @@ impl State {
             self.dirty.all_pods = true;
             self.dirty.enrollment_labels = true;
         }
-        self.dirty.services |= replaced(&mut self.services, delta.services);
-        self.dirty.services |= replaced(&mut self.endpoint_slices, delta.endpoint_slices);
+        self.dirty.services |= self.services.apply(delta.services, delta.changed_services);
+        self.dirty.services |= self
+            .endpoint_slices
+            .apply(delta.endpoint_slices, delta.changed_endpoint_slices);
         self.dirty.policies |= replaced(&mut self.policy_objects, delta.policies);
         self.dirty.policies |= replaced(&mut self.mtls_policies, delta.mtls_policies);
         self.dirty.nodes |= replaced(&mut self.nodes, delta.nodes);
@@ -303,7 +385,7 @@ impl State {
                 zone: self.zone.as_deref(),
             };
             let (services, warnings) =
-                ServiceIndex::build(&self.services, &self.endpoint_slices, here);
+                ServiceIndex::build(self.services.iter(), self.endpoint_slices.iter(), here);
             self.service_messages
                 .log(warnings.into_iter().map(|w| (Severity::Warn, w)).collect());
             self.service_index = Arc::new(services);
@@ -312,7 +394,7 @@ impl State {
             let ranges = self
                 .ranges
                 .with_nodes(&self.nodes)
-                .with_cluster_ips(self.service_index.ports().map(|p| p.vip.ip()));
+                .with_cluster_ips(self.service_index.vips());
             if ranges != *self.ranges {
                 self.ranges = Arc::new(ranges);
             }

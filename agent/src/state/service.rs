@@ -383,6 +383,11 @@ impl ServiceIndex {
         self.vips.contains(&ip)
     }
 
+    /// Every Service's virtual addresses, each once, in no order.
+    pub fn vips(&self) -> impl Iterator<Item = IpAddr> + '_ {
+        self.vips.iter().copied()
+    }
+
     /// How many Services have a port in the index.
     pub fn service_count(&self) -> usize {
         self.services

@@ -376,3 +376,73 @@ fn the_ranges_keep_the_configured_and_learn_nodes_and_services() {
     assert!(!s.ranges().contains(ip("10.244.2.9")));
     assert!(s.ranges().contains(ip("10.100.0.1")));
 }
+
+/// Services and EndpointSlices changed one by one make the index a whole set
+/// makes; an unchanged object changes nothing, a deleted one leaves it.
+#[test]
+fn services_change_one_by_one_as_a_whole_set_would() {
+    let service = |name: &str, ip: &str| -> Service {
+        serde_yaml_ng::from_str(&format!(
+            "metadata: {{name: {name}, namespace: a}}\nspec: {{clusterIP: {ip}, ports: [{{port: 80}}]}}"
+        ))
+        .unwrap()
+    };
+    let slice = |name: &str, ip: &str| -> EndpointSlice {
+        serde_yaml_ng::from_str(&format!(
+            "metadata: {{name: {name}-1, namespace: a, labels: {{kubernetes.io/service-name: {name}}}}}
+addressType: IPv4
+endpoints:
+- {{addresses: [{ip}]}}"
+        ))
+        .unwrap()
+    };
+    let ports = |s: &State| -> Vec<(String, Vec<std::net::SocketAddr>)> {
+        s.services()
+            .ports()
+            .map(|p| (p.vip.to_string(), p.usable().to_vec()))
+            .collect()
+    };
+    let mut whole = state();
+    whole.apply(complete(Delta {
+        all_pods: Some(Vec::new()),
+        services: Some(vec![
+            service("api", "10.96.0.1"),
+            service("web", "10.96.0.2"),
+        ]),
+        endpoint_slices: Some(vec![slice("api", "10.0.0.1"), slice("web", "10.0.0.2")]),
+        ..Delta::default()
+    }));
+    whole.refresh(&NoLayer, BTreeSet::new());
+
+    let mut one_by_one = state();
+    one_by_one.apply(complete(Delta {
+        all_pods: Some(Vec::new()),
+        services: Some(vec![service("api", "10.96.0.1")]),
+        endpoint_slices: Some(vec![slice("api", "10.0.0.1")]),
+        ..Delta::default()
+    }));
+    one_by_one.refresh(&NoLayer, BTreeSet::new());
+    one_by_one.apply(complete(Delta {
+        changed_services: vec![("a/web".into(), Some(service("web", "10.96.0.2")))],
+        changed_endpoint_slices: vec![("a/web-1".into(), Some(slice("web", "10.0.0.2")))],
+        ..Delta::default()
+    }));
+    assert!(one_by_one.refresh(&NoLayer, BTreeSet::new()).changed);
+    assert_eq!(ports(&one_by_one), ports(&whole));
+    assert_eq!(ports(&whole).len(), 2);
+
+    // The same object again changes nothing.
+    one_by_one.apply(complete(Delta {
+        changed_services: vec![("a/web".into(), Some(service("web", "10.96.0.2")))],
+        ..Delta::default()
+    }));
+    assert!(!one_by_one.refresh(&NoLayer, BTreeSet::new()).changed);
+
+    // Deleted: the Service's port leaves the index.
+    one_by_one.apply(complete(Delta {
+        changed_services: vec![("a/web".into(), None)],
+        ..Delta::default()
+    }));
+    assert!(one_by_one.refresh(&NoLayer, BTreeSet::new()).changed);
+    assert_eq!(ports(&one_by_one), ports(&whole)[..1].to_vec());
+}

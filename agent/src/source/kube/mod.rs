@@ -119,10 +119,15 @@ struct Pending {
     namespaces: bool,
     /// A pod watch listed (again): every pod is read anew.
     everything: bool,
-    /// A Service changed, or the Services were listed (or each of the other
-    /// kinds likewise).
+    /// The Services were listed (again): every Service is read anew.
     services: bool,
+    /// Services (`namespace/name`) added, changed or deleted.
+    service_keys: BTreeSet<String>,
+    /// The EndpointSlices were listed (again), and those changed, likewise.
     endpoint_slices: bool,
+    endpoint_slice_keys: BTreeSet<String>,
+    /// A Node changed, or the Nodes were listed (or each of the other kinds
+    /// likewise): the kind is read whole.
     nodes: bool,
     policies: bool,
     mtls_policies: bool,
@@ -134,7 +139,9 @@ impl Pending {
             && !self.namespaces
             && !self.everything
             && !self.services
+            && self.service_keys.is_empty()
             && !self.endpoint_slices
+            && self.endpoint_slice_keys.is_empty()
             && !self.nodes
             && !self.policies
             && !self.mtls_policies
@@ -187,16 +194,28 @@ fn record_namespace(pending: &mut Pending, _: Seen) {
     pending.namespaces = true;
 }
 
-/// Records what a Service watch saw (the other kinds likewise): the kind is
+/// Records what the Service watch saw: a list, or the Service changed.
+fn record_service(pending: &mut Pending, seen: Seen) {
+    match seen {
+        Seen::Listed => pending.services = true,
+        Seen::Object(key) => {
+            pending.service_keys.insert(key);
+        }
+    }
+}
+
+/// Records what the EndpointSlice watch saw, as [`record_service`].
+fn record_endpoint_slice(pending: &mut Pending, seen: Seen) {
+    match seen {
+        Seen::Listed => pending.endpoint_slices = true,
+        Seen::Object(key) => {
+            pending.endpoint_slice_keys.insert(key);
+        }
+    }
+}
+
+/// Records what the Node watch saw (the policy kinds likewise): the kind is
 /// sent whole.
-fn record_service(pending: &mut Pending, _: Seen) {
-    pending.services = true;
-}
-
-fn record_endpoint_slice(pending: &mut Pending, _: Seen) {
-    pending.endpoint_slices = true;
-}
-
 fn record_node(pending: &mut Pending, _: Seen) {
     pending.nodes = true;
 }
@@ -736,9 +755,17 @@ impl KubeSource {
         }
         if pending.services {
             delta.services = Some(self.read_services());
+        } else {
+            delta.changed_services = changed(pending.service_keys, &self.services, service_of);
         }
         if pending.endpoint_slices {
             delta.endpoint_slices = Some(self.read_endpoint_slices());
+        } else {
+            delta.changed_endpoint_slices = changed(
+                pending.endpoint_slice_keys,
+                &self.endpoint_slices,
+                endpoint_slice_of,
+            );
         }
         if pending.nodes {
             delta.nodes = Some(self.read_nodes());
@@ -778,6 +805,27 @@ impl KubeSource {
     fn take_pending(&self) -> Pending {
         std::mem::take(&mut *self.pending.lock().unwrap_or_else(PoisonError::into_inner))
     }
+}
+
+/// The objects `keys` (`namespace/name`) of `watch`'s store now, as podlink
+/// reads them (`of`); none for those gone.
+fn changed<K, T>(
+    keys: BTreeSet<String>,
+    watch: &Watch<K>,
+    of: impl Fn(&K) -> T,
+) -> Vec<(String, Option<T>)>
+where
+    K: Resource<DynamicType = ()> + Clone + 'static,
+{
+    keys.into_iter()
+        .map(|key| {
+            let now = key.split_once('/').and_then(|(ns, name)| {
+                let at = ObjectRef::new(name).within(ns);
+                watch.store.get(&at).map(|o| of(&o))
+            });
+            (key, now)
+        })
+        .collect()
 }
 
 /// A store's objects as [`Object`]s borrowing from them.
@@ -958,7 +1006,22 @@ mod tests {
             let mut pending = Pending::default();
             record(&mut pending, Seen::Listed);
             assert!(!pending.is_empty(), "{what}");
+            let mut pending = Pending::default();
+            record(&mut pending, Seen::Object("ns/x".into()));
+            assert!(!pending.is_empty(), "{what}");
         }
+        // Services and EndpointSlices are sent one by one, but for a list.
+        let mut pending = Pending::default();
+        record_service(&mut pending, Seen::Object("ns/web".into()));
+        record_endpoint_slice(&mut pending, Seen::Object("ns/web-1".into()));
+        assert!(!pending.services && !pending.endpoint_slices);
+        assert_eq!(pending.service_keys, BTreeSet::from(["ns/web".to_string()]));
+        assert_eq!(
+            pending.endpoint_slice_keys,
+            BTreeSet::from(["ns/web-1".to_string()])
+        );
+        record_service(&mut pending, Seen::Listed);
+        assert!(pending.services);
     }
 
     /// A 404 of an Istio kind is retried within `NOT_INSTALLED_RETRY`,
