@@ -356,20 +356,26 @@ fn release_startup_memory() {
 /// least two) keeps contention low (mallopt(3), `M_ARENA_MAX`). Call before any
 /// thread starts.
 ///
-/// It also fixes glibc's mmap and trim thresholds at
-/// [`MALLOC_THRESHOLD_BYTES`] ([`crate::sys::set_malloc_thresholds`]): blocks
-/// at least that large are mapped apart and unmapped when freed, and a free top
-/// of the heap larger than that is given back, whatever the agent freed before.
+/// It also fixes glibc's mmap threshold at [`MALLOC_MMAP_THRESHOLD_BYTES`] and
+/// its trim threshold at [`MALLOC_TRIM_THRESHOLD_BYTES`]
+/// ([`crate::sys::set_malloc_thresholds`]): blocks at least 128 KiB large (a
+/// config dump, a list's buffers) are mapped apart and unmapped when freed,
+/// whatever the agent freed before, while the heap's free top is given back
+/// only past some megabytes, so that the proxy's 64 KiB buffers, freed and
+/// taken again on every connection, do not fault their pages in each time.
 pub fn limit_allocator_arenas(threads: usize) {
     crate::sys::set_malloc_arena_max(
         libc::c_int::try_from(threads.max(2)).unwrap_or(libc::c_int::MAX),
     );
-    crate::sys::set_malloc_thresholds(MALLOC_THRESHOLD_BYTES);
+    crate::sys::set_malloc_thresholds(MALLOC_MMAP_THRESHOLD_BYTES, MALLOC_TRIM_THRESHOLD_BYTES);
 }
 
-/// glibc's mmap and trim thresholds as the agent fixes them (bytes): its
-/// default starting value, 128 KiB (mallopt(3)).
-const MALLOC_THRESHOLD_BYTES: libc::c_int = 128 * 1024;
+/// glibc's mmap threshold as the agent fixes it (bytes): its default starting
+/// value, 128 KiB (mallopt(3)).
+const MALLOC_MMAP_THRESHOLD_BYTES: libc::c_int = 128 * 1024;
+
+/// glibc's trim threshold as the agent fixes it (bytes).
+const MALLOC_TRIM_THRESHOLD_BYTES: libc::c_int = 4 * 1024 * 1024;
 
 /// Closes the listeners and waits until the open connections end, `grace` passes,
 /// or another signal comes.

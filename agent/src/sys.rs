@@ -34,21 +34,21 @@ pub fn set_malloc_arena_max(arenas: libc::c_int) {
     let _ = arenas;
 }
 
-/// Fixes glibc's `M_MMAP_THRESHOLD` and `M_TRIM_THRESHOLD` at `bytes`
-/// (mallopt(3)), where glibc's allocator is in use; nothing elsewhere. Setting
-/// them turns off glibc's dynamic threshold: otherwise freeing one large block
-/// (a config dump of a big cluster, a list's buffer) raises the mmap threshold
-/// to that block's size and the trim threshold to twice it (up to 64 MiB), and
-/// freed heap below that stays resident for good.
-pub fn set_malloc_thresholds(bytes: libc::c_int) {
+/// Fixes glibc's `M_MMAP_THRESHOLD` at `mmap_bytes` and `M_TRIM_THRESHOLD` at
+/// `trim_bytes` (mallopt(3)), where glibc's allocator is in use; nothing
+/// elsewhere. Setting them turns off glibc's dynamic thresholds: otherwise
+/// freeing one large block (a config dump of a big cluster, a list's buffer)
+/// raises the mmap threshold to that block's size, and blocks below it come
+/// from the heap, where they stay resident once freed.
+pub fn set_malloc_thresholds(mmap_bytes: libc::c_int, trim_bytes: libc::c_int) {
     #[cfg(target_env = "gnu")]
     // SAFETY: as in set_malloc_arena_max: two plain integers, no preconditions.
     unsafe {
-        libc::mallopt(libc::M_MMAP_THRESHOLD, bytes);
-        libc::mallopt(libc::M_TRIM_THRESHOLD, bytes);
+        libc::mallopt(libc::M_MMAP_THRESHOLD, mmap_bytes);
+        libc::mallopt(libc::M_TRIM_THRESHOLD, trim_bytes);
     }
     #[cfg(not(target_env = "gnu"))]
-    let _ = bytes;
+    let _ = (mmap_bytes, trim_bytes);
 }
 
 /// Moves the calling thread alone into a new network namespace

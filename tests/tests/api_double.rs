@@ -1457,11 +1457,27 @@ async fn the_agents_source_reads_the_new_kinds_and_istio_crds_installed_later() 
     })
     .await;
 
-    // A Service change comes as the whole set.
+    // A Service change comes alone, with its object; a deletion without.
     api.apply("services", service("shop", "api", "10.96.0.12"))
         .unwrap();
-    until(&mut source, "two Services", |d| {
-        d.services.as_ref().is_some_and(|s| s.len() == 2)
+    let delta = until(&mut source, "the new Service", |d| {
+        !d.changed_services.is_empty()
     })
     .await;
+    assert!(delta.services.is_none(), "not the whole set");
+    let [(key, Some(api_service))] = delta.changed_services.as_slice() else {
+        panic!("one Service, with its object: {:?}", delta.changed_services);
+    };
+    assert_eq!(key, "shop/api");
+    assert_eq!(api_service.metadata.name.as_deref(), Some("api"));
+    api.delete("services", "shop", "api").unwrap();
+    let delta = until(&mut source, "the Service deleted", |d| {
+        !d.changed_services.is_empty()
+    })
+    .await;
+    assert!(
+        matches!(delta.changed_services.as_slice(), [(key, None)] if key == "shop/api"),
+        "{:?}",
+        delta.changed_services
+    );
 }

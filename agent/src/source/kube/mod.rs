@@ -819,8 +819,11 @@ where
 {
     keys.into_iter()
         .map(|key| {
+            // Services and EndpointSlices always have a namespace; an
+            // object without one is keyed `/name` by the watch.
             let now = key.split_once('/').and_then(|(ns, name)| {
-                let at = ObjectRef::new(name).within(ns);
+                let at = ObjectRef::new(name);
+                let at = if ns.is_empty() { at } else { at.within(ns) };
                 watch.store.get(&at).map(|o| of(&o))
             });
             (key, now)
