@@ -250,7 +250,7 @@ pub struct PodCounters {
     pub dropped_fragment: u64,
     /// Dropped: TCP whose headers cannot be read (truncated or malformed).
     pub dropped_unparsable: u64,
-    /// Dropped: IPv6 TCP (or an IPv6 extension header chain), not captured yet.
+    /// Dropped: IPv6 TCP (also behind extension headers), not captured yet.
     pub dropped_ipv6: u64,
     /// Dropped: a packet of a flow the proxy had taken over whose socket is gone
     /// (for example after the agent stopped); passing it would leak it in plain text.

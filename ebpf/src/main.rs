@@ -41,10 +41,14 @@ const OK: i32 = 0;
 const DROP: i32 = 2;
 
 /// Counts and returns the verdict for a packet that is not readable IPv4 TCP.
+///
+/// IPv6 TCP is not captured yet: the agent has no IPv6 listeners, so it is dropped
+/// in both directions (fail closed), never passed around the proxy. Its capture
+/// comes with the listeners (socket lookups with IPv6 tuples, IPv6 flow keys).
 #[inline(always)]
 fn not_tcp4(packet: Packet, ifindex: u32) -> i32 {
     match packet {
-        Packet::Other | Packet::Ipv4Other { .. } => {
+        Packet::Other | Packet::Ipv4Other { .. } | Packet::Ipv6Other { .. } => {
             count(ifindex, |c| &mut c.passed);
             PASS
         }
@@ -58,7 +62,7 @@ fn not_tcp4(packet: Packet, ifindex: u32) -> i32 {
             count(ifindex, |c| &mut c.dropped_unparsable);
             DROP
         }
-        Packet::Ipv6 => {
+        Packet::Tcp6(_) => {
             count(ifindex, |c| &mut c.dropped_ipv6);
             DROP
         }
@@ -108,11 +112,18 @@ pub fn from_pod(ctx: TcContext) -> i32 {
     // What leaves an enrolled pod carries its own address (the node accepts local
     // source addresses on host veths, for the node's replies bounced back in, so it
     // must not accept them from the pod). Bounced packets are addressed to the pod.
+    // IPv6 also passes link-local and unspecified sources (neighbour discovery,
+    // MLD), for a pod without an IPv6 address too; any other IPv6 source of such a
+    // pod is spoofed (see `parse::is_pod_ipv6_source`).
     let spoofed = match &packet {
         Packet::Tcp4(pkt) => {
             !parse::is_pod_ipv4(pod, pkt.saddr) && !parse::is_pod_ipv4(pod, pkt.daddr)
         }
         Packet::Ipv4Other { saddr } => !parse::is_pod_ipv4(pod, *saddr),
+        Packet::Tcp6(pkt) => {
+            !parse::is_pod_ipv6_source(pod, &pkt.saddr) && !parse::is_pod_ipv6(pod, &pkt.daddr)
+        }
+        Packet::Ipv6Other { saddr } => !parse::is_pod_ipv6_source(pod, saddr),
         _ => false,
     };
     if spoofed {

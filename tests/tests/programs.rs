@@ -5,7 +5,7 @@
 //! tested with real traffic by the other end-to-end tests. Runs in a network
 //! namespace of its own, where loopback (ifindex 1) plays the host veth.
 
-use std::net::{Ipv4Addr, TcpListener};
+use std::net::{Ipv4Addr, Ipv6Addr, TcpListener};
 
 use aya::{
     Ebpf,
@@ -15,7 +15,7 @@ use aya::{
 use podlink_common::{
     CONFIG_DRAINING, CONFIG_FAIL_OPEN, Config, FlowKey, MAP_CAPTURED_FLOWS, MAP_CONFIG,
     MAP_COUNTERS, MAP_EXCLUDED_PORTS, MAP_PODS, OUTBOUND_PORT, POD_ENROLLED, POD_HAS_IPV4,
-    PROXY_MARK, PodCounters, PodInfo, ipv4_mapped,
+    POD_HAS_IPV6, PROXY_MARK, PodCounters, PodInfo, ipv4_mapped,
 };
 use podlink_tests::netns;
 
@@ -27,6 +27,9 @@ const REDIRECT: u32 = 7; // TC_ACT_REDIRECT
 const POD: Ipv4Addr = Ipv4Addr::new(10, 244, 1, 5);
 const PEER: Ipv4Addr = Ipv4Addr::new(10, 244, 2, 7);
 const NODE: Ipv4Addr = Ipv4Addr::new(10, 244, 1, 1);
+const POD6: Ipv6Addr = Ipv6Addr::new(0xfd00, 0x10, 0x244, 1, 0, 0, 0, 5);
+const PEER6: Ipv6Addr = Ipv6Addr::new(0xfd00, 0x10, 0x244, 2, 0, 0, 0, 7);
+const LINK_LOCAL: Ipv6Addr = Ipv6Addr::new(0xfe80, 0, 0, 0, 0, 0, 0, 5);
 const IFINDEX: u32 = 1;
 
 const SYN: u8 = 0x02;
@@ -49,6 +52,53 @@ fn tcp(src: Ipv4Addr, dst: Ipv4Addr, sport: u16, dport: u16, flags: u8) -> Vec<u
     t[12] = 5 << 4;
     t[13] = flags;
     p
+}
+
+/// Ethernet + IPv6 + extension headers + `upper`, the upper-layer header of protocol
+/// `proto`. `ext` lists the extension headers in order, as (header type,
+/// `hdr_ext_len`): each is `(hdr_ext_len + 1) * 8` bytes, zero but for its next
+/// header and length (a fragment header, type 44, takes length 0: its second byte
+/// is reserved).
+fn ipv6(src: Ipv6Addr, dst: Ipv6Addr, ext: &[(u8, u8)], proto: u8, upper: &[u8]) -> Vec<u8> {
+    let mut p = vec![0u8; 14 + 40];
+    p[12..14].copy_from_slice(&0x86ddu16.to_be_bytes());
+    p[14] = 0x60;
+    p[20] = ext.first().map_or(proto, |e| e.0);
+    p[21] = 64;
+    p[22..38].copy_from_slice(&src.octets());
+    p[38..54].copy_from_slice(&dst.octets());
+    for (i, &(_, len)) in ext.iter().enumerate() {
+        let mut header = vec![0u8; (usize::from(len) + 1) * 8];
+        header[0] = ext.get(i + 1).map_or(proto, |e| e.0);
+        header[1] = len;
+        p.extend(header);
+    }
+    p.extend(upper);
+    let payload = u16::try_from(p.len() - 54).unwrap();
+    p[18..20].copy_from_slice(&payload.to_be_bytes());
+    p
+}
+
+/// A 20-byte TCP header with the given ports and flags.
+fn tcp_header(sport: u16, dport: u16, flags: u8) -> [u8; 20] {
+    let mut t = [0u8; 20];
+    t[0..2].copy_from_slice(&sport.to_be_bytes());
+    t[2..4].copy_from_slice(&dport.to_be_bytes());
+    t[12] = 5 << 4;
+    t[13] = flags;
+    t
+}
+
+/// Ethernet + IPv6 + extension headers (see [`ipv6`]) + TCP.
+fn tcp6(
+    src: Ipv6Addr,
+    dst: Ipv6Addr,
+    ext: &[(u8, u8)],
+    sport: u16,
+    dport: u16,
+    flags: u8,
+) -> Vec<u8> {
+    ipv6(src, dst, ext, 6, &tcp_header(sport, dport, flags))
 }
 
 /// The captured-flows key of a flow as `from_pod` sees its packets.
@@ -97,9 +147,9 @@ impl Programs {
             IFINDEX,
             PodInfo {
                 ipv4: ipv4_mapped(POD.octets()),
-                flags: POD_ENROLLED | POD_HAS_IPV4,
+                ipv6: POD6.octets(),
+                flags: POD_ENROLLED | POD_HAS_IPV4 | POD_HAS_IPV6,
                 workload_id: 1,
-                ..PodInfo::default()
             },
             0,
         )
@@ -118,6 +168,21 @@ impl Programs {
             HashMap::try_from(ebpf.map_mut(MAP_EXCLUDED_PORTS).unwrap()).unwrap();
         excluded.insert(22, 1, 0).unwrap();
         Self { ebpf }
+    }
+
+    /// Gives the pod its IPv6 address `POD6` (`on`), or leaves it without one.
+    fn set_pod_ipv6(&mut self, on: bool) {
+        let mut pods: HashMap<&mut MapData, u32, PodInfo> =
+            HashMap::try_from(self.ebpf.map_mut(MAP_PODS).unwrap()).unwrap();
+        let mut pod = pods.get(&IFINDEX, 0).unwrap();
+        if on {
+            pod.ipv6 = POD6.octets();
+            pod.flags |= POD_HAS_IPV6;
+        } else {
+            pod.ipv6 = [0; 16];
+            pod.flags &= !POD_HAS_IPV6;
+        }
+        pods.insert(IFINDEX, pod, 0).unwrap();
     }
 
     /// Sets (`on`) or clears the config map's `flag`.
@@ -139,7 +204,9 @@ impl Programs {
         let mut opts = TestRunOptions::new();
         opts.data_in = Some(packet);
         opts.ctx_in = Some(&ctx_in);
-        p.test_run(opts).expect("BPF_PROG_TEST_RUN").return_value
+        p.test_run(opts)
+            .unwrap_or_else(|e| panic!("BPF_PROG_TEST_RUN {packet:02x?}: {e}"))
+            .return_value
     }
 
     fn flows(&mut self) -> HashMap<&mut MapData, FlowKey, u32> {
@@ -223,12 +290,15 @@ fn decisions_on_crafted_packets() {
         // passed around the proxy: IPv6 TCP (not captured yet), fragments (a first
         // fragment with MF, a later one with an offset), truncated headers.
         let before = p.counters();
-        let mut v6 = icmp6.clone();
-        v6[20] = 6;
-        assert_eq!(p.run("from_pod", &v6, 0), DROP);
-        assert_eq!(p.run("to_pod", &v6, 0), DROP);
-        let mut hop_by_hop = icmp6.clone();
-        hop_by_hop[20] = 0;
+        assert_eq!(
+            p.run("from_pod", &tcp6(POD6, PEER6, &[], 1000, 80, SYN), 0),
+            DROP
+        );
+        assert_eq!(
+            p.run("to_pod", &tcp6(PEER6, POD6, &[], 1000, 80, SYN), 0),
+            DROP
+        );
+        let hop_by_hop = tcp6(POD6, PEER6, &[(0, 0)], 1000, 80, SYN);
         assert_eq!(p.run("from_pod", &hop_by_hop, 0), DROP);
         for frag_field in [0x2000u16, 0x0010] {
             let mut frag = tcp(POD, PEER, 1000, 80, SYN);
@@ -404,6 +474,202 @@ fn decisions_on_crafted_packets() {
         p.set_flag(CONFIG_FAIL_OPEN, true);
         assert_eq!(p.run("from_pod", &tcp(POD, PEER, 1002, 80, SYN), 0), PASS);
         assert_eq!(p.run("from_pod", &tcp(PEER, POD, 1002, 80, SYN), 0), DROP);
+    });
+}
+
+#[test]
+fn ipv6_decisions_on_crafted_packets() {
+    in_fresh_netns(|| {
+        let mut p = Programs::load();
+        let udp_header = [0u8; 8];
+        // An ICMPv6 echo request.
+        let echo = [128u8, 0, 0, 0, 0, 0, 0, 1];
+        // A neighbour solicitation (type 135) for the node's link-local address.
+        let mut solicitation = [0u8; 24];
+        solicitation[0] = 135;
+        solicitation[8..24].copy_from_slice(&Ipv6Addr::new(0xfe80, 0, 0, 0, 0, 0, 0, 1).octets());
+        let solicited_node: Ipv6Addr = "ff02::1:ff00:1".parse().unwrap();
+        let all_routers: Ipv6Addr = "ff02::2".parse().unwrap();
+        let mld_routers: Ipv6Addr = "ff02::16".parse().unwrap();
+
+        // Not TCP, from the pod's own address: passed, both ways, also behind
+        // extension headers and as a fragment (large UDP, as in IPv4).
+        let before = p.counters();
+        for packet in [
+            ipv6(POD6, PEER6, &[], 17, &udp_header),
+            ipv6(POD6, PEER6, &[], 58, &echo),
+            ipv6(POD6, PEER6, &[(60, 0)], 17, &udp_header),
+            ipv6(POD6, PEER6, &[(44, 0)], 17, &udp_header),
+            ipv6(POD6, PEER6, &[], 59, &[]),
+        ] {
+            assert_eq!(p.run("from_pod", &packet, 0), PASS);
+        }
+        assert_eq!(
+            p.run("to_pod", &ipv6(PEER6, POD6, &[], 17, &udp_header), 0),
+            PASS
+        );
+        assert_eq!(p.run("to_pod", &ipv6(PEER6, POD6, &[], 58, &echo), 0), PASS);
+        assert_eq!(p.counters().passed, before.passed + 7);
+
+        // Neighbour discovery and MLD, from a link-local address or from `::`
+        // (duplicate address detection), pass whether the pod has an IPv6 address
+        // or not (an IPv4-only pod's interface has IPv6 on all the same).
+        for has_ipv6 in [true, false] {
+            p.set_pod_ipv6(has_ipv6);
+            let before = p.counters();
+            for packet in [
+                ipv6(LINK_LOCAL, solicited_node, &[], 58, &solicitation),
+                ipv6(
+                    Ipv6Addr::UNSPECIFIED,
+                    solicited_node,
+                    &[],
+                    58,
+                    &solicitation,
+                ),
+                ipv6(
+                    LINK_LOCAL,
+                    all_routers,
+                    &[],
+                    58,
+                    &[133, 0, 0, 0, 0, 0, 0, 0],
+                ),
+                ipv6(
+                    LINK_LOCAL,
+                    mld_routers,
+                    &[(0, 0)],
+                    58,
+                    &[143, 0, 0, 0, 0, 0, 0, 0],
+                ),
+            ] {
+                assert_eq!(
+                    p.run("from_pod", &packet, 0),
+                    PASS,
+                    "pod has IPv6: {has_ipv6}"
+                );
+            }
+            assert_eq!(p.counters().passed, before.passed + 4);
+            assert_eq!(p.counters().dropped_spoofed, before.dropped_spoofed);
+        }
+
+        // A pod without an IPv6 address (in the mesh's view) sending from a global
+        // or unique local address: spoofed, TCP or not.
+        let before = p.counters();
+        assert_eq!(
+            p.run("from_pod", &ipv6(POD6, PEER6, &[], 17, &udp_header), 0),
+            DROP
+        );
+        assert_eq!(
+            p.run("from_pod", &tcp6(POD6, PEER6, &[], 1000, 80, SYN), 0),
+            DROP
+        );
+        assert_eq!(p.counters().dropped_spoofed, before.dropped_spoofed + 2);
+        p.set_pod_ipv6(true);
+
+        // A pod with an IPv6 address sending from another one: spoofed, TCP or
+        // not, checked before IPv6 TCP is dropped as not captured.
+        let before = p.counters();
+        let elsewhere: Ipv6Addr = "fd00:10:244:1::99".parse().unwrap();
+        for packet in [
+            ipv6(elsewhere, PEER6, &[], 17, &udp_header),
+            ipv6(elsewhere, PEER6, &[], 58, &echo),
+            ipv6(Ipv6Addr::LOCALHOST, PEER6, &[], 17, &udp_header),
+            tcp6(elsewhere, PEER6, &[], 1000, 80, SYN),
+            tcp6(elsewhere, PEER6, &[(0, 0), (60, 0)], 1000, 80, ACK),
+        ] {
+            assert_eq!(p.run("from_pod", &packet, 0), DROP);
+        }
+        let after = p.counters();
+        assert_eq!(after.dropped_spoofed, before.dropped_spoofed + 5);
+        assert_eq!(after.dropped_ipv6, before.dropped_ipv6);
+
+        // IPv6 TCP is not captured yet: dropped in both directions (fail closed),
+        // from the pod, bounced to it (addressed to the pod, any source), and
+        // behind hop-by-hop, routing (16 bytes) and destination options headers,
+        // up to four of them.
+        let before = p.counters();
+        let chain = [(0, 0), (43, 1), (60, 0)];
+        for (program, packet) in [
+            ("from_pod", tcp6(POD6, PEER6, &[], 1000, 80, SYN)),
+            ("from_pod", tcp6(POD6, PEER6, &[], 1000, 80, ACK)),
+            ("from_pod", tcp6(PEER6, POD6, &[], 1000, 80, SYN)),
+            ("from_pod", tcp6(POD6, PEER6, &chain, 1000, 80, SYN)),
+            (
+                "from_pod",
+                tcp6(
+                    POD6,
+                    PEER6,
+                    &[(0, 0), (60, 1), (43, 0), (60, 0)],
+                    1000,
+                    80,
+                    SYN,
+                ),
+            ),
+            ("to_pod", tcp6(PEER6, POD6, &[], 1000, 80, SYN)),
+            ("to_pod", tcp6(PEER6, POD6, &chain, 1000, 80, ACK)),
+        ] {
+            assert_eq!(p.run(program, &packet, 0), DROP, "{program}");
+        }
+        let after = p.counters();
+        assert_eq!(after.dropped_ipv6, before.dropped_ipv6 + 7);
+        assert_eq!(after.dropped_unparsable, before.dropped_unparsable);
+        // The proxy's own IPv6 packets pass, as before.
+        assert_eq!(
+            p.run("to_pod", &tcp6(PEER6, POD6, &[], 1000, 80, SYN), PROXY_MARK),
+            PASS
+        );
+
+        // Fragments of TCP (or of extension headers that may hide it): dropped.
+        let before = p.counters();
+        for (program, packet) in [
+            ("from_pod", tcp6(POD6, PEER6, &[(44, 0)], 1000, 80, SYN)),
+            (
+                "from_pod",
+                tcp6(POD6, PEER6, &[(0, 0), (44, 0)], 1000, 80, SYN),
+            ),
+            (
+                "from_pod",
+                ipv6(POD6, PEER6, &[(44, 0), (60, 0)], 17, &udp_header),
+            ),
+            ("to_pod", tcp6(PEER6, POD6, &[(44, 0)], 1000, 80, SYN)),
+        ] {
+            assert_eq!(p.run(program, &packet, 0), DROP, "{program}");
+        }
+        assert_eq!(p.counters().dropped_fragment, before.dropped_fragment + 4);
+
+        // Unreadable: more than four extension headers, a truncated TCP header or
+        // extension header, a wrong IP version: dropped as truncated IPv4 TCP is.
+        // (A truncated fixed IPv6 header is parsed as unreadable too, but
+        // `BPF_PROG_TEST_RUN` refuses such a packet with `EINVAL`.)
+        let before = p.counters();
+        let five = [(0, 0), (60, 0), (43, 0), (60, 0), (60, 0)];
+        let mut version4 = tcp6(POD6, PEER6, &[], 1000, 80, SYN);
+        version4[14] = 0x40;
+        let mut long_option = tcp6(POD6, PEER6, &[(0, 0)], 1000, 80, SYN);
+        long_option[55] = 2; // 24 bytes announced: the TCP header is cut
+        for (program, packet) in [
+            ("from_pod", tcp6(POD6, PEER6, &five, 1000, 80, SYN)),
+            ("from_pod", ipv6(POD6, PEER6, &five, 17, &udp_header)),
+            ("to_pod", tcp6(PEER6, POD6, &five, 1000, 80, SYN)),
+            (
+                "from_pod",
+                tcp6(POD6, PEER6, &[], 1000, 80, SYN)[..14 + 40 + 10].to_vec(),
+            ),
+            (
+                "from_pod",
+                tcp6(POD6, PEER6, &chain, 1000, 80, SYN)[..14 + 40 + 32 + 10].to_vec(),
+            ),
+            ("from_pod", long_option),
+            ("from_pod", version4),
+        ] {
+            assert_eq!(p.run(program, &packet, 0), DROP, "{program}");
+        }
+        let after = p.counters();
+        assert_eq!(after.dropped_unparsable, before.dropped_unparsable + 7);
+        assert_eq!(after.dropped_ipv6, before.dropped_ipv6);
+
+        // IPv4 is unchanged by the pod's IPv6 address.
+        assert_eq!(p.run("from_pod", &tcp(POD, PEER, 1000, 80, ACK), 0), PASS);
+        assert_eq!(p.run("from_pod", &tcp(NODE, PEER, 1000, 80, ACK), 0), DROP);
     });
 }
 
