@@ -403,6 +403,7 @@ mod tests {
             workload: "amb/new".into(),
             workload_id: 1,
             ipv4: "10.244.1.9".parse().unwrap(),
+            ipv6: None,
             ifname: "veth9".into(),
             ifindex: 9,
         }

@@ -40,7 +40,7 @@ use rcu::ExpeditedAttach;
 use std::{
     collections::{HashMap, HashSet},
     fs::{self, File},
-    net::Ipv4Addr,
+    net::{Ipv4Addr, Ipv6Addr},
     path::{Path, PathBuf},
     sync::Arc,
 };
@@ -62,7 +62,7 @@ use nix::fcntl::Flock;
 use podlink_common::{
     CONFIG_DRAINING, CidrKey, Config, FlowKey, LAYOUT_VERSION, LINKS_DIR, MAP_CAPTURED_FLOWS,
     MAP_CONFIG, MAP_COUNTERS, MAP_EXCLUDED_CIDRS, MAP_EXCLUDED_PORTS, MAP_NAMES, MAP_PODS,
-    MAX_NODE_ADDRS, POD_ENROLLED, POD_HAS_IPV4, PodCounters, PodInfo, ipv4_mapped,
+    MAX_NODE_ADDRS, POD_ENROLLED, POD_HAS_IPV4, POD_HAS_IPV6, PodCounters, PodInfo, ipv4_mapped,
 };
 
 /// The pin directory by default (on the host's bpffs).
@@ -124,6 +124,9 @@ pub struct CapturedPod {
     pub workload_id: u32,
     /// The pod's IPv4 address.
     pub ipv4: Ipv4Addr,
+    /// The pod's IPv6 address, if it has one (`status.podIPs`): the programs
+    /// let IPv6 leave the pod only from it (or from a link-local address).
+    pub ipv6: Option<Ipv6Addr>,
     /// The host veth.
     pub ifname: Arc<str>,
     /// The host veth's interface index in the node namespace.
@@ -134,8 +137,8 @@ impl CapturedPod {
     fn info(&self) -> PodInfo {
         PodInfo {
             ipv4: ipv4_mapped(self.ipv4.octets()),
-            ipv6: [0; 16],
-            flags: POD_ENROLLED | POD_HAS_IPV4,
+            ipv6: self.ipv6.map_or([0; 16], |a| a.octets()),
+            flags: POD_ENROLLED | POD_HAS_IPV4 | if self.ipv6.is_some() { POD_HAS_IPV6 } else { 0 },
             workload_id: self.workload_id,
         }
     }
@@ -775,5 +778,34 @@ pub(crate) mod testing {
             .unwrap();
         assert!(out.status.success(), "ip {args}: {out:?}");
         String::from_utf8(out.stdout).unwrap()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A pod's map entry carries its IPv6 address, flagged, when it has one:
+    /// the programs take IPv6 from the pod only from that address.
+    #[test]
+    fn a_pods_entry_carries_both_families() {
+        let mut pod = CapturedPod {
+            workload: "shop/web".into(),
+            workload_id: 3,
+            ipv4: Ipv4Addr::new(10, 244, 1, 5),
+            ipv6: None,
+            ifname: "veth5".into(),
+            ifindex: 5,
+        };
+        let info = pod.info();
+        assert_eq!(info.flags, POD_ENROLLED | POD_HAS_IPV4);
+        assert_eq!(info.ipv6, [0; 16]);
+        assert_eq!(info.ipv4, ipv4_mapped([10, 244, 1, 5]));
+        let v6: Ipv6Addr = "fd00:10:244:1::5".parse().unwrap();
+        pod.ipv6 = Some(v6);
+        let info = pod.info();
+        assert_eq!(info.flags, POD_ENROLLED | POD_HAS_IPV4 | POD_HAS_IPV6);
+        assert_eq!(info.ipv6, v6.octets());
+        assert_eq!(info.workload_id, 3);
     }
 }

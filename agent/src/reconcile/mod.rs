@@ -374,6 +374,7 @@ impl<C: Capture> Reconciler<C> {
                 workload: workload.key.clone(),
                 workload_id,
                 ipv4,
+                ipv6: workload.ipv6(),
                 ifname: ifname.clone(),
                 ifindex,
             });

@@ -180,6 +180,7 @@ fn captured(name: &str, ip: &str, ifindex: u32) -> CapturedPod {
         workload: Arc::from(format!("amb/{name}")),
         workload_id: 1,
         ipv4: ip.parse().unwrap(),
+        ipv6: None,
         ifname: Arc::from(format!("veth{ifindex}")),
         ifindex,
     }

@@ -326,6 +326,15 @@ impl Workload {
             IpAddr::V6(_) => None,
         })
     }
+
+    /// The workload's first IPv6 address (`status.podIPs`), if any; an
+    /// IPv4-mapped address is not one.
+    pub fn ipv6(&self) -> Option<std::net::Ipv6Addr> {
+        self.ips.iter().find_map(|ip| match ip {
+            IpAddr::V6(v6) if v6.to_ipv4_mapped().is_none() => Some(*v6),
+            _ => None,
+        })
+    }
 }
 
 /// Pods that are not workloads: finished ones no longer own their address.
