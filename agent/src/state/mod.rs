@@ -14,6 +14,7 @@
 
 pub mod delta;
 pub mod endpoint;
+mod keyed;
 pub mod ranges;
 pub mod service;
 pub mod view;
@@ -34,7 +35,10 @@ pub use workload::{
     WorkloadIndex, enrollment,
 };
 
-use self::service::{Locality, ServiceIndex};
+use self::{
+    keyed::Keyed,
+    service::{Locality, ServiceIndex},
+};
 use crate::{
     authz::{MtlsPolicy, Policy, PolicySet},
     k8s::{EndpointSlice, Namespace, Node, Pod, Service, ZONE_LABEL},
@@ -75,7 +79,7 @@ pub struct State {
     trust_domain: String,
     root_namespace: String,
     /// Every pod's definitions, by `namespace/name`, in the source's order.
-    pods: BTreeMap<String, Vec<Pod>>,
+    pods: Keyed<Pod>,
     namespaces: Vec<Namespace>,
     services: Keyed<Service>,
     endpoint_slices: Keyed<EndpointSlice>,
@@ -127,86 +131,6 @@ struct Dirty {
     completeness: bool,
 }
 
-/// Objects of one kind by `namespace/name`, each key with its definitions in
-/// the source's order (a manifests directory may define one twice), so that a
-/// source may change them one by one.
-#[derive(Debug)]
-struct Keyed<T> {
-    objects: BTreeMap<String, Vec<T>>,
-}
-
-impl<T> Default for Keyed<T> {
-    fn default() -> Self {
-        Keyed {
-            objects: BTreeMap::new(),
-        }
-    }
-}
-
-impl<T: PartialEq + HasMeta> Keyed<T> {
-    /// Takes in `all` (every object anew, when given), then `changed` (each
-    /// `namespace/name` with its object now, none when gone); returns whether
-    /// anything differs.
-    fn apply(&mut self, all: Option<Vec<T>>, changed: Vec<(String, Option<T>)>) -> bool {
-        let mut differs = false;
-        if let Some(all) = all {
-            let mut objects: BTreeMap<String, Vec<T>> = BTreeMap::new();
-            for o in all {
-                let meta = o.meta();
-                let key = format!(
-                    "{}/{}",
-                    meta.namespace_or_default(),
-                    meta.name.as_deref().unwrap_or_default()
-                );
-                objects.entry(key).or_default().push(o);
-            }
-            objects.values_mut().for_each(Vec::shrink_to_fit);
-            if objects != self.objects {
-                self.objects = objects;
-                differs = true;
-            }
-        }
-        for (key, now) in changed {
-            let before = self.objects.get(&key).map_or(&[][..], Vec::as_slice);
-            if before == now.as_slice() {
-                continue;
-            }
-            differs = true;
-            match now {
-                Some(o) => {
-                    self.objects.insert(key, vec![o]);
-                }
-                None => {
-                    self.objects.remove(&key);
-                }
-            }
-        }
-        differs
-    }
-
-    /// Every object, by `namespace/name`.
-    fn iter(&self) -> impl Iterator<Item = &T> {
-        self.objects.values().flatten()
-    }
-}
-
-/// An API object's metadata.
-trait HasMeta {
-    fn meta(&self) -> &crate::k8s::ObjectMeta;
-}
-
-impl HasMeta for Service {
-    fn meta(&self) -> &crate::k8s::ObjectMeta {
-        &self.metadata
-    }
-}
-
-impl HasMeta for EndpointSlice {
-    fn meta(&self) -> &crate::k8s::ObjectMeta {
-        &self.metadata
-    }
-}
-
 /// Puts `new` in `slot` when it is given and differs; returns whether it did.
 fn replaced<T: PartialEq>(slot: &mut T, new: Option<T>) -> bool {
     match new {
@@ -236,7 +160,7 @@ impl State {
             node: node.to_string(),
             trust_domain: trust_domain.to_string(),
             root_namespace: root_namespace.to_string(),
-            pods: BTreeMap::new(),
+            pods: Keyed::default(),
             namespaces: Vec::new(),
             services: Keyed::default(),
             endpoint_slices: Keyed::default(),
@@ -272,36 +196,17 @@ impl State {
     /// Takes in a source's delta. The indexes are made again by the next
     /// [`State::refresh`], once for all the deltas applied before it.
     pub fn apply(&mut self, delta: Delta) {
-        if let Some(all) = delta.all_pods {
-            let mut pods: BTreeMap<String, Vec<Pod>> = BTreeMap::new();
-            for pod in all {
-                if let Some(key) = pod.key() {
-                    pods.entry(key).or_default().push(pod);
-                }
-            }
-            // A pushed-to Vec holds room for four pods: thousands of
-            // one-definition pods would keep three times their size unused.
-            pods.values_mut().for_each(Vec::shrink_to_fit);
-            if pods != self.pods {
-                self.pods = pods;
-                self.dirty.all_pods = true;
-                self.dirty.enrollment_labels = true;
-            }
+        if let Some(all) = delta.all_pods
+            && self.pods.replace_all(all)
+        {
+            self.dirty.all_pods = true;
+            self.dirty.enrollment_labels = true;
         }
         for (key, definitions) in delta.pods {
-            let before = self.pods.get(&key).map_or(&[][..], Vec::as_slice);
-            if before == definitions.as_slice() {
-                continue;
+            if let Some(before) = self.pods.set(key.clone(), definitions) {
+                self.dirty.enrollment_labels |= labelled(&before) || labelled(self.pods.get(&key));
+                self.dirty.pods.insert(key);
             }
-            self.dirty.enrollment_labels |= labelled(before) || labelled(&definitions);
-            if definitions.is_empty() {
-                self.pods.remove(&key);
-            } else {
-                let mut definitions = definitions;
-                definitions.shrink_to_fit();
-                self.pods.insert(key.clone(), definitions);
-            }
-            self.dirty.pods.insert(key);
         }
         if replaced(&mut self.namespaces, delta.namespaces) {
             self.dirty.all_pods = true;
@@ -349,12 +254,7 @@ impl State {
                 }
                 self.workloads = Arc::new(index);
             } else {
-                let pods: Vec<Cow<'_, Pod>> = self
-                    .pods
-                    .values()
-                    .flatten()
-                    .map(|p| layer.overlaid(p))
-                    .collect();
+                let pods: Vec<Cow<'_, Pod>> = self.pods.iter().map(|p| layer.overlaid(p)).collect();
                 let (index, _) = self.workloads.rebuild(
                     &self.node,
                     &self.trust_domain,
@@ -436,8 +336,7 @@ impl State {
         let definitions: Vec<Cow<'_, Pod>> = self
             .pods
             .get(key)
-            .into_iter()
-            .flatten()
+            .iter()
             .map(|p| layer.overlaid(p))
             .collect();
         // The last of that name, as a rebuild's lookup keeps.
@@ -582,7 +481,7 @@ impl State {
     /// Every pod definition the source has (without the layer), by
     /// `namespace/name`.
     pub fn pods(&self) -> impl Iterator<Item = &Pod> {
-        self.pods.values().flatten()
+        self.pods.iter()
     }
 
     /// Every Namespace object the source has.
