@@ -113,19 +113,13 @@ impl kube::runtime::utils::Backoff for ProgressBackoff {
 /// What the watches saw change since the last delta.
 #[derive(Debug, Default)]
 struct Pending {
-    /// Pods (`namespace/name`) added, changed (in what podlink reads) or deleted.
-    pods: BTreeSet<String>,
+    /// Pods: a pod watch listed (again), or pods changed.
+    pods: Changes,
     /// A Namespace was added, changed or deleted, or the namespaces were listed.
     namespaces: bool,
-    /// A pod watch listed (again): every pod is read anew.
-    everything: bool,
-    /// The Services were listed (again): every Service is read anew.
-    services: bool,
-    /// Services (`namespace/name`) added, changed or deleted.
-    service_keys: BTreeSet<String>,
-    /// The EndpointSlices were listed (again), and those changed, likewise.
-    endpoint_slices: bool,
-    endpoint_slice_keys: BTreeSet<String>,
+    /// Services and EndpointSlices, likewise.
+    services: Changes,
+    endpoint_slices: Changes,
     /// A Node changed, or the Nodes were listed (or each of the other kinds
     /// likewise): the kind is read whole.
     nodes: bool,
@@ -137,14 +131,36 @@ impl Pending {
     fn is_empty(&self) -> bool {
         self.pods.is_empty()
             && !self.namespaces
-            && !self.everything
-            && !self.services
-            && self.service_keys.is_empty()
-            && !self.endpoint_slices
-            && self.endpoint_slice_keys.is_empty()
+            && self.services.is_empty()
+            && self.endpoint_slices.is_empty()
             && !self.nodes
             && !self.policies
             && !self.mtls_policies
+    }
+}
+
+/// What a watch of a kind sent one by one saw since the last delta.
+#[derive(Debug, Default)]
+struct Changes {
+    /// The watch listed (again): every object is read anew.
+    listed: bool,
+    /// Objects (`namespace/name`) added, changed (in what podlink reads) or
+    /// deleted.
+    keys: BTreeSet<String>,
+}
+
+impl Changes {
+    fn record(&mut self, seen: Seen) {
+        match seen {
+            Seen::Listed => self.listed = true,
+            Seen::Object(key) => {
+                self.keys.insert(key);
+            }
+        }
+    }
+
+    fn is_empty(&self) -> bool {
+        !self.listed && self.keys.is_empty()
     }
 }
 
@@ -181,12 +197,7 @@ enum Seen {
 
 /// Records what a pod watch saw.
 fn record_pod(pending: &mut Pending, seen: Seen) {
-    match seen {
-        Seen::Listed => pending.everything = true,
-        Seen::Object(key) => {
-            pending.pods.insert(key);
-        }
-    }
+    pending.pods.record(seen);
 }
 
 /// Records what the namespace watch saw.
@@ -196,22 +207,12 @@ fn record_namespace(pending: &mut Pending, _: Seen) {
 
 /// Records what the Service watch saw: a list, or the Service changed.
 fn record_service(pending: &mut Pending, seen: Seen) {
-    match seen {
-        Seen::Listed => pending.services = true,
-        Seen::Object(key) => {
-            pending.service_keys.insert(key);
-        }
-    }
+    pending.services.record(seen);
 }
 
 /// Records what the EndpointSlice watch saw, as [`record_service`].
 fn record_endpoint_slice(pending: &mut Pending, seen: Seen) {
-    match seen {
-        Seen::Listed => pending.endpoint_slices = true,
-        Seen::Object(key) => {
-            pending.endpoint_slice_keys.insert(key);
-        }
-    }
+    pending.endpoint_slices.record(seen);
 }
 
 /// Records what the Node watch saw (the policy kinds likewise): the kind is
@@ -745,24 +746,28 @@ impl KubeSource {
             completeness: self.completeness(),
             ..Delta::default()
         };
-        if pending.everything {
+        if pending.pods.listed {
             delta.all_pods = Some(self.read_all_pods());
         } else {
-            delta.pods = changed_pods(pending.pods, &self.local_pods.store, &self.all_pods.store);
+            delta.pods = changed_pods(
+                pending.pods.keys,
+                &self.local_pods.store,
+                &self.all_pods.store,
+            );
         }
         if pending.namespaces {
             delta.namespaces = Some(self.read_namespaces());
         }
-        if pending.services {
+        if pending.services.listed {
             delta.services = Some(self.read_services());
         } else {
-            delta.changed_services = changed(pending.service_keys, &self.services, service_of);
+            delta.changed_services = changed(pending.services.keys, &self.services, service_of);
         }
-        if pending.endpoint_slices {
+        if pending.endpoint_slices.listed {
             delta.endpoint_slices = Some(self.read_endpoint_slices());
         } else {
             delta.changed_endpoint_slices = changed(
-                pending.endpoint_slice_keys,
+                pending.endpoint_slices.keys,
                 &self.endpoint_slices,
                 endpoint_slice_of,
             );
@@ -993,10 +998,10 @@ mod tests {
         assert!(pending.is_empty());
         record_pod(&mut pending, Seen::Object("ns/a".into()));
         record_pod(&mut pending, Seen::Object("ns/a".into()));
-        assert_eq!(pending.pods, BTreeSet::from(["ns/a".to_string()]));
-        assert!(!pending.everything && !pending.namespaces);
+        assert_eq!(pending.pods.keys, BTreeSet::from(["ns/a".to_string()]));
+        assert!(!pending.pods.listed && !pending.namespaces);
         record_pod(&mut pending, Seen::Listed);
-        assert!(pending.everything);
+        assert!(pending.pods.listed);
         record_namespace(&mut pending, Seen::Object("/shop".into()));
         assert!(pending.namespaces);
         for (record, what) in [
@@ -1017,14 +1022,17 @@ mod tests {
         let mut pending = Pending::default();
         record_service(&mut pending, Seen::Object("ns/web".into()));
         record_endpoint_slice(&mut pending, Seen::Object("ns/web-1".into()));
-        assert!(!pending.services && !pending.endpoint_slices);
-        assert_eq!(pending.service_keys, BTreeSet::from(["ns/web".to_string()]));
+        assert!(!pending.services.listed && !pending.endpoint_slices.listed);
         assert_eq!(
-            pending.endpoint_slice_keys,
+            pending.services.keys,
+            BTreeSet::from(["ns/web".to_string()])
+        );
+        assert_eq!(
+            pending.endpoint_slices.keys,
             BTreeSet::from(["ns/web-1".to_string()])
         );
         record_service(&mut pending, Seen::Listed);
-        assert!(pending.services);
+        assert!(pending.services.listed);
     }
 
     /// A 404 of an Istio kind is retried within `NOT_INSTALLED_RETRY`,
