@@ -349,21 +349,23 @@ fn release_startup_memory() {
     crate::sys::release_freed_heap();
 }
 
-/// glibc's allocator gives each thread that allocates under contention an arena
+/// Sets up glibc's allocator for the agent (mallopt(3)); call before any thread
+/// starts.
+///
+/// Arenas: glibc gives each thread that allocates under contention an arena
 /// of its own (up to eight per core), and freed memory stays in the arena it came
 /// from; buffers of connections handled on different runtime threads then hold
 /// several arenas' worth of resident memory. One arena per runtime thread (at
-/// least two) keeps contention low (mallopt(3), `M_ARENA_MAX`). Call before any
-/// thread starts.
+/// least two) keeps contention low (`M_ARENA_MAX`).
 ///
-/// It also fixes glibc's mmap threshold at [`MALLOC_MMAP_THRESHOLD_BYTES`] and
+/// Thresholds: it fixes glibc's mmap threshold at [`MALLOC_MMAP_THRESHOLD_BYTES`] and
 /// its trim threshold at [`MALLOC_TRIM_THRESHOLD_BYTES`]
 /// ([`crate::sys::set_malloc_thresholds`]): blocks at least 128 KiB large (a
 /// config dump, a list's buffers) are mapped apart and unmapped when freed,
 /// whatever the agent freed before, while the heap's free top is given back
 /// only past some megabytes, so that the proxy's 64 KiB buffers, freed and
 /// taken again on every connection, do not fault their pages in each time.
-pub fn limit_allocator_arenas(threads: usize) {
+pub fn configure_allocator(threads: usize) {
     crate::sys::set_malloc_arena_max(
         libc::c_int::try_from(threads.max(2)).unwrap_or(libc::c_int::MAX),
     );

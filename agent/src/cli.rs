@@ -309,7 +309,7 @@ pub fn main() -> Result<()> {
         }
         Command::Agent(args) => {
             let args = *args;
-            agent::limit_allocator_arenas(if args.worker_threads > 0 {
+            agent::configure_allocator(if args.worker_threads > 0 {
                 args.worker_threads
             } else {
                 std::thread::available_parallelism().map_or(2, |n| n.get())
