@@ -26,6 +26,24 @@ use super::{
     netlink::Netlink,
 };
 
+/// Where the kernel says whether IPv6 is off for all interfaces (`disable_ipv6`,
+/// kernel `Documentation/networking/ip-sysctl.rst`). Absent when the kernel was
+/// booted with `ipv6.disable=1` or built without IPv6.
+pub const IPV6_DISABLED_SYSCTL: &str = "/proc/sys/net/ipv6/conf/all/disable_ipv6";
+
+/// Whether this network namespace has IPv6: `IPV6_DISABLED_SYSCTL` exists and
+/// reads `0`. When it does not, the agent captures, listens and routes IPv4 only
+/// (ztunnel crashed binding `[::]` on such nodes, istio/ztunnel#1131). The one
+/// answer every IPv6 step of the agent asks.
+pub fn ipv6_enabled() -> bool {
+    ipv6_enabled_from(std::fs::read_to_string(IPV6_DISABLED_SYSCTL).ok().as_deref())
+}
+
+/// [`ipv6_enabled`] on the sysctl's text, `None` when it cannot be read.
+fn ipv6_enabled_from(disable_ipv6: Option<&str>) -> bool {
+    disable_ipv6.is_some_and(|text| text.trim() == "0")
+}
+
 /// The rule's and the route's table as route netlink carries it: in the header
 /// when it fits a byte, else `RT_TABLE_UNSPEC` there and the number in an
 /// attribute (`RTA_TABLE`, `FRA_TABLE`), as `ip` does.
@@ -323,6 +341,14 @@ mod tests {
     const MARK: u32 = 0x1000;
     const TABLE: u32 = 1339;
     const PRIORITY: u32 = 1339;
+
+    #[test]
+    fn ipv6_is_on_only_when_the_sysctl_reads_zero() {
+        assert!(ipv6_enabled_from(Some("0\n")));
+        assert!(!ipv6_enabled_from(Some("1\n")));
+        assert!(!ipv6_enabled_from(None), "no sysctl: IPv6 not in this kernel");
+        assert!(!ipv6_enabled_from(Some("")));
+    }
 
     /// In a network namespace of its own (this thread's): the rule and route are
     /// those `ip` makes, installed once however often installed, and removed
