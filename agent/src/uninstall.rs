@@ -2,8 +2,8 @@
 //! with the agent stopped, so that pods talk directly again.
 //!
 //! In order: every link pin (which detaches the TCX links), map pin and layout
-//! directory under the pin directory; the policy routing rule and the route of
-//! podlink's table; `/sys/kernel/rcu_expedited` if an agent was killed while it
+//! directory under the pin directory; the policy routing rules and the routes of
+//! podlink's table (IPv4's and IPv6's); `/sys/kernel/rcu_expedited` if an agent was killed while it
 //! had it at 1; the sysctls recorded in the state directory's journal (restored
 //! where they still have podlink's value); the `podlink-cni` entries of
 //! the CNI configuration lists; then, once no step failed, the `podlink-cni`

@@ -6,8 +6,31 @@
 //! Kernel documentation: `Documentation/networking/ip-sysctl.rst` (tcp_early_demux,
 //! rp_filter); rtnetlink(7); `ip-rule(8)`, `ip-route(8)` for the same rule and
 //! route as `ip` writes them.
+//!
+//! IPv6 needs the policy routing's twins (`ip -6 rule … lookup 1339`, `local ::/0
+//! dev lo` in that table) and no sysctl in place of IPv4's `accept_local` and
+//! `rp_filter`: IPv6 has neither, and its input path refuses only a loopback
+//! (`::1`) or multicast source from a non-loopback device (`ipv6_rcv`), never a
+//! source that is one of the node's own addresses or one routed elsewhere. Seen
+//! on kernel 6.18 in two network namespaces (node and pod) joined by a veth, the
+//! node with the rule and route above (the mark emulated by `iif <host veth>
+//! lookup 1339`), `rp_filter=1` and `accept_local=0`: UDP datagrams to a
+//! non-local address, received by an `IPV6_TRANSPARENT` socket bound to `[::]`,
+//! arrive from the pod's address, from one of the node's own addresses and from
+//! an address the node has no route to, with `net.ipv6.conf.all.forwarding` 0 or
+//! 1 alike (local delivery does not forward); the IPv4 datagrams of the same
+//! test from a node address or an unroutable one are dropped until
+//! `accept_local=1` and `rp_filter=0`. `ip -6 route get <dst> from <src> iif
+//! <host veth> mark 0x1000` shows the same (`local … table 1339`). IPv6 forwarding
+//! is left to the CNI plugin that gives pods IPv6 (`ptp` turns it on): turning it
+//! on here would make the node ignore router advertisements (`accept_ra=1`).
+//! TCP early demux and `tcp_tw_reuse` have no IPv6 sysctls: `net.ipv4.*` covers
+//! IPv6 TCP too (`ip6_rcv_finish_core` reads `net.ipv4.tcp_early_demux`).
 
-use std::{collections::HashMap, net::Ipv4Addr};
+use std::{
+    collections::HashMap,
+    net::{IpAddr, Ipv4Addr, Ipv6Addr},
+};
 
 use futures_util::TryStreamExt;
 use rtnetlink::{
@@ -51,11 +74,90 @@ fn header_table(table: u32) -> u8 {
     u8::try_from(table).unwrap_or(RouteHeader::RT_TABLE_UNSPEC)
 }
 
-/// Whether `rule` is podlink's: IPv4, at `priority`, `fwmark <mark>/<mask>`
+/// An address family of the policy routing: IPv4, or its IPv6 twin.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Family {
+    V4,
+    V6,
+}
+
+impl Family {
+    /// Both families, IPv4 first.
+    const ALL: [Family; 2] = [Family::V4, Family::V6];
+
+    fn address_family(self) -> AddressFamily {
+        match self {
+            Family::V4 => AddressFamily::Inet,
+            Family::V6 => AddressFamily::Inet6,
+        }
+    }
+
+    fn ip_version(self) -> IpVersion {
+        match self {
+            Family::V4 => IpVersion::V4,
+            Family::V6 => IpVersion::V6,
+        }
+    }
+
+    /// The family's name in messages: `IPv4`, `IPv6`.
+    fn name(self) -> &'static str {
+        match self {
+            Family::V4 => "IPv4",
+            Family::V6 => "IPv6",
+        }
+    }
+
+    /// The default prefix as `ip` prints it: `0.0.0.0/0`, `::/0`.
+    fn default_prefix(self) -> &'static str {
+        match self {
+            Family::V4 => "0.0.0.0/0",
+            Family::V6 => "::/0",
+        }
+    }
+
+    /// The unspecified address: `0.0.0.0`, `::`.
+    fn unspecified(self) -> IpAddr {
+        match self {
+            Family::V4 => IpAddr::V4(Ipv4Addr::UNSPECIFIED),
+            Family::V6 => IpAddr::V6(Ipv6Addr::UNSPECIFIED),
+        }
+    }
+
+    /// The rule as `ip` prints it, in [`remove_policy_routing`]'s lines: `rule`
+    /// for IPv4 (as before IPv6 existed here), `-6 rule` for IPv6.
+    fn rule_line(self, mark: u32, mask: u32, table: u32, priority: u32) -> String {
+        let prefix = match self {
+            Family::V4 => "",
+            Family::V6 => "-6 ",
+        };
+        format!("{prefix}rule pref {priority} fwmark {mark:#x}/{mask:#x} lookup {table}")
+    }
+
+    /// The route as `ip` prints it, in [`remove_policy_routing`]'s lines.
+    fn route_line(self, table: u32) -> String {
+        let prefix = match self {
+            Family::V4 => "",
+            Family::V6 => "-6 ",
+        };
+        format!(
+            "{prefix}route local {} dev lo table {table}",
+            self.default_prefix()
+        )
+    }
+}
+
+/// Whether `rule` is podlink's of `family`: at `priority`, `fwmark <mark>/<mask>`
 /// (no other selector, not inverted), `lookup <table>`.
-fn is_policy_rule(rule: &RuleMessage, mark: u32, mask: u32, table: u32, priority: u32) -> bool {
+fn is_policy_rule(
+    rule: &RuleMessage,
+    family: Family,
+    mark: u32,
+    mask: u32,
+    table: u32,
+    priority: u32,
+) -> bool {
     let header = &rule.header;
-    if header.family != AddressFamily::Inet
+    if header.family != family.address_family()
         || header.action != RuleAction::ToTable
         || header.src_len != 0
         || header.dst_len != 0
@@ -81,11 +183,11 @@ fn is_policy_rule(rule: &RuleMessage, mark: u32, mask: u32, table: u32, priority
         && found_table == table
 }
 
-/// Whether `route` is the table's `local 0.0.0.0/0 dev lo` (`lo` the loopback's
-/// index).
-fn is_local_route(route: &RouteMessage, table: u32, lo: u32) -> bool {
+/// Whether `route` is the table's `local 0.0.0.0/0 dev lo` (or, for IPv6,
+/// `local ::/0 dev lo`; `lo` the loopback's index).
+fn is_local_route(route: &RouteMessage, family: Family, table: u32, lo: u32) -> bool {
     let header = &route.header;
-    if header.address_family != AddressFamily::Inet
+    if header.address_family != family.address_family()
         || header.kind != RouteType::Local
         || header.destination_prefix_length != 0
     {
@@ -103,34 +205,65 @@ fn is_local_route(route: &RouteMessage, table: u32, lo: u32) -> bool {
     found_table == table && oif == Some(lo)
 }
 
-/// The rules of [`is_policy_rule`] in this network namespace.
+/// Whether a route netlink request failed because the kernel has no such
+/// address family (`EAFNOSUPPORT`: IPv6 not built in, or booted with
+/// `ipv6.disable=1`).
+fn no_such_family(error: &rtnetlink::Error) -> bool {
+    matches!(error, rtnetlink::Error::NetlinkError(message)
+        if message.raw_code() == -libc::EAFNOSUPPORT)
+}
+
+/// The rules of [`is_policy_rule`] of `family` in this network namespace. A kernel
+/// without the family has none.
 async fn policy_rules(
     handle: &Handle,
+    family: Family,
     mark: u32,
     mask: u32,
     table: u32,
     priority: u32,
 ) -> Result<Vec<RuleMessage>> {
-    handle
+    let found = handle
         .rule()
-        .get(IpVersion::V4)
+        .get(family.ip_version())
         .execute()
-        .try_filter(|rule| std::future::ready(is_policy_rule(rule, mark, mask, table, priority)))
+        .try_filter(|rule| {
+            std::future::ready(is_policy_rule(rule, family, mark, mask, table, priority))
+        })
         .try_collect()
-        .await
-        .map_err(Error::netlink("dumping the IPv4 policy routing rules"))
+        .await;
+    match found {
+        Err(e) if no_such_family(&e) => Ok(Vec::new()),
+        found => found.map_err(Error::netlink(format!(
+            "dumping the {} policy routing rules",
+            family.name()
+        ))),
+    }
 }
 
-/// The routes of [`is_local_route`] in this network namespace.
-async fn local_routes(handle: &Handle, table: u32, lo: u32) -> Result<Vec<RouteMessage>> {
-    handle
+/// The routes of [`is_local_route`] of `family` in this network namespace.
+async fn local_routes(
+    handle: &Handle,
+    family: Family,
+    table: u32,
+    lo: u32,
+) -> Result<Vec<RouteMessage>> {
+    let mut dump = RouteMessage::default();
+    dump.header.address_family = family.address_family();
+    let found = handle
         .route()
-        .get(RouteMessageBuilder::<Ipv4Addr>::new().build())
+        .get(dump)
         .execute()
-        .try_filter(|route| std::future::ready(is_local_route(route, table, lo)))
+        .try_filter(|route| std::future::ready(is_local_route(route, family, table, lo)))
         .try_collect()
-        .await
-        .map_err(Error::netlink("dumping the IPv4 routes"))
+        .await;
+    match found {
+        Err(e) if no_such_family(&e) => Ok(Vec::new()),
+        found => found.map_err(Error::netlink(format!(
+            "dumping the {} routes",
+            family.name()
+        ))),
+    }
 }
 
 /// The loopback's interface index.
@@ -142,9 +275,11 @@ fn loopback() -> Result<u32> {
 /// table's `local 0.0.0.0/0 dev lo` route, so that packets assigned to a proxy
 /// socket by `from_pod` are delivered locally: the rule and route
 /// `ip -4 rule add pref <priority> fwmark <mark>/<mask> lookup <table>` and
-/// `ip -4 route replace local 0.0.0.0/0 dev lo table <table>` make. Idempotent:
-/// the rule is added only when missing (rules of others at the same preference
-/// are left alone), the route is replaced.
+/// `ip -4 route replace local 0.0.0.0/0 dev lo table <table>` make. When the node
+/// has IPv6 ([`ipv6_enabled`]), their IPv6 twins too (`ip -6 rule add …` and
+/// `ip -6 route replace local ::/0 dev lo table <table>`); else it says so once
+/// (info). Idempotent: a rule is added only when missing (rules of others at the
+/// same preference are left alone), a route is replaced.
 ///
 /// # Errors
 /// A route netlink request the kernel refuses (`CAP_NET_ADMIN` is needed).
@@ -155,44 +290,71 @@ pub async fn install_policy_routing(
     table: u32,
     priority: u32,
 ) -> Result<()> {
-    let handle = netlink.handle();
-    if policy_rules(handle, mark, mask, table, priority)
-        .await?
-        .is_empty()
-    {
-        let mut add = handle
-            .rule()
-            .add()
-            .v4()
-            .action(RuleAction::ToTable)
-            .priority(priority)
-            .fw_mark(mark)
-            .table_id(table);
-        let message = add.message_mut();
-        message.attributes.push(RuleAttribute::FwMask(mask));
-        message.header.table = header_table(table);
-        add.execute().await.map_err(Error::netlink(format!(
-            "adding the rule pref {priority} fwmark {mark:#x}/{mask:#x} lookup {table}"
-        )))?;
+    let ipv6 = ipv6_enabled();
+    if !ipv6 {
+        tracing::info!(
+            "IPv6 is off on this node ({IPV6_DISABLED_SYSCTL} is absent or not 0): IPv4 policy routing only"
+        );
     }
-    let mut route = RouteMessageBuilder::<Ipv4Addr>::new()
-        .kind(RouteType::Local)
-        .scope(RouteScope::Host)
-        .protocol(RouteProtocol::Boot)
-        .destination_prefix(Ipv4Addr::UNSPECIFIED, 0)
-        .output_interface(loopback()?)
-        .table_id(table)
-        .build();
-    route.header.table = header_table(table);
-    handle
-        .route()
-        .add(route)
-        .replace()
-        .execute()
-        .await
-        .map_err(Error::netlink(format!(
-            "replacing the route local 0.0.0.0/0 dev lo table {table}"
-        )))?;
+    install_policy_routing_of(netlink, mark, mask, table, priority, ipv6).await
+}
+
+/// [`install_policy_routing`], for IPv6 too when `ipv6`.
+async fn install_policy_routing_of(
+    netlink: &Netlink,
+    mark: u32,
+    mask: u32,
+    table: u32,
+    priority: u32,
+    ipv6: bool,
+) -> Result<()> {
+    let handle = netlink.handle();
+    let lo = loopback()?;
+    for family in Family::ALL {
+        if family == Family::V6 && !ipv6 {
+            continue;
+        }
+        if policy_rules(handle, family, mark, mask, table, priority)
+            .await?
+            .is_empty()
+        {
+            let mut add = handle
+                .rule()
+                .add()
+                .action(RuleAction::ToTable)
+                .priority(priority)
+                .fw_mark(mark)
+                .table_id(table);
+            let message = add.message_mut();
+            message.header.family = family.address_family();
+            message.attributes.push(RuleAttribute::FwMask(mask));
+            message.header.table = header_table(table);
+            add.execute().await.map_err(Error::netlink(format!(
+                "adding the {}",
+                family.rule_line(mark, mask, table, priority)
+            )))?;
+        }
+        let mut route = RouteMessageBuilder::<IpAddr>::new()
+            .kind(RouteType::Local)
+            .scope(RouteScope::Host)
+            .protocol(RouteProtocol::Boot)
+            .destination_prefix(family.unspecified(), 0)
+            .expect("the unspecified address with prefix 0 is a destination")
+            .output_interface(lo)
+            .table_id(table)
+            .build();
+        route.header.table = header_table(table);
+        handle
+            .route()
+            .add(route)
+            .replace()
+            .execute()
+            .await
+            .map_err(Error::netlink(format!(
+                "replacing the {}",
+                family.route_line(table)
+            )))?;
+    }
     Ok(())
 }
 
@@ -229,10 +391,13 @@ pub fn apply_node_sysctls(journal: &SysctlJournal) -> Result<()> {
     Ok(())
 }
 
-/// Removes what [`install_policy_routing`] installed with the same arguments: the
-/// `fwmark <mark>/<mask> lookup <table>` rule at `priority` (every copy) and the
-/// table's `local 0.0.0.0/0 dev lo` route. Other rules and routes, also in that
-/// table, stay. Idempotent; returns what was removed, as `ip` would print it.
+/// Removes what [`install_policy_routing`] installed with the same arguments, for
+/// both families (whether or not the node has IPv6 now): the `fwmark
+/// <mark>/<mask> lookup <table>` rules at `priority` (every copy) and the table's
+/// `local 0.0.0.0/0 dev lo` and `local ::/0 dev lo` routes. Other rules and
+/// routes, also in that table, stay. Idempotent; returns what was removed, as
+/// `ip` would print it (`rule …`, `route …` for IPv4, `-6 rule …`, `-6 route …`
+/// for IPv6). A kernel without IPv6 has nothing of it to remove.
 ///
 /// # Errors
 /// A route netlink dump or deletion the kernel refuses.
@@ -244,26 +409,29 @@ pub async fn remove_policy_routing(
     priority: u32,
 ) -> Result<Vec<String>> {
     let handle = netlink.handle();
+    let lo = loopback()?;
     let mut removed = Vec::new();
-    let rule = format!("rule pref {priority} fwmark {mark:#x}/{mask:#x} lookup {table}");
-    for found in policy_rules(handle, mark, mask, table, priority).await? {
-        handle
-            .rule()
-            .del(found)
-            .execute()
-            .await
-            .map_err(Error::netlink(format!("deleting the {rule}")))?;
-        removed.push(rule.clone());
-    }
-    let route = format!("route local 0.0.0.0/0 dev lo table {table}");
-    for found in local_routes(handle, table, loopback()?).await? {
-        handle
-            .route()
-            .del(found)
-            .execute()
-            .await
-            .map_err(Error::netlink(format!("deleting the {route}")))?;
-        removed.push(route.clone());
+    for family in Family::ALL {
+        let rule = family.rule_line(mark, mask, table, priority);
+        for found in policy_rules(handle, family, mark, mask, table, priority).await? {
+            handle
+                .rule()
+                .del(found)
+                .execute()
+                .await
+                .map_err(Error::netlink(format!("deleting the {rule}")))?;
+            removed.push(rule.clone());
+        }
+        let route = family.route_line(table);
+        for found in local_routes(handle, family, table, lo).await? {
+            handle
+                .route()
+                .del(found)
+                .execute()
+                .await
+                .map_err(Error::netlink(format!("deleting the {route}")))?;
+            removed.push(route.clone());
+        }
     }
     Ok(removed)
 }
@@ -350,23 +518,93 @@ mod tests {
         assert!(!ipv6_enabled_from(Some("")));
     }
 
-    /// In a network namespace of its own (this thread's): the rule and route are
-    /// those `ip` makes, installed once however often installed, and removed
-    /// without what others put at the same preference or in the same table.
-    /// Needs root (`unshare(CLONE_NEWNET)`) and `ip`.
+    /// A rule as `ip rule add pref PRIORITY fwmark MARK/MARK lookup TABLE` of
+    /// `family` makes it (table in an attribute, it does not fit the header).
+    fn rule_of(family: Family) -> RuleMessage {
+        let mut rule = RuleMessage::default();
+        rule.header.family = family.address_family();
+        rule.header.action = RuleAction::ToTable;
+        rule.header.table = RouteHeader::RT_TABLE_UNSPEC;
+        rule.attributes = vec![
+            RuleAttribute::Table(TABLE),
+            RuleAttribute::Priority(PRIORITY),
+            RuleAttribute::FwMark(MARK),
+            RuleAttribute::FwMask(MARK),
+        ];
+        rule
+    }
+
+    /// A route as `ip route add local <default> dev lo table TABLE` of `family`
+    /// makes it, `lo` index 1.
+    fn route_of(family: Family) -> RouteMessage {
+        let mut route = RouteMessage::default();
+        route.header.address_family = family.address_family();
+        route.header.kind = RouteType::Local;
+        route.header.table = RouteHeader::RT_TABLE_UNSPEC;
+        route.attributes = vec![RouteAttribute::Table(TABLE), RouteAttribute::Oif(1)];
+        route
+    }
+
+    #[test]
+    fn rules_and_routes_are_recognized_per_family() {
+        for family in Family::ALL {
+            let other = match family {
+                Family::V4 => Family::V6,
+                Family::V6 => Family::V4,
+            };
+            let rule = rule_of(family);
+            assert!(is_policy_rule(&rule, family, MARK, MARK, TABLE, PRIORITY));
+            assert!(
+                !is_policy_rule(&rule, other, MARK, MARK, TABLE, PRIORITY),
+                "{family:?}'s rule is not {other:?}'s"
+            );
+            let mut inverted = rule.clone();
+            inverted.header.flags |= RuleFlags::Invert;
+            assert!(!is_policy_rule(&inverted, family, MARK, MARK, TABLE, PRIORITY));
+            let mut with_iif = rule.clone();
+            with_iif
+                .attributes
+                .push(RuleAttribute::Iifname("eth0".into()));
+            assert!(!is_policy_rule(&with_iif, family, MARK, MARK, TABLE, PRIORITY));
+            assert!(!is_policy_rule(&rule, family, MARK, MARK, TABLE, PRIORITY + 1));
+            let route = route_of(family);
+            assert!(is_local_route(&route, family, TABLE, 1));
+            assert!(!is_local_route(&route, other, TABLE, 1));
+            assert!(!is_local_route(&route, family, TABLE, 2), "not lo");
+            let mut narrower = route.clone();
+            narrower.header.destination_prefix_length = 16;
+            assert!(!is_local_route(&narrower, family, TABLE, 1));
+        }
+        assert_eq!(
+            Family::V6.rule_line(MARK, MARK, TABLE, PRIORITY),
+            "-6 rule pref 1339 fwmark 0x1000/0x1000 lookup 1339"
+        );
+        assert_eq!(
+            Family::V6.route_line(TABLE),
+            "-6 route local ::/0 dev lo table 1339"
+        );
+    }
+
+    /// In a network namespace of its own (this thread's): the rules and routes
+    /// of both families are those `ip` makes, installed once however often
+    /// installed, and removed without what others put at the same preference or
+    /// in the same table; without IPv6, only IPv4's are installed. Needs root
+    /// (`unshare(CLONE_NEWNET)`) and `ip`.
     #[test]
     #[ignore = "needs root"]
     fn policy_routing_is_what_ip_makes_installed_once_and_removed_exactly() {
         in_new_network_namespace(|| async move {
             let shown = || {
-                (
-                    ip(&format!("-d -j -4 rule show pref {PRIORITY}")),
-                    ip(&format!("-d -j -4 route show table {TABLE}")),
-                )
+                ["-4", "-6"].map(|family| {
+                    (
+                        ip(&format!("-d -j {family} rule show pref {PRIORITY}")),
+                        ip(&format!("-d -j {family} route show table {TABLE}")),
+                    )
+                })
             };
             let netlink = Netlink::open().unwrap();
-            let install = async || {
-                install_policy_routing(&netlink, MARK, MARK, TABLE, PRIORITY)
+            let install = async |ipv6| {
+                install_policy_routing_of(&netlink, MARK, MARK, TABLE, PRIORITY, ipv6)
                     .await
                     .unwrap()
             };
@@ -376,40 +614,59 @@ mod tests {
                     .unwrap()
             };
             ip("link set lo up");
+            assert!(ipv6_enabled(), "a new network namespace has IPv6");
             // What `ip` makes.
-            ip(&format!(
-                "-4 rule add pref {PRIORITY} fwmark {MARK:#x}/{MARK:#x} lookup {TABLE}"
-            ));
-            ip(&format!(
-                "-4 route replace local 0.0.0.0/0 dev lo table {TABLE}"
-            ));
+            for (family, default) in [("-4", "0.0.0.0/0"), ("-6", "::/0")] {
+                ip(&format!(
+                    "{family} rule add pref {PRIORITY} fwmark {MARK:#x}/{MARK:#x} lookup {TABLE}"
+                ));
+                ip(&format!(
+                    "{family} route replace local {default} dev lo table {TABLE}"
+                ));
+            }
             let by_ip = shown();
             // Found as podlink's: not added again, and removed.
-            install().await;
+            install(true).await;
             assert_eq!(shown(), by_ip);
             let lines = [
                 format!("rule pref {PRIORITY} fwmark {MARK:#x}/{MARK:#x} lookup {TABLE}"),
                 format!("route local 0.0.0.0/0 dev lo table {TABLE}"),
+                format!("-6 rule pref {PRIORITY} fwmark {MARK:#x}/{MARK:#x} lookup {TABLE}"),
+                format!("-6 route local ::/0 dev lo table {TABLE}"),
             ];
             assert_eq!(remove().await, lines);
             // The same through route netlink, however often installed.
-            install().await;
-            install().await;
+            install(true).await;
+            install(true).await;
             assert_eq!(shown(), by_ip);
-            // Others' rule at the preference and route in the table stay.
-            ip(&format!(
-                "-4 rule add pref {PRIORITY} fwmark 0x2000/0x2000 lookup {TABLE}"
-            ));
-            ip(&format!(
-                "-4 route add local 10.1.0.0/16 dev lo table {TABLE}"
-            ));
+            // Others' rules at the preference and routes in the table stay.
+            for (family, prefix) in [("-4", "10.1.0.0/16"), ("-6", "fd00:1::/64")] {
+                ip(&format!(
+                    "{family} rule add pref {PRIORITY} fwmark 0x2000/0x2000 lookup {TABLE}"
+                ));
+                ip(&format!(
+                    "{family} route add local {prefix} dev lo table {TABLE}"
+                ));
+            }
             assert_eq!(remove().await, lines);
-            let (rules, routes) = shown();
-            assert!(!rules.contains(&format!("{MARK:#x}")), "{rules}");
-            assert!(rules.contains("0x2000"), "{rules}");
-            assert!(!routes.contains("default"), "{routes}");
-            assert!(routes.contains("10.1.0.0/16"), "{routes}");
+            let [(rules4, routes4), (rules6, routes6)] = shown();
+            for (rules, routes, prefix) in [
+                (rules4, routes4, "10.1.0.0/16"),
+                (rules6, routes6, "fd00:1::/64"),
+            ] {
+                assert!(!rules.contains(&format!("{MARK:#x}")), "{rules}");
+                assert!(rules.contains("0x2000"), "{rules}");
+                assert!(!routes.contains("default"), "{routes}");
+                assert!(routes.contains(prefix), "{routes}");
+            }
             assert!(remove().await.is_empty());
+            // Without IPv6, IPv4's only.
+            install(false).await;
+            let [(rules4, _), (rules6, routes6)] = shown();
+            assert!(rules4.contains(&format!("{MARK:#x}")), "{rules4}");
+            assert!(!rules6.contains(&format!("{MARK:#x}")), "{rules6}");
+            assert!(!routes6.contains("default"), "{routes6}");
+            assert_eq!(remove().await, lines[..2]);
         });
     }
 
