@@ -9,7 +9,6 @@
 
 use std::{
     collections::{BTreeSet, HashMap, HashSet},
-    net::IpAddr,
     path::{Path, PathBuf},
     sync::Arc,
     time::Instant,
@@ -234,7 +233,7 @@ impl Enroller {
                                 .as_ref()
                                 .is_none_or(|i| **i == *pod.ifname)
                                 && (p.request.ips.is_empty()
-                                    || p.request.ips.contains(&IpAddr::V4(pod.ipv4)))
+                                    || pod.addrs().any(|a| p.request.ips.contains(&a)))
                         };
                         match planned {
                             Some(pod) if attached.captured.contains(key.as_str()) && here(pod) => {
@@ -251,7 +250,7 @@ impl Enroller {
                                     (Some(error), _) => format!("attaching failed: {error}"),
                                     (None, Some(pod)) if !here(pod) => format!(
                                         "its address {} leads to {}, not to what the plugin reported ({} {})",
-                                        pod.ipv4,
+                                        pod.addrs_text(),
                                         pod.ifname,
                                         p.request.host_interface.as_deref().unwrap_or("-"),
                                         p.request
@@ -402,7 +401,7 @@ mod tests {
         CapturedPod {
             workload: "amb/new".into(),
             workload_id: 1,
-            ipv4: "10.244.1.9".parse().unwrap(),
+            ipv4: Some("10.244.1.9".parse().unwrap()),
             ipv6: None,
             ifname: "veth9".into(),
             ifindex: 9,
@@ -449,7 +448,10 @@ mod tests {
             [&ns],
         );
         let w = index.workloads().find(|w| w.name == "new").unwrap();
-        assert_eq!(w.ips, vec!["10.244.1.9".parse::<IpAddr>().unwrap()]);
+        assert_eq!(
+            w.ips,
+            vec!["10.244.1.9".parse::<std::net::IpAddr>().unwrap()]
+        );
 
         // Not yet attached: only the opted-out pod is answered.
         let none = HashSet::new();

@@ -2,7 +2,7 @@
 //! what the previous layout version held, the captured flows carried over from it,
 //! and the config value it writes.
 
-use std::{collections::HashMap, net::Ipv4Addr, path::Path};
+use std::{collections::HashMap, net::IpAddr, path::Path};
 
 use aya::maps::{HashMap as BpfHashMap, Map, MapData, MapInfo, MapType};
 use podlink_common::{
@@ -131,11 +131,15 @@ pub(super) fn carry_captured_flows(
     Ok((copied, left_out))
 }
 
-/// `config` with the node's addresses filled in (at most [`MAX_NODE_ADDRS`]).
-pub(super) fn with_node_addrs(mut config: Config, addrs: &[Ipv4Addr]) -> Config {
+/// `config` with the node's addresses filled in (the first [`MAX_NODE_ADDRS`]):
+/// IPv4 mapped (`::ffff:a.b.c.d`), IPv6 as it is.
+pub(super) fn with_node_addrs(mut config: Config, addrs: &[IpAddr]) -> Config {
     config.node_addrs = [[0; 16]; MAX_NODE_ADDRS];
     for (slot, addr) in config.node_addrs.iter_mut().zip(addrs) {
-        *slot = ipv4_mapped(addr.octets());
+        *slot = match addr {
+            IpAddr::V4(v4) => ipv4_mapped(v4.octets()),
+            IpAddr::V6(v6) => v6.octets(),
+        };
     }
     config.node_addr_count = addrs.len().min(MAX_NODE_ADDRS) as u32;
     config

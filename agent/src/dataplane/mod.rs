@@ -40,7 +40,7 @@ use rcu::ExpeditedAttach;
 use std::{
     collections::{HashMap, HashSet},
     fs::{self, File},
-    net::{Ipv4Addr, Ipv6Addr},
+    net::{IpAddr, Ipv4Addr, Ipv6Addr},
     path::{Path, PathBuf},
     sync::Arc,
 };
@@ -91,8 +91,10 @@ pub struct DataplaneConfig {
     pub state_dir: PathBuf,
     /// Written to the config map at load, with `node_addrs`.
     pub config: Config,
-    /// The node's own addresses (connections from them to a pod are not captured).
-    pub node_addrs: Vec<Ipv4Addr>,
+    /// The node's own addresses (connections from them to a pod are not
+    /// captured), IPv4 first ([`netlink::NodeNetwork::addrs`]); the config map
+    /// holds the first [`MAX_NODE_ADDRS`].
+    pub node_addrs: Vec<IpAddr>,
     /// Destination prefixes that bypass capture.
     pub excluded_cidrs: Vec<ipnet::Ipv4Net>,
     /// Destination ports that bypass capture.
@@ -122,8 +124,10 @@ pub struct CapturedPod {
     pub workload: Arc<str>,
     /// The agent's number for the workload (`PodInfo::workload_id`).
     pub workload_id: u32,
-    /// The pod's IPv4 address.
-    pub ipv4: Ipv4Addr,
+    /// The pod's IPv4 address, if it has one (an IPv6-only pod has none: the
+    /// programs then let no IPv4 leave the pod). A pod has at least one of
+    /// `ipv4` and `ipv6`.
+    pub ipv4: Option<Ipv4Addr>,
     /// The pod's IPv6 address, if it has one (`status.podIPs`): the programs
     /// let IPv6 leave the pod only from it (or from a link-local address).
     pub ipv6: Option<Ipv6Addr>,
@@ -134,11 +138,29 @@ pub struct CapturedPod {
 }
 
 impl CapturedPod {
+    /// The pod's addresses: IPv4's, then IPv6's.
+    pub fn addrs(&self) -> impl Iterator<Item = IpAddr> + '_ {
+        self.ipv4
+            .map(IpAddr::V4)
+            .into_iter()
+            .chain(self.ipv6.map(IpAddr::V6))
+    }
+
+    /// The pod's addresses for logs: `10.244.1.5`, `10.244.1.5,fd00::5`.
+    pub fn addrs_text(&self) -> String {
+        self.addrs()
+            .map(|a| a.to_string())
+            .collect::<Vec<_>>()
+            .join(",")
+    }
+
     fn info(&self) -> PodInfo {
         PodInfo {
-            ipv4: ipv4_mapped(self.ipv4.octets()),
+            ipv4: self.ipv4.map_or([0; 16], |a| ipv4_mapped(a.octets())),
             ipv6: self.ipv6.map_or([0; 16], |a| a.octets()),
-            flags: POD_ENROLLED | POD_HAS_IPV4 | if self.ipv6.is_some() { POD_HAS_IPV6 } else { 0 },
+            flags: POD_ENROLLED
+                | if self.ipv4.is_some() { POD_HAS_IPV4 } else { 0 }
+                | if self.ipv6.is_some() { POD_HAS_IPV6 } else { 0 },
             workload_id: self.workload_id,
         }
     }
@@ -632,7 +654,7 @@ impl Dataplane {
                 }
                 None => match self.enroll(pod) {
                     Ok(()) => {
-                        tracing::info!(workload = %pod.workload, ifname = %pod.ifname, ip = %pod.ipv4, "attached");
+                        tracing::info!(workload = %pod.workload, ifname = %pod.ifname, ip = %pod.addrs_text(), "attached");
                     }
                     Err(e) => failures.push((pod.clone(), e)),
                 },
@@ -659,16 +681,23 @@ impl Dataplane {
         Ok(())
     }
 
-    /// Writes the node's addresses into the config map if they changed.
+    /// Writes the node's addresses into the config map if they changed: the first
+    /// [`MAX_NODE_ADDRS`] of `addrs` (IPv4 first, as
+    /// [`netlink::NodeNetwork::addrs`] has them); a warning names the others.
     ///
     /// # Errors
     /// A failed map update.
-    pub fn set_node_addrs(&mut self, addrs: &[Ipv4Addr]) -> Result<()> {
+    pub fn set_node_addrs(&mut self, addrs: &[IpAddr]) -> Result<()> {
         let config = with_node_addrs(self.config, addrs);
         if config != self.config {
-            if addrs.len() > MAX_NODE_ADDRS {
+            if let Some(dropped) = addrs.get(MAX_NODE_ADDRS..) {
                 tracing::warn!(
                     count = addrs.len(),
+                    dropped = %dropped
+                        .iter()
+                        .map(ToString::to_string)
+                        .collect::<Vec<_>>()
+                        .join(","),
                     "the node has more addresses than the config map holds; connections from the others are captured"
                 );
             }
@@ -792,7 +821,7 @@ mod tests {
         let mut pod = CapturedPod {
             workload: "shop/web".into(),
             workload_id: 3,
-            ipv4: Ipv4Addr::new(10, 244, 1, 5),
+            ipv4: Some(Ipv4Addr::new(10, 244, 1, 5)),
             ipv6: None,
             ifname: "veth5".into(),
             ifindex: 5,
@@ -807,5 +836,12 @@ mod tests {
         assert_eq!(info.flags, POD_ENROLLED | POD_HAS_IPV4 | POD_HAS_IPV6);
         assert_eq!(info.ipv6, v6.octets());
         assert_eq!(info.workload_id, 3);
+        assert_eq!(pod.addrs_text(), "10.244.1.5,fd00:10:244:1::5");
+        // IPv6 only.
+        pod.ipv4 = None;
+        let info = pod.info();
+        assert_eq!(info.flags, POD_ENROLLED | POD_HAS_IPV6);
+        assert_eq!(info.ipv4, [0; 16]);
+        assert_eq!(pod.addrs_text(), "fd00:10:244:1::5");
     }
 }

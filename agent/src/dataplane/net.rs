@@ -59,7 +59,11 @@ pub const IPV6_DISABLED_SYSCTL: &str = "/proc/sys/net/ipv6/conf/all/disable_ipv6
 /// (ztunnel crashed binding `[::]` on such nodes, istio/ztunnel#1131). The one
 /// answer every IPv6 step of the agent asks.
 pub fn ipv6_enabled() -> bool {
-    ipv6_enabled_from(std::fs::read_to_string(IPV6_DISABLED_SYSCTL).ok().as_deref())
+    ipv6_enabled_from(
+        std::fs::read_to_string(IPV6_DISABLED_SYSCTL)
+            .ok()
+            .as_deref(),
+    )
 }
 
 /// [`ipv6_enabled`] on the sysctl's text, `None` when it cannot be read.
@@ -514,7 +518,10 @@ mod tests {
     fn ipv6_is_on_only_when_the_sysctl_reads_zero() {
         assert!(ipv6_enabled_from(Some("0\n")));
         assert!(!ipv6_enabled_from(Some("1\n")));
-        assert!(!ipv6_enabled_from(None), "no sysctl: IPv6 not in this kernel");
+        assert!(
+            !ipv6_enabled_from(None),
+            "no sysctl: IPv6 not in this kernel"
+        );
         assert!(!ipv6_enabled_from(Some("")));
     }
 
@@ -560,13 +567,24 @@ mod tests {
             );
             let mut inverted = rule.clone();
             inverted.header.flags |= RuleFlags::Invert;
-            assert!(!is_policy_rule(&inverted, family, MARK, MARK, TABLE, PRIORITY));
+            assert!(!is_policy_rule(
+                &inverted, family, MARK, MARK, TABLE, PRIORITY
+            ));
             let mut with_iif = rule.clone();
             with_iif
                 .attributes
                 .push(RuleAttribute::Iifname("eth0".into()));
-            assert!(!is_policy_rule(&with_iif, family, MARK, MARK, TABLE, PRIORITY));
-            assert!(!is_policy_rule(&rule, family, MARK, MARK, TABLE, PRIORITY + 1));
+            assert!(!is_policy_rule(
+                &with_iif, family, MARK, MARK, TABLE, PRIORITY
+            ));
+            assert!(!is_policy_rule(
+                &rule,
+                family,
+                MARK,
+                MARK,
+                TABLE,
+                PRIORITY + 1
+            ));
             let route = route_of(family);
             assert!(is_local_route(&route, family, TABLE, 1));
             assert!(!is_local_route(&route, other, TABLE, 1));

@@ -7,11 +7,12 @@
 //! A dump of every route and address grows with the node too (about 6 ms with
 //! 1,000 host veths), so only a full read dumps. Between full reads, the routes and
 //! addresses are kept up to date from the kernel's notifications
-//! (`RTNLGRP_IPV4_ROUTE`, `RTNLGRP_IPV4_IFADDR`, `RTNLGRP_LINK`; rtnetlink(7)),
-//! read without blocking from a second socket at each read. IPv4 does not notify
-//! the routes it flushes with a deleted interface, so an interface's
-//! `RTM_DELLINK` (or being set down, or losing its last address) removes its
-//! routes here. A lost notification (`ENOBUFS`: the socket's buffer overflowed),
+//! (`RTNLGRP_IPV4_ROUTE`, `RTNLGRP_IPV4_IFADDR`, their IPv6 twins and
+//! `RTNLGRP_LINK`; rtnetlink(7)), read without blocking from a second socket at
+//! each read. IPv4 does not notify the routes it flushes with a deleted
+//! interface, so an interface's `RTM_DELLINK` (or being set down) removes its
+//! routes of both families here, and losing its last IPv4 address its IPv4
+//! routes. A lost notification (`ENOBUFS`: the socket's buffer overflowed),
 //! one that cannot be decoded, or any error reading them makes the read a full
 //! one, and so does a last full read older than 2 s at the agent's periodic
 //! resync (while nothing changes), or older than 30 s at any read: a pod's
@@ -20,7 +21,7 @@
 use std::{
     collections::{HashMap, HashSet},
     io,
-    net::{IpAddr, Ipv4Addr},
+    net::{IpAddr, Ipv4Addr, Ipv6Addr},
     sync::Arc,
 };
 
@@ -30,9 +31,11 @@ use rtnetlink::{
     packet_core::{NetlinkMessage, NetlinkPayload},
     packet_route::{
         AddressFamily, RouteNetlinkMessage,
-        address::{AddressAttribute, AddressMessage},
+        address::{AddressAttribute, AddressMessage, AddressScope},
         link::{InfoKind, LinkAttribute, LinkFlags, LinkInfo},
-        route::{RouteAddress, RouteAttribute, RouteHeader, RouteMessage, RouteType},
+        route::{
+            RouteAddress, RouteAttribute, RouteHeader, RouteMessage, RouteProtocol, RouteType,
+        },
     },
     sys::{Socket, SocketAddr, protocols::NETLINK_ROUTE},
 };
@@ -45,16 +48,18 @@ pub const READ_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(3);
 /// The node's network as one reconcile needs it.
 #[derive(Debug, Default)]
 pub struct NodeNetwork {
-    /// Host routes: `/32` IPv4 routes of the main table that go straight out of an
-    /// interface (no gateway), by destination, with the interface's index. A
-    /// point-to-point CNI plugin (such as `ptp`) adds one per pod to its host veth.
-    pub host_routes: HashMap<Ipv4Addr, u32>,
+    /// Host routes: `/32` IPv4 and `/128` IPv6 routes of the main table that go
+    /// straight out of an interface (no gateway), by destination, with the
+    /// interface's index. A point-to-point CNI plugin (such as `ptp`) adds one per
+    /// pod address to its host veth.
+    pub host_routes: HashMap<IpAddr, u32>,
     /// The interfaces host routes lead to that are veths: index → name.
     pub veths: HashMap<u32, Arc<str>>,
     /// Interfaces host routes lead to whose kind could not be read this time.
     pub unresolved: std::collections::HashSet<u32>,
-    /// The node's own IPv4 addresses except loopback, sorted, without duplicates.
-    pub addrs: Vec<Ipv4Addr>,
+    /// The node's own addresses: IPv4 except loopback, then IPv6 of global scope
+    /// (not link-local, not loopback), each family sorted, without duplicates.
+    pub addrs: Vec<IpAddr>,
 }
 
 /// A route netlink socket in the agent's network namespace.
@@ -72,7 +77,11 @@ pub struct Netlink {
 }
 
 /// The multicast groups of the notifications followed (`linux/rtnetlink.h`).
-const GROUPS: u32 = (libc::RTMGRP_LINK | libc::RTMGRP_IPV4_IFADDR | libc::RTMGRP_IPV4_ROUTE) as u32;
+const GROUPS: u32 = (libc::RTMGRP_LINK
+    | libc::RTMGRP_IPV4_IFADDR
+    | libc::RTMGRP_IPV4_ROUTE
+    | libc::RTMGRP_IPV6_IFADDR
+    | libc::RTMGRP_IPV6_ROUTE) as u32;
 /// `RTM_NEWLINK` to `RTM_DELROUTE` (`linux/rtnetlink.h`): the message types of
 /// those groups.
 const FOLLOWED_TYPES: std::ops::RangeInclusive<u16> = libc::RTM_NEWLINK..=libc::RTM_DELROUTE;
@@ -99,10 +108,10 @@ struct Tracked {
     socket: Option<Socket>,
     /// When the last full read was made.
     full_read_at: Option<std::time::Instant>,
-    host_routes: HashMap<Ipv4Addr, u32>,
-    /// IPv4 addresses by interface (one address may be on several: a point-to-point
-    /// CNI plugin gives each host veth the same one).
-    addrs: HashSet<(u32, Ipv4Addr)>,
+    host_routes: HashMap<IpAddr, u32>,
+    /// The node's addresses ([`node_address`]) by interface (one address may be
+    /// on several: a point-to-point CNI plugin gives each host veth the same one).
+    addrs: HashSet<(u32, IpAddr)>,
 }
 
 impl Tracked {
@@ -111,7 +120,8 @@ impl Tracked {
     /// IPv4 flushes an interface's routes without an `RTM_DELROUTE` when the
     /// interface is deleted or set down, or loses its last IPv4 address
     /// (`fib_disable_ip()` in `net/ipv4/fib_frontend.c`): those notifications take
-    /// the interface's routes here.
+    /// the interface's routes here (of both families for the first two, IPv4's
+    /// for the last).
     fn apply(&mut self, message: &RouteNetlinkMessage) {
         match message {
             RouteNetlinkMessage::NewRoute(route) => {
@@ -132,16 +142,17 @@ impl Tracked {
                 }
             }
             RouteNetlinkMessage::NewAddress(address) => {
-                if let Some(ip) = address_ipv4(address) {
+                if let Some(ip) = node_address(address) {
                     self.addrs.insert((address.header.index, ip));
                 }
             }
             RouteNetlinkMessage::DelAddress(address) => {
-                if let Some(ip) = address_ipv4(address) {
+                if let Some(ip) = node_address(address) {
                     let index = address.header.index;
                     self.addrs.remove(&(index, ip));
-                    if !self.addrs.iter().any(|(i, _)| *i == index) {
-                        self.forget_routes_of(index);
+                    if ip.is_ipv4() && !self.addrs.iter().any(|(i, a)| *i == index && a.is_ipv4()) {
+                        self.host_routes
+                            .retain(|dst, oif| *oif != index || dst.is_ipv6());
                     }
                 }
             }
@@ -167,16 +178,9 @@ impl Tracked {
         self.host_routes.retain(|_, oif| *oif != index);
     }
 
-    fn addrs(&self) -> Vec<Ipv4Addr> {
-        let mut out: Vec<Ipv4Addr> = self
-            .addrs
-            .iter()
-            .map(|(_, ip)| *ip)
-            .filter(|ip| !ip.is_loopback())
-            .collect();
-        out.sort();
-        out.dedup();
-        out
+    /// The node's addresses, as [`NodeNetwork::addrs`] has them.
+    fn addrs(&self) -> Vec<IpAddr> {
+        node_addrs(self.addrs.iter().map(|(_, ip)| *ip))
     }
 }
 
@@ -257,8 +261,37 @@ fn for_each_message(buf: &[u8], apply: &mut impl FnMut(&RouteNetlinkMessage)) ->
     Ok(())
 }
 
-/// The destination of a `/32` IPv4 route of the main table (of any kind).
-fn main_table_host_prefix(route: &RouteMessage) -> Option<Ipv4Addr> {
+/// The node's addresses among `found`: IPv4 but loopback first, then IPv6 of
+/// global scope (not loopback, link-local or IPv4-mapped), each family sorted,
+/// without duplicates. IPv4 first: the config map holds the first
+/// `MAX_NODE_ADDRS` only.
+pub(crate) fn node_addrs(found: impl IntoIterator<Item = IpAddr>) -> Vec<IpAddr> {
+    let mut out: Vec<IpAddr> = found
+        .into_iter()
+        .filter(|ip| match ip {
+            IpAddr::V4(v4) => !v4.is_loopback(),
+            IpAddr::V6(v6) => is_global_ipv6(v6),
+        })
+        .collect();
+    // `IpAddr` orders IPv4 before IPv6.
+    out.sort();
+    out.dedup();
+    out
+}
+
+/// Whether `ip` may be a node's own global IPv6 address: not unspecified,
+/// loopback, link-local (`fe80::/10`), multicast or IPv4-mapped.
+fn is_global_ipv6(ip: &Ipv6Addr) -> bool {
+    !ip.is_unspecified()
+        && !ip.is_loopback()
+        && !ip.is_unicast_link_local()
+        && !ip.is_multicast()
+        && ip.to_ipv4_mapped().is_none()
+}
+
+/// The destination of a host-sized route (`/32` IPv4, `/128` IPv6) of the main
+/// table (of any kind).
+fn main_table_host_prefix(route: &RouteMessage) -> Option<IpAddr> {
     let header = &route.header;
     let table = route
         .attributes
@@ -268,20 +301,32 @@ fn main_table_host_prefix(route: &RouteMessage) -> Option<Ipv4Addr> {
             _ => None,
         })
         .unwrap_or(u32::from(header.table));
-    if table != u32::from(RouteHeader::RT_TABLE_MAIN) || header.destination_prefix_length != 32 {
+    let host_length = match header.address_family {
+        AddressFamily::Inet => 32,
+        AddressFamily::Inet6 => 128,
+        _ => return None,
+    };
+    if table != u32::from(RouteHeader::RT_TABLE_MAIN)
+        || header.destination_prefix_length != host_length
+    {
         return None;
     }
     route.attributes.iter().find_map(|a| match a {
-        RouteAttribute::Destination(RouteAddress::Inet(ip)) => Some(*ip),
+        RouteAttribute::Destination(RouteAddress::Inet(ip)) => Some(IpAddr::V4(*ip)),
+        RouteAttribute::Destination(RouteAddress::Inet6(ip)) => Some(IpAddr::V6(*ip)),
         _ => None,
     })
 }
 
-/// A host route: `/32`, main table, unicast, straight out of an interface (no
-/// gateway). Its destination and interface index.
-fn host_route(route: &RouteMessage) -> Option<(Ipv4Addr, u32)> {
+/// A host route: `/32` IPv4 or `/128` IPv6, main table, unicast, straight out of
+/// an interface (no gateway), and for IPv6 not `proto kernel` (the kernel adds
+/// one for each `/128` address of an interface: the host veth's own gateway
+/// address, not a pod's). Its destination and interface index.
+fn host_route(route: &RouteMessage) -> Option<(IpAddr, u32)> {
     let dst = main_table_host_prefix(route)?;
-    if route.header.kind != RouteType::Unicast {
+    if route.header.kind != RouteType::Unicast
+        || (dst.is_ipv6() && route.header.protocol == RouteProtocol::Kernel)
+    {
         return None;
     }
     let mut oif = None;
@@ -295,16 +340,34 @@ fn host_route(route: &RouteMessage) -> Option<(Ipv4Addr, u32)> {
     Some((dst, oif?))
 }
 
-/// An address message's own IPv4 address (`IFA_LOCAL`; `IFA_ADDRESS` is the
-/// peer's on point-to-point links).
-fn address_ipv4(message: &AddressMessage) -> Option<Ipv4Addr> {
-    if message.header.family != AddressFamily::Inet {
-        return None;
-    }
-    message.attributes.iter().find_map(|a| match a {
-        AddressAttribute::Local(IpAddr::V4(ip)) => Some(*ip),
+/// An address message's own address, if it may be one of [`node_addrs`]: IPv4
+/// (`IFA_LOCAL`; `IFA_ADDRESS` is the peer's on point-to-point links), or IPv6 of
+/// global scope (`IFA_LOCAL` if given, which only a point-to-point address with
+/// a peer has, else `IFA_ADDRESS`; not link-local, not loopback).
+fn node_address(message: &AddressMessage) -> Option<IpAddr> {
+    match message.header.family {
+        AddressFamily::Inet => message.attributes.iter().find_map(|a| match a {
+            AddressAttribute::Local(IpAddr::V4(ip)) => Some(IpAddr::V4(*ip)),
+            _ => None,
+        }),
+        AddressFamily::Inet6 if message.header.scope == AddressScope::Universe => {
+            let local = message.attributes.iter().find_map(|a| match a {
+                AddressAttribute::Local(IpAddr::V6(ip)) => Some(*ip),
+                _ => None,
+            });
+            let address = || {
+                message.attributes.iter().find_map(|a| match a {
+                    AddressAttribute::Address(IpAddr::V6(ip)) => Some(*ip),
+                    _ => None,
+                })
+            };
+            local
+                .or_else(address)
+                .filter(is_global_ipv6)
+                .map(IpAddr::V6)
+        }
         _ => None,
-    })
+    }
 }
 
 impl Netlink {
@@ -441,20 +504,32 @@ impl Netlink {
         self.kinds.lock().expect("kinds lock").remove(&index);
     }
 
-    async fn host_routes(&self) -> Result<HashMap<Ipv4Addr, u32>> {
-        let mut routes = self
-            .handle
-            .route()
-            .get(RouteMessageBuilder::<Ipv4Addr>::new().build())
-            .execute();
+    /// The host routes of both families: a dump of each (one at a time). A
+    /// kernel without IPv6 refuses its dump (`EAFNOSUPPORT`): IPv4's only then.
+    async fn host_routes(&self) -> Result<HashMap<IpAddr, u32>> {
         let mut out = HashMap::new();
-        while let Some(route) = routes
-            .try_next()
-            .await
-            .map_err(Error::netlink("dumping routes"))?
-        {
-            if let Some((dst, oif)) = host_route(&route) {
-                out.insert(dst, oif);
+        for (family, dump) in [
+            ("IPv4", RouteMessageBuilder::<Ipv4Addr>::new().build()),
+            ("IPv6", RouteMessageBuilder::<Ipv6Addr>::new().build()),
+        ] {
+            let mut routes = self.handle.route().get(dump).execute();
+            loop {
+                match routes.try_next().await {
+                    Ok(Some(route)) => {
+                        if let Some((dst, oif)) = host_route(&route) {
+                            out.insert(dst, oif);
+                        }
+                    }
+                    Ok(None) => break,
+                    Err(rtnetlink::Error::NetlinkError(e))
+                        if e.raw_code() == -libc::EAFNOSUPPORT =>
+                    {
+                        break;
+                    }
+                    Err(e) => {
+                        return Err(Error::netlink(format!("dumping {family} routes"))(e));
+                    }
+                }
             }
         }
         Ok(out)
@@ -462,7 +537,7 @@ impl Netlink {
 
     async fn veths(
         &self,
-        host_routes: &HashMap<Ipv4Addr, u32>,
+        host_routes: &HashMap<IpAddr, u32>,
     ) -> Result<(HashMap<u32, Arc<str>>, std::collections::HashSet<u32>)> {
         let wanted: std::collections::HashSet<u32> = host_routes.values().copied().collect();
         let unknown: Vec<u32> = {
@@ -497,7 +572,7 @@ impl Netlink {
         Ok((veths, unresolved))
     }
 
-    async fn addrs(&self) -> Result<HashSet<(u32, Ipv4Addr)>> {
+    async fn addrs(&self) -> Result<HashSet<(u32, IpAddr)>> {
         let mut messages = self.handle.address().get().execute();
         let mut out = HashSet::new();
         while let Some(message) = messages
@@ -505,7 +580,7 @@ impl Netlink {
             .await
             .map_err(Error::netlink("dumping addresses"))?
         {
-            if let Some(ip) = address_ipv4(&message) {
+            if let Some(ip) = node_address(&message) {
                 out.insert((message.header.index, ip));
             }
         }
@@ -537,9 +612,13 @@ mod tests {
     use crate::dataplane::testing::{in_new_network_namespace, ip};
     use rtnetlink::packet_route::link::LinkMessage;
 
-    fn route(dst: Ipv4Addr, oif: u32) -> RouteMessage {
-        let mut route = RouteMessageBuilder::<Ipv4Addr>::new()
-            .destination_prefix(dst, 32)
+    /// A host route to `dst` (`/32`, `/128`) out of `oif`, as a dump has it.
+    fn route(dst: impl Into<IpAddr>, oif: u32) -> RouteMessage {
+        let dst = dst.into();
+        let length = if dst.is_ipv4() { 32 } else { 128 };
+        let mut route = RouteMessageBuilder::<IpAddr>::new()
+            .destination_prefix(dst, length)
+            .unwrap()
             .output_interface(oif)
             .build();
         route.header.kind = RouteType::Unicast;
@@ -547,13 +626,30 @@ mod tests {
         route
     }
 
-    fn address(index: u32, ip: Ipv4Addr) -> AddressMessage {
+    /// An address of interface `index` as the kernel notifies it: IPv4 in
+    /// `IFA_LOCAL`, IPv6 in `IFA_ADDRESS` with its scope (link for `fe80::/10`,
+    /// host for `::1`).
+    fn address(index: u32, ip: impl Into<IpAddr>) -> AddressMessage {
+        let ip = ip.into();
         let mut message = AddressMessage::default();
-        message.header.family = AddressFamily::Inet;
         message.header.index = index;
-        message
-            .attributes
-            .push(AddressAttribute::Local(IpAddr::V4(ip)));
+        match ip {
+            IpAddr::V4(_) => {
+                message.header.family = AddressFamily::Inet;
+                message.attributes.push(AddressAttribute::Local(ip));
+            }
+            IpAddr::V6(v6) => {
+                message.header.family = AddressFamily::Inet6;
+                message.header.scope = if v6.is_loopback() {
+                    AddressScope::Host
+                } else if v6.is_unicast_link_local() {
+                    AddressScope::Link
+                } else {
+                    AddressScope::Universe
+                };
+                message.attributes.push(AddressAttribute::Address(ip));
+            }
+        }
         message
     }
 
@@ -572,9 +668,9 @@ mod tests {
 
     #[test]
     fn notifications_keep_routes_and_addresses() {
-        let a = Ipv4Addr::new(10, 244, 1, 5);
-        let b = Ipv4Addr::new(10, 244, 1, 6);
-        let gw = Ipv4Addr::new(10, 244, 1, 1);
+        let a = IpAddr::from([10, 244, 1, 5]);
+        let b = IpAddr::from([10, 244, 1, 6]);
+        let gw = IpAddr::from([10, 244, 1, 1]);
         let mut tracked = Tracked::default();
         let mut apply = |m: &RouteNetlinkMessage| tracked.apply(m);
         let mut gateway = route(Ipv4Addr::new(10, 0, 0, 0), 2);
@@ -604,7 +700,7 @@ mod tests {
         assert_eq!(tracked.host_routes, HashMap::from([(b, 8)]));
         assert_eq!(
             tracked.addrs,
-            HashSet::from([(8, gw), (1, Ipv4Addr::LOCALHOST)])
+            HashSet::from([(8, gw), (1, IpAddr::from(Ipv4Addr::LOCALHOST))])
         );
         let buf = datagram(vec![
             RouteNetlinkMessage::DelRoute(route(b, 8)),
@@ -617,18 +713,16 @@ mod tests {
         // The flushes IPv4 does not notify: an interface set down, one that lost
         // its last address. A bridge port's RTM_DELLINK (AF_BRIDGE) is not the
         // interface's deletion; a /32 replaced by a gateway route is no host route.
-        let c = Ipv4Addr::new(10, 244, 1, 7);
-        let d = Ipv4Addr::new(10, 244, 1, 8);
-        let e = Ipv4Addr::new(10, 244, 1, 9);
+        let c = IpAddr::from([10, 244, 1, 7]);
+        let d = IpAddr::from([10, 244, 1, 8]);
+        let e = IpAddr::from([10, 244, 1, 9]);
         let mut down = LinkMessage::default();
         down.header.index = 10;
         let mut port = LinkMessage::default();
         port.header.index = 11;
         port.header.interface_family = AddressFamily::Bridge;
         let mut replaced = route(e, 12);
-        replaced
-            .attributes
-            .push(RouteAttribute::Gateway(RouteAddress::Inet(gw)));
+        replaced.attributes.push(RouteAttribute::Gateway(gw.into()));
         let buf = datagram(vec![
             RouteNetlinkMessage::NewRoute(route(c, 10)),
             RouteNetlinkMessage::NewRoute(route(d, 11)),
@@ -652,9 +746,83 @@ mod tests {
         assert!(for_each_message(&bad, &mut |_| {}).is_err());
     }
 
+    /// IPv6 host routes (`/128`) map a pod's IPv6 address to its host veth as
+    /// IPv4's `/32` do; other prefixes, gateways and other tables do not. The
+    /// node's global IPv6 addresses count as its own, link-local and loopback
+    /// ones do not; losing the last IPv4 address takes IPv4's routes only.
+    #[test]
+    fn ipv6_host_routes_and_addresses_are_kept() {
+        let pod4 = IpAddr::from([10, 244, 1, 5]);
+        let pod6: IpAddr = "fd00:10:244:1::5".parse().unwrap();
+        let other6: IpAddr = "fd00:10:244:1::6".parse().unwrap();
+        let gw4 = IpAddr::from([10, 244, 1, 1]);
+        let node6: IpAddr = "2001:db8::10".parse().unwrap();
+        let link_local: IpAddr = "fe80::1".parse().unwrap();
+        let mut prefix = route(other6, 7);
+        prefix.header.destination_prefix_length = 64;
+        let mut via = route(other6, 7);
+        via.attributes
+            .push(RouteAttribute::Gateway(link_local.into()));
+        let mut local_table = route(other6, 7);
+        local_table.header.table = 255; // RT_TABLE_LOCAL
+        // What the kernel adds for a /128 address of the host veth.
+        let mut own = route(other6, 7);
+        own.header.protocol = RouteProtocol::Kernel;
+        assert_eq!(host_route(&route(pod6, 7)), Some((pod6, 7)));
+        for not_host in [&prefix, &via, &local_table, &own] {
+            assert_eq!(host_route(not_host), None, "{not_host:?}");
+        }
+        let mut tracked = Tracked::default();
+        let buf = datagram(vec![
+            RouteNetlinkMessage::NewRoute(route(pod4, 7)),
+            RouteNetlinkMessage::NewRoute(route(pod6, 7)),
+            RouteNetlinkMessage::NewRoute(prefix),
+            RouteNetlinkMessage::NewAddress(address(7, gw4)),
+            RouteNetlinkMessage::NewAddress(address(7, link_local)),
+            RouteNetlinkMessage::NewAddress(address(2, node6)),
+            RouteNetlinkMessage::NewAddress(address(1, Ipv6Addr::LOCALHOST)),
+        ]);
+        for_each_message(&buf, &mut |m| tracked.apply(m)).unwrap();
+        assert_eq!(tracked.host_routes, HashMap::from([(pod4, 7), (pod6, 7)]));
+        assert_eq!(tracked.addrs(), vec![gw4, node6]);
+        // The veth loses its IPv4 address: IPv4 flushes its IPv4 routes only.
+        let buf = datagram(vec![RouteNetlinkMessage::DelAddress(address(7, gw4))]);
+        for_each_message(&buf, &mut |m| tracked.apply(m)).unwrap();
+        assert_eq!(tracked.host_routes, HashMap::from([(pod6, 7)]));
+        assert_eq!(tracked.addrs(), vec![node6]);
+        // IPv6 notifies its deletions.
+        let buf = datagram(vec![RouteNetlinkMessage::DelRoute(route(pod6, 7))]);
+        for_each_message(&buf, &mut |m| tracked.apply(m)).unwrap();
+        assert!(tracked.host_routes.is_empty());
+    }
+
+    /// The node's addresses: IPv4 first, then global IPv6, each sorted, without
+    /// loopback, link-local, multicast or IPv4-mapped ones and duplicates.
+    #[test]
+    fn node_addresses_put_ipv4_first() {
+        let parse = |a: &[&str]| -> Vec<IpAddr> { a.iter().map(|a| a.parse().unwrap()).collect() };
+        let found = parse(&[
+            "fd00::1",
+            "10.0.0.2",
+            "127.0.0.1",
+            "::1",
+            "fe80::1",
+            "ff02::1",
+            "::ffff:10.0.0.9",
+            "2001:db8::1",
+            "10.0.0.1",
+            "10.0.0.2",
+            "fd00::1",
+        ]);
+        assert_eq!(
+            node_addrs(found),
+            parse(&["10.0.0.1", "10.0.0.2", "2001:db8::1", "fd00::1"])
+        );
+    }
+
     /// In a network namespace of its own (this thread's), the kernel's
     /// notifications bring a read without dumps up to date: a veth and its host
-    /// route and address appear, and go with the veth. Needs root
+    /// routes and addresses of both families appear, and go with the veth. Needs root
     /// (`unshare(CLONE_NEWNET)`) and `ip`.
     #[test]
     #[ignore = "needs root"]
@@ -668,16 +836,25 @@ mod tests {
             ip("link add nlhost0 type veth peer name nlpod0");
             ip("link set nlhost0 up");
             ip("addr add 10.99.0.1/32 dev nlhost0");
+            ip("addr add fd99::1/128 dev nlhost0 nodad");
             ip("route add 10.99.0.5/32 dev nlhost0");
+            ip("-6 route add fd99::5/128 dev nlhost0");
             let index = nix::net::if_::if_nametoindex("nlhost0").unwrap();
             let after = netlink.read(false).await.unwrap();
             // From the notifications alone: no full read since the first.
             assert!(netlink.tracked.lock().unwrap().socket.is_some());
             assert_eq!(full_read_at(), dumped_at);
-            let pod = Ipv4Addr::new(10, 99, 0, 5);
-            assert_eq!(after.host_routes, HashMap::from([(pod, index)]));
+            let pod = IpAddr::from([10, 99, 0, 5]);
+            let pod6: IpAddr = "fd99::5".parse().unwrap();
+            assert_eq!(
+                after.host_routes,
+                HashMap::from([(pod, index), (pod6, index)])
+            );
             assert_eq!(after.veths, HashMap::from([(index, Arc::from("nlhost0"))]));
-            assert_eq!(after.addrs, vec![Ipv4Addr::new(10, 99, 0, 1)]);
+            assert_eq!(
+                after.addrs,
+                [IpAddr::from([10, 99, 0, 1]), "fd99::1".parse().unwrap()]
+            );
             // Set down, the kernel flushes the route without notifying it.
             ip("link set nlhost0 down");
             let down = netlink.read(false).await.unwrap();
@@ -694,8 +871,12 @@ mod tests {
             let dumped_at = full_read_at();
             ip("link set nlhost0 up");
             ip("route add 10.99.0.5/32 dev nlhost0");
+            ip("-6 route add fd99::5/128 dev nlhost0");
             let again = netlink.read(false).await.unwrap();
-            assert_eq!(again.host_routes, HashMap::from([(pod, index)]));
+            assert_eq!(
+                again.host_routes,
+                HashMap::from([(pod, index), (pod6, index)])
+            );
             ip("link del nlhost0");
             let gone = netlink.read(false).await.unwrap();
             assert_eq!(full_read_at(), dumped_at);
@@ -708,23 +889,22 @@ mod tests {
     }
 
     /// Reads this namespace's network (whatever it is) and checks it against
-    /// `ip`'s view: the same IPv4 addresses but loopback's, the same veths.
+    /// `ip`'s view: the same IPv4 addresses but loopback's and IPv6 addresses
+    /// of global scope, the same veths.
     #[tokio::test]
     async fn reads_what_ip_shows() {
         let net = Netlink::open().unwrap().read(false).await.unwrap();
         let ip_json =
             |args: &str| -> serde_json::Value { serde_json::from_str(&ip(args)).unwrap() };
-        let mut addrs: Vec<Ipv4Addr> = ip_json("-j -4 addr show")
+        let addrs: Vec<IpAddr> = ip_json("-j addr show")
             .as_array()
             .unwrap()
             .iter()
             .flat_map(|l| l["addr_info"].as_array().cloned().unwrap_or_default())
+            .filter(|a| a["family"] == "inet" || a["scope"] == "global")
             .filter_map(|a| a["local"].as_str()?.parse().ok())
-            .filter(|a: &Ipv4Addr| !a.is_loopback())
             .collect();
-        addrs.sort();
-        addrs.dedup();
-        assert_eq!(net.addrs, addrs);
+        assert_eq!(net.addrs, node_addrs(addrs));
         // The veths host routes lead to.
         let targets: std::collections::HashSet<u32> = net.host_routes.values().copied().collect();
         let veths: HashMap<u32, Arc<str>> = ip_json("-j -d link show type veth")

@@ -4,8 +4,9 @@
 //! What it does to the kernel goes through [`Capture`] (the eBPF dataplane,
 //! or a fake in unit tests); the node's network is a value
 //! ([`NodeNetwork`]) read by the loop ([`run`]). A pod is planned for capture
-//! when it is this node's, enrolled, has an IPv4 address and a host route to a
-//! veth of its own; the proxy is told of the workloads before anything is
+//! when it is this node's, enrolled, and a host route to one of its addresses
+//! (IPv4's first, else IPv6's) leads to a veth of its own; it is enrolled with
+//! its addresses of both families; the proxy is told of the workloads before anything is
 //! attached, so a pod's first connection finds the proxy knowing it. What may
 //! be detached follows how complete the source's view is
 //! ([`Completeness`] → [`Removal`]).
@@ -16,7 +17,7 @@ mod tests;
 
 use std::{
     collections::{HashMap, HashSet},
-    net::{IpAddr, Ipv4Addr},
+    net::IpAddr,
     sync::Arc,
     time::{Duration, Instant},
 };
@@ -40,7 +41,7 @@ pub trait Capture {
     ///
     /// # Errors
     /// A failed map write.
-    fn set_node_addrs(&mut self, addrs: &[Ipv4Addr]) -> Result<(), Self::Error>;
+    fn set_node_addrs(&mut self, addrs: &[IpAddr]) -> Result<(), Self::Error>;
 
     /// Makes the attachments and map entries match `wanted` (attaching new
     /// pods, adopting a previous agent's pins, detaching others as far as
@@ -55,7 +56,7 @@ pub trait Capture {
 impl Capture for Dataplane {
     type Error = crate::dataplane::Error;
 
-    fn set_node_addrs(&mut self, addrs: &[Ipv4Addr]) -> Result<(), Self::Error> {
+    fn set_node_addrs(&mut self, addrs: &[IpAddr]) -> Result<(), Self::Error> {
         Dataplane::set_node_addrs(self, addrs)
     }
 
@@ -214,7 +215,7 @@ impl<C: Capture> Reconciler<C> {
     /// ranges and the planned pods' addresses (before anything is attached: a pod's first
     /// connection finds the proxy knowing it), and the certificates it needs.
     pub fn publish(&self, proxy: &ProxyState) {
-        let captured: HashSet<IpAddr> = self.wanted.iter().map(|p| IpAddr::V4(p.ipv4)).collect();
+        let captured: HashSet<IpAddr> = self.wanted.iter().flat_map(CapturedPod::addrs).collect();
         let view = proxy.view();
         let index = self.state.workloads();
         if !Arc::ptr_eq(&view.workloads, index)
@@ -317,30 +318,54 @@ impl<C: Capture> Reconciler<C> {
         }
     }
 
-    /// The pods to capture: this node's enrolled workloads with an IPv4 address and
-    /// a host route to a veth of their own. Sets `waiting` when some have none yet.
+    /// The pods to capture: this node's enrolled workloads with a host route to a
+    /// veth of their own, from their IPv4 address or else their IPv6 one, each
+    /// with its addresses of both families. Sets `waiting` when some have none
+    /// yet.
     fn wanted_pods(&mut self, network: &NodeNetwork) -> Vec<CapturedPod> {
         let index = self.state.workloads().clone();
         let mut wanted: Vec<CapturedPod> = Vec::with_capacity(self.wanted.len() + 1);
         let mut owners: HashMap<u32, &str> = HashMap::with_capacity(self.wanted.len() + 1);
         for workload in index.captured() {
             let key = workload.key();
-            let Some(ipv4) = workload.ipv4() else {
-                self.warn_once(key, "enrolled pod has no IPv4 address; IPv6 capture is not supported yet (its IPv6 TCP is dropped)");
+            let (ipv4, ipv6) = (workload.ipv4(), workload.ipv6());
+            // No allocation per pod and round: an array of both families.
+            let families = [ipv4.map(IpAddr::V4), ipv6.map(IpAddr::V6)];
+            let addrs = || families.iter().flatten();
+            if addrs().next().is_none() {
+                self.warn_once(
+                    key,
+                    "enrolled pod has neither an IPv4 nor an IPv6 address of its own (only IPv4-mapped ones); not capturing it",
+                );
                 continue;
-            };
-            let Some(&ifindex) = network.host_routes.get(&ipv4) else {
-                tracing::debug!(workload = %key, ip = %ipv4, "no host route to this pod yet");
+            }
+            // The first address with a host route (IPv4's when both have one).
+            let Some((routed, ifindex)) =
+                addrs().find_map(|a| Some((*a, *network.host_routes.get(a)?)))
+            else {
+                let shown = addrs()
+                    .map(ToString::to_string)
+                    .collect::<Vec<_>>()
+                    .join(",");
+                tracing::debug!(workload = %key, ip = %shown, "no host route to this pod yet");
                 self.waiting = true;
                 let since = *self
                     .no_route_since
                     .entry(key.to_string())
                     .or_insert_with(Instant::now);
                 if since.elapsed() >= NO_ROUTE_WARNING {
-                    self.warn_once(key, &format!("enrolled pod at {ipv4} has had no host route for {} s: no veth of this node leads to it (is it running here?); it is captured once one does", NO_ROUTE_WARNING.as_secs()));
+                    self.warn_once(key, &format!("enrolled pod at {shown} has had no host route for {} s: no veth of this node leads to it (is it running here?); it is captured once one does", NO_ROUTE_WARNING.as_secs()));
                 }
                 continue;
             };
+            // A dual-stack pod's other host route leads to the same veth.
+            if let Some((other, other_index)) = addrs()
+                .filter(|a| **a != routed)
+                .find_map(|a| Some((*a, *network.host_routes.get(a)?)))
+                && other_index != ifindex
+            {
+                self.warn_once(key, &format!("the node's host routes to {routed} and {other} lead to different interfaces ({ifindex}, {other_index}); capturing it on the first"));
+            }
             if !self.no_route_since.is_empty() {
                 self.no_route_since.remove(key);
             }
@@ -349,7 +374,7 @@ impl<C: Capture> Reconciler<C> {
                 continue;
             }
             let Some(ifname) = network.veths.get(&ifindex) else {
-                self.warn_once(key, &format!("the node's host route to {ipv4} leads to interface {ifindex}, which is not a veth; not capturing it"));
+                self.warn_once(key, &format!("the node's host route to {routed} leads to interface {ifindex}, which is not a veth; not capturing it"));
                 continue;
             };
             if let Some(other) = owners.get(&ifindex) {
@@ -374,7 +399,7 @@ impl<C: Capture> Reconciler<C> {
                 workload: workload.key.clone(),
                 workload_id,
                 ipv4,
-                ipv6: workload.ipv6(),
+                ipv6,
                 ifname: ifname.clone(),
                 ifindex,
             });

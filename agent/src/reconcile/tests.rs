@@ -4,7 +4,6 @@
 
 use std::{
     collections::{BTreeMap, HashMap, HashSet},
-    net::Ipv4Addr,
     sync::{Arc, Mutex},
 };
 
@@ -30,7 +29,7 @@ struct FakeCapture {
     attached: BTreeMap<u32, (CapturedPod, bool)>,
     /// Host veths whose attach fails.
     failing: HashSet<String>,
-    node_addrs: Vec<Ipv4Addr>,
+    node_addrs: Vec<IpAddr>,
 }
 
 impl FakeCapture {
@@ -53,7 +52,7 @@ impl FakeCapture {
 impl Capture for FakeCapture {
     type Error = String;
 
-    fn set_node_addrs(&mut self, addrs: &[Ipv4Addr]) -> Result<(), String> {
+    fn set_node_addrs(&mut self, addrs: &[IpAddr]) -> Result<(), String> {
         self.node_addrs = addrs.to_vec();
         Ok(())
     }
@@ -179,7 +178,7 @@ fn captured(name: &str, ip: &str, ifindex: u32) -> CapturedPod {
     CapturedPod {
         workload: Arc::from(format!("amb/{name}")),
         workload_id: 1,
-        ipv4: ip.parse().unwrap(),
+        ipv4: Some(ip.parse().unwrap()),
         ipv6: None,
         ifname: Arc::from(format!("veth{ifindex}")),
         ifindex,
@@ -381,4 +380,87 @@ fn a_host_veth_is_captured_for_one_pod() {
                 m
             });
     assert_eq!(counts, HashMap::from([(1, 1)]));
+}
+
+/// A pod with the addresses `ips` (`status.podIPs`, in order).
+fn pod_with_ips(name: &str, ips: &[&str]) -> Pod {
+    let listed: Vec<String> = ips.iter().map(|ip| format!("{{ip: '{ip}'}}")).collect();
+    serde_yaml_ng::from_str(&format!(
+        "metadata: {{name: {name}, namespace: amb}}\nspec: {{nodeName: n1}}\nstatus: {{podIP: '{}', podIPs: [{}]}}",
+        ips[0],
+        listed.join(", ")
+    ))
+    .unwrap()
+}
+
+/// A dual-stack pod is enrolled with both addresses on the host veth its IPv4
+/// host route leads to, and the proxy is told of both; an IPv6-only pod through
+/// its IPv6 host route; the node's IPv6 addresses are written with IPv4's.
+#[test]
+fn dual_stack_and_ipv6_only_pods_are_enrolled() {
+    let mut b = bed(FakeCapture::default());
+    let mut net = network(&[
+        ("10.0.0.1", 1),
+        ("fd00::1", 1),
+        ("fd00::2", 2),
+        ("fd00::3", 3),
+    ]);
+    net.addrs.push("2001:db8::1".parse().unwrap());
+    b.round(
+        Some(all(
+            vec![
+                pod_with_ips("dual", &["10.0.0.1", "fd00::1"]),
+                pod_with_ips("six", &["fd00::2"]),
+                // Its IPv4 route is missing: the IPv6 one leads to its veth.
+                pod_with_ips("late4", &["10.0.0.3", "fd00::3"]),
+            ],
+            Completeness::Complete,
+        )),
+        &net,
+    );
+    assert_eq!(b.attached(), ["amb/dual", "amb/six", "amb/late4"]);
+    let by_name = |b: &Bed, name: &str| {
+        b.reconciler
+            .wanted()
+            .iter()
+            .find(|p| &*p.workload == name)
+            .cloned()
+            .unwrap()
+    };
+    let dual = by_name(&b, "amb/dual");
+    assert_eq!(
+        (dual.ipv4, dual.ipv6, dual.ifindex),
+        (
+            Some("10.0.0.1".parse().unwrap()),
+            Some("fd00::1".parse().unwrap()),
+            1
+        )
+    );
+    let six = by_name(&b, "amb/six");
+    assert_eq!(
+        (six.ipv4, six.ipv6, six.ifindex),
+        (None, Some("fd00::2".parse().unwrap()), 2)
+    );
+    assert_eq!(six.addrs_text(), "fd00::2");
+    assert_eq!(by_name(&b, "amb/late4").ifindex, 3);
+    assert_eq!(b.reconciler.capture.node_addrs, net.addrs);
+    assert_eq!(b.reconciler.pending_retry(), None);
+}
+
+/// A dual-stack pod whose two host routes lead to different interfaces is
+/// captured on its IPv4 route's veth (and warned about, once).
+#[test]
+fn a_dual_stack_pod_follows_its_ipv4_route() {
+    let mut b = bed(FakeCapture::default());
+    let net = network(&[("10.0.0.1", 1), ("fd00::1", 2)]);
+    b.round(
+        Some(all(
+            vec![pod_with_ips("dual", &["fd00::1", "10.0.0.1"])],
+            Completeness::Complete,
+        )),
+        &net,
+    );
+    assert_eq!(b.attached(), ["amb/dual"]);
+    assert_eq!(b.reconciler.wanted()[0].ifindex, 1);
+    assert!(b.reconciler.warned.contains("amb/dual"));
 }
