@@ -445,6 +445,7 @@ pub async fn remove_policy_routing(
 /// the node's own addresses when the node answers a connection the proxy made for
 /// the pod (`accept_local`; `from_pod` drops anything the pod itself sends with a
 /// source other than its own address). Each change is recorded in `journal` first.
+/// IPv6 needs none (see the module's documentation).
 pub fn apply_host_veth_sysctls(journal: &SysctlJournal, ifname: &str, ifindex: u32) -> Result<()> {
     let interface = Interface {
         name: ifname.to_string(),
