@@ -6,9 +6,9 @@
 //! ([`NodeNetwork`]) read by the loop ([`run`]). A pod is planned for capture
 //! when it is this node's, enrolled, and a host route to one of its addresses
 //! (IPv4's first, else IPv6's) leads to a veth of its own; it is enrolled with
-//! its addresses of both families; the proxy is told of the workloads before anything is
-//! attached, so a pod's first connection finds the proxy knowing it. What may
-//! be detached follows how complete the source's view is
+//! its addresses of both families. The proxy is told of the workloads before
+//! anything is attached, so a pod's first connection finds the proxy knowing
+//! it. What may be detached follows how complete the source's view is
 //! ([`Completeness`] → [`Removal`]).
 
 pub mod run;
