@@ -381,7 +381,10 @@ async fn install_policy_routing_of(
 /// it does by default on loopback only (`tcp_tw_reuse=2`); see
 /// `Documentation/networking/ip-sysctl.rst`.
 ///
-/// Each change is recorded in `journal` first, for `podlink uninstall`.
+/// Each change is recorded in `journal` first, for `podlink uninstall`. The TCP
+/// sysctls cover IPv6 too; IPv6 forwarding is left as it is (turning it on would
+/// make the node ignore router advertisements), said once (info) when it is off
+/// on a node with IPv6.
 pub fn apply_node_sysctls(journal: &SysctlJournal) -> Result<()> {
     journal.set("net.ipv4.tcp_early_demux", "0", None)?;
     journal.set("net.ipv4.ip_forward", "1", None)?;
@@ -390,6 +393,17 @@ pub fn apply_node_sysctls(journal: &SysctlJournal) -> Result<()> {
         journal.set("net.ipv4.conf.all.rp_filter", "2", None)?;
         tracing::warn!(
             "net.ipv4.conf.all.rp_filter was 1 (strict), which drops captured inbound packets; set it to 2 (loose)"
+        );
+    }
+    // IPv6 needs no sysctl of its own (the module's documentation); its
+    // forwarding is the CNI plugin's, which turns it on for pods with IPv6.
+    if ipv6_enabled()
+        && journal
+            .read("net.ipv6.conf.all.forwarding")
+            .is_ok_and(|v| v == "0")
+    {
+        tracing::info!(
+            "net.ipv6.conf.all.forwarding is 0: this node routes no pod's IPv6 (the CNI plugin that gives pods IPv6 addresses turns it on); left as it is"
         );
     }
     Ok(())
