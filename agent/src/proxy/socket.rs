@@ -166,4 +166,72 @@ mod tests {
             assert!(is_nonblocking(stream), "{which}: O_NONBLOCK");
         }
     }
+
+    /// A source and a destination of different families are refused before any
+    /// socket is made, naming both.
+    #[tokio::test]
+    async fn a_source_of_another_family_is_refused() {
+        let err = connect(
+            Some("10.0.0.1".parse().unwrap()),
+            "[::1]:9".parse().unwrap(),
+            0,
+        )
+        .await
+        .unwrap_err();
+        assert_eq!(err.kind(), io::ErrorKind::InvalidInput);
+        assert_eq!(
+            err.to_string(),
+            "the source 10.0.0.1 and the destination [::1]:9 are of different address families"
+        );
+    }
+
+    /// `IP_BIND_ADDRESS_NO_PORT` is taken by IPv6 TCP sockets too.
+    #[test]
+    fn ipv6_sockets_take_bind_address_no_port() {
+        let Ok(socket) = Socket::new(Domain::IPV6, Type::STREAM, Some(Protocol::TCP)) else {
+            eprintln!("skipped: no IPv6 sockets here");
+            return;
+        };
+        set_bind_address_no_port(&socket).unwrap();
+    }
+
+    /// An upstream connection from a client pod's IPv6 address (not the node's)
+    /// keeps it as its source, with the mark; the listener is IPv6-only. In a
+    /// network namespace of its own; needs root.
+    #[test]
+    #[ignore = "needs root"]
+    fn ipv6_upstream_connections_keep_the_client_address() {
+        use crate::dataplane::testing::{in_new_network_namespace, ip};
+        in_new_network_namespace(|| async {
+            ip("link set lo up");
+            if !crate::dataplane::net::ipv6_enabled() {
+                eprintln!("skipped: IPv6 is off here (net.ipv6.conf.all.disable_ipv6)");
+                return;
+            }
+            // The pod's address is not the node's: routed to this host as
+            // replies to transparent sockets are (`local` route).
+            ip("-6 addr add fd00::1/128 dev lo nodad");
+            ip("-6 route add local fd00:0:0:1::/64 dev lo");
+            let server = tokio::net::TcpListener::bind("[fd00::1]:8080")
+                .await
+                .unwrap();
+            let pod: IpAddr = "fd00:0:0:1::5".parse().unwrap();
+            let upstream = connect(Some(pod), "[fd00::1]:8080".parse().unwrap(), 0x539)
+                .await
+                .unwrap();
+            let (_accepted, peer) = server.accept().await.unwrap();
+            assert_eq!(peer.ip(), pod);
+            assert_eq!(upstream.local_addr().unwrap(), peer);
+            assert_eq!(socket2::SockRef::from(&upstream).mark().unwrap(), 0x539);
+
+            let listener = transparent_listener("[::1]:15001".parse().unwrap(), 0x539).unwrap();
+            assert!(socket2::SockRef::from(&listener).only_v6().unwrap());
+            assert!(
+                tokio::net::TcpStream::connect("[::ffff:127.0.0.1]:15001")
+                    .await
+                    .is_err(),
+                "an IPv6-only listener takes no IPv4"
+            );
+        });
+    }
 }
