@@ -423,7 +423,10 @@ mod tests {
         };
         assert_eq!(same, v4);
         let (c, _c) = pool.pick(&same);
-        assert!(Arc::ptr_eq(&a, &c), "the same peer address: the same connection");
+        assert!(
+            Arc::ptr_eq(&a, &c),
+            "the same peer address: the same connection"
+        );
     }
 
     /// The sweep drops empty slots nobody is about to use and keeps those a
