@@ -36,11 +36,7 @@ pub const IPV6_DISABLED_SYSCTL: &str = "/proc/sys/net/ipv6/conf/all/disable_ipv6
 /// (ztunnel crashed binding `[::]` on such nodes, istio/ztunnel#1131). The one
 /// answer every IPv6 step of the agent asks.
 pub fn ipv6_enabled() -> bool {
-    ipv6_enabled_from(
-        std::fs::read_to_string(IPV6_DISABLED_SYSCTL)
-            .ok()
-            .as_deref(),
-    )
+    ipv6_enabled_from(std::fs::read_to_string(IPV6_DISABLED_SYSCTL).ok().as_deref())
 }
 
 /// [`ipv6_enabled`] on the sysctl's text, `None` when it cannot be read.
@@ -350,10 +346,7 @@ mod tests {
     fn ipv6_is_on_only_when_the_sysctl_reads_zero() {
         assert!(ipv6_enabled_from(Some("0\n")));
         assert!(!ipv6_enabled_from(Some("1\n")));
-        assert!(
-            !ipv6_enabled_from(None),
-            "no sysctl: IPv6 not in this kernel"
-        );
+        assert!(!ipv6_enabled_from(None), "no sysctl: IPv6 not in this kernel");
         assert!(!ipv6_enabled_from(Some("")));
     }
 
