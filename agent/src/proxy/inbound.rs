@@ -2,8 +2,12 @@
 //!
 //! The connection's local address is the destination pod's (`pod ip:15008`); the
 //! proxy presents that pod's certificate and requires a client certificate of the
-//! mesh. Each CONNECT stream must name that same pod: the tunnel is never an open
-//! proxy to other addresses (another node's pod, the node itself, loopback).
+//! mesh. Each CONNECT stream must name that same pod at that same address (so of
+//! the connection's family: a dual-stack pod's IPv4 address is refused on a
+//! connection made to its IPv6 one, and the other way round): the tunnel is never
+//! an open proxy to other addresses (another node's pod, the node itself,
+//! loopback). Authorities are `ip:port`, `[ipv6]:port` for IPv6
+//! ([`hbone::parse_authority`]); a malformed one is a 400 naming what is wrong.
 //! The connection to the pod keeps the client's address unless that address is
 //! known to belong to another identity ([`learning::client_address`]).
 
