@@ -171,6 +171,8 @@ pub async fn run(cfg: AgentConfig) -> Result<()> {
     let proxy_config = ProxyConfig {
         max_connections,
         listen_ip: std::net::Ipv4Addr::LOCALHOST,
+        // The IPv6 twins, on a node with IPv6 (logged when it is off).
+        listen_ip6: proxy::ipv6_listen_ip(crate::dataplane::net::ipv6_enabled()),
         outbound_port: OUTBOUND_PORT,
         inbound_plaintext_port: INBOUND_PLAINTEXT_PORT,
         hbone_port: HBONE_PORT,

@@ -2,7 +2,8 @@
 //! ambient's ztunnel speaks it (Istio documentation, "HBONE"; RFC 9113 §8.5 for
 //! CONNECT).
 //!
-//! A request is `:method CONNECT`, `:authority <destination ip>:<port>` and a
+//! A request is `:method CONNECT`, `:authority <destination ip>:<port>` (an IPv6
+//! address in brackets, `[fd00::2]:8080`, RFC 3986 §3.2.2) and a
 //! `forwarded: for=<client ip>` header (RFC 7239). The server answers 200 and then
 //! both DATA streams carry the connection's bytes; END_STREAM is a half-close.
 //! Errors, as ztunnel returns them: 400 (not CONNECT, malformed authority, or a
@@ -246,19 +247,59 @@ impl AsyncWrite for H2Stream {
 /// `forwarded` header value naming the client address (RFC 7239 §4, §6: IPv6 in
 /// quotes and brackets).
 pub fn forwarded_for(ip: IpAddr) -> HeaderValue {
-    let value = match ip {
+    let value = match ip.to_canonical() {
         IpAddr::V4(v4) => format!("for={v4}"),
         IpAddr::V6(v6) => format!("for=\"[{v6}]\""),
     };
     HeaderValue::from_str(&value).expect("an address is a valid header value")
 }
 
+/// The client address a `forwarded` header names ([`forwarded_for`]'s forms, RFC
+/// 7239 §4: `for=10.1.2.3`, `for="[fd00::1]"`, also quoted IPv4 and an IPv6 node
+/// with a port, `for="[fd00::1]:4711"`), in canonical form (an IPv4-mapped IPv6
+/// address is its IPv4 address). The first `for` of the first element counts;
+/// `None` when there is none or it is not an address (`unknown`, an obfuscated
+/// identifier, an unbracketed IPv6 address).
+pub fn parse_forwarded_for(value: &HeaderValue) -> Option<IpAddr> {
+    let first = value.to_str().ok()?.split(',').next()?;
+    let node = first.split(';').find_map(|pair| {
+        let (name, value) = pair.trim().split_once('=')?;
+        name.trim()
+            .eq_ignore_ascii_case("for")
+            .then_some(value.trim())
+    })?;
+    let node = match node.strip_prefix('"') {
+        Some(quoted) => quoted.strip_suffix('"')?,
+        None => node,
+    };
+    let ip = match node.strip_prefix('[') {
+        Some(bracketed) => {
+            let (ip, _port) = bracketed.split_once(']')?;
+            IpAddr::V6(ip.parse().ok()?)
+        }
+        None => {
+            let ip = node.split_once(':').map_or(node, |(ip, _port)| ip);
+            IpAddr::V4(ip.parse().ok()?)
+        }
+    };
+    Some(ip.to_canonical())
+}
+
+/// The `:authority` of a CONNECT to `dst`: `ip:port`, an IPv6 address in brackets
+/// (`[fd00::2]:8080`, RFC 3986 §3.2.2). An IPv4-mapped IPv6 address is written as
+/// its IPv4 address; an IPv6 scope is left out (pod addresses have none).
+pub fn authority(dst: SocketAddr) -> String {
+    match dst.ip().to_canonical() {
+        IpAddr::V4(v4) => format!("{v4}:{}", dst.port()),
+        IpAddr::V6(v6) => format!("[{v6}]:{}", dst.port()),
+    }
+}
+
 /// Builds a CONNECT request for `dst` from client `src`.
 pub fn connect_request(dst: SocketAddr, src: IpAddr) -> Request<()> {
     let mut req = Request::new(());
     *req.method_mut() = Method::CONNECT;
-    *req.uri_mut() = dst
-        .to_string()
+    *req.uri_mut() = authority(dst)
         .parse()
         .expect("a socket address is a valid authority");
     req.headers_mut().insert(FORWARDED, forwarded_for(src));
@@ -271,9 +312,39 @@ pub enum RequestError {
     #[error("method {0} is not CONNECT")]
     /// The request's method is not CONNECT.
     NotConnect(Method),
-    #[error("authority {0:?} is not an ip:port")]
-    /// The `:authority` is not an `ip:port` (hostnames are not served).
-    BadAuthority(String),
+    #[error("authority {authority:?} is not an ip:port: {why}")]
+    /// The `:authority` is not an `ip:port` (hostnames are not served; an IPv6
+    /// address must be in brackets).
+    BadAuthority {
+        /// The authority as received.
+        authority: String,
+        /// What is wrong with it ([`AuthorityError`]).
+        why: AuthorityError,
+    },
+}
+
+/// What is wrong with a CONNECT authority ([`parse_authority`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+pub enum AuthorityError {
+    #[error("no authority")]
+    /// The request has no `:authority`.
+    Missing,
+    #[error("no port")]
+    /// No `:port` after the address.
+    NoPort,
+    #[error("the port is not a number from 1 to 65535")]
+    /// The port is not a decimal number from 1 to 65535.
+    BadPort,
+    #[error("an IPv6 address must be in brackets, as [fd00::2]:8080")]
+    /// An IPv6 address without brackets (RFC 3986 §3.2.2).
+    UnbracketedIpv6,
+    #[error("the address in brackets is not an IPv6 address")]
+    /// Brackets around something other than an IPv6 address (an IPv4 address,
+    /// a zone identifier, an IPvFuture literal), or no closing bracket.
+    BadIpv6,
+    #[error("the host is not an IP address (hostnames are not served)")]
+    /// A hostname, or an address that does not parse.
+    NotAnAddress,
 }
 
 impl RequestError {
@@ -283,7 +354,48 @@ impl RequestError {
     }
 }
 
-/// The destination of a CONNECT request.
+/// The destination a CONNECT authority names: `a.b.c.d:port` or `[v6]:port`
+/// (RFC 3986 §3.2.2), port 1-65535. An IPv4-mapped IPv6 address
+/// (`[::ffff:10.1.2.3]:80`) is the IPv4 destination it maps.
+///
+/// # Errors
+/// [`AuthorityError`] naming what is wrong.
+pub fn parse_authority(authority: &str) -> Result<SocketAddr, AuthorityError> {
+    if authority.is_empty() {
+        return Err(AuthorityError::Missing);
+    }
+    let (ip, port) = match authority.strip_prefix('[') {
+        Some(bracketed) => {
+            let (ip, rest) = bracketed.split_once(']').ok_or(AuthorityError::BadIpv6)?;
+            let ip: std::net::Ipv6Addr = ip.parse().map_err(|_| AuthorityError::BadIpv6)?;
+            let port = rest.strip_prefix(':').ok_or(AuthorityError::NoPort)?;
+            (IpAddr::V6(ip), port)
+        }
+        None => {
+            let (host, port) = authority.rsplit_once(':').ok_or_else(|| {
+                if authority.parse::<std::net::Ipv6Addr>().is_ok() {
+                    AuthorityError::UnbracketedIpv6
+                } else {
+                    AuthorityError::NoPort
+                }
+            })?;
+            if host.contains(':') {
+                return Err(AuthorityError::UnbracketedIpv6);
+            }
+            let ip: std::net::Ipv4Addr = host.parse().map_err(|_| AuthorityError::NotAnAddress)?;
+            (IpAddr::V4(ip), port)
+        }
+    };
+    let port = if !port.is_empty() && port.bytes().all(|b| b.is_ascii_digit()) {
+        port.parse::<u16>().ok().filter(|&p| p != 0)
+    } else {
+        None
+    };
+    let port = port.ok_or(AuthorityError::BadPort)?;
+    Ok(SocketAddr::new(ip.to_canonical(), port))
+}
+
+/// The destination of a CONNECT request ([`parse_authority`]).
 ///
 /// # Errors
 /// [`RequestError`] for another method or an authority that is not `ip:port`.
@@ -296,9 +408,7 @@ pub fn parse_connect<B>(req: &Request<B>) -> Result<SocketAddr, RequestError> {
         .authority()
         .map(|a| a.as_str().to_string())
         .unwrap_or_default();
-    authority
-        .parse()
-        .map_err(|_| RequestError::BadAuthority(authority))
+    parse_authority(&authority).map_err(|why| RequestError::BadAuthority { authority, why })
 }
 
 /// The h2 client configuration of HBONE connections.
@@ -380,6 +490,114 @@ mod tests {
         assert_eq!(
             forwarded_for("fd00::1".parse().unwrap()),
             "for=\"[fd00::1]\""
+        );
+    }
+
+    #[test]
+    fn forwarded_headers_parse_back() {
+        for ip in ["10.1.2.3", "fd00::1", "::1"] {
+            let ip: IpAddr = ip.parse().unwrap();
+            assert_eq!(parse_forwarded_for(&forwarded_for(ip)), Some(ip), "{ip}");
+        }
+        let parse = |v: &str| parse_forwarded_for(&HeaderValue::from_str(v).unwrap());
+        // Other forms of RFC 7239 §4 and §7.1.
+        assert_eq!(parse("for=\"10.1.2.3:4711\""), "10.1.2.3".parse().ok());
+        assert_eq!(parse("For=\"[fd00::1]:4711\""), "fd00::1".parse().ok());
+        assert_eq!(
+            parse("proto=https; for=10.0.0.1, for=10.0.0.2"),
+            "10.0.0.1".parse().ok()
+        );
+        // An IPv4-mapped address is its IPv4 address.
+        assert_eq!(parse("for=\"[::ffff:10.1.2.3]\""), "10.1.2.3".parse().ok());
+        assert_eq!(
+            forwarded_for("::ffff:10.1.2.3".parse().unwrap()),
+            "for=10.1.2.3"
+        );
+        for bad in [
+            "for=unknown",
+            "for=_hidden",
+            "for=fd00::1",
+            "by=10.0.0.1",
+            "",
+        ] {
+            assert_eq!(parse(bad), None, "{bad:?}");
+        }
+    }
+
+    /// IPv6 authorities are bracketed both ways; mapped addresses are IPv4.
+    #[test]
+    fn authorities_of_both_families() {
+        let v6: SocketAddr = "[fd00::2]:8080".parse().unwrap();
+        assert_eq!(authority(v6), "[fd00::2]:8080");
+        assert_eq!(authority("10.1.2.3:80".parse().unwrap()), "10.1.2.3:80");
+        assert_eq!(
+            authority("[::ffff:10.1.2.3]:80".parse().unwrap()),
+            "10.1.2.3:80"
+        );
+        let scoped = SocketAddr::V6(std::net::SocketAddrV6::new(
+            "fe80::1".parse().unwrap(),
+            80,
+            0,
+            3,
+        ));
+        assert_eq!(authority(scoped), "[fe80::1]:80");
+
+        let good = [
+            ("10.1.2.3:80", "10.1.2.3:80"),
+            ("[fd00::2]:8080", "[fd00::2]:8080"),
+            ("[FD00:0::2]:65535", "[fd00::2]:65535"),
+            ("[::ffff:10.1.2.3]:80", "10.1.2.3:80"),
+            ("[::1]:1", "[::1]:1"),
+        ];
+        for (text, want) in good {
+            assert_eq!(parse_authority(text), Ok(want.parse().unwrap()), "{text}");
+        }
+        let bad = [
+            ("", AuthorityError::Missing),
+            ("10.1.2.3", AuthorityError::NoPort),
+            ("[fd00::2]", AuthorityError::NoPort),
+            ("[fd00::2]8080", AuthorityError::NoPort),
+            ("fd00::2:8080", AuthorityError::UnbracketedIpv6),
+            ("fd00::2", AuthorityError::UnbracketedIpv6),
+            ("::1", AuthorityError::UnbracketedIpv6),
+            ("[fd00::2:8080", AuthorityError::BadIpv6),
+            ("[10.1.2.3]:80", AuthorityError::BadIpv6),
+            ("[fe80::1%eth0]:80", AuthorityError::BadIpv6),
+            ("[v1.fe]:80", AuthorityError::BadIpv6),
+            ("[fd00::2]:", AuthorityError::BadPort),
+            ("[fd00::2]:0", AuthorityError::BadPort),
+            ("[fd00::2]:65536", AuthorityError::BadPort),
+            ("10.1.2.3:+80", AuthorityError::BadPort),
+            ("10.1.2.3:http", AuthorityError::BadPort),
+            ("example.com:80", AuthorityError::NotAnAddress),
+            ("010.1.2.3:80", AuthorityError::NotAnAddress),
+        ];
+        for (text, want) in bad {
+            assert_eq!(parse_authority(text), Err(want), "{text:?}");
+        }
+    }
+
+    /// A CONNECT to an IPv6 destination goes as a bracketed authority and parses
+    /// back; a malformed one is a 400 naming the authority and what is wrong.
+    #[test]
+    fn ipv6_connect_requests_parse_back() {
+        let dst: SocketAddr = "[fd00:10:244::5]:8080".parse().unwrap();
+        let req = connect_request(dst, "fd00:10:244::9".parse().unwrap());
+        assert_eq!(req.uri().authority().unwrap(), "[fd00:10:244::5]:8080");
+        assert_eq!(parse_connect(&req).unwrap(), dst);
+        assert_eq!(
+            parse_forwarded_for(&req.headers()[FORWARDED]),
+            "fd00:10:244::9".parse().ok()
+        );
+
+        let mut zero = Request::new(());
+        *zero.method_mut() = Method::CONNECT;
+        *zero.uri_mut() = "[fd00::5]:0".parse().unwrap();
+        let err = parse_connect(&zero).unwrap_err();
+        assert_eq!(err.status(), StatusCode::BAD_REQUEST);
+        assert_eq!(
+            err.to_string(),
+            "authority \"[fd00::5]:0\" is not an ip:port: the port is not a number from 1 to 65535"
         );
     }
 

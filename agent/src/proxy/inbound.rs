@@ -2,8 +2,12 @@
 //!
 //! The connection's local address is the destination pod's (`pod ip:15008`); the
 //! proxy presents that pod's certificate and requires a client certificate of the
-//! mesh. Each CONNECT stream must name that same pod: the tunnel is never an open
-//! proxy to other addresses (another node's pod, the node itself, loopback).
+//! mesh. Each CONNECT stream must name that same pod at that same address (so of
+//! the connection's family: a dual-stack pod's IPv4 address is refused on a
+//! connection made to its IPv6 one, and the other way round): the tunnel is never
+//! an open proxy to other addresses (another node's pod, the node itself,
+//! loopback). Authorities are `ip:port`, `[ipv6]:port` for IPv6
+//! ([`hbone::parse_authority`]); a malformed one is a 400 naming what is wrong.
 //! The connection to the pod keeps the client's address unless that address is
 //! known to belong to another identity ([`learning::client_address`]).
 
@@ -395,5 +399,160 @@ async fn serve_stream(
             tracing::info!(%peer, %client, %target, "inbound HBONE stream failed: {e}");
             record.finish(Outcome::Failed(e));
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::{collections::HashSet, time::Duration};
+
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+    use super::*;
+    use crate::{
+        dataplane::testing::{in_new_network_namespace, ip},
+        k8s::{Namespace, Pod},
+        proxy::{
+            ProxyConfig, canonical,
+            pool::{HboneError, PoolKey},
+        },
+        state::{View, WorkloadIndex},
+    };
+
+    /// A pod of namespace `shop` (enrolled) on `node` with addresses `ips`.
+    fn pod(name: &str, node: &str, ips: &[&str]) -> Pod {
+        serde_yaml_ng::from_str(&format!(
+            "metadata: {{name: {name}, namespace: shop}}\n\
+             spec: {{nodeName: {node}, serviceAccountName: {name}}}\n\
+             status: {{podIP: \"{}\", podIPs: [{}]}}\n",
+            ips[0],
+            ips.iter()
+                .map(|ip| format!("{{ip: \"{ip}\"}}"))
+                .collect::<Vec<_>>()
+                .join(", ")
+        ))
+        .unwrap()
+    }
+
+    /// A proxy state on node n1 with the dual-stack pods `client` (on n2) and
+    /// `server` (on n1, captured), and a local CA.
+    fn dual_stack_state() -> (Arc<ProxyState>, tempfile::TempDir) {
+        let ns: Namespace = serde_yaml_ng::from_str(
+            "metadata: {name: shop, labels: {istio.io/dataplane-mode: ambient}}\n",
+        )
+        .unwrap();
+        let pods = [
+            pod("client", "n2", &["10.244.2.1", "fd00:1::1"]),
+            pod("server", "n1", &["10.244.1.2", "fd00:2::2"]),
+        ];
+        let workloads = WorkloadIndex::build("n1", "cluster.local", &pods, &[ns]).0;
+        let captured: HashSet<IpAddr> = ["10.244.1.2", "fd00:2::2"]
+            .iter()
+            .map(|ip| ip.parse().unwrap())
+            .collect();
+        let view = View {
+            workloads: Arc::new(workloads),
+            captured: Arc::new(captured),
+            ..View::default()
+        };
+        let dir = tempfile::tempdir().unwrap();
+        crate::identity::ca::init(dir.path()).unwrap();
+        let certs = crate::identity::CertManager::new(
+            crate::identity::CertSource::Local {
+                dir: dir.path().to_path_buf(),
+            },
+            "cluster.local",
+            Duration::from_secs(3600),
+        )
+        .unwrap();
+        let config = ProxyConfig {
+            listen_ip: std::net::Ipv4Addr::LOCALHOST,
+            listen_ip6: Some(std::net::Ipv6Addr::LOCALHOST),
+            outbound_port: 15001,
+            inbound_plaintext_port: 15006,
+            hbone_port: 15008,
+            proxy_mark: 0,
+            connect_timeout: Duration::from_secs(2),
+            max_connections: 16,
+            cluster_id: "Kubernetes".into(),
+        };
+        let state = Arc::new(ProxyState::new(config, certs));
+        state.update(view);
+        (state, dir)
+    }
+
+    /// HBONE between two pods' IPv6 addresses: the outer connection goes from
+    /// the client pod's address to `[server]:15008`, the CONNECT names
+    /// `[server]:8080`, and the server pod sees the client pod's IPv6 address.
+    /// A port 0 or another pod in the authority is a 400. In a network namespace
+    /// of its own (the programs' part is left out: the HBONE port is bound on the
+    /// pod's address); needs root.
+    #[test]
+    #[ignore = "needs root"]
+    fn hbone_over_ipv6_keeps_the_client_address() {
+        in_new_network_namespace(|| async {
+            ip("link set lo up");
+            if !crate::dataplane::net::ipv6_enabled() {
+                eprintln!("skipped: IPv6 is off here (net.ipv6.conf.all.disable_ipv6)");
+                return;
+            }
+            ip("-6 addr add fd00:1::1/128 dev lo nodad");
+            ip("-6 addr add fd00:2::2/128 dev lo nodad");
+            let (state, _ca) = dual_stack_state();
+            let app = tokio::net::TcpListener::bind("[fd00:2::2]:8080")
+                .await
+                .unwrap();
+            let echo = tokio::spawn(async move {
+                let (mut tcp, peer) = app.accept().await.unwrap();
+                let mut buf = [0u8; 5];
+                tcp.read_exact(&mut buf).await.unwrap();
+                tcp.write_all(&buf).await.unwrap();
+                peer
+            });
+            let hbone = tokio::net::TcpListener::bind("[fd00:2::2]:15008")
+                .await
+                .unwrap();
+            let server = state.clone();
+            tokio::spawn(async move {
+                loop {
+                    let (tcp, peer) = hbone.accept().await.unwrap();
+                    let local = canonical(tcp.local_addr().unwrap());
+                    let permit = server.limits.start_handshake().unwrap();
+                    tokio::spawn(handle(server.clone(), tcp, canonical(peer), local, permit));
+                }
+            });
+
+            let id = |sa: &str| SpiffeId::new("cluster.local", "shop", sa);
+            let key = PoolKey {
+                src_id: id("client"),
+                src_ip: "fd00:1::1".parse().unwrap(),
+                dst_id: id("server"),
+                dst: "[fd00:2::2]:15008".parse().unwrap(),
+            };
+            let connect = |target: &str| {
+                let target: SocketAddr = target.parse().unwrap();
+                let (state, key) = (state.clone(), key.clone());
+                async move { state.pool.connect(&key, target, &state.certs, 0).await }
+            };
+            let mut stream = connect("[fd00:2::2]:8080").await.unwrap();
+            stream.write_all(b"hello").await.unwrap();
+            let mut back = [0u8; 5];
+            stream.read_exact(&mut back).await.unwrap();
+            assert_eq!(&back, b"hello");
+            assert_eq!(
+                echo.await.unwrap().ip(),
+                "fd00:1::1".parse::<IpAddr>().unwrap(),
+                "the server pod sees the client pod's IPv6 address"
+            );
+
+            for target in ["[fd00:2::2]:0", "[fd00:1::1]:8080", "10.244.1.2:8080"] {
+                match connect(target).await {
+                    Err(HboneError::Status { status, .. }) => {
+                        assert_eq!(status, StatusCode::BAD_REQUEST, "{target}");
+                    }
+                    other => panic!("{target}: {:?}", other.map(|_| ())),
+                }
+            }
+        });
     }
 }

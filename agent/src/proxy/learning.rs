@@ -228,6 +228,7 @@ pub(super) mod tests {
         .unwrap();
         let config = ProxyConfig {
             listen_ip: std::net::Ipv4Addr::LOCALHOST,
+            listen_ip6: None,
             outbound_port: 0,
             inbound_plaintext_port: 0,
             hbone_port: 15008,

@@ -8,8 +8,14 @@
 //! * `inbound_plaintext` (15006): plain connections to an enrolled pod on this
 //!   node, from outside the mesh.
 //!
-//! The listeners are bound to 127.0.0.1: nothing reaches them but connections that
+//! The listeners are bound to 127.0.0.1 and, when the node has IPv6
+//! ([`ipv6_enabled`](crate::dataplane::net::ipv6_enabled)), their IPv6 twins to
+//! `::1` (`IPV6_V6ONLY`, same ports): nothing reaches them but connections that
 //! the programs assigned to them, whose local address is the original destination.
+//! Every address that enters the proxy (accepted connections' addresses, HBONE
+//! authorities) is in canonical form ([`canonical`]): an IPv4-mapped IPv6 address
+//! (`::ffff:10.1.2.3`) is the IPv4 flow it maps, so that workload lookups, policy,
+//! pooling and metrics see one form of each address.
 //!
 //! An outbound connection to an address of the cluster that the agent does not
 //! know yet waits briefly for it to be learned (`learning`).
@@ -27,11 +33,12 @@ mod telemetry;
 
 use std::{
     io,
-    net::{IpAddr, Ipv4Addr, SocketAddr},
+    net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr},
     sync::Arc,
     time::Duration,
 };
 
+use futures_util::future::join_all;
 use tokio::{
     net::TcpListener,
     sync::{OwnedSemaphorePermit, watch},
@@ -53,8 +60,11 @@ use crate::{
 /// The proxy's settings.
 #[derive(Clone, Debug)]
 pub struct ProxyConfig {
-    /// Address the listeners bind (127.0.0.1).
+    /// Address the IPv4 listeners bind (127.0.0.1).
     pub listen_ip: Ipv4Addr,
+    /// Address the IPv6 listeners bind (`::1`), or `None` when the node has IPv6
+    /// off: then only the IPv4 ones are bound ([`ipv6_listen_ip`]).
+    pub listen_ip6: Option<Ipv6Addr>,
     /// Outbound capture port (15001).
     pub outbound_port: u16,
     /// Inbound plaintext capture port (15006).
@@ -72,6 +82,33 @@ pub struct ProxyConfig {
     /// The cluster ID: the `source_cluster` and `destination_cluster` metric
     /// labels of known workloads.
     pub cluster_id: String,
+}
+
+/// The address of the IPv6 listeners ([`ProxyConfig::listen_ip6`]): `::1` when
+/// the node has IPv6 (`ipv6_enabled`, from
+/// [`ipv6_enabled`](crate::dataplane::net::ipv6_enabled)), else `None`, which is
+/// logged: the proxy then serves IPv4 only, and never fails for want of IPv6.
+pub fn ipv6_listen_ip(ipv6_enabled: bool) -> Option<Ipv6Addr> {
+    if ipv6_enabled {
+        Some(Ipv6Addr::LOCALHOST)
+    } else {
+        tracing::info!(
+            "IPv6 is off on this node (net.ipv6.conf.all.disable_ipv6); proxying IPv4 only"
+        );
+        None
+    }
+}
+
+/// `addr` with its address in canonical form: an IPv4-mapped IPv6 address
+/// (`[::ffff:10.1.2.3]:80`) becomes the IPv4 address (`10.1.2.3:80`,
+/// [`IpAddr::to_canonical`]); any other address is returned as it is.
+pub fn canonical(addr: SocketAddr) -> SocketAddr {
+    match addr {
+        SocketAddr::V6(v6) if v6.ip().to_ipv4_mapped().is_some() => {
+            SocketAddr::new(v6.ip().to_canonical(), v6.port())
+        }
+        addr => addr,
+    }
 }
 
 /// Authorization against the policies in the view (the proxy's part of [`View`]).
@@ -283,36 +320,83 @@ pub struct BindError {
     /// The address it binds.
     pub addr: SocketAddr,
     /// The system call's error: the port taken (`EADDRINUSE`), or
-    /// `IP_TRANSPARENT` not permitted (`EPERM`, without `CAP_NET_ADMIN`).
+    /// `IP_TRANSPARENT`/`IPV6_TRANSPARENT` not permitted (`EPERM`, without
+    /// `CAP_NET_ADMIN`), or `EADDRNOTAVAIL` for `::1` on a node whose loopback
+    /// has no IPv6 address.
     pub error: io::Error,
 }
 
-/// The bound listeners.
+impl ProxyConfig {
+    /// The addresses the listeners bind, by listener (`outbound`, `inbound
+    /// plaintext`, `inbound HBONE`): the IPv4 one, then the IPv6 one when
+    /// [`ProxyConfig::listen_ip6`] is set.
+    pub fn listen_addrs(&self) -> [(&'static str, Vec<SocketAddr>); 3] {
+        let addrs = |port: u16| {
+            let mut addrs = vec![SocketAddr::from((self.listen_ip, port))];
+            addrs.extend(self.listen_ip6.map(|ip| SocketAddr::from((ip, port))));
+            addrs
+        };
+        [
+            ("outbound", addrs(self.outbound_port)),
+            ("inbound plaintext", addrs(self.inbound_plaintext_port)),
+            ("inbound HBONE", addrs(self.hbone_port)),
+        ]
+    }
+}
+
+/// The bound listeners: each kind's IPv4 listener, and its IPv6 twin when the node
+/// has IPv6.
 pub struct Listeners {
-    outbound: TcpListener,
-    inbound_plaintext: TcpListener,
-    hbone: TcpListener,
+    outbound: Vec<TcpListener>,
+    inbound_plaintext: Vec<TcpListener>,
+    hbone: Vec<TcpListener>,
 }
 
 impl Listeners {
-    /// Binds the three transparent listeners.
+    /// Binds the transparent listeners at [`ProxyConfig::listen_addrs`].
     ///
     /// # Errors
-    /// [`BindError`]: when a port is taken or `IP_TRANSPARENT` is not permitted.
+    /// [`BindError`]: when a port is taken or `IP_TRANSPARENT` is not permitted,
+    /// for either family.
     pub fn bind(config: &ProxyConfig) -> Result<Self, BindError> {
-        let bind = |listener: &'static str, port: u16| {
-            let addr = SocketAddr::from((config.listen_ip, port));
-            socket::transparent_listener(addr, config.proxy_mark).map_err(|error| BindError {
-                listener,
-                addr,
-                error,
-            })
-        };
+        let mut bound = Vec::with_capacity(3);
+        for (listener, addrs) in config.listen_addrs() {
+            let listeners = addrs
+                .into_iter()
+                .map(|addr| {
+                    socket::transparent_listener(addr, config.proxy_mark).map_err(|error| {
+                        BindError {
+                            listener,
+                            addr,
+                            error,
+                        }
+                    })
+                })
+                .collect::<Result<Vec<_>, _>>()?;
+            bound.push(listeners);
+        }
+        let [outbound, inbound_plaintext, hbone]: [Vec<TcpListener>; 3] =
+            bound.try_into().expect("three kinds of listener");
         Ok(Self {
-            outbound: bind("outbound", config.outbound_port)?,
-            inbound_plaintext: bind("inbound plaintext", config.inbound_plaintext_port)?,
-            hbone: bind("inbound HBONE", config.hbone_port)?,
+            outbound,
+            inbound_plaintext,
+            hbone,
         })
+    }
+
+    /// The bound addresses, by listener, in [`ProxyConfig::listen_addrs`]' order.
+    pub fn local_addrs(&self) -> [(&'static str, Vec<SocketAddr>); 3] {
+        let addrs = |listeners: &[TcpListener]| {
+            listeners
+                .iter()
+                .filter_map(|l| l.local_addr().ok())
+                .collect()
+        };
+        [
+            ("outbound", addrs(&self.outbound)),
+            ("inbound plaintext", addrs(&self.inbound_plaintext)),
+            ("inbound HBONE", addrs(&self.hbone)),
+        ]
     }
 }
 
@@ -328,27 +412,32 @@ pub async fn serve(state: Arc<ProxyState>, listeners: Listeners) {
             }
         }
     };
-    tokio::join!(
+    // One accept loop per listener, both families alike.
+    let outbound = join_all(listeners.outbound.into_iter().map(|listener| {
         accept_loop(
             ("outbound", Direction::Outbound, Budget::Connection),
-            listeners.outbound,
+            listener,
             state.clone(),
-            outbound::handle
-        ),
+            outbound::handle,
+        )
+    }));
+    let inbound_plaintext = join_all(listeners.inbound_plaintext.into_iter().map(|listener| {
         accept_loop(
             ("inbound plaintext", Direction::Inbound, Budget::Connection),
-            listeners.inbound_plaintext,
+            listener,
             state.clone(),
-            inbound_plaintext::handle
-        ),
+            inbound_plaintext::handle,
+        )
+    }));
+    let hbone = join_all(listeners.hbone.into_iter().map(|listener| {
         accept_loop(
             ("inbound HBONE", Direction::Inbound, Budget::Handshake),
-            listeners.hbone,
+            listener,
             state.clone(),
-            inbound::handle
-        ),
-        sweeper,
-    );
+            inbound::handle,
+        )
+    }));
+    tokio::join!(outbound, inbound_plaintext, hbone, sweeper);
 }
 
 /// How long a draining listener goes on accepting after its last connection:
@@ -361,7 +450,8 @@ const DRAIN_QUIET: Duration = Duration::from_millis(1200);
 /// The longest a draining listener stays open.
 const DRAIN_ACCEPT_MAX: Duration = Duration::from_secs(3);
 
-/// Accepts connections on `listener` and hands each to `handle`, until the proxy
+/// Accepts connections on `listener` and hands each to `handle` with its peer
+/// and local addresses in canonical form ([`canonical`]), until the proxy
 /// drains. The agent has then stopped the programs from handing it new
 /// connections (enrolled pods' new connections fail closed); the listener goes
 /// on accepting the handshakes already under way until none came for
@@ -383,6 +473,7 @@ async fn accept_loop<F, Fut>(
     Fut: std::future::Future<Output = ()> + Send + 'static,
 {
     state.limits.listener_opened();
+    let addr = listener.local_addr().ok();
     let accept_failed = RateLimited::default();
     let over_limit = RateLimited::default();
     let mut close_by = None;
@@ -405,7 +496,7 @@ async fn accept_loop<F, Fut>(
             }
         };
         let (stream, peer) = match accepted {
-            Ok(accepted) => accepted,
+            Ok((stream, peer)) => (stream, canonical(peer)),
             Err(e) => {
                 // EMFILE and friends: back off instead of spinning.
                 accept_failed.warn(|n| format!("{name} listener: accept failed: {e} ({n} times)"));
@@ -430,7 +521,7 @@ async fn accept_loop<F, Fut>(
             socket::reset_on_close(&stream);
             continue;
         };
-        let Ok(local) = stream.local_addr() else {
+        let Ok(local) = stream.local_addr().map(canonical) else {
             continue;
         };
         // `TCP_NODELAY` comes from the listener (`socket::transparent_listener`).
@@ -438,12 +529,33 @@ async fn accept_loop<F, Fut>(
     }
     drop(listener);
     state.limits.listener_closed();
-    tracing::info!("{name} listener closed");
+    match addr {
+        Some(addr) => tracing::info!(%addr, "{name} listener closed"),
+        None => tracing::info!("{name} listener closed"),
+    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::dataplane::{
+        net::ipv6_enabled,
+        testing::{in_new_network_namespace, ip},
+    };
+
+    fn config(port: u16, listen_ip6: Option<Ipv6Addr>) -> ProxyConfig {
+        ProxyConfig {
+            listen_ip: Ipv4Addr::LOCALHOST,
+            listen_ip6,
+            outbound_port: port,
+            inbound_plaintext_port: port + 5,
+            hbone_port: port + 7,
+            proxy_mark: 0,
+            connect_timeout: Duration::from_secs(1),
+            max_connections: 1,
+            cluster_id: "Kubernetes".into(),
+        }
+    }
 
     /// A listener that cannot be bound (its port taken, or `IP_TRANSPARENT`
     /// not permitted) is named, with its address and the system call's error.
@@ -452,14 +564,9 @@ mod tests {
         let taken = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
         let port = taken.local_addr().unwrap().port();
         let config = ProxyConfig {
-            listen_ip: Ipv4Addr::LOCALHOST,
-            outbound_port: port,
             inbound_plaintext_port: port,
             hbone_port: port,
-            proxy_mark: 0,
-            connect_timeout: Duration::from_secs(1),
-            max_connections: 1,
-            cluster_id: "Kubernetes".into(),
+            ..config(port, None)
         };
         let Err(error) = Listeners::bind(&config) else {
             panic!("a taken port was bound");
@@ -473,5 +580,106 @@ mod tests {
                 error.error
             )
         );
+    }
+
+    /// With IPv6 on, each listener has an IPv6 twin on `::1` at the same port;
+    /// with it off, none is bound.
+    #[test]
+    fn ipv6_listeners_only_when_the_node_has_ipv6() {
+        assert_eq!(ipv6_listen_ip(true), Some(Ipv6Addr::LOCALHOST));
+        assert_eq!(ipv6_listen_ip(false), None);
+
+        let off = config(15001, ipv6_listen_ip(false));
+        for (name, addrs) in off.listen_addrs() {
+            assert_eq!(addrs.len(), 1, "{name}");
+            assert!(addrs[0].is_ipv4(), "{name}: {addrs:?}");
+        }
+        let on = config(15001, ipv6_listen_ip(true));
+        let want = |port| {
+            vec![
+                format!("127.0.0.1:{port}").parse::<SocketAddr>().unwrap(),
+                format!("[::1]:{port}").parse().unwrap(),
+            ]
+        };
+        assert_eq!(
+            on.listen_addrs(),
+            [
+                ("outbound", want(15001)),
+                ("inbound plaintext", want(15006)),
+                ("inbound HBONE", want(15008)),
+            ]
+        );
+    }
+
+    /// IPv4-mapped addresses are the IPv4 flow; others stay as they are.
+    #[test]
+    fn mapped_addresses_are_canonical() {
+        let addr = |s: &str| s.parse::<SocketAddr>().unwrap();
+        assert_eq!(canonical(addr("[::ffff:10.1.2.3]:80")), addr("10.1.2.3:80"));
+        assert_eq!(canonical(addr("10.1.2.3:80")), addr("10.1.2.3:80"));
+        assert_eq!(canonical(addr("[fd00::3]:80")), addr("[fd00::3]:80"));
+        // IPv4-compatible (deprecated) addresses are IPv6, as `to_canonical` says.
+        assert_eq!(canonical(addr("[::10.1.2.3]:80")), addr("[::10.1.2.3]:80"));
+    }
+
+    /// In a network namespace of its own: the IPv6 listeners are transparent,
+    /// IPv6-only and accept on `::1` beside the IPv4 ones; a taken IPv6 port is an
+    /// error naming the IPv6 address; with IPv6 off nothing IPv6 is bound.
+    #[test]
+    #[ignore = "needs root"]
+    fn ipv6_twins_accept_on_loopback() {
+        in_new_network_namespace(|| async {
+            ip("link set lo up");
+            if !ipv6_enabled() {
+                eprintln!("skipped: IPv6 is off here (net.ipv6.conf.all.disable_ipv6)");
+                return;
+            }
+            let listeners = Listeners::bind(&config(15001, Some(Ipv6Addr::LOCALHOST)))
+                .expect("the listeners of both families");
+            let local = listeners.local_addrs();
+            assert_eq!(
+                local[2].1,
+                vec![
+                    "127.0.0.1:15008".parse::<SocketAddr>().unwrap(),
+                    "[::1]:15008".parse().unwrap()
+                ]
+            );
+            for listener in [&listeners.outbound[1], &listeners.hbone[1]] {
+                let sock = socket2::SockRef::from(listener);
+                assert!(sock.only_v6().unwrap(), "IPV6_V6ONLY");
+                assert!(sock.ip_transparent_v6().unwrap(), "IPV6_TRANSPARENT");
+            }
+            let client = tokio::net::TcpStream::connect("[::1]:15001").await.unwrap();
+            let (accepted, peer) = listeners.outbound[1].accept().await.unwrap();
+            assert_eq!(peer, client.local_addr().unwrap());
+            assert_eq!(
+                canonical(accepted.local_addr().unwrap()),
+                "[::1]:15001".parse().unwrap()
+            );
+            drop(listeners);
+
+            // A taken IPv6 port fails as a taken IPv4 one does.
+            let taken = std::net::TcpListener::bind("[::1]:15106").unwrap();
+            let Err(error) = Listeners::bind(&config(15101, Some(Ipv6Addr::LOCALHOST))) else {
+                panic!("a taken IPv6 port was bound");
+            };
+            drop(taken);
+            assert_eq!(error.listener, "inbound plaintext");
+            assert_eq!(error.addr, "[::1]:15106".parse().unwrap());
+            assert!(
+                error
+                    .to_string()
+                    .starts_with("binding the transparent listener [::1]:15106: "),
+                "{error}"
+            );
+
+            // IPv6 off: the IPv4 listeners alone.
+            let listeners = Listeners::bind(&config(15201, ipv6_listen_ip(false))).unwrap();
+            for (name, addrs) in listeners.local_addrs() {
+                assert!(addrs.iter().all(SocketAddr::is_ipv4), "{name}: {addrs:?}");
+                assert_eq!(addrs.len(), 1, "{name}");
+            }
+            assert!(tokio::net::TcpStream::connect("[::1]:15201").await.is_err());
+        });
     }
 }

@@ -49,7 +49,9 @@ pub struct PoolKey {
     pub src_ip: IpAddr,
     /// The destination workload's identity (required of the server).
     pub dst_id: SpiffeId,
-    /// The destination's HBONE address (`pod ip:15008`).
+    /// The destination's HBONE address (`pod ip:15008`, `[pod ip]:15008` for
+    /// IPv6), of the source's family: connections of the two families never
+    /// share a key.
     pub dst: SocketAddr,
 }
 
@@ -394,6 +396,37 @@ mod tests {
         let (y, _y) = single.pick(&key);
         assert!(Arc::ptr_eq(&x, &y));
         assert_eq!(single.slots(&key), 1);
+    }
+
+    /// The key names the source address and the peer's HBONE address: an IPv6
+    /// and an IPv4 destination (even of one workload) never share a connection,
+    /// and an IPv4-mapped address, made canonical on entry, is its IPv4 peer's.
+    #[test]
+    fn connections_are_pooled_per_family() {
+        let pool = Pool::new(1);
+        let v4 = key();
+        let v6 = PoolKey {
+            src_ip: "fd00:10:244:1::1".parse().unwrap(),
+            dst: "[fd00:10:244:2::1]:15008".parse().unwrap(),
+            ..key()
+        };
+        assert_ne!(v4, v6);
+        let (a, _a) = pool.pick(&v4);
+        let (b, _b) = pool.pick(&v6);
+        assert!(!Arc::ptr_eq(&a, &b), "one connection per family");
+        assert_eq!((pool.slots(&v4), pool.slots(&v6)), (1, 1));
+
+        let mapped: SocketAddr = "[::ffff:10.0.1.1]:15008".parse().unwrap();
+        let same = PoolKey {
+            dst: crate::proxy::canonical(mapped),
+            ..key()
+        };
+        assert_eq!(same, v4);
+        let (c, _c) = pool.pick(&same);
+        assert!(
+            Arc::ptr_eq(&a, &c),
+            "the same peer address: the same connection"
+        );
     }
 
     /// The sweep drops empty slots nobody is about to use and keeps those a
