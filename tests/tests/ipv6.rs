@@ -96,6 +96,29 @@ fn dual_stack_bed_carries_ipv6_between_pods() {
     let to_far = format!("> {}:", tcpdump_endpoint(far.ip_of(Family::V6), 8080));
     assert!(lines.iter().any(|l| l.contains(&to_far)), "{lines:#?}");
     assert!(contains_bytes(&raw, b"ipv6-payload-"));
+
+    // The API server double holds both addresses too, IPv4 first.
+    let mut k = Cluster::dual_stack_from(1, &[("apps", false)], Source::Kubernetes).unwrap();
+    let pod = k.add_pod(PodSpec::new("p", "apps", 0)).unwrap();
+    let want: Vec<String> = pod.ips().iter().map(IpAddr::to_string).collect();
+    for object in [
+        k.api().unwrap().pod("apps", "p").unwrap(),
+        podlink_tests::api_double::pod_object(&k, &pod),
+    ] {
+        let status = &object["status"];
+        let listed: Vec<&str> = status["podIPs"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter_map(|ip| ip["ip"].as_str())
+            .collect();
+        assert_eq!(listed, want, "{object:#}");
+        assert_eq!(
+            status["podIP"].as_str(),
+            Some(want[0].as_str()),
+            "{object:#}"
+        );
+    }
 }
 
 // ---- Helpers shared by both families ----
