@@ -20,6 +20,8 @@ const CONNECTIONS: usize = 8;
 /// The HBONE port.
 const HBONE: u16 = 15008;
 
+// ---- Helpers shared by both families ----
+
 /// `ip.port` as tcpdump prints an endpoint (`10.244.2.2.15008`,
 /// `fd00:10:244:2::2.15008`).
 fn tcpdump_endpoint(ip: IpAddr, port: u16) -> String {
@@ -48,80 +50,6 @@ fn agent_logs(c: &Cluster) -> String {
         .collect::<Vec<_>>()
         .join("\n")
 }
-
-/// The bed alone, no agent: pods on two nodes, and two on one node, talk IPv6
-/// TCP to each other, and the server sees the client's IPv6 address; IPv4 works
-/// beside it; `status.podIPs` lists both families.
-#[test]
-fn dual_stack_bed_carries_ipv6_between_pods() {
-    let mut c = Cluster::dual_stack(2, &[("apps", false)]).unwrap();
-    let client = c.add_pod(PodSpec::new("client", "apps", 0)).unwrap();
-    let near = c.add_pod(PodSpec::new("near", "apps", 0)).unwrap();
-    let far = c.add_pod(PodSpec::new("far", "apps", 1)).unwrap();
-    for (pod, node) in [(&client, 0), (&near, 0), (&far, 1)] {
-        let v6 = pod.ipv6.expect("a dual-stack pod has an IPv6 address");
-        let net = c.nodes[node].pod_cidr6.unwrap().segments();
-        assert_eq!(
-            v6.segments()[..4],
-            net[..4],
-            "{v6} in node{}'s range",
-            node + 1
-        );
-    }
-    assert_eq!(c.nodes[1].ipv6, Some("fd00::2".parse().unwrap()));
-    assert_eq!(
-        c.nodes[0].pod_range6().as_deref(),
-        Some("fd00:10:244:1::/64")
-    );
-    let manifest = std::fs::read_to_string(c.manifests.join("pod-apps-far.yaml")).unwrap();
-    assert!(
-        manifest.contains(&format!("- ip: \"{}\"", far.ip))
-            && manifest.contains(&format!("- ip: \"{}\"", far.ipv6.unwrap())),
-        "{manifest}"
-    );
-
-    let _far_echo = app::EchoServer::start(&far.netns, far.addr6(8080)).unwrap();
-    let _near_echo = app::EchoServer::start(&near.netns, near.addr6(8080)).unwrap();
-    let _far_echo4 = app::EchoServer::start(&far.netns, far.addr(8080)).unwrap();
-
-    let capture = Capture::start(&c.nodes[0].netns, "eth0", &c.dir, "underlay").unwrap();
-    for i in 0..3 {
-        let payload = format!("ipv6-payload-{i}-").repeat(300).into_bytes();
-        exchange_keeping_address(&c, &client, far.addr6(8080), &payload);
-        exchange_keeping_address(&c, &client, near.addr6(8080), &payload);
-    }
-    exchange_keeping_address(&c, &client, far.addr(8080), b"ipv4 beside");
-    let (raw, lines) = capture.stop().unwrap();
-    // Across nodes, IPv6 crosses the underlay as it was sent (no agent here).
-    let to_far = format!("> {}:", tcpdump_endpoint(far.ip_of(Family::V6), 8080));
-    assert!(lines.iter().any(|l| l.contains(&to_far)), "{lines:#?}");
-    assert!(contains_bytes(&raw, b"ipv6-payload-"));
-
-    // The API server double holds both addresses too, IPv4 first.
-    let mut k = Cluster::dual_stack_from(1, &[("apps", false)], Source::Kubernetes).unwrap();
-    let pod = k.add_pod(PodSpec::new("p", "apps", 0)).unwrap();
-    let want: Vec<String> = pod.ips().iter().map(IpAddr::to_string).collect();
-    for object in [
-        k.api().unwrap().pod("apps", "p").unwrap(),
-        podlink_tests::api_double::pod_object(&k, &pod),
-    ] {
-        let status = &object["status"];
-        let listed: Vec<&str> = status["podIPs"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .filter_map(|ip| ip["ip"].as_str())
-            .collect();
-        assert_eq!(listed, want, "{object:#}");
-        assert_eq!(
-            status["podIP"].as_str(),
-            Some(want[0].as_str()),
-            "{object:#}"
-        );
-    }
-}
-
-// ---- Helpers shared by both families ----
 
 /// The family of `addr`.
 fn family_of(addr: SocketAddr) -> Family {
@@ -199,6 +127,28 @@ fn counter(c: &Cluster, pod: &Pod, field: &str) -> u64 {
     c.counters(pod).unwrap().get(field).copied().unwrap_or(0)
 }
 
+/// Node `node`'s agent lists `pod` as one workload whose `ips` hold both of its
+/// addresses (a dual-stack pod is one workload).
+fn one_workload_with_both_addresses(c: &Cluster, node: usize, pod: &Pod) {
+    let dump = c.config_dump(node).unwrap();
+    let entries: Vec<&serde_json::Value> = dump["workloads"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter(|w| w["namespace"] == pod.namespace.as_str() && w["name"] == pod.name.as_str())
+        .collect();
+    assert_eq!(entries.len(), 1, "{dump:#}");
+    let ips: Vec<&str> = entries[0]["ips"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter_map(serde_json::Value::as_str)
+        .collect();
+    for ip in pod.ips() {
+        assert!(ips.contains(&ip.to_string().as_str()), "{ip} in {dump:#}");
+    }
+}
+
 /// Enrolled client on node 1, enrolled server on node 2: `CONNECTIONS`
 /// parallel connections of `family` are captured, carried over pooled HBONE
 /// connections to the server's address of that family, port 15008, and
@@ -213,6 +163,7 @@ fn cross_node_tunnel(family: Family, source: Source) {
         .unwrap();
     c.start_agents().unwrap();
     c.wait_all_captured(&[&client, &server]).unwrap();
+    one_workload_with_both_addresses(&c, 0, &server);
     let dst = server.addr_of(family, 8080);
     let echo = app::EchoServer::start(&server.netns, dst).unwrap();
 
@@ -263,6 +214,84 @@ fn cross_node_tunnel(family: Family, source: Source) {
         server_counters["captured_inbound_plaintext"], 0,
         "{server_counters:?}"
     );
+    // IPv6 is carried, not dropped (0 too where the counter is gone).
+    for pod in [&client, &server] {
+        assert_eq!(counter(&c, pod, "dropped_ipv6"), 0, "{}", pod.name);
+    }
+}
+
+// ---- The test bed itself ----
+
+/// The bed alone, no agent: pods on two nodes, and two on one node, talk IPv6
+/// TCP to each other, and the server sees the client's IPv6 address; IPv4 works
+/// beside it; `status.podIPs` lists both families.
+#[test]
+fn dual_stack_bed_carries_ipv6_between_pods() {
+    let mut c = Cluster::dual_stack(2, &[("apps", false)]).unwrap();
+    let client = c.add_pod(PodSpec::new("client", "apps", 0)).unwrap();
+    let near = c.add_pod(PodSpec::new("near", "apps", 0)).unwrap();
+    let far = c.add_pod(PodSpec::new("far", "apps", 1)).unwrap();
+    for (pod, node) in [(&client, 0), (&near, 0), (&far, 1)] {
+        let v6 = pod.ipv6.expect("a dual-stack pod has an IPv6 address");
+        let net = c.nodes[node].pod_cidr6.unwrap().segments();
+        assert_eq!(
+            v6.segments()[..4],
+            net[..4],
+            "{v6} in node{}'s range",
+            node + 1
+        );
+    }
+    assert_eq!(c.nodes[1].ipv6, Some("fd00::2".parse().unwrap()));
+    assert_eq!(
+        c.nodes[0].pod_range6().as_deref(),
+        Some("fd00:10:244:1::/64")
+    );
+    let manifest = std::fs::read_to_string(c.manifests.join("pod-apps-far.yaml")).unwrap();
+    assert!(
+        manifest.contains(&format!("- ip: \"{}\"", far.ip))
+            && manifest.contains(&format!("- ip: \"{}\"", far.ipv6.unwrap())),
+        "{manifest}"
+    );
+
+    let _far_echo = app::EchoServer::start(&far.netns, far.addr6(8080)).unwrap();
+    let _near_echo = app::EchoServer::start(&near.netns, near.addr6(8080)).unwrap();
+    let _far_echo4 = app::EchoServer::start(&far.netns, far.addr(8080)).unwrap();
+
+    let capture = underlay_capture(&c, 0);
+    for i in 0..3 {
+        let payload = format!("ipv6-payload-{i}-").repeat(300).into_bytes();
+        exchange_keeping_address(&c, &client, far.addr6(8080), &payload);
+        exchange_keeping_address(&c, &client, near.addr6(8080), &payload);
+    }
+    exchange_keeping_address(&c, &client, far.addr(8080), b"ipv4 beside");
+    let (raw, lines) = capture.stop().unwrap();
+    // Across nodes, IPv6 crosses the underlay as it was sent (no agent here).
+    let to_far = format!("> {}:", tcpdump_endpoint(far.ip_of(Family::V6), 8080));
+    assert!(lines.iter().any(|l| l.contains(&to_far)), "{lines:#?}");
+    assert!(contains_bytes(&raw, b"ipv6-payload-"));
+
+    // The API server double holds both addresses too, IPv4 first.
+    let mut k = Cluster::dual_stack_from(1, &[("apps", false)], Source::Kubernetes).unwrap();
+    let pod = k.add_pod(PodSpec::new("p", "apps", 0)).unwrap();
+    let want: Vec<String> = pod.ips().iter().map(IpAddr::to_string).collect();
+    for object in [
+        k.api().unwrap().pod("apps", "p").unwrap(),
+        podlink_tests::api_double::pod_object(&k, &pod),
+    ] {
+        let status = &object["status"];
+        let listed: Vec<&str> = status["podIPs"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter_map(|ip| ip["ip"].as_str())
+            .collect();
+        assert_eq!(listed, want, "{object:#}");
+        assert_eq!(
+            status["podIP"].as_str(),
+            Some(want[0].as_str()),
+            "{object:#}"
+        );
+    }
 }
 
 // ---- The scenarios of the IPv4 tests, over IPv6 ----
