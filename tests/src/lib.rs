@@ -1613,3 +1613,70 @@ impl Drop for Cluster {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_dual_stack_cni_result_gives_both_addresses_in_order() {
+        let result = serde_json::json!({
+            "ips": [
+                {"interface": 1, "address": "10.244.1.2/24", "gateway": "10.244.1.1"},
+                {"interface": 1, "address": "fd00:10:244:1::2/64", "gateway": "fd00:10:244:1::1"},
+            ]
+        });
+        assert_eq!(
+            cni_result_ips(&result),
+            [
+                "10.244.1.2".parse::<IpAddr>().unwrap(),
+                "fd00:10:244:1::2".parse().unwrap()
+            ]
+        );
+        assert!(cni_result_ips(&serde_json::json!({})).is_empty());
+    }
+
+    #[test]
+    fn pod_manifests_list_every_address_in_pod_ips() {
+        let ips: [IpAddr; 2] = [
+            "10.244.1.2".parse().unwrap(),
+            "fd00:10:244:1::2".parse().unwrap(),
+        ];
+        let text = pod_manifest("p", "ns", &BTreeMap::new(), "node1", "default", None, &ips);
+        let objects = yaml_objects(&text).unwrap();
+        let status = &objects[0]["status"];
+        assert_eq!(status["phase"], "Running");
+        assert_eq!(status["podIP"], "10.244.1.2");
+        assert_eq!(
+            status["podIPs"],
+            serde_json::json!([{"ip": "10.244.1.2"}, {"ip": "fd00:10:244:1::2"}])
+        );
+
+        let pending = pod_manifest("p", "ns", &BTreeMap::new(), "node1", "default", None, &[]);
+        let status = &yaml_objects(&pending).unwrap()[0]["status"];
+        assert_eq!(status["phase"], "Pending");
+        assert!(status.get("podIPs").is_none());
+    }
+
+    #[test]
+    fn pods_give_their_address_of_each_family() {
+        let pod = Pod {
+            name: "p".into(),
+            namespace: "ns".into(),
+            node: 0,
+            netns: "n".into(),
+            ip: "10.244.1.2".parse().unwrap(),
+            ipv6: Some("fd00:10:244:1::2".parse().unwrap()),
+            host_veth: "veth0".into(),
+            labels: BTreeMap::new(),
+            service_account: "default".into(),
+            owner: None,
+            container_id: "c".into(),
+        };
+        assert_eq!(pod.addr_of(Family::V4, 80).to_string(), "10.244.1.2:80");
+        assert_eq!(pod.addr6(80).to_string(), "[fd00:10:244:1::2]:80");
+        assert_eq!(pod.ips().len(), 2);
+        let v4_only = Pod { ipv6: None, ..pod };
+        assert_eq!(v4_only.ips(), [IpAddr::V4(v4_only.ip)]);
+    }
+}
