@@ -214,6 +214,21 @@ fn cross_node_tunnel(family: Family, source: Source) {
         server_counters["captured_inbound_plaintext"], 0,
         "{server_counters:?}"
     );
+    // The access logs of both ends: the addresses as sockets print them
+    // (`[fd00:10:244:2::2]:8080`), so the CONNECT authority made it through.
+    let src = match client.ip_of(family) {
+        IpAddr::V4(ip) => format!("src.addr={ip}:"),
+        IpAddr::V6(ip) => format!("src.addr=[{ip}]:"),
+    };
+    let dst_field = format!("dst.addr={dst}");
+    let complete = "access: connection complete";
+    for (node, needles) in [
+        (0, [complete, "route=hbone", &src, &dst_field].as_slice()),
+        (1, [complete, "route=inbound_hbone", &dst_field].as_slice()),
+    ] {
+        c.wait_log_lines(node, needles, CONNECTIONS, Duration::from_secs(10))
+            .unwrap();
+    }
     // IPv6 is carried, not dropped (0 too where the counter is gone).
     for pod in [&client, &server] {
         assert_eq!(counter(&c, pod, "dropped_ipv6"), 0, "{}", pod.name);
