@@ -2098,7 +2098,7 @@ pub fn pod_object(c: &Cluster, pod: &Pod) -> Value {
         "status": {
             "phase": "Running",
             "podIP": pod.ip.to_string(),
-            "podIPs": [{"ip": pod.ip.to_string()}],
+            "podIPs": pod.ips().iter().map(|ip| json!({"ip": ip.to_string()})).collect::<Vec<_>>(),
         },
     })
 }

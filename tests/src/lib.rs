@@ -10,6 +10,12 @@
 //!   from Debian's containernetworking-plugins, run inside the node namespace
 //!   exactly as a container runtime runs them; a Pod manifest in the shared
 //!   manifests directory describes each.
+//! * Dual stack ([`Cluster::dual_stack`]; IPv4 only is the default): each node also
+//!   has `fd00::<n>/64` on the underlay, IPv6 forwarding on, pod range
+//!   `fd00:10:244:<n>::/64` and routes to the other nodes' IPv6 pod ranges; pods
+//!   get one address of each family from `host-local` (`status.podIPs` lists
+//!   both, IPv4 first). Duplicate address detection is off in the namespaces the
+//!   test bed makes, so IPv6 addresses are usable at once.
 //! * One `podlink agent` per node, started with `ip netns exec`.
 //! * The agents' source ([`Source`]): the shared manifests directory, or the
 //!   Kubernetes API server double ([`api_double`]), listening in every node's
@@ -31,7 +37,7 @@ pub use capture::{Capture, contains_bytes};
 use std::{
     collections::{BTreeMap, HashMap, HashSet},
     fs,
-    net::{Ipv4Addr, SocketAddr},
+    net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr},
     path::{Path, PathBuf},
     process::{Child, Command, Stdio},
     sync::atomic::{AtomicU32, Ordering},
@@ -178,6 +184,10 @@ pub struct Node {
     pub ip: Ipv4Addr,
     /// Its pod CIDR (a /24).
     pub pod_cidr: Ipv4Addr,
+    /// Its IPv6 underlay address (`fd00::<n>`, on a /64), in a dual-stack cluster.
+    pub ipv6: Option<Ipv6Addr>,
+    /// Its IPv6 pod CIDR (`fd00:10:244:<n>::`, a /64), in a dual-stack cluster.
+    pub pod_cidr6: Option<Ipv6Addr>,
     /// The agent's pin directory (on this node's own bpffs).
     pub pin_dir: PathBuf,
     /// The agent's state directory (its sysctl journal).
@@ -188,6 +198,12 @@ pub struct Node {
 }
 
 impl Node {
+    /// Its IPv6 pod range as CIDR text (`fd00:10:244:<n>::/64`), in a dual-stack
+    /// cluster.
+    pub fn pod_range6(&self) -> Option<String> {
+        self.pod_cidr6.map(|net| format!("{net}/64"))
+    }
+
     /// The directory of the agent's pin layout: `<pin_dir>/v<LAYOUT_VERSION>`, which
     /// holds the maps and `links/`.
     pub fn pins(&self) -> PathBuf {
@@ -205,6 +221,8 @@ pub struct Pod {
     pub node: usize,
     pub netns: String,
     pub ip: Ipv4Addr,
+    /// Its IPv6 address from the CNI result, in a dual-stack cluster.
+    pub ipv6: Option<Ipv6Addr>,
     /// The host side of its veth pair, in the node namespace.
     pub host_veth: String,
     pub labels: BTreeMap<String, String>,
@@ -221,6 +239,44 @@ impl Pod {
     pub fn addr(&self, port: u16) -> SocketAddr {
         SocketAddr::from((self.ip, port))
     }
+
+    /// Its address of `family`. Panics for [`Family::V6`] on a pod without one
+    /// (not in a dual-stack cluster).
+    pub fn ip_of(&self, family: Family) -> IpAddr {
+        match family {
+            Family::V4 => IpAddr::V4(self.ip),
+            Family::V6 => IpAddr::V6(self.ipv6.unwrap_or_else(|| {
+                panic!(
+                    "pod {} has no IPv6 address: use Cluster::dual_stack",
+                    self.name
+                )
+            })),
+        }
+    }
+
+    /// `[ipv6]:port` of this pod (see [`Pod::ip_of`]).
+    pub fn addr6(&self, port: u16) -> SocketAddr {
+        self.addr_of(Family::V6, port)
+    }
+
+    /// Its address of `family` with `port`.
+    pub fn addr_of(&self, family: Family, port: u16) -> SocketAddr {
+        SocketAddr::new(self.ip_of(family), port)
+    }
+
+    /// All its addresses, IPv4 first (as `status.podIPs` lists them).
+    pub fn ips(&self) -> Vec<IpAddr> {
+        std::iter::once(IpAddr::V4(self.ip))
+            .chain(self.ipv6.map(IpAddr::V6))
+            .collect()
+    }
+}
+
+/// An address family of the test bed, for scenarios written once for both.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Family {
+    V4,
+    V6,
 }
 
 /// What a new pod looks like.
@@ -308,6 +364,8 @@ pub struct Cluster {
     extra_pod_ranges: HashMap<usize, Vec<String>>,
     /// The API server double, when the agents watch one.
     api: Option<KubeApi>,
+    /// Whether nodes and pods have IPv6 addresses too.
+    dual_stack: bool,
 }
 
 fn write_atomically(path: &Path, text: &str) -> Result<()> {
@@ -414,6 +472,16 @@ fn sweep_stale() {
 impl Cluster {
     /// Builds the underlay and `nodes` nodes (no agents yet), and a CA.
     pub fn new(nodes: usize) -> Result<Self> {
+        Self::build(nodes, false)
+    }
+
+    /// As [`Cluster::new`], dual stack: nodes and pods get IPv6 addresses too
+    /// (see the module documentation).
+    pub fn new_dual_stack(nodes: usize) -> Result<Self> {
+        Self::build(nodes, true)
+    }
+
+    fn build(nodes: usize, dual_stack: bool) -> Result<Self> {
         require_root();
         sweep_stale();
         let n = NEXT_CLUSTER.fetch_add(1, Ordering::Relaxed);
@@ -433,6 +501,7 @@ impl Cluster {
             resources: Vec::new(),
             extra_pod_ranges: HashMap::new(),
             api: None,
+            dual_stack,
         };
         cluster.track(Resource::Dir(dir.clone()));
         fs::create_dir_all(&cluster.manifests)?;
@@ -450,6 +519,17 @@ impl Cluster {
             let k = i + 1;
             let netns = format!("{id}-n{k}");
             cluster.add_netns(&netns)?;
+            if dual_stack {
+                // Before any interface comes in, so that all get these.
+                netns::sysctl(
+                    &netns,
+                    &[
+                        "net.ipv6.conf.all.forwarding=1",
+                        "net.ipv6.conf.all.accept_dad=0",
+                        "net.ipv6.conf.default.accept_dad=0",
+                    ],
+                )?;
+            }
             let node_ip = Ipv4Addr::new(10, 100, 0, k as u8);
             let (a, b) = (format!("{id}a{k}"), format!("{id}b{k}"));
             // Interface names are at most 15 bytes: create with short unique names,
@@ -478,6 +558,19 @@ impl Cluster {
                 "dev",
                 "eth0",
             ])?;
+            let node_ip6 = dual_stack.then(|| Ipv6Addr::new(0xfd00, 0, 0, 0, 0, 0, 0, k as u16));
+            if let Some(node_ip6) = node_ip6 {
+                ip(&[
+                    "-n",
+                    &netns,
+                    "addr",
+                    "add",
+                    &format!("{node_ip6}/64"),
+                    "dev",
+                    "eth0",
+                    "nodad",
+                ])?;
+            }
             ip(&["-n", &netns, "link", "set", "eth0", "up"])?;
             let bpffs = dir.join(format!("node{k}/bpf"));
             fs::create_dir_all(&bpffs)?;
@@ -488,6 +581,9 @@ impl Cluster {
                 netns,
                 ip: node_ip,
                 pod_cidr: Ipv4Addr::new(10, 244, k as u8, 0),
+                ipv6: node_ip6,
+                pod_cidr6: dual_stack
+                    .then(|| Ipv6Addr::new(0xfd00, 0x10, 0x244, k as u16, 0, 0, 0, 0)),
                 pin_dir: bpffs.join("podlink"),
                 state_dir: dir.join(format!("node{k}/state")),
                 cni_socket: dir.join(format!("node{k}/cni/cni.sock")),
@@ -505,6 +601,18 @@ impl Cluster {
                         "via",
                         &other.ip.to_string(),
                     ])?;
+                    if let (Some(range), Some(via)) = (other.pod_range6(), other.ipv6) {
+                        ip(&[
+                            "-n",
+                            &node.netns,
+                            "-6",
+                            "route",
+                            "add",
+                            &range,
+                            "via",
+                            &via.to_string(),
+                        ])?;
+                    }
                 }
             }
         }
@@ -513,7 +621,11 @@ impl Cluster {
 
     /// A cluster of `nodes` nodes whose agents read `source`.
     pub fn with_source(nodes: usize, source: Source) -> Result<Self> {
-        let mut cluster = Self::new(nodes)?;
+        Self::with_source_stack(nodes, source, false)
+    }
+
+    fn with_source_stack(nodes: usize, source: Source, dual_stack: bool) -> Result<Self> {
+        let mut cluster = Self::build(nodes, dual_stack)?;
         if source == Source::Kubernetes {
             let server = api_double::ApiServer::start()?;
             let mut kubeconfigs = Vec::new();
@@ -558,11 +670,57 @@ impl Cluster {
         namespaces: &[(&str, bool)],
         source: Source,
     ) -> Result<Self> {
-        let cluster = Self::with_source(nodes, source)?;
+        Self::with_namespaces_stack(nodes, namespaces, source, false)
+    }
+
+    /// As [`Cluster::with_namespaces`], dual stack: nodes and pods have an IPv6
+    /// address besides their IPv4 one ([`Node::ipv6`], [`Pod::ipv6`]).
+    pub fn dual_stack(nodes: usize, namespaces: &[(&str, bool)]) -> Result<Self> {
+        Self::dual_stack_from(nodes, namespaces, Source::Manifests)
+    }
+
+    /// As [`Cluster::dual_stack`], the agents reading `source`.
+    pub fn dual_stack_from(
+        nodes: usize,
+        namespaces: &[(&str, bool)],
+        source: Source,
+    ) -> Result<Self> {
+        Self::with_namespaces_stack(nodes, namespaces, source, true)
+    }
+
+    fn with_namespaces_stack(
+        nodes: usize,
+        namespaces: &[(&str, bool)],
+        source: Source,
+        dual_stack: bool,
+    ) -> Result<Self> {
+        let cluster = Self::with_source_stack(nodes, source, dual_stack)?;
         for (name, ambient) in namespaces {
             cluster.add_namespace(name, *ambient)?;
         }
         Ok(cluster)
+    }
+
+    /// Whether nodes and pods have IPv6 addresses too.
+    pub fn is_dual_stack(&self) -> bool {
+        self.dual_stack
+    }
+
+    /// Turns IPv6 off in node `node`'s namespace (`net.ipv6.conf.{all,default}.
+    /// disable_ipv6=1`), as on a node booted with IPv6 disabled; call it before
+    /// the node's pods are added and its agent started. For a cluster that is
+    /// not dual stack (its pods would get no IPv6 address to configure).
+    pub fn disable_ipv6(&self, node: usize) -> Result<()> {
+        if self.dual_stack {
+            bail!("disable_ipv6 is for IPv4-only clusters: a dual-stack node's pods need IPv6");
+        }
+        netns::sysctl(
+            &self.nodes.get(node).context("no such node")?.netns,
+            &[
+                "net.ipv6.conf.all.disable_ipv6=1",
+                "net.ipv6.conf.default.disable_ipv6=1",
+            ],
+        )
     }
 
     /// Starts the agents of all nodes.
@@ -664,6 +822,13 @@ impl Cluster {
         for range in self.extra_pod_ranges.get(&node_index).into_iter().flatten() {
             ranges.push(serde_json::json!({ "subnet": range }));
         }
+        // A second range set gives each pod an IPv6 address too.
+        let mut range_sets = vec![serde_json::Value::from(ranges)];
+        let mut routes = vec![serde_json::json!({"dst": "0.0.0.0/0"})];
+        if let Some(range6) = node.pod_range6() {
+            range_sets.push(serde_json::json!([{ "subnet": range6 }]));
+            routes.push(serde_json::json!({"dst": "::/0"}));
+        }
         let config = serde_json::json!({
             "cniVersion": "1.0.0",
             "name": "podlink-testbed",
@@ -672,8 +837,8 @@ impl Cluster {
             "mtu": 1500,
             "ipam": {
                 "type": "host-local",
-                "ranges": [ranges],
-                "routes": [{"dst": "0.0.0.0/0"}],
+                "ranges": range_sets,
+                "routes": routes,
                 "dataDir": self.dir.join("cni-ipam").join(&node.name),
             }
         });
@@ -748,6 +913,16 @@ impl Cluster {
         let node = self.nodes.get(spec.node).context("no such node")?.clone();
         let netns_name = format!("{}-p-{}", self.id, spec.name);
         self.add_netns(&netns_name)?;
+        if self.dual_stack {
+            // The pod's IPv6 address is usable at once, not after DAD.
+            netns::sysctl(
+                &netns_name,
+                &[
+                    "net.ipv6.conf.all.accept_dad=0",
+                    "net.ipv6.conf.default.accept_dad=0",
+                ],
+            )?;
+        }
         let container_id = format!("{}-{}", self.id, spec.name);
         let result = self.cni("ADD", &node, &container_id, &netns_name)?;
         let host_veth = result["interfaces"]
@@ -756,17 +931,28 @@ impl Cluster {
             .and_then(|i| i["name"].as_str())
             .ok_or_else(|| anyhow!("CNI result names no host interface: {result}"))?
             .to_string();
-        let ip_addr: Ipv4Addr = result["ips"][0]["address"]
-            .as_str()
-            .and_then(|a| a.split('/').next())
-            .and_then(|a| a.parse().ok())
-            .ok_or_else(|| anyhow!("CNI result has no address: {result}"))?;
+        let ips = cni_result_ips(&result);
+        let ip_addr = ips
+            .iter()
+            .find_map(|ip| match ip {
+                IpAddr::V4(v4) => Some(*v4),
+                IpAddr::V6(_) => None,
+            })
+            .ok_or_else(|| anyhow!("CNI result has no IPv4 address: {result}"))?;
+        let ipv6 = ips.iter().find_map(|ip| match ip {
+            IpAddr::V6(v6) => Some(*v6),
+            IpAddr::V4(_) => None,
+        });
+        if self.dual_stack && ipv6.is_none() {
+            bail!("CNI result has no IPv6 address in a dual-stack cluster: {result}");
+        }
         let pod = Pod {
             name: spec.name.clone(),
             namespace: spec.namespace.clone(),
             node: spec.node,
             netns: netns_name,
             ip: ip_addr,
+            ipv6,
             host_veth,
             labels: spec.labels.clone(),
             service_account: spec
@@ -797,7 +983,7 @@ impl Cluster {
             &self.nodes[spec.node].name,
             spec.service_account.as_deref().unwrap_or("default"),
             spec.owner.as_ref(),
-            None,
+            &[],
         );
         self.write_manifest(&format!("pod-{}-{}.yaml", spec.namespace, spec.name), &text)
     }
@@ -814,7 +1000,7 @@ impl Cluster {
             &self.nodes[pod.node].name,
             &pod.service_account,
             pod.owner.as_ref(),
-            Some(pod.ip),
+            &pod.ips(),
         );
         self.write_manifest(&Self::pod_manifest_file(pod), &text)
     }
@@ -1331,7 +1517,19 @@ impl Cluster {
     }
 }
 
-/// A Pod manifest; without `ip`, `Pending` with no address.
+/// The addresses of a CNI result (`ips[].address`, prefix length dropped), in
+/// its order.
+fn cni_result_ips(result: &Value) -> Vec<IpAddr> {
+    result["ips"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter_map(|ip| ip["address"].as_str()?.split('/').next()?.parse().ok())
+        .collect()
+}
+
+/// A Pod manifest; `ips` are its `status.podIPs` (the first is `podIP`); without
+/// any, `Pending` with no address.
 fn pod_manifest(
     name: &str,
     ns: &str,
@@ -1339,7 +1537,7 @@ fn pod_manifest(
     node: &str,
     sa: &str,
     owner: Option<&(String, String)>,
-    ip: Option<Ipv4Addr>,
+    ips: &[IpAddr],
 ) -> String {
     let owner = owner.map_or(String::new(), |(kind, owner)| {
         let api = if kind == "Job" || kind == "CronJob" { "batch/v1" } else { "apps/v1" };
@@ -1347,8 +1545,12 @@ fn pod_manifest(
             "  ownerReferences:\n  - {{apiVersion: {api}, kind: {kind}, name: {owner}, uid: uid-{owner}, controller: true}}\n"
         )
     });
-    let status = match ip {
-        Some(ip) => format!("  phase: Running\n  podIP: {ip}\n  podIPs:\n  - ip: {ip}\n"),
+    let status = match ips.first() {
+        Some(ip) => {
+            // Quoted: an IPv6 address is full of colons.
+            let all: String = ips.iter().map(|ip| format!("  - ip: \"{ip}\"\n")).collect();
+            format!("  phase: Running\n  podIP: \"{ip}\"\n  podIPs:\n{all}")
+        }
         None => "  phase: Pending\n".into(),
     };
     format!(
@@ -1409,5 +1611,72 @@ impl Drop for Cluster {
         for r in &resources {
             netns::remove(r);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_dual_stack_cni_result_gives_both_addresses_in_order() {
+        let result = serde_json::json!({
+            "ips": [
+                {"interface": 1, "address": "10.244.1.2/24", "gateway": "10.244.1.1"},
+                {"interface": 1, "address": "fd00:10:244:1::2/64", "gateway": "fd00:10:244:1::1"},
+            ]
+        });
+        assert_eq!(
+            cni_result_ips(&result),
+            [
+                "10.244.1.2".parse::<IpAddr>().unwrap(),
+                "fd00:10:244:1::2".parse().unwrap()
+            ]
+        );
+        assert!(cni_result_ips(&serde_json::json!({})).is_empty());
+    }
+
+    #[test]
+    fn pod_manifests_list_every_address_in_pod_ips() {
+        let ips: [IpAddr; 2] = [
+            "10.244.1.2".parse().unwrap(),
+            "fd00:10:244:1::2".parse().unwrap(),
+        ];
+        let text = pod_manifest("p", "ns", &BTreeMap::new(), "node1", "default", None, &ips);
+        let objects = yaml_objects(&text).unwrap();
+        let status = &objects[0]["status"];
+        assert_eq!(status["phase"], "Running");
+        assert_eq!(status["podIP"], "10.244.1.2");
+        assert_eq!(
+            status["podIPs"],
+            serde_json::json!([{"ip": "10.244.1.2"}, {"ip": "fd00:10:244:1::2"}])
+        );
+
+        let pending = pod_manifest("p", "ns", &BTreeMap::new(), "node1", "default", None, &[]);
+        let status = &yaml_objects(&pending).unwrap()[0]["status"];
+        assert_eq!(status["phase"], "Pending");
+        assert!(status.get("podIPs").is_none());
+    }
+
+    #[test]
+    fn pods_give_their_address_of_each_family() {
+        let pod = Pod {
+            name: "p".into(),
+            namespace: "ns".into(),
+            node: 0,
+            netns: "n".into(),
+            ip: "10.244.1.2".parse().unwrap(),
+            ipv6: Some("fd00:10:244:1::2".parse().unwrap()),
+            host_veth: "veth0".into(),
+            labels: BTreeMap::new(),
+            service_account: "default".into(),
+            owner: None,
+            container_id: "c".into(),
+        };
+        assert_eq!(pod.addr_of(Family::V4, 80).to_string(), "10.244.1.2:80");
+        assert_eq!(pod.addr6(80).to_string(), "[fd00:10:244:1::2]:80");
+        assert_eq!(pod.ips().len(), 2);
+        let v4_only = Pod { ipv6: None, ..pod };
+        assert_eq!(v4_only.ips(), [IpAddr::V4(v4_only.ip)]);
     }
 }

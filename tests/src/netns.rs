@@ -92,6 +92,15 @@ pub fn ip(args: &[&str]) -> Result<Output> {
     run(Command::new("ip").args(args))
 }
 
+/// `sysctl -q -w <settings>` inside network namespace `netns` (each setting
+/// `key=value`, e.g. `net.ipv6.conf.all.forwarding=1`).
+pub fn sysctl(netns: &str, settings: &[&str]) -> Result<()> {
+    run(command_in(netns, "sysctl")
+        .args(["-q", "-w"])
+        .args(settings))
+    .map(drop)
+}
+
 /// A command run inside network namespace `netns` (`ip netns exec`).
 pub fn command_in(netns: &str, program: &str) -> Command {
     let mut cmd = Command::new("ip");

@@ -123,6 +123,7 @@ fn pod_of(result: &Value, name: &str, namespace: &str, netns: &str, sandbox: &Sa
         node: 0,
         netns: netns.into(),
         ip,
+        ipv6: None,
         host_veth,
         labels: Default::default(),
         service_account: "default".into(),

@@ -1,0 +1,756 @@
+//! IPv6 and dual-stack pods: the dual-stack test bed carries IPv6 between pods,
+//! and enrolled pods' IPv6 TCP is captured, carried over HBONE (to the
+//! destination pod's `[ipv6]:15008`) and delivered with the client's IPv6
+//! address, as IPv4 is (cross_node.rs, same_node.rs, inbound_plaintext.rs,
+//! outside_mesh.rs, fail_closed.rs, enrollment.rs, authorization.rs,
+//! services.rs); a node with IPv6 off keeps working for IPv4, and an IPv6
+//! socket connecting to an IPv4-mapped address is an IPv4 flow.
+
+use std::{
+    io::{ErrorKind, Read},
+    net::{IpAddr, Shutdown, SocketAddr, SocketAddrV6},
+    time::{Duration, Instant},
+};
+
+use podlink_tests::{Capture, Cluster, Family, Pod, PodSpec, Source, app, contains_bytes};
+
+/// Concurrent connections in the cross-node scenario.
+const CONNECTIONS: usize = 8;
+
+/// The HBONE port.
+const HBONE: u16 = 15008;
+
+// ---- Helpers shared by both families ----
+
+/// `ip.port` as tcpdump prints an endpoint (`10.244.2.2.15008`,
+/// `fd00:10:244:2::2.15008`).
+fn tcpdump_endpoint(ip: IpAddr, port: u16) -> String {
+    format!("{ip}.{port}")
+}
+
+/// One exchange from `from` to `dst` that must succeed, echo the payload and show
+/// the server `from`'s address of `dst`'s family; fails with the agents' logs.
+fn exchange_keeping_address(c: &Cluster, from: &Pod, dst: SocketAddr, payload: &[u8]) {
+    let family = family_of(dst);
+    let ex = app::exchange(&from.netns, dst, payload)
+        .unwrap_or_else(|e| panic!("{} -> {dst} failed: {e}\n{}", from.name, agent_logs(c)));
+    assert_eq!(
+        ex.peer_seen.ip(),
+        from.ip_of(family),
+        "{} -> {dst}",
+        from.name
+    );
+    assert_eq!(ex.echoed, payload, "{} -> {dst}", from.name);
+}
+
+/// Every node agent's log, for failure messages.
+fn agent_logs(c: &Cluster) -> String {
+    (0..c.nodes.len())
+        .map(|n| format!("node{}:\n{}", n + 1, c.agent_log(n)))
+        .collect::<Vec<_>>()
+        .join("\n")
+}
+
+/// The family of `addr`.
+fn family_of(addr: SocketAddr) -> Family {
+    if addr.is_ipv4() {
+        Family::V4
+    } else {
+        Family::V6
+    }
+}
+
+/// Starts a packet capture on node `node`'s underlay interface.
+fn underlay_capture(c: &Cluster, node: usize) -> Capture {
+    Capture::start(&c.nodes[node].netns, "eth0", &c.dir, "underlay").unwrap()
+}
+
+/// How many connections tcpdump's `lines` show opened to `ip`'s HBONE port
+/// (SYNs to `10.244.2.2.15008` / `fd00:10:244:2::2.15008`).
+fn hbone_syns(lines: &[String], ip: IpAddr) -> usize {
+    let needle = format!("> {}: Flags [S]", tcpdump_endpoint(ip, HBONE));
+    lines.iter().filter(|l| l.contains(&needle)).count()
+}
+
+/// Whether tcpdump's `lines` show a packet from `ip` (any port).
+fn any_from(lines: &[String], ip: IpAddr) -> bool {
+    let needle = format!(" {ip}.");
+    lines.iter().any(|l| l.contains(&needle))
+}
+
+/// Whether one exchange from `from` to `dst` goes through and is echoed.
+fn allowed(from: &Pod, dst: SocketAddr) -> bool {
+    let payload = format!("hello from {}", from.name).into_bytes();
+    app::exchange(&from.netns, dst, &payload).is_ok_and(|ex| ex.echoed == payload)
+}
+
+/// Waits (up to 20 s) until `from` -> `dst` is `allowed` or not.
+fn wait_until(c: &Cluster, from: &Pod, dst: SocketAddr, want: bool) {
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while allowed(from, dst) != want {
+        assert!(
+            Instant::now() < deadline,
+            "{} -> {dst} never became {}\n{}",
+            from.name,
+            if want { "allowed" } else { "denied" },
+            agent_logs(c)
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+fn check(c: &Cluster, cases: &[(&Pod, SocketAddr, bool)]) {
+    for (from, dst, want) in cases {
+        assert_eq!(
+            allowed(from, *dst),
+            *want,
+            "{} -> {dst}\n{}",
+            from.name,
+            agent_logs(c)
+        );
+    }
+}
+
+/// Expects a connection from `from` to `dst` to time out (its SYN dropped).
+fn connect_times_out(from: &Pod, dst: SocketAddr) {
+    let err = app::connect(&from.netns, dst, Duration::from_secs(2)).unwrap_err();
+    assert_eq!(
+        err.kind(),
+        ErrorKind::TimedOut,
+        "{} -> {dst}: {err}",
+        from.name
+    );
+}
+
+/// A pod's counter `field` (0 when absent).
+fn counter(c: &Cluster, pod: &Pod, field: &str) -> u64 {
+    c.counters(pod).unwrap().get(field).copied().unwrap_or(0)
+}
+
+/// Node `node`'s agent lists `pod` as one workload whose `ips` hold both of its
+/// addresses (a dual-stack pod is one workload).
+fn one_workload_with_both_addresses(c: &Cluster, node: usize, pod: &Pod) {
+    let dump = c.config_dump(node).unwrap();
+    let entries: Vec<&serde_json::Value> = dump["workloads"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter(|w| w["namespace"] == pod.namespace.as_str() && w["name"] == pod.name.as_str())
+        .collect();
+    assert_eq!(entries.len(), 1, "{dump:#}");
+    let ips: Vec<&str> = entries[0]["ips"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter_map(serde_json::Value::as_str)
+        .collect();
+    for ip in pod.ips() {
+        assert!(ips.contains(&ip.to_string().as_str()), "{ip} in {dump:#}");
+    }
+}
+
+/// Enrolled client on node 1, enrolled server on node 2: `CONNECTIONS`
+/// parallel connections of `family` are captured, carried over pooled HBONE
+/// connections to the server's address of that family, port 15008, and
+/// delivered with the client's address; nothing in clear on the underlay.
+fn cross_node_tunnel(family: Family, source: Source) {
+    let mut c = Cluster::dual_stack_from(2, &[("mesh", true)], source).unwrap();
+    let client = c
+        .add_pod(PodSpec::new("client", "mesh", 0).service_account("client"))
+        .unwrap();
+    let server = c
+        .add_pod(PodSpec::new("server", "mesh", 1).service_account("server"))
+        .unwrap();
+    c.start_agents().unwrap();
+    c.wait_all_captured(&[&client, &server]).unwrap();
+    one_workload_with_both_addresses(&c, 0, &server);
+    let dst = server.addr_of(family, 8080);
+    let echo = app::EchoServer::start(&server.netns, dst).unwrap();
+
+    let capture = underlay_capture(&c, 0);
+    let exchanges: Vec<_> = (0..CONNECTIONS)
+        .map(|i| {
+            let netns = client.netns.clone();
+            std::thread::spawn(move || {
+                let payload = format!("secret-payload-{i}-").repeat(1000).into_bytes();
+                let ex = app::exchange(&netns, dst, &payload);
+                (payload, ex)
+            })
+        })
+        .collect();
+    for handle in exchanges {
+        let (payload, ex) = handle.join().unwrap();
+        let ex = ex.unwrap_or_else(|e| panic!("exchange to {dst} failed: {e}\n{}", agent_logs(&c)));
+        assert_eq!(ex.peer_seen.ip(), client.ip_of(family));
+        assert_eq!(ex.echoed, payload);
+    }
+    let (raw, lines) = capture.stop().unwrap();
+    assert_eq!(echo.accepted(), CONNECTIONS);
+
+    let syns = hbone_syns(&lines, server.ip_of(family));
+    let workers = std::thread::available_parallelism().map_or(1, |n| n.get());
+    assert!(
+        (1..=workers.min(CONNECTIONS - 1)).contains(&syns),
+        "{syns} HBONE connections to {} for {CONNECTIONS} parallel streams, {workers} workers: {lines:#?}",
+        server.ip_of(family)
+    );
+    assert!(!lines.iter().any(|l| l.contains(".8080:")), "{lines:#?}");
+    assert!(
+        !contains_bytes(&raw, b"secret-payload"),
+        "plaintext on the underlay"
+    );
+
+    let client_counters = c.counters(&client).unwrap();
+    let server_counters = c.counters(&server).unwrap();
+    assert_eq!(
+        client_counters["captured_outbound"], CONNECTIONS as u64,
+        "{client_counters:?}"
+    );
+    assert_eq!(
+        server_counters["captured_inbound_hbone"], syns as u64,
+        "{server_counters:?}"
+    );
+    assert_eq!(
+        server_counters["captured_inbound_plaintext"], 0,
+        "{server_counters:?}"
+    );
+    // The access logs of both ends: the addresses as sockets print them
+    // (`[fd00:10:244:2::2]:8080`), so the CONNECT authority made it through.
+    let src = match client.ip_of(family) {
+        IpAddr::V4(ip) => format!("src.addr={ip}:"),
+        IpAddr::V6(ip) => format!("src.addr=[{ip}]:"),
+    };
+    let dst_field = format!("dst.addr={dst}");
+    let complete = "access: connection complete";
+    for (node, needles) in [
+        (0, [complete, "route=hbone", &src, &dst_field].as_slice()),
+        (1, [complete, "route=inbound_hbone", &dst_field].as_slice()),
+    ] {
+        c.wait_log_lines(node, needles, CONNECTIONS, Duration::from_secs(10))
+            .unwrap();
+    }
+    // IPv6 is carried, not dropped (0 too where the counter is gone).
+    for pod in [&client, &server] {
+        assert_eq!(counter(&c, pod, "dropped_ipv6"), 0, "{}", pod.name);
+    }
+}
+
+// ---- The test bed itself ----
+
+/// The bed alone, no agent: pods on two nodes, and two on one node, talk IPv6
+/// TCP to each other, and the server sees the client's IPv6 address; IPv4 works
+/// beside it; `status.podIPs` lists both families.
+#[test]
+fn dual_stack_bed_carries_ipv6_between_pods() {
+    let mut c = Cluster::dual_stack(2, &[("apps", false)]).unwrap();
+    let client = c.add_pod(PodSpec::new("client", "apps", 0)).unwrap();
+    let near = c.add_pod(PodSpec::new("near", "apps", 0)).unwrap();
+    let far = c.add_pod(PodSpec::new("far", "apps", 1)).unwrap();
+    for (pod, node) in [(&client, 0), (&near, 0), (&far, 1)] {
+        let v6 = pod.ipv6.expect("a dual-stack pod has an IPv6 address");
+        let net = c.nodes[node].pod_cidr6.unwrap().segments();
+        assert_eq!(
+            v6.segments()[..4],
+            net[..4],
+            "{v6} in node{}'s range",
+            node + 1
+        );
+    }
+    assert_eq!(c.nodes[1].ipv6, Some("fd00::2".parse().unwrap()));
+    assert_eq!(
+        c.nodes[0].pod_range6().as_deref(),
+        Some("fd00:10:244:1::/64")
+    );
+    let manifest = std::fs::read_to_string(c.manifests.join("pod-apps-far.yaml")).unwrap();
+    assert!(
+        manifest.contains(&format!("- ip: \"{}\"", far.ip))
+            && manifest.contains(&format!("- ip: \"{}\"", far.ipv6.unwrap())),
+        "{manifest}"
+    );
+
+    let _far_echo = app::EchoServer::start(&far.netns, far.addr6(8080)).unwrap();
+    let _near_echo = app::EchoServer::start(&near.netns, near.addr6(8080)).unwrap();
+    let _far_echo4 = app::EchoServer::start(&far.netns, far.addr(8080)).unwrap();
+
+    let capture = underlay_capture(&c, 0);
+    for i in 0..3 {
+        let payload = format!("ipv6-payload-{i}-").repeat(300).into_bytes();
+        exchange_keeping_address(&c, &client, far.addr6(8080), &payload);
+        exchange_keeping_address(&c, &client, near.addr6(8080), &payload);
+    }
+    exchange_keeping_address(&c, &client, far.addr(8080), b"ipv4 beside");
+    let (raw, lines) = capture.stop().unwrap();
+    // Across nodes, IPv6 crosses the underlay as it was sent (no agent here).
+    let to_far = format!("> {}:", tcpdump_endpoint(far.ip_of(Family::V6), 8080));
+    assert!(lines.iter().any(|l| l.contains(&to_far)), "{lines:#?}");
+    assert!(contains_bytes(&raw, b"ipv6-payload-"));
+
+    // The API server double holds both addresses too, IPv4 first.
+    let mut k = Cluster::dual_stack_from(1, &[("apps", false)], Source::Kubernetes).unwrap();
+    let pod = k.add_pod(PodSpec::new("p", "apps", 0)).unwrap();
+    let want: Vec<String> = pod.ips().iter().map(IpAddr::to_string).collect();
+    for object in [
+        k.api().unwrap().pod("apps", "p").unwrap(),
+        podlink_tests::api_double::pod_object(&k, &pod),
+    ] {
+        let status = &object["status"];
+        let listed: Vec<&str> = status["podIPs"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter_map(|ip| ip["ip"].as_str())
+            .collect();
+        assert_eq!(listed, want, "{object:#}");
+        assert_eq!(
+            status["podIP"].as_str(),
+            Some(want[0].as_str()),
+            "{object:#}"
+        );
+    }
+}
+
+// ---- The scenarios of the IPv4 tests, over IPv6 ----
+
+#[test]
+fn ipv6_cross_node_traffic_is_tunnelled_with_the_client_address() {
+    cross_node_tunnel(Family::V6, Source::Manifests);
+}
+
+/// The agents learn pods' IPv6 addresses from `status.podIPs` of the API.
+#[test]
+fn ipv6_cross_node_traffic_with_pods_from_the_kubernetes_api() {
+    cross_node_tunnel(Family::V6, Source::Kubernetes);
+}
+
+/// IPv4 between dual-stack pods is unchanged.
+#[test]
+fn ipv4_cross_node_traffic_between_dual_stack_pods() {
+    cross_node_tunnel(Family::V4, Source::Manifests);
+}
+
+#[test]
+fn ipv6_same_node_traffic_goes_through_the_proxy_without_a_tunnel() {
+    let mut c = Cluster::dual_stack(1, &[("mesh", true)]).unwrap();
+    let client = c.add_pod(PodSpec::new("a", "mesh", 0)).unwrap();
+    let server = c.add_pod(PodSpec::new("b", "mesh", 0)).unwrap();
+    c.start_agent(0).unwrap();
+    c.wait_all_captured(&[&client, &server]).unwrap();
+    let echo = app::EchoServer::start(&server.netns, server.addr6(7000)).unwrap();
+
+    for i in 0..3 {
+        let payload = format!("round {i}").repeat(500).into_bytes();
+        exchange_keeping_address(&c, &client, server.addr6(7000), &payload);
+    }
+    assert_eq!(echo.accepted(), 3);
+
+    let client_counters = c.counters(&client).unwrap();
+    let server_counters = c.counters(&server).unwrap();
+    assert_eq!(
+        client_counters["captured_outbound"], 3,
+        "{client_counters:?}"
+    );
+    assert_eq!(
+        server_counters["captured_inbound_hbone"], 0,
+        "{server_counters:?}"
+    );
+    assert_eq!(
+        server_counters["captured_inbound_plaintext"], 0,
+        "{server_counters:?}"
+    );
+    assert!(server_counters["passed"] > 0, "{server_counters:?}");
+    c.wait_log(0, &["route=local"]).unwrap();
+}
+
+#[test]
+fn ipv6_plaintext_from_outside_the_mesh_is_captured_at_the_destination() {
+    let mut c = Cluster::dual_stack(2, &[("mesh", true), ("legacy", false)]).unwrap();
+    let client = c.add_pod(PodSpec::new("outsider", "legacy", 0)).unwrap();
+    let server = c.add_pod(PodSpec::new("server", "mesh", 1)).unwrap();
+    c.start_agents().unwrap();
+    c.wait_captured(&server, true).unwrap();
+    assert!(!c.is_captured(&client).unwrap());
+    let _echo = app::EchoServer::start(&server.netns, server.addr6(9000)).unwrap();
+
+    let capture = underlay_capture(&c, 0);
+    let payload = b"plain-payload-abcdef".repeat(100);
+    exchange_keeping_address(&c, &client, server.addr6(9000), &payload);
+    let (raw, lines) = capture.stop().unwrap();
+    // Not in the mesh, so not encrypted: the capture sees the bytes.
+    assert!(contains_bytes(&raw, b"plain-payload-abcdef"));
+    assert!(any_from(&lines, client.ip_of(Family::V6)), "{lines:#?}");
+
+    let counters = c.counters(&server).unwrap();
+    assert!(counters["captured_inbound_plaintext"] >= 1, "{counters:?}");
+    assert_eq!(counters["captured_inbound_hbone"], 0, "{counters:?}");
+    assert!(c.counters(&client).unwrap().is_empty());
+}
+
+#[test]
+fn ipv6_outside_the_mesh_destinations_get_plain_tcp_from_the_pod_address() {
+    let mut c = Cluster::dual_stack(2, &[("mesh", true), ("legacy", false)]).unwrap();
+    let client = c.add_pod(PodSpec::new("client", "mesh", 0)).unwrap();
+    let server = c.add_pod(PodSpec::new("plain", "legacy", 1)).unwrap();
+    c.start_agents().unwrap();
+    c.wait_captured(&client, true).unwrap();
+    let _echo = app::EchoServer::start(&server.netns, server.addr6(5432)).unwrap();
+
+    let capture = underlay_capture(&c, 0);
+    let payload = b"to-the-outside".repeat(100);
+    exchange_keeping_address(&c, &client, server.addr6(5432), &payload);
+    let (raw, lines) = capture.stop().unwrap();
+    assert!(contains_bytes(&raw, b"to-the-outside"));
+    assert!(!lines.iter().any(|l| l.contains(".15008")), "{lines:#?}");
+    assert!(any_from(&lines, client.ip_of(Family::V6)), "{lines:#?}");
+    assert!(counter(&c, &client, "captured_outbound") >= 1);
+
+    // The pod's own node over IPv6 (its underlay address): the node's replies
+    // come back through the pod's host veth and must reach the proxy.
+    let node6 = c.nodes[0].ipv6.unwrap();
+    let node_server = app::EchoServer::start(&c.nodes[0].netns, (node6, 7777).into()).unwrap();
+    exchange_keeping_address(&c, &client, node_server.addr, b"hello node");
+    c.wait_log(0, &["route=passthrough"]).unwrap();
+}
+
+#[test]
+fn ipv6_no_proxy_means_no_new_connections_and_no_plaintext() {
+    let mut c = Cluster::dual_stack(2, &[("mesh", true), ("legacy", false)]).unwrap();
+    let client = c.add_pod(PodSpec::new("client", "mesh", 0)).unwrap();
+    let server = c.add_pod(PodSpec::new("server", "mesh", 1)).unwrap();
+    let outsider = c.add_pod(PodSpec::new("outsider", "legacy", 0)).unwrap();
+    c.start_agents().unwrap();
+    c.wait_all_captured(&[&client, &server]).unwrap();
+    let dst = server.addr6(8000);
+    let echo = app::EchoServer::start(&server.netns, dst).unwrap();
+    exchange_keeping_address(&c, &client, dst, b"up");
+    assert_eq!(echo.accepted(), 1);
+
+    c.stop_agent(0).unwrap();
+    c.stop_agent(1).unwrap();
+    assert!(c.is_captured(&client).unwrap());
+    assert!(c.is_captured(&server).unwrap());
+
+    let capture = underlay_capture(&c, 0);
+    // Outbound from an enrolled pod: dropped at its own host veth.
+    connect_times_out(&client, dst);
+    // Inbound to an enrolled pod from outside the mesh: dropped at the server's.
+    connect_times_out(&outsider, dst);
+    let (_, lines) = capture.stop().unwrap();
+    assert_eq!(
+        echo.accepted(),
+        1,
+        "a connection reached the server without the proxy"
+    );
+    assert!(!any_from(&lines, client.ip_of(Family::V6)), "{lines:#?}");
+    assert!(counter(&c, &client, "dropped_no_listener") >= 1);
+    assert!(counter(&c, &server, "dropped_no_listener") >= 1);
+
+    // A new agent adopts the pins; IPv6 flows again.
+    c.start_agents().unwrap();
+    assert!(c.agent_log(0).contains("adopted pinned link"));
+    exchange_keeping_address(&c, &client, dst, b"back");
+    assert_eq!(echo.accepted(), 2);
+    exchange_keeping_address(&c, &outsider, dst, b"plain back");
+}
+
+#[test]
+fn an_ipv6_flow_established_before_enrollment_survives_it() {
+    let mut c = Cluster::dual_stack(2, &[("apps", false)]).unwrap();
+    let client = c.add_pod(PodSpec::new("client", "apps", 0)).unwrap();
+    let server = c.add_pod(PodSpec::new("server", "apps", 1)).unwrap();
+    c.start_agents().unwrap();
+    let dst = server.addr6(8000);
+    let _echo = app::EchoServer::start(&server.netns, dst).unwrap();
+
+    let mut old = app::connect(&client.netns, dst, Duration::from_secs(5)).unwrap();
+    assert_eq!(
+        app::read_greeting(&old).unwrap().ip(),
+        client.ip_of(Family::V6)
+    );
+    assert_eq!(app::echo_round(&mut old, b"before").unwrap(), b"before");
+
+    c.add_namespace("apps", true).unwrap();
+    c.wait_all_captured(&[&client, &server]).unwrap();
+
+    for i in 0..5 {
+        let msg = format!("during {i}");
+        assert_eq!(
+            app::echo_round(&mut old, msg.as_bytes()).unwrap(),
+            msg.as_bytes()
+        );
+    }
+    // A new IPv6 flow is captured and tunnelled.
+    exchange_keeping_address(&c, &client, dst, b"new flow");
+    assert!(counter(&c, &client, "captured_outbound") >= 1);
+    assert!(counter(&c, &server, "captured_inbound_hbone") >= 1);
+    // The old one still works, to its end, its packets passed.
+    assert_eq!(app::echo_round(&mut old, b"after").unwrap(), b"after");
+    old.shutdown(Shutdown::Write).unwrap();
+    let mut rest = Vec::new();
+    old.read_to_end(&mut rest).unwrap();
+    assert!(rest.is_empty());
+    assert!(counter(&c, &client, "passed") >= 5);
+}
+
+/// An AuthorizationPolicy of `action` for `app: web` in `shop` whose one rule
+/// matches sources in `blocks`.
+fn ip_block_policy(action: &str, blocks: &[String]) -> String {
+    let blocks: Vec<String> = blocks.iter().map(|b| format!("\"{b}\"")).collect();
+    format!(
+        "apiVersion: security.istio.io/v1
+kind: AuthorizationPolicy
+metadata: {{name: by-address, namespace: shop}}
+spec:
+  selector: {{matchLabels: {{app: web}}}}
+  action: {action}
+  rules: [{{from: [{{source: {{ipBlocks: [{}]}}}}]}}]
+",
+        blocks.join(", ")
+    )
+}
+
+/// `ipBlocks` with IPv6 CIDRs and addresses match the IPv6 source a client
+/// connects from (over HBONE and between pods of one node), and never its IPv4
+/// address.
+#[test]
+fn policies_match_ipv6_ip_blocks() {
+    let mut c = Cluster::dual_stack(2, &[("shop", true)]).unwrap();
+    let web = c
+        .add_pod(
+            PodSpec::new("web", "shop", 1)
+                .service_account("web")
+                .label("app", "web"),
+        )
+        .unwrap();
+    let near = c
+        .add_pod(PodSpec::new("near", "shop", 1).service_account("near"))
+        .unwrap();
+    let front = c
+        .add_pod(PodSpec::new("front", "shop", 0).service_account("front"))
+        .unwrap();
+    c.start_agents().unwrap();
+    c.wait_all_captured(&[&web, &near, &front]).unwrap();
+    let (web4, web6) = (web.addr(8080), web.addr6(8080));
+    let _echo4 = app::EchoServer::start(&web.netns, web4).unwrap();
+    let _echo6 = app::EchoServer::start(&web.netns, web6).unwrap();
+    // front's node's IPv6 pod range, e.g. fd00:10:244:1::/64.
+    let front_range = c.nodes[0].pod_range6().unwrap();
+
+    check(
+        &c,
+        &[
+            (&front, web6, true),
+            (&front, web4, true),
+            (&near, web6, true),
+        ],
+    );
+
+    // DENY front's IPv6 range: its IPv6 connections only.
+    c.write_manifest(
+        "policy-by-address.yaml",
+        &ip_block_policy("DENY", std::slice::from_ref(&front_range)),
+    )
+    .unwrap();
+    wait_until(&c, &front, web6, false);
+    check(&c, &[(&front, web4, true), (&near, web6, true)]);
+
+    // ALLOW that range and near's one IPv6 address: nothing else.
+    let near6 = near.ip_of(Family::V6).to_string();
+    c.write_manifest(
+        "policy-by-address.yaml",
+        &ip_block_policy("ALLOW", &[front_range, near6]),
+    )
+    .unwrap();
+    wait_until(&c, &front, web6, true);
+    check(
+        &c,
+        &[
+            (&front, web4, false),
+            (&near, web6, true),
+            (&near, web4, false),
+        ],
+    );
+}
+
+/// A dual-stack Service: ClusterIPs of both families, one EndpointSlice per
+/// family. An enrolled client reaches it over either, the endpoints over HBONE
+/// (or directly on its own node), each with the client's address of that family.
+#[test]
+fn a_dual_stack_service_is_reached_over_its_ipv6_cluster_ip() {
+    const VIP4: &str = "10.96.0.10:80";
+    const VIP6: &str = "[fd00:10:96::10]:80";
+    let mut c = Cluster::dual_stack(2, &[("shop", true)]).unwrap();
+    let client = c.add_pod(PodSpec::new("client", "shop", 0)).unwrap();
+    let far = c
+        .add_pod(PodSpec::new("web-a", "shop", 1).label("app", "web"))
+        .unwrap();
+    let near = c
+        .add_pod(PodSpec::new("web-b", "shop", 0).label("app", "web"))
+        .unwrap();
+    let slice = |family: &str, name: &str, ips: [IpAddr; 2]| {
+        format!(
+            "apiVersion: discovery.k8s.io/v1
+kind: EndpointSlice
+metadata:
+  name: {name}
+  namespace: shop
+  labels: {{kubernetes.io/service-name: web}}
+addressType: {family}
+ports:
+- {{name: http, port: 8080, protocol: TCP}}
+endpoints:
+- addresses: [\"{}\"]
+  conditions: {{ready: true, serving: true, terminating: false}}
+- addresses: [\"{}\"]
+  conditions: {{ready: true, serving: true, terminating: false}}
+",
+            ips[0], ips[1]
+        )
+    };
+    c.write_manifest(
+        "service-web.yaml",
+        "apiVersion: v1
+kind: Service
+metadata: {name: web, namespace: shop}
+spec:
+  ipFamilyPolicy: RequireDualStack
+  ipFamilies: [IPv4, IPv6]
+  clusterIP: 10.96.0.10
+  clusterIPs: [10.96.0.10, \"fd00:10:96::10\"]
+  ports:
+  - {name: http, port: 80, targetPort: http}
+",
+    )
+    .unwrap();
+    c.write_manifest(
+        "slice-web.yaml",
+        &[
+            slice(
+                "IPv4",
+                "web-v4",
+                [far.ip_of(Family::V4), near.ip_of(Family::V4)],
+            ),
+            slice(
+                "IPv6",
+                "web-v6",
+                [far.ip_of(Family::V6), near.ip_of(Family::V6)],
+            ),
+        ]
+        .join("---\n"),
+    )
+    .unwrap();
+    c.start_agents().unwrap();
+    c.wait_all_captured(&[&client, &far, &near]).unwrap();
+    let servers6: Vec<app::EchoServer> = [&far, &near]
+        .iter()
+        .map(|p| app::EchoServer::start(&p.netns, p.addr6(8080)).unwrap())
+        .collect();
+    let servers4: Vec<app::EchoServer> = [&far, &near]
+        .iter()
+        .map(|p| app::EchoServer::start(&p.netns, p.addr(8080)).unwrap())
+        .collect();
+
+    let capture = underlay_capture(&c, 0);
+    for i in 0..20 {
+        let payload = format!("service-payload-{i}-").repeat(20).into_bytes();
+        exchange_keeping_address(&c, &client, VIP6.parse().unwrap(), &payload);
+    }
+    let (raw, lines) = capture.stop().unwrap();
+    let counts: Vec<usize> = servers6.iter().map(app::EchoServer::accepted).collect();
+    assert!(counts.iter().all(|&n| n > 0), "{counts:?}");
+    assert_eq!(counts.iter().sum::<usize>(), 20);
+    assert!(
+        servers4.iter().all(|s| s.accepted() == 0),
+        "an IPv6 ClusterIP went to IPv4 endpoints"
+    );
+    assert!(
+        !contains_bytes(&raw, b"service-payload"),
+        "plaintext on the underlay"
+    );
+    assert!(hbone_syns(&lines, far.ip_of(Family::V6)) >= 1, "{lines:#?}");
+    assert!(counter(&c, &far, "captured_inbound_hbone") > 0);
+    assert!(counter(&c, &client, "captured_outbound") >= 20);
+
+    // The IPv4 ClusterIP of the same Service goes to the IPv4 endpoints.
+    for _ in 0..4 {
+        exchange_keeping_address(&c, &client, VIP4.parse().unwrap(), b"over ipv4");
+    }
+    assert_eq!(
+        servers4
+            .iter()
+            .map(app::EchoServer::accepted)
+            .sum::<usize>(),
+        4
+    );
+    assert_eq!(
+        servers6
+            .iter()
+            .map(app::EchoServer::accepted)
+            .sum::<usize>(),
+        20
+    );
+}
+
+/// A node whose kernel has IPv6 off (`disable_ipv6=1` before the agent starts):
+/// its agent starts, says once that IPv6 is off, and captures and tunnels IPv4
+/// in both directions.
+#[test]
+fn a_node_with_ipv6_off_keeps_capturing_ipv4() {
+    let mut c = Cluster::with_namespaces(2, &[("mesh", true)]).unwrap();
+    c.disable_ipv6(0).unwrap();
+    let here = c.add_pod(PodSpec::new("here", "mesh", 0)).unwrap();
+    let there = c.add_pod(PodSpec::new("there", "mesh", 1)).unwrap();
+    c.start_agents().unwrap();
+    c.wait_all_captured(&[&here, &there]).unwrap();
+    let _echo_there = app::EchoServer::start(&there.netns, there.addr(8080)).unwrap();
+    let _echo_here = app::EchoServer::start(&here.netns, here.addr(8080)).unwrap();
+
+    let capture = underlay_capture(&c, 0);
+    exchange_keeping_address(&c, &here, there.addr(8080), &b"out-of-v4-node".repeat(50));
+    exchange_keeping_address(&c, &there, here.addr(8080), &b"into-v4-node".repeat(50));
+    let (raw, lines) = capture.stop().unwrap();
+    assert!(hbone_syns(&lines, IpAddr::V4(there.ip)) >= 1, "{lines:#?}");
+    assert!(hbone_syns(&lines, IpAddr::V4(here.ip)) >= 1, "{lines:#?}");
+    assert!(
+        !contains_bytes(&raw, b"-v4-node"),
+        "plaintext on the underlay"
+    );
+    assert_eq!(counter(&c, &here, "captured_outbound"), 1);
+    assert!(counter(&c, &here, "captured_inbound_hbone") >= 1);
+
+    // Said once, by that node only, even as more pods come.
+    let later = c.add_pod(PodSpec::new("later", "mesh", 0)).unwrap();
+    c.wait_all_captured(&[&later]).unwrap();
+    exchange_keeping_address(&c, &later, there.addr(8080), b"later");
+    assert_eq!(c.log_lines(0, &["IPv6 is off"]), 1, "{}", c.agent_log(0));
+    assert_eq!(c.log_lines(1, &["IPv6 is off"]), 0, "{}", c.agent_log(1));
+}
+
+/// An IPv6 socket connecting to an IPv4-mapped address (`::ffff:10.244.2.2`)
+/// sends IPv4: it is captured and tunnelled as the IPv4 flow, and the server
+/// sees the client's IPv4 address.
+#[test]
+fn an_ipv4_mapped_destination_is_carried_as_ipv4() {
+    let mut c = Cluster::dual_stack(2, &[("mesh", true)]).unwrap();
+    let client = c.add_pod(PodSpec::new("client", "mesh", 0)).unwrap();
+    let server = c.add_pod(PodSpec::new("server", "mesh", 1)).unwrap();
+    c.start_agents().unwrap();
+    c.wait_all_captured(&[&client, &server]).unwrap();
+    let echo = app::EchoServer::start(&server.netns, server.addr(8080)).unwrap();
+
+    let mapped = SocketAddr::V6(SocketAddrV6::new(server.ip.to_ipv6_mapped(), 8080, 0, 0));
+    let capture = underlay_capture(&c, 0);
+    let payload = b"mapped-payload".repeat(100);
+    let ex = app::exchange(&client.netns, mapped, &payload)
+        .unwrap_or_else(|e| panic!("{mapped} failed: {e}\n{}", agent_logs(&c)));
+    let (raw, lines) = capture.stop().unwrap();
+    assert_eq!(ex.peer_seen.ip(), IpAddr::V4(client.ip));
+    assert_eq!(ex.echoed, payload);
+    assert_eq!(echo.accepted(), 1);
+    assert!(hbone_syns(&lines, IpAddr::V4(server.ip)) >= 1, "{lines:#?}");
+    assert!(
+        !contains_bytes(&raw, b"mapped-payload"),
+        "plaintext on the underlay"
+    );
+    assert_eq!(counter(&c, &client, "captured_outbound"), 1);
+    assert!(counter(&c, &server, "captured_inbound_hbone") >= 1);
+}
