@@ -5,7 +5,7 @@
 use std::{net::IpAddr, process::Command};
 
 use anyhow::{Context, Result, bail};
-use podlink_tests::{Capture, Cluster, PodSpec, app, contains_bytes, netns};
+use podlink_tests::{Capture, Cluster, Family, PodSpec, app, contains_bytes, netns};
 
 fn section(title: &str) {
     println!("\n== {title}");
@@ -26,11 +26,16 @@ pub fn run() -> Result<()> {
 
 fn demo() -> Result<()> {
     section("building a two-node cluster of network namespaces");
-    let mut c = Cluster::new(2)?;
+    let mut c = Cluster::new_dual_stack(2)?;
     for node in &c.nodes {
         println!(
-            "{}: namespace {}, underlay {}, pods {}/24",
-            node.name, node.netns, node.ip, node.pod_cidr
+            "{}: namespace {}, underlay {} and {}, pods {}/24 and {}",
+            node.name,
+            node.netns,
+            node.ip,
+            node.ipv6.map_or("-".into(), |ip| ip.to_string()),
+            node.pod_cidr,
+            node.pod_range6().unwrap_or_default()
         );
     }
     c.add_namespace("shop", true)?;
@@ -43,8 +48,13 @@ fn demo() -> Result<()> {
     let outsider = c.add_pod(PodSpec::new("batch", "legacy", 0))?;
     for pod in [&client, &server, &outsider] {
         println!(
-            "pod {}/{} on {}: {} (host veth {}, wired by the ptp + host-local CNI plugins)",
-            pod.namespace, pod.name, c.nodes[pod.node].name, pod.ip, pod.host_veth
+            "pod {}/{} on {}: {} and {} (host veth {}, wired by the ptp + host-local CNI plugins)",
+            pod.namespace,
+            pod.name,
+            c.nodes[pod.node].name,
+            pod.ip,
+            pod.ipv6.map_or("-".into(), |ip| ip.to_string()),
+            pod.host_veth
         );
     }
 
@@ -101,6 +111,31 @@ fn demo() -> Result<()> {
             .unwrap_or("?");
         println!("node2's proxy verified the client certificate over mutual TLS 1.3: {client_id}");
     }
+
+    section("the same over IPv6: frontend -> backend's IPv6 address");
+    let _echo6 = app::EchoServer::start(&server.netns, server.addr6(8080))?;
+    let capture = Capture::start(&c.nodes[0].netns, "eth0", &c.dir, "mesh6")?;
+    let ex = app::exchange(&client.netns, server.addr6(8080), secret)?;
+    let (raw, lines) = capture.stop()?;
+    let client6 = client.ip_of(Family::V6);
+    println!(
+        "backend saw the connection come from {} (frontend's IPv6 pod address: {client6})",
+        ex.peer_seen.ip()
+    );
+    if ex.peer_seen.ip() != client6 || ex.echoed != secret {
+        bail!("the mesh path did not deliver over IPv6 as expected: {ex:?}");
+    }
+    let hbone6 = format!("{}.15008", server.ip_of(Family::V6));
+    println!(
+        "underlay capture on node1 eth0: {} packets to/from {hbone6} (HBONE over IPv6), {} to/from port 8080; payload visible: {}",
+        lines.iter().filter(|l| l.contains(&hbone6)).count(),
+        lines.iter().filter(|l| l.contains(".8080")).count(),
+        if contains_bytes(&raw, b"4111-1111") {
+            "YES"
+        } else {
+            "no (inside TLS 1.3)"
+        }
+    );
 
     section("batch (legacy, not enrolled, node1) -> backend (enrolled, node2)");
     let plaintext = |c: &Cluster| -> Result<u64> {
