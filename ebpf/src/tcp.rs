@@ -126,6 +126,11 @@ impl Tcp for Tcp4 {
     }
 }
 
+// An IPv6 key cannot stand for an IPv4 flow: IPv4 keys are IPv4-mapped, and the
+// kernel sends IPv4 for a socket's IPv4-mapped peer, so no IPv6 packet of the
+// pod's carries mapped addresses. A crafted one could only meet an IPv4 key on
+// the fast path, where it is marked for local delivery, and the kernel drops
+// IPv6 with a mapped source (ip6_rcv_core).
 impl Tcp for Tcp6 {
     type Key = FlowKeyWords6;
     const TUPLE_LEN: u32 = size_of::<bpf_sock_tuple__bindgen_ty_1__bindgen_ty_2>() as u32;

@@ -549,7 +549,8 @@ mod tests {
             sums.keys().next().map(String::as_str),
             Some("captured_outbound")
         );
-        assert_eq!(sums.len(), 14);
+        assert_eq!(sums.len(), 13);
+        assert!(!sums.contains_key("dropped_ipv6"));
     }
 
     #[test]
