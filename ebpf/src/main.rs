@@ -10,7 +10,7 @@
 //!
 //! The kernel facts they rely on are listed in docs/architecture.md ("Kernel facts
 //! the data path depends on"). Entry points are thin; the work is in [`parse`], [`socket`]
-//! and [`maps`].
+//! and [`maps`]. IPv4 and IPv6 TCP take the same logic, written once over [`tcp::Tcp`].
 #![no_std]
 #![no_main]
 
