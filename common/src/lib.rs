@@ -50,10 +50,16 @@ pub const PROG_TO_POD: &str = "to_pod";
 /// * 2: [`MAP_CAPTURED_FLOWS`]' value is the host veth ifindex (`u32`) a flow was
 ///   taken over on, where it was a `u8` (1), so that the programs' fast path needs
 ///   no lookup of the pod.
-pub const LAYOUT_VERSION: u32 = 2;
+/// * 3: [`PodCounters`] lost `dropped_ipv6` (IPv6 TCP is captured), so
+///   [`MAP_COUNTERS`]' value is 13 counters where it was 14.
+pub const LAYOUT_VERSION: u32 = 3;
 /// The layout version before [`LAYOUT_VERSION`], which agents migrate from: the
-/// same maps and pin paths but for [`MAP_CAPTURED_FLOWS`]' value (`u8`).
-pub const PREVIOUS_LAYOUT_VERSION: u32 = 1;
+/// same maps and pin paths but for [`MAP_COUNTERS`]' value (14 counters, with
+/// `dropped_ipv6` 12th). Version 1 (also migrated) differs from it in
+/// [`MAP_CAPTURED_FLOWS`]' value too (`u8`).
+pub const PREVIOUS_LAYOUT_VERSION: u32 = 2;
+/// The oldest layout version agents migrate from.
+pub const OLDEST_LAYOUT_VERSION: u32 = 1;
 /// Directory, under the versioned pin directory, of the TCX link pins
 /// (`<ifindex>_<program>`).
 pub const LINKS_DIR: &str = "links";
@@ -250,12 +256,11 @@ pub struct PodCounters {
     pub dropped_fragment: u64,
     /// Dropped: TCP whose headers cannot be read (truncated or malformed).
     pub dropped_unparsable: u64,
-    /// Dropped: IPv6 TCP (also behind extension headers), not captured yet.
-    pub dropped_ipv6: u64,
     /// Dropped: a packet of a flow the proxy had taken over whose socket is gone
     /// (for example after the agent stopped); passing it would leak it in plain text.
     pub dropped_flow_gone: u64,
-    /// Dropped: an IPv4 packet from the pod whose source is not the pod's address.
+    /// Dropped: a packet from the pod whose source is not the pod's address (for
+    /// IPv6, nor a link-local or the unspecified address).
     pub dropped_spoofed: u64,
 }
 
@@ -275,7 +280,6 @@ impl PodCounters {
             dropped_assign_failed,
             dropped_fragment,
             dropped_unparsable,
-            dropped_ipv6,
             dropped_flow_gone,
             dropped_spoofed,
         } = *other;
@@ -290,14 +294,13 @@ impl PodCounters {
         self.dropped_assign_failed += dropped_assign_failed;
         self.dropped_fragment += dropped_fragment;
         self.dropped_unparsable += dropped_unparsable;
-        self.dropped_ipv6 += dropped_ipv6;
         self.dropped_flow_gone += dropped_flow_gone;
         self.dropped_spoofed += dropped_spoofed;
     }
 
     /// Every counter with its field name (as `bpftool` prints it from BTF), in
     /// declaration order. Adding a field without naming it here fails to compile.
-    pub const fn named(&self) -> [(&'static str, u64); 14] {
+    pub const fn named(&self) -> [(&'static str, u64); 13] {
         let PodCounters {
             captured_outbound,
             captured_inbound_hbone,
@@ -310,7 +313,6 @@ impl PodCounters {
             dropped_assign_failed,
             dropped_fragment,
             dropped_unparsable,
-            dropped_ipv6,
             dropped_flow_gone,
             dropped_spoofed,
         } = *self;
@@ -326,7 +328,6 @@ impl PodCounters {
             ("dropped_assign_failed", dropped_assign_failed),
             ("dropped_fragment", dropped_fragment),
             ("dropped_unparsable", dropped_unparsable),
-            ("dropped_ipv6", dropped_ipv6),
             ("dropped_flow_gone", dropped_flow_gone),
             ("dropped_spoofed", dropped_spoofed),
         ]
@@ -360,7 +361,7 @@ mod tests {
         assert_eq!(core::mem::size_of::<PodInfo>(), 40);
         assert_eq!(core::mem::size_of::<CidrKey>(), 20);
         assert_eq!(core::mem::size_of::<Config>(), 32 + 16 * MAX_NODE_ADDRS);
-        assert_eq!(core::mem::size_of::<PodCounters>(), 14 * 8);
+        assert_eq!(core::mem::size_of::<PodCounters>(), 13 * 8);
         assert_eq!(core::mem::size_of::<FlowKey>(), 36);
     }
 
@@ -375,7 +376,7 @@ mod tests {
             dropped_spoofed: 7,
             ..Default::default()
         };
-        assert_eq!(c.named()[13], ("dropped_spoofed", 7));
+        assert_eq!(c.named()[12], ("dropped_spoofed", 7));
     }
 
     #[test]

@@ -10,13 +10,14 @@
 //!
 //! The kernel facts they rely on are listed in docs/architecture.md ("Kernel facts
 //! the data path depends on"). Entry points are thin; the work is in [`parse`], [`socket`]
-//! and [`maps`].
+//! and [`maps`]. IPv4 and IPv6 TCP take the same logic, written once over [`tcp::Tcp`].
 #![no_std]
 #![no_main]
 
 mod maps;
 mod parse;
 mod socket;
+mod tcp;
 
 use aya_ebpf::{
     bindings::BPF_F_INGRESS, helpers::generated::bpf_redirect, macros::classifier,
@@ -25,9 +26,10 @@ use aya_ebpf::{
 use podlink_common::{CONFIG_DRAINING, CONFIG_FAIL_OPEN, Config, PodInfo};
 
 use crate::{
-    maps::{count, is_excluded, is_node_addr},
-    parse::{Packet, Tcp4},
+    maps::{count, is_excluded},
+    parse::Packet,
     socket::Lookup,
+    tcp::Tcp,
 };
 
 // Verdicts, from include/uapi/linux/pkt_cls.h (TCX reads them as TCX_NEXT,
@@ -40,13 +42,10 @@ const OK: i32 = 0;
 /// `TC_ACT_SHOT`: drop.
 const DROP: i32 = 2;
 
-/// Counts and returns the verdict for a packet that is not readable IPv4 TCP.
-///
-/// IPv6 TCP is not captured yet: the agent has no IPv6 listeners, so it is dropped
-/// in both directions (fail closed), never passed around the proxy. Its capture
-/// comes with the listeners (socket lookups with IPv6 tuples, IPv6 flow keys).
+/// Counts and returns the verdict for a packet of an enrolled pod that is not
+/// readable TCP.
 #[inline(always)]
-fn not_tcp4(packet: Packet, ifindex: u32) -> i32 {
+fn not_tcp(packet: Packet, ifindex: u32) -> i32 {
     match packet {
         Packet::Other | Packet::Ipv4Other { .. } | Packet::Ipv6Other { .. } => {
             count(ifindex, |c| &mut c.passed);
@@ -62,11 +61,7 @@ fn not_tcp4(packet: Packet, ifindex: u32) -> i32 {
             count(ifindex, |c| &mut c.dropped_unparsable);
             DROP
         }
-        Packet::Tcp6(_) => {
-            count(ifindex, |c| &mut c.dropped_ipv6);
-            DROP
-        }
-        Packet::Tcp4(_) => PASS,
+        Packet::Tcp4(_) | Packet::Tcp6(_) => PASS,
     }
 }
 
@@ -77,33 +72,58 @@ pub fn from_pod(ctx: TcContext) -> i32 {
     let Some(cfg) = maps::config() else {
         return PASS;
     };
-    let packet = parse::parse(&ctx);
+    // One match on the packet, each family's TCP to its own instance of the same
+    // logic ([`from_pod_tcp`]): IPv4 pays nothing for IPv6.
+    match parse::parse(&ctx) {
+        Packet::Tcp4(pkt) => from_pod_tcp(&ctx, cfg, ifindex, &pkt),
+        Packet::Tcp6(pkt) => from_pod_tcp(&ctx, cfg, ifindex, &pkt),
+        other => {
+            let Some(pod) = maps::pod(ifindex) else {
+                return PASS;
+            };
+            // What leaves an enrolled pod carries its own address (see
+            // `Tcp::is_spoofed`). IPv6 also passes link-local and unspecified
+            // sources (neighbour discovery, MLD), for a pod without an IPv6
+            // address too; any other IPv6 source of such a pod is spoofed (see
+            // `parse::is_pod_ipv6_source`).
+            let spoofed = match &other {
+                Packet::Ipv4Other { saddr } => !parse::is_pod_ipv4(pod, *saddr),
+                Packet::Ipv6Other { saddr } => !parse::is_pod_ipv6_source(pod, saddr),
+                _ => false,
+            };
+            if spoofed {
+                count(ifindex, |c| &mut c.dropped_spoofed);
+                return DROP;
+            }
+            not_tcp(other, ifindex)
+        }
+    }
+}
+
+/// A TCP packet at the host veth's ingress: from the pod, or bounced in by
+/// `to_pod`. Written once for both families (see [`tcp`]).
+#[inline(always)]
+fn from_pod_tcp<P: Tcp>(ctx: &TcContext, cfg: &Config, ifindex: u32, pkt: &P) -> i32 {
     // The host veth the proxy took this 4-tuple over on, if it has (or had) it: the
     // captured-flows map is filled when a flow's SYN is assigned, and when a socket
     // lookup below finds the proxy's socket.
-    let flow = match &packet {
-        Packet::Tcp4(pkt) => maps::captured_on(pkt),
-        _ => None,
-    };
+    let flow = maps::captured_on(pkt);
     // 1. Fast path, one hash lookup per packet: a later packet of a flow the proxy
     //    took over on this very veth is only marked for local delivery; the
-    //    kernel's own socket lookup (tcp_v4_rcv) then finds the proxy's socket, as
-    //    it does for TPROXY. Were the socket gone, the packet would end in the
-    //    local stack, never on the network. The veth stands for the pod's
-    //    addresses: every entry of this veth was remembered for a packet carrying
-    //    the pod's address (after the anti-spoofing check below, or in `to_pod`
-    //    for a packet addressed to the pod), so a packet of its 4-tuple carries it
-    //    too. (An entry outlives a new address of the pod on the same veth, which
-    //    the agent does not sweep the map for: the pod could still send from its
-    //    old address, into the proxy sockets of its own earlier flows only.) It is
-    //    not counted: the proxy counts the flow's bytes. A draining or stopped
-    //    proxy takes the slow path, which tells such packets apart and counts them.
-    if let Packet::Tcp4(pkt) = &packet
-        && flow == Some(ifindex)
-        && !pkt.is_syn()
-        && cfg.flags & CONFIG_DRAINING == 0
-    {
-        socket::deliver_locally(&ctx, cfg);
+    //    kernel's own socket lookup (tcp_v4_rcv, tcp_v6_rcv) then finds the
+    //    proxy's socket, as it does for TPROXY. Were the socket gone, the packet
+    //    would end in the local stack, never on the network. The veth stands for
+    //    the pod's addresses: every entry of this veth was remembered for a packet
+    //    carrying the pod's address (after the anti-spoofing check below, or in
+    //    `to_pod` for a packet addressed to the pod), so a packet of its 4-tuple
+    //    carries it too. (An entry outlives a new address of the pod on the same
+    //    veth, which the agent does not sweep the map for: the pod could still
+    //    send from its old address, into the proxy sockets of its own earlier
+    //    flows only.) It is not counted: the proxy counts the flow's bytes. A
+    //    draining or stopped proxy takes the slow path, which tells such packets
+    //    apart and counts them.
+    if flow == Some(ifindex) && !pkt.is_syn() && cfg.flags & CONFIG_DRAINING == 0 {
+        socket::deliver_locally(ctx, cfg);
         return OK;
     }
     let Some(pod) = maps::pod(ifindex) else {
@@ -112,44 +132,27 @@ pub fn from_pod(ctx: TcContext) -> i32 {
     // What leaves an enrolled pod carries its own address (the node accepts local
     // source addresses on host veths, for the node's replies bounced back in, so it
     // must not accept them from the pod). Bounced packets are addressed to the pod.
-    // IPv6 also passes link-local and unspecified sources (neighbour discovery,
-    // MLD), for a pod without an IPv6 address too; any other IPv6 source of such a
-    // pod is spoofed (see `parse::is_pod_ipv6_source`).
-    let spoofed = match &packet {
-        Packet::Tcp4(pkt) => {
-            !parse::is_pod_ipv4(pod, pkt.saddr) && !parse::is_pod_ipv4(pod, pkt.daddr)
-        }
-        Packet::Ipv4Other { saddr } => !parse::is_pod_ipv4(pod, *saddr),
-        Packet::Tcp6(pkt) => {
-            !parse::is_pod_ipv6_source(pod, &pkt.saddr) && !parse::is_pod_ipv6(pod, &pkt.daddr)
-        }
-        Packet::Ipv6Other { saddr } => !parse::is_pod_ipv6_source(pod, saddr),
-        _ => false,
-    };
-    if spoofed {
+    if pkt.is_spoofed(pod) {
         count(ifindex, |c| &mut c.dropped_spoofed);
         return DROP;
     }
-    match packet {
-        Packet::Tcp4(pkt) => from_pod_tcp4(&ctx, pod, cfg, ifindex, &pkt, flow),
-        other => not_tcp4(other, ifindex),
-    }
+    from_pod_slow(ctx, pod, cfg, ifindex, pkt, flow)
 }
 
 /// The slow path of a TCP packet from the pod (or bounced into its veth): `flow` is
 /// the host veth the proxy took its 4-tuple over on, if any.
 #[inline(always)]
-fn from_pod_tcp4(
+fn from_pod_slow<P: Tcp>(
     ctx: &TcContext,
     pod: &PodInfo,
     cfg: &Config,
     ifindex: u32,
-    pkt: &Tcp4,
+    pkt: &P,
     flow: Option<u32>,
 ) -> i32 {
     // A packet addressed to the pod itself was bounced in by `to_pod`: it is
     // inbound. Anything else comes from the pod: outbound.
-    let bounced = parse::is_pod_ipv4(pod, pkt.daddr);
+    let bounced = pkt.is_to_pod(pod);
     let syn = pkt.is_syn();
     // Whether the proxy has (or had) this 4-tuple, here or on another veth (a pod
     // whose address moved to a new veth).
@@ -197,15 +200,17 @@ fn from_pod_tcp4(
         return PASS;
     }
 
-    // 3. A new connection: to the transparent listener for its direction.
+    // 3. A new connection: to the transparent listener for its direction (on
+    //    127.0.0.1 for IPv4, [::1] for IPv6, the same ports).
+    let dport = pkt.dport();
     let listener_port = if bounced {
-        if pkt.dport == cfg.hbone_port {
+        if dport == cfg.hbone_port {
             cfg.hbone_port
         } else {
             cfg.inbound_plaintext_port
         }
     } else {
-        if is_excluded(pkt.daddr, pkt.dport) {
+        if is_excluded(pkt) {
             // An earlier captured flow of the same 4-tuple must not steer this one.
             if known {
                 maps::forget_flow(pkt);
@@ -276,15 +281,28 @@ pub fn to_pod(ctx: TcContext) -> i32 {
     let proxy_own = mark & cfg.proxy_mark_mask == cfg.proxy_mark;
     // One match on the packet: testing it for TCP twice made LLVM read the flags
     // on a path where they were never set, which the verifier refuses.
-    let pkt = match packet {
-        Packet::Tcp4(pkt) => pkt,
+    match packet {
+        Packet::Tcp4(pkt) => to_pod_tcp(&ctx, cfg, ifindex, proxy_own, &pkt),
+        Packet::Tcp6(pkt) => to_pod_tcp(&ctx, cfg, ifindex, proxy_own, &pkt),
         other => {
             if proxy_own || maps::pod(ifindex).is_none() {
                 return PASS;
             }
-            return not_tcp4(other, ifindex);
+            not_tcp(other, ifindex)
         }
-    };
+    }
+}
+
+/// A TCP packet at the host veth's egress (entering the pod). Written once for
+/// both families (see [`tcp`]).
+#[inline(always)]
+fn to_pod_tcp<P: Tcp>(
+    ctx: &TcContext,
+    cfg: &Config,
+    ifindex: u32,
+    proxy_own: bool,
+    pkt: &P,
+) -> i32 {
     let syn = pkt.is_syn();
     if proxy_own {
         // Remember it, so that the pod's replies take `from_pod`'s fast path and
@@ -294,9 +312,9 @@ pub fn to_pod(ctx: TcContext) -> i32 {
         // its SYN: the proxy counts the flow's bytes.
         if syn {
             if let Some(pod) = maps::pod(ifindex)
-                && parse::is_pod_ipv4(pod, pkt.daddr)
+                && pkt.is_to_pod(pod)
             {
-                maps::remember_reply_flow(&pkt, ifindex);
+                maps::remember_reply_flow(pkt, ifindex);
             }
             count(ifindex, |c| &mut c.passed);
         }
@@ -304,7 +322,7 @@ pub fn to_pod(ctx: TcContext) -> i32 {
     }
     // The veth the proxy took this flow over on, if it did (keyed as `from_pod`
     // sees the bounced packet). A SYN is a new connection, whatever was before.
-    let flow = if syn { None } else { maps::captured_on(&pkt) };
+    let flow = if syn { None } else { maps::captured_on(pkt) };
     // Fast path: a later packet of a flow the proxy took over on this veth
     // (remembered here only for packets addressed to this pod). Not counted: the
     // proxy counts the flow's bytes.
@@ -314,17 +332,17 @@ pub fn to_pod(ctx: TcContext) -> i32 {
     let Some(pod) = maps::pod(ifindex) else {
         return PASS;
     };
-    if !parse::is_pod_ipv4(pod, pkt.daddr) {
+    if !pkt.is_to_pod(pod) {
         count(ifindex, |c| &mut c.passed);
         return PASS;
     }
     let bounce = if syn {
         // New connections from the node itself (kubelet probes) and to excluded
         // ports are not captured.
-        let capture = !is_node_addr(cfg, pkt.saddr) && !maps::is_excluded_port(pkt.dport);
+        let capture = !pkt.is_from_node(cfg) && !maps::is_excluded_port(pkt.dport());
         if !capture {
             // An earlier captured flow of the same 4-tuple must not steer this one.
-            maps::forget_flow(&pkt);
+            maps::forget_flow(pkt);
         }
         capture
     } else if flow.is_some() {
@@ -333,11 +351,11 @@ pub fn to_pod(ctx: TcContext) -> i32 {
         // proxy's socket and remembers this veth, or drops the packet; it never
         // enters the pod in plain text.
         return redirect_to_ingress(ifindex);
-    } else if socket::proxy_socket_exists(&ctx, &pkt) {
+    } else if socket::proxy_socket_exists(ctx, pkt) {
         // Packets of the proxy's flows, from anywhere (the node's own replies to a
         // connection the proxy opened), not remembered on this veth yet; later
         // ones take the fast path.
-        maps::remember_flow(&pkt, ifindex);
+        maps::remember_flow(pkt, ifindex);
         true
     } else {
         // Anything else predates enrollment.

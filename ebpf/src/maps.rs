@@ -9,7 +9,10 @@ use podlink_common::{
     MAX_NODE_ADDRS, MAX_PODS, PodCounters, PodInfo,
 };
 
-use crate::parse::{Tcp4, ipv4_of};
+use crate::{
+    parse::{Ip6, ipv4_of},
+    tcp::{FlowKeyBytes, Tcp},
+};
 
 /// Host veth ifindex → the enrolled pod behind it.
 #[btf_map(name = "pods")]
@@ -43,7 +46,7 @@ static CAPTURED_FLOWS: LruHashMap<FlowKey, u32, { MAX_CAPTURED_FLOWS as usize }>
 /// addresses per lookup: the verifier wants aligned stack accesses, so LLVM
 /// could not write the arrays wider than their alignment.
 #[repr(C, align(8))]
-struct FlowKeyWords {
+pub struct FlowKeyWords {
     /// Bytes 0..8 of the IPv4-mapped source address: zero.
     saddr_zero: u64,
     /// Bytes 8..12: `0, 0, 0xff, 0xff`.
@@ -71,8 +74,7 @@ const _: () = {
 /// `0, 0, 0xff, 0xff` (bytes 8..12 of an IPv4-mapped address) as a native word.
 const MAPPED: u32 = u32::from_ne_bytes([0, 0, 0xff, 0xff]);
 
-impl FlowKeyWords {
-    /// The key, as the map reads it.
+impl FlowKeyBytes for FlowKeyWords {
     #[inline(always)]
     fn key(&self) -> &FlowKey {
         // SAFETY: same size or larger, stricter alignment, and every byte of
@@ -82,33 +84,78 @@ impl FlowKeyWords {
     }
 }
 
-#[inline(always)]
-fn flow_key(saddr: u32, daddr: u32, sport: u16, dport: u16) -> FlowKeyWords {
-    FlowKeyWords {
-        saddr_zero: 0,
-        saddr_mapped: MAPPED,
-        saddr,
-        daddr_zero: 0,
-        daddr_mapped: MAPPED,
-        daddr,
-        sport,
-        dport,
+impl FlowKeyWords {
+    /// The key of an IPv4 flow (addresses network order, ports host order).
+    #[inline(always)]
+    pub fn new(saddr: u32, daddr: u32, sport: u16, dport: u16) -> Self {
+        Self {
+            saddr_zero: 0,
+            saddr_mapped: MAPPED,
+            saddr,
+            daddr_zero: 0,
+            daddr_mapped: MAPPED,
+            daddr,
+            sport,
+            dport,
+        }
+    }
+}
+
+/// The bytes of a [`FlowKey`] for IPv6, written as words for the reason
+/// [`FlowKeyWords`] gives: the full 16-byte addresses.
+#[repr(C, align(4))]
+pub struct FlowKeyWords6 {
+    saddr: [u32; 4],
+    daddr: [u32; 4],
+    sport: u16,
+    dport: u16,
+}
+
+// The words lie where `FlowKey`'s fields are, and cover all of it.
+const _: () = {
+    use core::mem::{offset_of, size_of};
+    assert!(offset_of!(FlowKeyWords6, saddr) == offset_of!(FlowKey, saddr));
+    assert!(offset_of!(FlowKeyWords6, daddr) == offset_of!(FlowKey, daddr));
+    assert!(offset_of!(FlowKeyWords6, sport) == offset_of!(FlowKey, sport));
+    assert!(offset_of!(FlowKeyWords6, dport) == offset_of!(FlowKey, dport));
+    assert!(size_of::<FlowKeyWords6>() == size_of::<FlowKey>());
+};
+
+impl FlowKeyBytes for FlowKeyWords6 {
+    #[inline(always)]
+    fn key(&self) -> &FlowKey {
+        // SAFETY: the same size, stricter alignment, every byte written (offsets
+        // checked above, no padding); `FlowKey` is plain bytes and integers.
+        unsafe { &*(self as *const Self).cast::<FlowKey>() }
+    }
+}
+
+impl FlowKeyWords6 {
+    /// The key of an IPv6 flow (ports host order).
+    #[inline(always)]
+    pub fn new(saddr: &Ip6, daddr: &Ip6, sport: u16, dport: u16) -> Self {
+        Self {
+            saddr: saddr.0,
+            daddr: daddr.0,
+            sport,
+            dport,
+        }
     }
 }
 
 /// Records that the flow of `pkt` (as `from_pod` sees it on host veth `ifindex`)
 /// is the proxy's.
 #[inline(always)]
-pub fn remember_flow(pkt: &Tcp4, ifindex: u32) {
-    let key = flow_key(pkt.saddr, pkt.daddr, pkt.sport, pkt.dport);
+pub fn remember_flow<P: Tcp>(pkt: &P, ifindex: u32) {
+    let key = pkt.flow_key();
     let _ = CAPTURED_FLOWS.insert(key.key(), ifindex, 0);
 }
 
 /// Forgets the flow of `pkt` (a SYN that is not captured), so that an earlier
 /// captured flow of the same 4-tuple cannot steer it.
 #[inline(always)]
-pub fn forget_flow(pkt: &Tcp4) {
-    let key = flow_key(pkt.saddr, pkt.daddr, pkt.sport, pkt.dport);
+pub fn forget_flow<P: Tcp>(pkt: &P) {
+    let key = pkt.flow_key();
     let _ = CAPTURED_FLOWS.remove(key.key());
 }
 
@@ -116,8 +163,8 @@ pub fn forget_flow(pkt: &Tcp4) {
 /// `to_pod` on host veth `ifindex`), keyed as `from_pod` will see the pod's
 /// replies.
 #[inline(always)]
-pub fn remember_reply_flow(pkt: &Tcp4, ifindex: u32) {
-    let key = flow_key(pkt.daddr, pkt.saddr, pkt.dport, pkt.sport);
+pub fn remember_reply_flow<P: Tcp>(pkt: &P, ifindex: u32) {
+    let key = pkt.reply_flow_key();
     // SAFETY: a plain value read. An update of a present key would replace its
     // element: looking first is cheaper when 4-tuples are reused.
     if unsafe { CAPTURED_FLOWS.get(key.key()) }.copied() != Some(ifindex) {
@@ -128,8 +175,8 @@ pub fn remember_reply_flow(pkt: &Tcp4, ifindex: u32) {
 /// The host veth ifindex on which the proxy took over the flow of `pkt` (keyed as
 /// `from_pod` sees it), if it did.
 #[inline(always)]
-pub fn captured_on(pkt: &Tcp4) -> Option<u32> {
-    let key = flow_key(pkt.saddr, pkt.daddr, pkt.sport, pkt.dport);
+pub fn captured_on<P: Tcp>(pkt: &P) -> Option<u32> {
+    let key = pkt.flow_key();
     // SAFETY: a plain value read.
     unsafe { CAPTURED_FLOWS.get(key.key()) }.copied()
 }
@@ -157,13 +204,16 @@ pub fn count(ifindex: u32, field: impl FnOnce(&mut PodCounters) -> &mut u64) {
     }
 }
 
-/// Whether an outbound destination (IPv4, network order; port host order) bypasses
-/// capture.
+/// Whether the outbound destination of `pkt` (address and port) bypasses capture.
 #[inline(always)]
-pub fn is_excluded(daddr: u32, dport: u16) -> bool {
-    if is_excluded_port(dport) {
-        return true;
-    }
+pub fn is_excluded<P: Tcp>(pkt: &P) -> bool {
+    is_excluded_port(pkt.dport()) || pkt.is_excluded_daddr()
+}
+
+/// Whether an IPv4 destination (network order) is in an excluded prefix: the
+/// trie is looked up with its IPv4-mapped form, prefix length 128.
+#[inline(always)]
+pub fn is_excluded_cidr(daddr: u32) -> bool {
     let key = CidrKeyWords {
         prefix_len: 128,
         zero: [0; 2],
@@ -171,6 +221,41 @@ pub fn is_excluded(daddr: u32, dport: u16) -> bool {
         addr: daddr,
     };
     EXCLUDED_CIDRS.get(key.key()).is_some()
+}
+
+/// Whether an IPv6 destination is in an excluded prefix: the trie is looked up
+/// with the full address, prefix length 128 (the agent writes IPv6 prefixes as
+/// they are, IPv4 ones IPv4-mapped with 96 added to their length).
+#[inline(always)]
+pub fn is_excluded_cidr6(daddr: &Ip6) -> bool {
+    let key = CidrKeyWords6 {
+        prefix_len: 128,
+        addr: daddr.0,
+    };
+    EXCLUDED_CIDRS.get(key.key()).is_some()
+}
+
+/// The bytes of an excluded-CIDRs lookup key for an IPv6 address, written as
+/// words for the reason [`FlowKeyWords`] gives.
+#[repr(C, align(4))]
+struct CidrKeyWords6 {
+    prefix_len: u32,
+    addr: [u32; 4],
+}
+
+const _: () = {
+    use core::mem::{offset_of, size_of};
+    assert!(offset_of!(CidrKeyWords6, addr) == offset_of!(Key<Addr>, data));
+    assert!(size_of::<CidrKeyWords6>() == size_of::<Key<Addr>>());
+};
+
+impl CidrKeyWords6 {
+    /// The key, as the trie reads it.
+    #[inline(always)]
+    fn key(&self) -> &Key<Addr> {
+        // SAFETY: as for `CidrKeyWords::key`.
+        unsafe { &*(self as *const Self).cast::<Key<Addr>>() }
+    }
 }
 
 /// The bytes of an excluded-CIDRs lookup key (a full-length IPv4-mapped
@@ -220,6 +305,30 @@ pub fn is_node_addr(cfg: &Config, addr: u32) -> bool {
             return false;
         }
         if ipv4_of(&cfg.node_addrs[i]) == addr && cfg.node_addrs[i][10] == 0xff {
+            return true;
+        }
+        i += 1;
+    }
+    false
+}
+
+/// Whether `addr` (IPv6) is one of the node's own IPv6 addresses (stored as they
+/// are; the IPv4-mapped entries never equal an address read from an IPv6 packet).
+#[inline(always)]
+pub fn is_node_addr6(cfg: &Config, addr: &Ip6) -> bool {
+    const _: () = assert!(
+        core::mem::offset_of!(Config, node_addrs) % 4 == 0 && core::mem::align_of::<Config>() >= 4
+    );
+    let n = cfg.node_addr_count as usize;
+    let mut i = 0;
+    while i < MAX_NODE_ADDRS {
+        if i >= n {
+            return false;
+        }
+        // SAFETY: each entry is 16 bytes at a 4-aligned offset of a 4-aligned
+        // `Config` (asserted above).
+        let node = Ip6(unsafe { *(cfg.node_addrs[i].as_ptr() as *const [u32; 4]) });
+        if node.eq(addr) {
             return true;
         }
         i += 1;

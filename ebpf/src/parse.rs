@@ -27,8 +27,8 @@ const IPV4_MIN_HLEN: usize = 20;
 const IPV6_HLEN: usize = 40;
 /// IPv4 flags and fragment offset: MF (0x2000) and the 13-bit offset.
 const IP_MF_OFFSET: u16 = 0x3fff;
-const TCP_FLAG_SYN: u8 = 0x02;
-const TCP_FLAG_ACK: u8 = 0x10;
+pub const TCP_FLAG_SYN: u8 = 0x02;
+pub const TCP_FLAG_ACK: u8 = 0x10;
 /// Minimal TCP header: ports, sequence numbers, offset and flags.
 const TCP_MIN_HLEN: usize = 20;
 /// Longest Ethernet + IPv4 (with options) + minimal TCP header; more than the 74
@@ -45,24 +45,19 @@ pub struct Tcp4 {
     pub flags: u8,
 }
 
-impl Tcp4 {
-    /// A connection request: SYN without ACK.
-    #[inline(always)]
-    pub fn is_syn(&self) -> bool {
-        self.flags & (TCP_FLAG_SYN | TCP_FLAG_ACK) == TCP_FLAG_SYN
-    }
-}
-
 /// An IPv6 address as read from a packet: its 16 bytes in network order, held as
 /// four words (the bytes as they lie in memory), so that it is copied and compared
 /// word by word (a byte array costs 16 loads and stores per copy, and `==` on one
 /// calls `bcmp`, which BPF has not).
 #[derive(Clone, Copy)]
-pub struct Ip6([u32; 4]);
+pub struct Ip6(pub [u32; 4]);
 
 impl Ip6 {
+    /// `::1`: the proxy's IPv6 transparent listeners are bound to it.
+    pub const LOOPBACK: Ip6 = Ip6([0, 0, 0, u32::from_ne_bytes([0, 0, 0, 1])]);
+
     #[inline(always)]
-    fn eq(&self, other: &Ip6) -> bool {
+    pub fn eq(&self, other: &Ip6) -> bool {
         (self.0[0] ^ other.0[0])
             | (self.0[1] ^ other.0[1])
             | (self.0[2] ^ other.0[2])
@@ -86,7 +81,6 @@ impl Ip6 {
 
 /// The fields of an IPv6 TCP segment the programs decide on (after any hop-by-hop,
 /// routing and destination options headers). Ports are host order.
-#[expect(dead_code, reason = "ports and flags are for IPv6 capture, to come")]
 pub struct Tcp6 {
     pub saddr: Ip6,
     pub daddr: Ip6,

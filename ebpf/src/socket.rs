@@ -2,23 +2,15 @@
 //!
 //! Every socket returned by a lookup is released on every path.
 
-use core::mem::size_of;
-
 use aya_ebpf::{
-    bindings::{
-        BPF_F_CURRENT_NETNS, BPF_TCP_LISTEN, BPF_TCP_TIME_WAIT, bpf_sock, bpf_sock_tuple,
-        bpf_sock_tuple__bindgen_ty_1, bpf_sock_tuple__bindgen_ty_1__bindgen_ty_1,
-    },
+    bindings::{BPF_F_CURRENT_NETNS, BPF_TCP_LISTEN, BPF_TCP_TIME_WAIT, bpf_sock, bpf_sock_tuple},
     helpers::generated::{bpf_sk_assign, bpf_sk_release, bpf_skc_lookup_tcp},
     programs::TcContext,
 };
 use podlink_common::Config;
 
-use crate::parse::Tcp4;
+use crate::tcp::Tcp;
 
-/// 127.0.0.1 in network order: the proxy's listeners are bound to loopback, so only
-/// packets steered by these programs reach them.
-const LOOPBACK: u32 = u32::from_ne_bytes([127, 0, 0, 1]);
 /// Linux `PACKET_HOST`.
 const PACKET_HOST: u32 = 0;
 
@@ -28,28 +20,17 @@ pub enum Lookup {
     None,
 }
 
+/// `bpf_skc_lookup_tcp` with the `P` family's part of the tuple (its size tells
+/// the kernel the family).
 #[inline(always)]
-fn tuple(saddr: u32, daddr: u32, sport: u16, dport: u16) -> bpf_sock_tuple {
-    bpf_sock_tuple {
-        __bindgen_anon_1: bpf_sock_tuple__bindgen_ty_1 {
-            ipv4: bpf_sock_tuple__bindgen_ty_1__bindgen_ty_1 {
-                saddr,
-                daddr,
-                sport: sport.to_be(),
-                dport: dport.to_be(),
-            },
-        },
-    }
-}
-
-#[inline(always)]
-fn skc_lookup(ctx: &TcContext, t: &mut bpf_sock_tuple) -> *mut bpf_sock {
-    // SAFETY: helper call with the context and a stack tuple of the IPv4 size.
+fn skc_lookup<P: Tcp>(ctx: &TcContext, t: &mut bpf_sock_tuple) -> *mut bpf_sock {
+    // SAFETY: helper call with the context and a stack tuple whose `P` part is
+    // written, of that part's size.
     unsafe {
         bpf_skc_lookup_tcp(
             ctx.skb.skb.cast(),
             t,
-            size_of::<bpf_sock_tuple__bindgen_ty_1__bindgen_ty_1>() as u32,
+            P::TUPLE_LEN,
             BPF_F_CURRENT_NETNS as u64,
             0,
         )
@@ -65,9 +46,9 @@ fn release(sk: *mut bpf_sock) {
 /// Finds a non-listening socket for the packet's own 4-tuple. A SYN that finds a
 /// TIME_WAIT socket is treated as new (the listener then takes it).
 #[inline(always)]
-pub fn lookup_established(ctx: &TcContext, pkt: &Tcp4) -> Lookup {
-    let mut t = tuple(pkt.saddr, pkt.daddr, pkt.sport, pkt.dport);
-    let sk = skc_lookup(ctx, &mut t);
+pub fn lookup_established<P: Tcp>(ctx: &TcContext, pkt: &P) -> Lookup {
+    let mut t = pkt.sock_tuple();
+    let sk = skc_lookup::<P>(ctx, &mut t);
     if sk.is_null() {
         return Lookup::None;
     }
@@ -83,7 +64,7 @@ pub fn lookup_established(ctx: &TcContext, pkt: &Tcp4) -> Lookup {
 /// Whether a non-listening socket (the proxy's, since pod addresses are not local)
 /// owns the packet's 4-tuple.
 #[inline(always)]
-pub fn proxy_socket_exists(ctx: &TcContext, pkt: &Tcp4) -> bool {
+pub fn proxy_socket_exists<P: Tcp>(ctx: &TcContext, pkt: &P) -> bool {
     match lookup_established(ctx, pkt) {
         Lookup::Found(sk) => {
             release(sk);
@@ -93,11 +74,12 @@ pub fn proxy_socket_exists(ctx: &TcContext, pkt: &Tcp4) -> bool {
     }
 }
 
-/// Finds the proxy's transparent listener on `port` (bound to 127.0.0.1).
+/// Finds the proxy's transparent listener on `port` (bound to 127.0.0.1 for IPv4,
+/// `[::1]` for IPv6).
 #[inline(always)]
-pub fn lookup_listener(ctx: &TcContext, pkt: &Tcp4, port: u16) -> Option<*mut bpf_sock> {
-    let mut t = tuple(pkt.saddr, LOOPBACK, pkt.sport, port);
-    let sk = skc_lookup(ctx, &mut t);
+pub fn lookup_listener<P: Tcp>(ctx: &TcContext, pkt: &P, port: u16) -> Option<*mut bpf_sock> {
+    let mut t = pkt.listener_tuple(port);
+    let sk = skc_lookup::<P>(ctx, &mut t);
     if sk.is_null() {
         return None;
     }

@@ -1,9 +1,10 @@
-//! The pin layout carries its version (`<pin-dir>/v2/`): an agent finding an
-//! earlier layout (the unversioned one of the first agents, or version 1, whose
-//! captured flows had no host veth) moves its pins over without detaching anything
-//! (same links, same maps with their entries), copies its captured flows into the
-//! new map with their pods' host veths, and one finding a newer layout refuses to
-//! start, naming it.
+//! The pin layout carries its version (`<pin-dir>/v3/`): an agent finding an
+//! earlier layout (the unversioned one of the first agents, version 1, whose
+//! captured flows had no host veth, or version 2, whose counters had
+//! `dropped_ipv6`) moves its pins over without detaching anything (same links,
+//! same maps with their entries), copies the maps whose layout changed (captured
+//! flows with their pods' host veths, counters field by field), and one finding a
+//! newer layout refuses to start, naming it.
 
 use std::{
     fs,
@@ -11,10 +12,10 @@ use std::{
     process::Command,
 };
 
-use aya::maps::{HashMap, Map, MapData};
+use aya::maps::{HashMap, Map, MapData, PerCpuHashMap, PerCpuValues};
 use podlink_common::{
-    FlowKey, LAYOUT_VERSION, LINKS_DIR, MAP_CAPTURED_FLOWS, MAP_NAMES, MAX_CAPTURED_FLOWS,
-    PREVIOUS_LAYOUT_VERSION,
+    FlowKey, LAYOUT_VERSION, LINKS_DIR, MAP_CAPTURED_FLOWS, MAP_COUNTERS, MAP_NAMES,
+    MAX_CAPTURED_FLOWS, MAX_PODS, OLDEST_LAYOUT_VERSION, PREVIOUS_LAYOUT_VERSION, PodCounters,
 };
 use podlink_tests::{Cluster, PodSpec, app, netns};
 use serde_json::Value;
@@ -38,23 +39,78 @@ fn flows<V: aya::Pod>(path: &Path) -> Vec<(FlowKey, V)> {
     map.iter().map(Result::unwrap).collect()
 }
 
-/// The maps other than the captured flows, whose objects a migration keeps.
-fn kept_maps() -> impl Iterator<Item = &'static str> {
-    MAP_NAMES.into_iter().filter(|m| *m != MAP_CAPTURED_FLOWS)
+/// The maps whose objects a migration from layout `version` keeps: all but the
+/// counters (changed in version 3) and, from version 1, the captured flows.
+fn kept_maps(version: u32) -> impl Iterator<Item = &'static str> {
+    MAP_NAMES
+        .into_iter()
+        .filter(move |m| *m != MAP_COUNTERS && (version > 1 || *m != MAP_CAPTURED_FLOWS))
 }
 
-/// Turns the stopped agent's pins into those of an earlier layout, in `into` (the
-/// pin directory itself for the unversioned layout, `v1/` for version 1): the
-/// maps and links are moved, and the captured flows are written into a map of
-/// version 1's layout (value `u8`, 1), as its agents made it. Returns the flows
-/// with the host veths the current layout had for them.
-fn make_previous_layout(pins: &Path, into: &Path) -> Vec<(FlowKey, u32)> {
-    fs::create_dir_all(into).unwrap();
-    for name in kept_maps().chain([LINKS_DIR]) {
-        fs::rename(pins.join(name), into.join(name)).unwrap();
-    }
+/// Counters by host veth ifindex, summed over CPUs.
+type Counters = Vec<(u32, PodCounters)>;
+
+/// The counters of every host veth in the `pod_counters` map pinned at `path`.
+fn counters(path: &Path) -> Counters {
+    let map: PerCpuHashMap<MapData, u32, PodCounters> =
+        PerCpuHashMap::try_from(Map::PerCpuHashMap(MapData::from_pin(path).unwrap())).unwrap();
+    map.iter()
+        .map(Result::unwrap)
+        .map(|(ifindex, values)| {
+            let mut sum = PodCounters::default();
+            values.iter().for_each(|v| sum.add(v));
+            (ifindex, sum)
+        })
+        .collect()
+}
+
+/// Turns the stopped agent's pins into those of an earlier layout `version`, in
+/// `into` (the pin directory itself for the unversioned layout, `v<N>/`
+/// otherwise): the maps and links are moved; the counters are written into a map
+/// of versions 1 and 2's layout (14 counters, `dropped_ipv6` 12th, set to 1000
+/// here), and for version 1 the captured flows into a map of its layout (value
+/// `u8`, 1), as their agents made them. Returns the flows with the host veths the
+/// current layout had for them, and the counters.
+fn make_previous_layout(pins: &Path, into: &Path, version: u32) -> (Vec<(FlowKey, u32)>, Counters) {
     let current = flows::<u32>(&pins.join(MAP_CAPTURED_FLOWS));
     assert!(!current.is_empty(), "no captured flows to carry");
+    fs::create_dir_all(into).unwrap();
+    for name in kept_maps(version).chain([LINKS_DIR]) {
+        fs::rename(pins.join(name), into.join(name)).unwrap();
+    }
+    let counters_before = counters(&pins.join(MAP_COUNTERS));
+    let old_counters = into.join(MAP_COUNTERS);
+    netns::run(
+        Command::new("bpftool")
+            .args(["map", "create"])
+            .arg(&old_counters)
+            .args(["type", "percpu_hash", "key", "4", "value"])
+            .arg((14 * 8).to_string())
+            .args(["entries"])
+            .arg(MAX_PODS.to_string())
+            .args(["name", MAP_COUNTERS]),
+    )
+    .unwrap();
+    {
+        let mut old: PerCpuHashMap<MapData, u32, [u64; 14]> = PerCpuHashMap::try_from(
+            Map::PerCpuHashMap(MapData::from_pin(&old_counters).unwrap()),
+        )
+        .unwrap();
+        let cpus = aya::util::nr_cpus().unwrap();
+        for (ifindex, sum) in &counters_before {
+            let mut fields: Vec<u64> = sum.named().iter().map(|(_, v)| *v).collect();
+            fields.insert(11, 1000);
+            let mut values = vec![[0u64; 14]; cpus];
+            values[0] = fields.try_into().unwrap();
+            old.insert(ifindex, PerCpuValues::try_from(values).unwrap(), 0)
+                .unwrap();
+        }
+    }
+    fs::remove_file(pins.join(MAP_COUNTERS)).unwrap();
+    if version > 1 {
+        fs::remove_dir(pins).unwrap();
+        return (current, counters_before);
+    }
     let old = into.join(MAP_CAPTURED_FLOWS);
     netns::run(
         Command::new("bpftool")
@@ -74,16 +130,16 @@ fn make_previous_layout(pins: &Path, into: &Path) -> Vec<(FlowKey, u32)> {
     }
     fs::remove_file(pins.join(MAP_CAPTURED_FLOWS)).unwrap();
     fs::remove_dir(pins).unwrap();
-    current
+    (current, counters_before)
 }
 
 /// Captures two pods, stops the agent, puts its pins in an earlier layout (see
 /// [`make_previous_layout`]), starts it again and checks the migration: the same
 /// maps and links, the captured flows with their veths, traffic as before. With
 /// `interrupted`, the maps and links are already back in the current layout, as an
-/// agent stopped after its renames leaves them, and only the old captured flows
-/// are left to carry.
-fn migrates_from(layout: &str, logged: &str, interrupted: bool) {
+/// agent stopped after its renames leaves them, and only the old maps are left to
+/// carry. `version` is the layout's (1 for the unversioned one).
+fn migrates_from(layout: &str, version: u32, logged: &str, interrupted: bool) {
     let mut c = Cluster::with_namespaces(1, &[("mesh", true)]).unwrap();
     let client = c.add_pod(PodSpec::new("client", "mesh", 0)).unwrap();
     let server = c.add_pod(PodSpec::new("server", "mesh", 0)).unwrap();
@@ -100,10 +156,10 @@ fn migrates_from(layout: &str, logged: &str, interrupted: bool) {
     } else {
         node.pin_dir.join(layout)
     };
-    let flows_before = make_previous_layout(&pins, &old_dir);
+    let (flows_before, counters_before) = make_previous_layout(&pins, &old_dir, version);
     let moved_to = if interrupted {
         fs::create_dir(&pins).unwrap();
-        for name in kept_maps().chain([LINKS_DIR]) {
+        for name in kept_maps(version).chain([LINKS_DIR]) {
             fs::rename(old_dir.join(name), pins.join(name)).unwrap();
         }
         &pins
@@ -124,7 +180,9 @@ fn migrates_from(layout: &str, logged: &str, interrupted: bool) {
         assert_eq!(old["layout"], layout, "{old:#}");
         assert_eq!(old["problems"], serde_json::json!([]), "{old:#}");
     }
-    let map_ids: Vec<u64> = kept_maps().map(|m| map_id(&moved_to.join(m))).collect();
+    let map_ids: Vec<u64> = kept_maps(version)
+        .map(|m| map_id(&moved_to.join(m)))
+        .collect();
 
     c.start_agent(0).unwrap();
     let log = c.agent_log(0);
@@ -134,7 +192,24 @@ fn migrates_from(layout: &str, logged: &str, interrupted: bool) {
         )),
         "{log}"
     );
-    assert!(log.contains("captured flows carried over"), "{log}");
+    if version == 1 {
+        assert!(log.contains("captured flows carried over"), "{log}");
+    }
+    assert!(log.contains("counters carried over"), "{log}");
+    // The counters went on from where they were, but for `dropped_ipv6`.
+    let carried = counters(&pins.join(MAP_COUNTERS));
+    for (ifindex, before) in &counters_before {
+        let (_, now) = carried
+            .iter()
+            .find(|(i, _)| i == ifindex)
+            .unwrap_or_else(|| panic!("counters of {ifindex} lost: {carried:?}"));
+        for ((name, was), (_, is)) in before.named().iter().zip(now.named()) {
+            assert!(is >= *was, "{name} of {ifindex}: {was} before, {is} after");
+        }
+        // Its neighbours did not take `dropped_ipv6`'s 1000.
+        assert!(now.dropped_unparsable < 1000, "{now:?}");
+        assert!(now.dropped_flow_gone < 1000, "{now:?}");
+    }
     // Everything moved: only the current layout is left, holding the very same
     // maps and links.
     let left: Vec<String> = fs::read_dir(&node.pin_dir)
@@ -142,7 +217,7 @@ fn migrates_from(layout: &str, logged: &str, interrupted: bool) {
         .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
         .collect();
     assert_eq!(left, [format!("v{LAYOUT_VERSION}")]);
-    let moved: Vec<u64> = kept_maps().map(|m| map_id(&pins.join(m))).collect();
+    let moved: Vec<u64> = kept_maps(version).map(|m| map_id(&pins.join(m))).collect();
     assert_eq!(moved, map_ids);
     let new = c.inspect(0).unwrap();
     assert_eq!(new["layout"], format!("v{LAYOUT_VERSION}"));
@@ -182,13 +257,24 @@ fn migrates_from(layout: &str, logged: &str, interrupted: bool) {
 
 #[test]
 fn the_unversioned_layout_is_migrated_with_its_links_maps_and_flows() {
-    migrates_from("unversioned", "the unversioned pin layout", false);
+    migrates_from("unversioned", 1, "the unversioned pin layout", false);
 }
 
 #[test]
 fn layout_version_1_is_migrated_with_its_links_maps_and_flows() {
     migrates_from(
+        &format!("v{OLDEST_LAYOUT_VERSION}"),
+        OLDEST_LAYOUT_VERSION,
+        &format!("pin layout version {OLDEST_LAYOUT_VERSION}"),
+        false,
+    );
+}
+
+#[test]
+fn layout_version_2_is_migrated_with_its_links_maps_and_counters() {
+    migrates_from(
         &format!("v{PREVIOUS_LAYOUT_VERSION}"),
+        PREVIOUS_LAYOUT_VERSION,
         &format!("pin layout version {PREVIOUS_LAYOUT_VERSION}"),
         false,
     );
@@ -197,7 +283,18 @@ fn layout_version_1_is_migrated_with_its_links_maps_and_flows() {
 #[test]
 fn a_migration_stopped_after_its_renames_is_finished() {
     migrates_from(
+        &format!("v{OLDEST_LAYOUT_VERSION}"),
+        OLDEST_LAYOUT_VERSION,
+        &format!("pin layout version {OLDEST_LAYOUT_VERSION}"),
+        true,
+    );
+}
+
+#[test]
+fn a_migration_from_version_2_stopped_after_its_renames_is_finished() {
+    migrates_from(
         &format!("v{PREVIOUS_LAYOUT_VERSION}"),
+        PREVIOUS_LAYOUT_VERSION,
         &format!("pin layout version {PREVIOUS_LAYOUT_VERSION}"),
         true,
     );

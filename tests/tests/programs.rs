@@ -9,13 +9,16 @@ use std::net::{Ipv4Addr, Ipv6Addr, TcpListener};
 
 use aya::{
     Ebpf,
-    maps::{Array, HashMap, MapData, PerCpuHashMap, PerCpuValues},
+    maps::{
+        Array, HashMap, MapData, PerCpuHashMap, PerCpuValues,
+        lpm_trie::{Key, LpmTrie},
+    },
     programs::{SchedClassifier, TestRun, TestRunOptions},
 };
 use podlink_common::{
     CONFIG_DRAINING, CONFIG_FAIL_OPEN, Config, FlowKey, MAP_CAPTURED_FLOWS, MAP_CONFIG,
-    MAP_COUNTERS, MAP_EXCLUDED_PORTS, MAP_PODS, OUTBOUND_PORT, POD_ENROLLED, POD_HAS_IPV4,
-    POD_HAS_IPV6, PROXY_MARK, PodCounters, PodInfo, ipv4_mapped,
+    MAP_COUNTERS, MAP_EXCLUDED_CIDRS, MAP_EXCLUDED_PORTS, MAP_PODS, OUTBOUND_PORT, POD_ENROLLED,
+    POD_HAS_IPV4, POD_HAS_IPV6, PROXY_MARK, PodCounters, PodInfo, ipv4_mapped,
 };
 use podlink_tests::netns;
 
@@ -29,6 +32,7 @@ const PEER: Ipv4Addr = Ipv4Addr::new(10, 244, 2, 7);
 const NODE: Ipv4Addr = Ipv4Addr::new(10, 244, 1, 1);
 const POD6: Ipv6Addr = Ipv6Addr::new(0xfd00, 0x10, 0x244, 1, 0, 0, 0, 5);
 const PEER6: Ipv6Addr = Ipv6Addr::new(0xfd00, 0x10, 0x244, 2, 0, 0, 0, 7);
+const NODE6: Ipv6Addr = Ipv6Addr::new(0xfd00, 0x10, 0x244, 1, 0, 0, 0, 1);
 const LINK_LOCAL: Ipv6Addr = Ipv6Addr::new(0xfe80, 0, 0, 0, 0, 0, 0, 5);
 const IFINDEX: u32 = 1;
 
@@ -106,6 +110,17 @@ fn flow(src: Ipv4Addr, dst: Ipv4Addr, sport: u16, dport: u16) -> FlowKey {
     FlowKey::ipv4(src.octets(), dst.octets(), sport, dport)
 }
 
+/// The captured-flows key of an IPv6 flow as `from_pod` sees its packets: the
+/// full addresses.
+fn flow6(src: Ipv6Addr, dst: Ipv6Addr, sport: u16, dport: u16) -> FlowKey {
+    FlowKey {
+        saddr: src.octets(),
+        daddr: dst.octets(),
+        sport,
+        dport,
+    }
+}
+
 /// `struct __sk_buff` input: ifindex (offset 40) and mark (offset 8).
 fn ctx(mark: u32) -> Vec<u8> {
     let mut c = vec![0u8; 192];
@@ -130,11 +145,12 @@ impl Programs {
             Array::try_from(ebpf.map_mut(MAP_CONFIG).unwrap()).unwrap();
         let mut node_addrs = [[0; 16]; 8];
         node_addrs[0] = ipv4_mapped(NODE.octets());
+        node_addrs[1] = NODE6.octets();
         config
             .set(
                 0,
                 Config {
-                    node_addr_count: 1,
+                    node_addr_count: 2,
                     node_addrs,
                     ..Config::with_defaults(0)
                 },
@@ -185,6 +201,14 @@ impl Programs {
         pods.insert(IFINDEX, pod, 0).unwrap();
     }
 
+    /// Adds an excluded destination prefix, written as the agent writes it (IPv6
+    /// as it is; IPv4 would be IPv4-mapped, 96 added to its length).
+    fn exclude_cidr6(&mut self, prefix: Ipv6Addr, len: u32) {
+        let mut cidrs: LpmTrie<&mut MapData, [u8; 16], u8> =
+            LpmTrie::try_from(self.ebpf.map_mut(MAP_EXCLUDED_CIDRS).unwrap()).unwrap();
+        cidrs.insert(&Key::new(len, prefix.octets()), 1, 0).unwrap();
+    }
+
     /// Sets (`on`) or clears the config map's `flag`.
     fn set_flag(&mut self, flag: u32, on: bool) {
         let mut config: Array<&mut MapData, Config> =
@@ -227,7 +251,6 @@ impl Programs {
             sum.dropped_assign_failed += c.dropped_assign_failed;
             sum.dropped_fragment += c.dropped_fragment;
             sum.dropped_unparsable += c.dropped_unparsable;
-            sum.dropped_ipv6 += c.dropped_ipv6;
             sum.dropped_flow_gone += c.dropped_flow_gone;
             sum.dropped_spoofed += c.dropped_spoofed;
             sum
@@ -287,19 +310,9 @@ fn decisions_on_crafted_packets() {
         assert_eq!(p.counters().dropped_spoofed, spoofed_before + 2);
 
         // TCP that capture cannot steer is dropped in both directions, never
-        // passed around the proxy: IPv6 TCP (not captured yet), fragments (a first
-        // fragment with MF, a later one with an offset), truncated headers.
+        // passed around the proxy: fragments (a first fragment with MF, a later
+        // one with an offset), truncated headers.
         let before = p.counters();
-        assert_eq!(
-            p.run("from_pod", &tcp6(POD6, PEER6, &[], 1000, 80, SYN), 0),
-            DROP
-        );
-        assert_eq!(
-            p.run("to_pod", &tcp6(PEER6, POD6, &[], 1000, 80, SYN), 0),
-            DROP
-        );
-        let hop_by_hop = tcp6(POD6, PEER6, &[(0, 0)], 1000, 80, SYN);
-        assert_eq!(p.run("from_pod", &hop_by_hop, 0), DROP);
         for frag_field in [0x2000u16, 0x0010] {
             let mut frag = tcp(POD, PEER, 1000, 80, SYN);
             frag[20..22].copy_from_slice(&frag_field.to_be_bytes());
@@ -315,7 +328,6 @@ fn decisions_on_crafted_packets() {
             DROP
         );
         let after = p.counters();
-        assert_eq!(after.dropped_ipv6, before.dropped_ipv6 + 3);
         assert_eq!(after.dropped_fragment, before.dropped_fragment + 4);
         assert_eq!(after.dropped_unparsable, before.dropped_unparsable + 2);
 
@@ -566,7 +578,7 @@ fn ipv6_decisions_on_crafted_packets() {
         p.set_pod_ipv6(true);
 
         // A pod with an IPv6 address sending from another one: spoofed, TCP or
-        // not, checked before IPv6 TCP is dropped as not captured.
+        // not, checked before any capture decision.
         let before = p.counters();
         let elsewhere: Ipv6Addr = "fd00:10:244:1::99".parse().unwrap();
         for packet in [
@@ -578,44 +590,208 @@ fn ipv6_decisions_on_crafted_packets() {
         ] {
             assert_eq!(p.run("from_pod", &packet, 0), DROP);
         }
-        let after = p.counters();
-        assert_eq!(after.dropped_spoofed, before.dropped_spoofed + 5);
-        assert_eq!(after.dropped_ipv6, before.dropped_ipv6);
+        assert_eq!(p.counters().dropped_spoofed, before.dropped_spoofed + 5);
 
-        // IPv6 TCP is not captured yet: dropped in both directions (fail closed),
-        // from the pod, bounced to it (addressed to the pod, any source), and
-        // behind hop-by-hop, routing (16 bytes) and destination options headers,
-        // up to four of them.
-        let before = p.counters();
+        // IPv6 TCP is captured as IPv4 TCP is (see `decisions_on_crafted_packets`),
+        // also behind hop-by-hop, routing (16 bytes) and destination options
+        // headers, up to four of them.
         let chain = [(0, 0), (43, 1), (60, 0)];
-        for (program, packet) in [
-            ("from_pod", tcp6(POD6, PEER6, &[], 1000, 80, SYN)),
-            ("from_pod", tcp6(POD6, PEER6, &[], 1000, 80, ACK)),
-            ("from_pod", tcp6(PEER6, POD6, &[], 1000, 80, SYN)),
-            ("from_pod", tcp6(POD6, PEER6, &chain, 1000, 80, SYN)),
-            (
-                "from_pod",
-                tcp6(
-                    POD6,
-                    PEER6,
-                    &[(0, 0), (60, 1), (43, 0), (60, 0)],
-                    1000,
-                    80,
-                    SYN,
-                ),
-            ),
-            ("to_pod", tcp6(PEER6, POD6, &[], 1000, 80, SYN)),
-            ("to_pod", tcp6(PEER6, POD6, &chain, 1000, 80, ACK)),
-        ] {
-            assert_eq!(p.run(program, &packet, 0), DROP, "{program}");
+        let four = [(0, 0), (60, 1), (43, 0), (60, 0)];
+        // from_pod, outbound: data of a flow from before enrollment passes; a SYN
+        // to an excluded port or prefix passes.
+        let before = p.counters();
+        assert_eq!(
+            p.run("from_pod", &tcp6(POD6, PEER6, &[], 1000, 80, ACK), 0),
+            PASS
+        );
+        assert_eq!(
+            p.run("from_pod", &tcp6(POD6, PEER6, &chain, 1000, 22, SYN), 0),
+            PASS
+        );
+        let excluded: Ipv6Addr = "fd00:99::7".parse().unwrap();
+        assert_eq!(
+            p.run("from_pod", &tcp6(POD6, excluded, &[], 1000, 80, SYN), 0),
+            DROP,
+            "captured before its prefix is excluded"
+        );
+        p.exclude_cidr6("fd00:99::".parse().unwrap(), 64);
+        assert_eq!(
+            p.run("from_pod", &tcp6(POD6, excluded, &[], 1000, 80, SYN), 0),
+            PASS
+        );
+        assert_eq!(p.counters().passed, before.passed + 3);
+        // A SYN with no proxy listener on [::1]: dropped (fail closed), with or
+        // without extension headers.
+        let before = p.counters();
+        for ext in [&[][..], &chain, &four] {
+            assert_eq!(
+                p.run("from_pod", &tcp6(POD6, PEER6, ext, 1000, 80, SYN), 0),
+                DROP,
+                "{ext:?}"
+            );
         }
-        let after = p.counters();
-        assert_eq!(after.dropped_ipv6, before.dropped_ipv6 + 7);
-        assert_eq!(after.dropped_unparsable, before.dropped_unparsable);
-        // The proxy's own IPv6 packets pass, as before.
+        assert_eq!(
+            p.counters().dropped_no_listener,
+            before.dropped_no_listener + 3
+        );
+        // A bounced (inbound) non-SYN that found no socket: dropped, never looped.
+        assert_eq!(
+            p.run("from_pod", &tcp6(PEER6, POD6, &[], 1000, 80, ACK), 0),
+            DROP
+        );
+        assert_eq!(
+            p.counters().dropped_bounce_miss,
+            before.dropped_bounce_miss + 1
+        );
+
+        // Data of an IPv6 flow the proxy took over (keyed by its full addresses):
+        // the fast path, uncounted, also behind extension headers.
+        let taken = flow6(POD6, PEER6, 1234, 80);
+        p.flows().insert(taken, IFINDEX, 0).unwrap();
+        let counted = p.counters();
+        assert_eq!(
+            p.run("from_pod", &tcp6(POD6, PEER6, &[], 1234, 80, ACK), 0),
+            OK
+        );
+        assert_eq!(
+            p.run("from_pod", &tcp6(POD6, PEER6, &chain, 1234, 80, ACK), 0),
+            OK
+        );
+        assert_eq!(p.counters(), counted);
+        // Under a draining proxy the slow path finds its socket gone: dropped.
+        p.set_flag(CONFIG_DRAINING, true);
+        assert_eq!(
+            p.run("from_pod", &tcp6(POD6, PEER6, &[], 1234, 80, ACK), 0),
+            DROP
+        );
+        assert_eq!(p.counters().dropped_flow_gone, before.dropped_flow_gone + 1);
+        p.set_flag(CONFIG_DRAINING, false);
+        // Its 4-tuple's SYN to an excluded port forgets the earlier flow.
+        let excluded_flow = FlowKey { dport: 22, ..taken };
+        p.flows().insert(excluded_flow, IFINDEX, 0).unwrap();
+        assert_eq!(
+            p.run("from_pod", &tcp6(POD6, PEER6, &[], 1234, 22, SYN), 0),
+            PASS
+        );
+        assert!(
+            p.flows().get(&excluded_flow, 0).is_err(),
+            "flow not forgotten"
+        );
+
+        // With the outbound listener on [::1] (where the proxy binds its IPv6
+        // listeners) the SYN reaches it (assignment itself is refused under test
+        // runs), also behind extension headers; a draining proxy drops it as if
+        // the listener were gone.
+        let before = p.counters();
+        let _outbound = TcpListener::bind((Ipv6Addr::LOCALHOST, OUTBOUND_PORT)).unwrap();
+        for ext in [&[][..], &chain] {
+            assert_eq!(
+                p.run("from_pod", &tcp6(POD6, PEER6, ext, 1001, 80, SYN), 0),
+                DROP
+            );
+        }
+        assert_eq!(
+            p.counters().dropped_assign_failed,
+            before.dropped_assign_failed + 2
+        );
+        assert_eq!(p.counters().dropped_no_listener, before.dropped_no_listener);
+        p.set_flag(CONFIG_DRAINING, true);
+        assert_eq!(
+            p.run("from_pod", &tcp6(POD6, PEER6, &[], 1003, 80, SYN), 0),
+            DROP
+        );
+        assert_eq!(
+            p.counters().dropped_no_listener,
+            before.dropped_no_listener + 1
+        );
+        p.set_flag(CONFIG_DRAINING, false);
+
+        // to_pod: the proxy's own SYN passes and is remembered as the pod's
+        // replies will look to from_pod, which takes them on the fast path.
         assert_eq!(
             p.run("to_pod", &tcp6(PEER6, POD6, &[], 1000, 80, SYN), PROXY_MARK),
             PASS
+        );
+        assert_eq!(
+            p.flows().get(&flow6(POD6, PEER6, 80, 1000), 0).ok(),
+            Some(IFINDEX),
+            "proxy flow not remembered on its veth"
+        );
+        assert_eq!(
+            p.run("from_pod", &tcp6(POD6, PEER6, &[], 80, 1000, ACK), 0),
+            OK
+        );
+        // A connection from the node's IPv6 address is not captured, and forgets
+        // an earlier captured flow of its 4-tuple; neither is one to an excluded
+        // port, data of a flow from before enrollment, or a SYN-ACK.
+        let from_node = flow6(NODE6, POD6, 1000, 80);
+        p.flows().insert(from_node, IFINDEX, 0).unwrap();
+        let before = p.counters();
+        for packet in [
+            tcp6(NODE6, POD6, &[], 1000, 80, SYN),
+            tcp6(PEER6, POD6, &[], 1000, 22, SYN),
+            tcp6(PEER6, POD6, &[], 1000, 80, ACK),
+            tcp6(PEER6, POD6, &[], 1000, 80, SYN | ACK),
+        ] {
+            assert_eq!(p.run("to_pod", &packet, 0), PASS);
+        }
+        assert!(p.flows().get(&from_node, 0).is_err(), "flow not forgotten");
+        assert_eq!(p.counters().passed, before.passed + 4);
+        // New connections to the pod's IPv6 address are bounced to ingress, also
+        // behind extension headers.
+        for ext in [&[][..], &chain] {
+            assert_eq!(
+                p.run("to_pod", &tcp6(PEER6, POD6, ext, 1000, 80, SYN), 0),
+                REDIRECT
+            );
+        }
+        assert_eq!(p.counters().bounced, before.bounced + 2);
+        // Data of an inbound flow the proxy took over: bounced without a lookup,
+        // uncounted, and delivered locally by from_pod.
+        let inbound = flow6(PEER6, POD6, 1000, 8080);
+        p.flows().insert(inbound, IFINDEX, 0).unwrap();
+        assert_eq!(
+            p.run("to_pod", &tcp6(PEER6, POD6, &[], 1000, 8080, ACK), 0),
+            REDIRECT
+        );
+        assert_eq!(p.counters().bounced, before.bounced + 2);
+        assert_eq!(
+            p.run("from_pod", &tcp6(PEER6, POD6, &[], 1000, 8080, ACK), 0),
+            OK
+        );
+        // A bounced SYN meets the inbound listeners on [::1]: none here.
+        assert_eq!(
+            p.run("from_pod", &tcp6(PEER6, POD6, &[], 1000, 80, SYN), 0),
+            DROP
+        );
+        assert_eq!(
+            p.counters().dropped_no_listener,
+            before.dropped_no_listener + 1
+        );
+
+        // Fail open: with no listener, an outbound SYN passes; an inbound one is
+        // still dropped.
+        drop(_outbound);
+        p.set_flag(CONFIG_FAIL_OPEN, true);
+        assert_eq!(
+            p.run("from_pod", &tcp6(POD6, PEER6, &[], 1002, 80, SYN), 0),
+            PASS
+        );
+        assert_eq!(
+            p.run("from_pod", &tcp6(PEER6, POD6, &[], 1002, 80, SYN), 0),
+            DROP
+        );
+        p.set_flag(CONFIG_FAIL_OPEN, false);
+        // An IPv4 listener does not take IPv6 connections.
+        let _outbound4 = TcpListener::bind((Ipv4Addr::LOCALHOST, OUTBOUND_PORT)).unwrap();
+        let before = p.counters();
+        assert_eq!(
+            p.run("from_pod", &tcp6(POD6, PEER6, &[], 1004, 80, SYN), 0),
+            DROP
+        );
+        assert_eq!(
+            p.counters().dropped_no_listener,
+            before.dropped_no_listener + 1
         );
 
         // Fragments of TCP (or of extension headers that may hide it): dropped.
@@ -663,9 +839,10 @@ fn ipv6_decisions_on_crafted_packets() {
         ] {
             assert_eq!(p.run(program, &packet, 0), DROP, "{program}");
         }
-        let after = p.counters();
-        assert_eq!(after.dropped_unparsable, before.dropped_unparsable + 7);
-        assert_eq!(after.dropped_ipv6, before.dropped_ipv6);
+        assert_eq!(
+            p.counters().dropped_unparsable,
+            before.dropped_unparsable + 7
+        );
 
         // IPv4 is unchanged by the pod's IPv6 address.
         assert_eq!(p.run("from_pod", &tcp(POD, PEER, 1000, 80, ACK), 0), PASS);
@@ -684,6 +861,9 @@ fn cost_per_path() {
         let mut p = Programs::load();
         let taken = flow(POD, PEER, 1234, 80);
         p.flows().insert(taken, IFINDEX, 0).unwrap();
+        p.flows()
+            .insert(flow6(POD6, PEER6, 1234, 80), IFINDEX, 0)
+            .unwrap();
         let mut udp = tcp(POD, PEER, 1000, 53, 0);
         udp[23] = 17;
         let paths = [
@@ -713,6 +893,27 @@ fn cost_per_path() {
                 "to_pod, a flow from before enrollment",
                 "to_pod",
                 tcp(PEER, POD, 80, 1234, ACK),
+                0,
+                PASS,
+            ),
+            (
+                "from_pod, a captured IPv6 flow (fast path)",
+                "from_pod",
+                tcp6(POD6, PEER6, &[], 1234, 80, ACK),
+                0,
+                OK,
+            ),
+            (
+                "from_pod, an IPv6 flow from before enrollment",
+                "from_pod",
+                tcp6(POD6, PEER6, &[], 1235, 80, ACK),
+                0,
+                PASS,
+            ),
+            (
+                "to_pod, an IPv6 flow from before enrollment",
+                "to_pod",
+                tcp6(PEER6, POD6, &[], 80, 1234, ACK),
                 0,
                 PASS,
             ),

@@ -32,7 +32,7 @@ use serde::Serialize;
 use super::{
     Program,
     error::{Error, Result},
-    layout::check_pinned_layouts,
+    layout::{OldCounters, check_pinned_layouts, counters_from_old, same_layout},
     net,
     netlink::Netlink,
     pins::{self, parse_link_pin_name},
@@ -156,6 +156,26 @@ fn summed(per_cpu: &[PodCounters]) -> serde_json::Map<String, serde_json::Value>
         .collect()
 }
 
+/// The per-CPU counters of the `pod_counters` map pinned at `pin`, whose values
+/// are `V`, each CPU's converted by `convert`, by host veth ifindex.
+fn read_counters<V: aya::Pod>(
+    pin: &Path,
+    convert: impl Fn(&V) -> PodCounters,
+) -> Result<Vec<(u32, Vec<PodCounters>)>> {
+    let reading = || Error::map_pin("reading", pin);
+    let map: PerCpuHashMap<MapData, u32, V> = PerCpuHashMap::try_from(
+        Map::from_map_data(MapData::from_pin(pin).map_err(Error::map_pin("opening", pin))?)
+            .map_err(reading())?,
+    )
+    .map_err(reading())?;
+    map.iter()
+        .map(|entry| {
+            let (ifindex, values) = entry.map_err(reading())?;
+            Ok((ifindex, values.iter().map(&convert).collect()))
+        })
+        .collect()
+}
+
 /// Reads the pins under `pin_dir` (nothing is changed). An absent or empty
 /// directory gives an empty report.
 ///
@@ -170,7 +190,7 @@ pub fn inspect(pin_dir: &Path) -> Result<Inspection> {
     let contents = pins::survey(pin_dir)?;
     pins::refuse_other_versions(pin_dir, &contents)?;
     // The newest layout found is read (as the agent keeps the newest pins);
-    // what is left of older ones is reported. A `v2/` without its pods map yet
+    // what is left of older ones is reported. A `v<N>/` without its pods map yet
     // (a migration stopped before its first rename) is not read over them.
     let mut layouts = pins::earlier_layouts(pin_dir, &contents);
     let current = pins::versioned_dir(pin_dir);
@@ -233,17 +253,14 @@ pub fn inspect(pin_dir: &Path) -> Result<Inspection> {
     }
     let counters_pin = dir.join(MAP_COUNTERS);
     if counters_pin.exists() {
-        let reading = || Error::map_pin("reading", &counters_pin);
-        let map: PerCpuHashMap<MapData, u32, PodCounters> = PerCpuHashMap::try_from(
-            Map::from_map_data(
-                MapData::from_pin(&counters_pin)
-                    .map_err(Error::map_pin("opening", &counters_pin))?,
-            )
-            .map_err(reading())?,
-        )
-        .map_err(reading())?;
-        for entry in map.iter() {
-            let (ifindex, values) = entry.map_err(reading())?;
+        // An earlier layout's counters (versions 1 and 2 had `dropped_ipv6`) are
+        // shown as the agent will carry them over.
+        let per_cpu = if same_layout(MAP_COUNTERS, version) {
+            read_counters::<PodCounters>(&counters_pin, |c| *c)?
+        } else {
+            read_counters::<OldCounters>(&counters_pin, counters_from_old)?
+        };
+        for (ifindex, values) in per_cpu {
             if let Some(pod) = pods.get_mut(&ifindex) {
                 pod.counters = Some(summed(&values));
             }
@@ -532,7 +549,8 @@ mod tests {
             sums.keys().next().map(String::as_str),
             Some("captured_outbound")
         );
-        assert_eq!(sums.len(), 14);
+        assert_eq!(sums.len(), 13);
+        assert!(!sums.contains_key("dropped_ipv6"));
     }
 
     #[test]

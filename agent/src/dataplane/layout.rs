@@ -1,12 +1,14 @@
 //! The maps' layouts: what this agent's programs expect of pinned maps it reuses,
-//! what the previous layout version held, the captured flows carried over from it,
-//! and the config value it writes.
+//! what the earlier layout versions held, the captured flows and counters carried
+//! over from them, and the config value it writes.
 
 use std::{collections::HashMap, net::IpAddr, path::Path};
 
-use aya::maps::{HashMap as BpfHashMap, Map, MapData, MapInfo, MapType};
+use aya::maps::{
+    HashMap as BpfHashMap, Map, MapData, MapInfo, MapType, PerCpuHashMap, PerCpuValues,
+};
 use podlink_common::{
-    Addr, CidrKey, Config, FlowKey, MAP_CAPTURED_FLOWS, MAP_CONFIG, MAP_COUNTERS,
+    Addr, CidrKey, Config, FlowKey, LAYOUT_VERSION, MAP_CAPTURED_FLOWS, MAP_CONFIG, MAP_COUNTERS,
     MAP_EXCLUDED_CIDRS, MAP_EXCLUDED_PORTS, MAP_NAMES, MAP_PODS, MAX_CAPTURED_FLOWS,
     MAX_EXCLUDED_CIDRS, MAX_EXCLUDED_PORTS, MAX_NODE_ADDRS, MAX_PODS, POD_HAS_IPV4, PodCounters,
     PodInfo, ipv4_mapped,
@@ -14,13 +16,15 @@ use podlink_common::{
 
 use super::error::{Error, Result};
 
-/// The layout of map `name` in layout `version` (1 or 2): type, key size, value
+/// The layout of map `name` in layout `version` (1 to 3): type, key size, value
 /// size, capacity; `None` for another map or version.
 fn expected_layout(name: &str, version: u32) -> Option<(MapType, usize, usize, u32)> {
-    // Version 2 made the captured flows' value the host veth's ifindex.
-    let flow_value = match version {
-        1 => 1,
-        2 => size_of::<u32>(),
+    // Version 2 made the captured flows' value the host veth's ifindex; version 3
+    // took `dropped_ipv6` out of the counters.
+    let (flow_value, counters) = match version {
+        1 => (1, size_of::<OldCounters>()),
+        2 => (size_of::<u32>(), size_of::<OldCounters>()),
+        3 => (size_of::<u32>(), size_of::<PodCounters>()),
         _ => return None,
     };
     Some(match name {
@@ -33,7 +37,7 @@ fn expected_layout(name: &str, version: u32) -> Option<(MapType, usize, usize, u
             MAX_EXCLUDED_CIDRS,
         ),
         MAP_EXCLUDED_PORTS => (MapType::Hash, 2, 1, MAX_EXCLUDED_PORTS),
-        MAP_COUNTERS => (MapType::PerCpuHash, 4, size_of::<PodCounters>(), MAX_PODS),
+        MAP_COUNTERS => (MapType::PerCpuHash, 4, counters, MAX_PODS),
         MAP_CAPTURED_FLOWS => (
             MapType::LruHash,
             size_of::<FlowKey>(),
@@ -42,6 +46,96 @@ fn expected_layout(name: &str, version: u32) -> Option<(MapType, usize, usize, u
         ),
         _ => return None,
     })
+}
+
+/// Whether map `name` of layout `version` has the layout of this agent's
+/// ([`LAYOUT_VERSION`]): a migration renames its pin; otherwise its entries are
+/// copied into a new map.
+pub(super) fn same_layout(name: &str, version: u32) -> bool {
+    expected_layout(name, version) == expected_layout(name, LAYOUT_VERSION)
+}
+
+/// The value of `pod_counters` in layouts 1 and 2: [`PodCounters`]' fields in
+/// their order, with `dropped_ipv6` (IPv6 TCP, dropped before it was captured)
+/// 12th, between `dropped_unparsable` and `dropped_flow_gone`.
+pub(super) type OldCounters = [u64; 14];
+
+/// Where `dropped_ipv6` was in [`OldCounters`].
+const OLD_DROPPED_IPV6: usize = 11;
+
+/// The counters of layout 1 or 2, field by field, without `dropped_ipv6` (whose
+/// packets are captured now: no counter of this layout stands for them).
+pub(super) fn counters_from_old(old: &OldCounters) -> PodCounters {
+    let mut fields = [0u64; size_of::<PodCounters>() / 8];
+    let kept = old
+        .iter()
+        .enumerate()
+        .filter(|(i, _)| *i != OLD_DROPPED_IPV6)
+        .map(|(_, v)| *v);
+    for (field, value) in fields.iter_mut().zip(kept) {
+        *field = value;
+    }
+    let [
+        captured_outbound,
+        captured_inbound_hbone,
+        captured_inbound_plaintext,
+        assigned_established,
+        bounced,
+        passed,
+        dropped_no_listener,
+        dropped_bounce_miss,
+        dropped_assign_failed,
+        dropped_fragment,
+        dropped_unparsable,
+        dropped_flow_gone,
+        dropped_spoofed,
+    ] = fields;
+    PodCounters {
+        captured_outbound,
+        captured_inbound_hbone,
+        captured_inbound_plaintext,
+        assigned_established,
+        bounced,
+        passed,
+        dropped_no_listener,
+        dropped_bounce_miss,
+        dropped_assign_failed,
+        dropped_fragment,
+        dropped_unparsable,
+        dropped_flow_gone,
+        dropped_spoofed,
+    }
+}
+
+/// Copies the per-CPU counters of a `pod_counters` map of layout 1 or 2 (pinned
+/// at `old`, [`OldCounters`] values) into `counters`, this layout's map, field by
+/// field ([`counters_from_old`]), for every host veth that has no entry there yet
+/// (an earlier, newer layout's was copied first). Returns the entries copied.
+///
+/// # Errors
+/// When the old map cannot be opened or read, or an insert fails.
+pub(super) fn carry_counters(
+    old: &Path,
+    counters: &mut PerCpuHashMap<MapData, u32, PodCounters>,
+) -> Result<usize> {
+    let old_map: PerCpuHashMap<MapData, u32, OldCounters> = PerCpuHashMap::try_from(
+        Map::PerCpuHashMap(MapData::from_pin(old).map_err(Error::map_pin("opening", old))?),
+    )
+    .map_err(Error::map_pin("reading", old))?;
+    let mut copied = 0;
+    for entry in old_map.iter() {
+        let (ifindex, values) = entry.map_err(Error::map_pin("reading", old))?;
+        if counters.get(&ifindex, 0).is_ok() {
+            continue;
+        }
+        let values: Vec<PodCounters> = values.iter().map(counters_from_old).collect();
+        let values = PerCpuValues::try_from(values).map_err(|error| Error::PerCpu { error })?;
+        counters
+            .insert(ifindex, values, 0)
+            .map_err(Error::map("writing", MAP_COUNTERS))?;
+        copied += 1;
+    }
+    Ok(copied)
 }
 
 /// Refuses pinned maps whose layout differs from that of layout `version`: the
@@ -143,4 +237,47 @@ pub(super) fn with_node_addrs(mut config: Config, addrs: &[IpAddr]) -> Config {
     }
     config.node_addr_count = addrs.len().min(MAX_NODE_ADDRS) as u32;
     config
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use podlink_common::{OLDEST_LAYOUT_VERSION, PREVIOUS_LAYOUT_VERSION};
+
+    #[test]
+    fn old_counters_are_carried_field_by_field_without_dropped_ipv6() {
+        let old: OldCounters = core::array::from_fn(|i| i as u64 + 1);
+        let new = counters_from_old(&old);
+        let named = new.named();
+        // Every field before `dropped_ipv6` where it was, every one after it one
+        // place earlier, `dropped_ipv6` (12) nowhere.
+        for (i, (name, value)) in named.iter().enumerate() {
+            let was = if i < OLD_DROPPED_IPV6 { i } else { i + 1 };
+            assert_eq!(*value, old[was], "{name}");
+        }
+        assert_eq!(named[OLD_DROPPED_IPV6], ("dropped_flow_gone", 13));
+        assert_eq!(new.dropped_unparsable, 11);
+        assert_eq!(new.dropped_spoofed, 14);
+        assert!(named.iter().all(|(_, v)| *v != 12));
+    }
+
+    #[test]
+    fn only_changed_maps_are_copied_in_a_migration() {
+        assert!(MAP_NAMES.iter().all(|n| same_layout(n, LAYOUT_VERSION)));
+        let changed = |version| -> Vec<&str> {
+            MAP_NAMES
+                .into_iter()
+                .filter(|n| !same_layout(n, version))
+                .collect()
+        };
+        assert_eq!(changed(PREVIOUS_LAYOUT_VERSION), [MAP_COUNTERS]);
+        assert_eq!(
+            changed(OLDEST_LAYOUT_VERSION),
+            [MAP_COUNTERS, MAP_CAPTURED_FLOWS]
+        );
+        assert_eq!(
+            expected_layout(MAP_COUNTERS, PREVIOUS_LAYOUT_VERSION).map(|l| l.2),
+            Some(14 * 8)
+        );
+    }
 }

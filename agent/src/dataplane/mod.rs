@@ -307,10 +307,32 @@ impl Dataplane {
                     "captured flows of the earlier pin layout not carried over (packets of connections open across the upgrade may pass once their proxy socket is gone): {e}"
                 );
             }
-            pins::finish_migration(&cfg.pin_dir, &prepared.old_flows)?;
         }
-        let counters = PerCpuHashMap::try_from(take(&mut ebpf, MAP_COUNTERS)?)
+        let mut counters = PerCpuHashMap::try_from(take(&mut ebpf, MAP_COUNTERS)?)
             .map_err(Error::map("opening", MAP_COUNTERS))?;
+        if prepared.migrated {
+            // Counters lost only restart from zero (pods get entries at enrollment).
+            for old in &prepared.old_counters {
+                match layout::carry_counters(old, &mut counters) {
+                    Ok(copied) => tracing::info!(
+                        from = %old.display(),
+                        copied,
+                        "counters carried over to layout version {LAYOUT_VERSION}"
+                    ),
+                    Err(e) => tracing::warn!(
+                        from = %old.display(),
+                        "counters of the earlier pin layout not carried over (they restart from zero): {e}"
+                    ),
+                }
+            }
+            let old: Vec<PathBuf> = prepared
+                .old_flows
+                .iter()
+                .chain(&prepared.old_counters)
+                .cloned()
+                .collect();
+            pins::finish_migration(&cfg.pin_dir, &old)?;
+        }
         let config = with_node_addrs(cfg.config, &cfg.node_addrs);
         let mut config_map: Array<MapData, Config> = Array::try_from(take(&mut ebpf, MAP_CONFIG)?)
             .map_err(Error::map("opening", MAP_CONFIG))?;

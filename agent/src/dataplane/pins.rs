@@ -5,15 +5,19 @@
 //! * `v<N>/links/<ifindex>_<program>` for each TCX link.
 //!
 //! Earlier layouts are migrated by renaming pins on the bpffs (`rename(2)`; the
-//! map or link object is the same, so pods' entries and counters carry over and
-//! every link stays attached), then the links are adopted as after any restart:
+//! map or link object is the same, so pods' entries carry over and every link
+//! stays attached), then the links are adopted as after any restart. A map whose
+//! layout changed cannot be renamed: it stays until the agent has loaded its
+//! programs (with a new map) and copied its entries over (see [`super::layout`]),
+//! then goes with its directory ([`finish_migration`]):
 //! * the layout before versions (issue 2) had version 1's maps and links directly
 //!   under `<pin-dir>`;
-//! * version 1 ([`PREVIOUS_LAYOUT_VERSION`]) differs from version 2 in the value of
-//!   `captured_flows` only (a `u8`, now the host veth's ifindex). Every other map
-//!   and the links are renamed into `v2/`; the old `captured_flows` stays until
-//!   the agent has loaded its programs and copied its flows into the new map (see
-//!   [`super::layout`]), then goes with its directory ([`finish_migration`]).
+//! * version 1 ([`OLDEST_LAYOUT_VERSION`]) differs from version 2 in the value of
+//!   `captured_flows` (a `u8`, since the host veth's ifindex);
+//! * version 2 ([`podlink_common::PREVIOUS_LAYOUT_VERSION`]) differs from version 3 in the value of
+//!   `pod_counters` (14 counters, since 13: `dropped_ipv6` went when IPv6 TCP was
+//!   captured). Its counters are copied field by field, so that the counters
+//!   `podlink inspect` and the metrics show go on from where they were.
 //!
 //! Each step is idempotent: an agent stopped halfway finishes the move on its next
 //! start. A `v<M>` of any other version makes the agent refuse to start: it cannot
@@ -31,13 +35,13 @@ use std::{
 
 use nix::fcntl::{Flock, FlockArg};
 use podlink_common::{
-    LAYOUT_VERSION, LINKS_DIR, MAP_CAPTURED_FLOWS, MAP_NAMES, PREVIOUS_LAYOUT_VERSION,
+    LAYOUT_VERSION, LINKS_DIR, MAP_CAPTURED_FLOWS, MAP_COUNTERS, MAP_NAMES, OLDEST_LAYOUT_VERSION,
 };
 
 use super::{
     Program,
     error::{Error, Result},
-    layout::check_pinned_layouts,
+    layout::{check_pinned_layouts, same_layout},
 };
 
 /// The layout of the pins of the first agents, directly under the pin directory:
@@ -54,10 +58,10 @@ pub fn layout_dir(pin_dir: &Path, version: u32) -> PathBuf {
     pin_dir.join(format!("v{version}"))
 }
 
-/// Whether this podlink knows layout `version`: its own, and the previous one,
-/// which it migrates.
+/// Whether this podlink knows layout `version`: its own, and the earlier ones
+/// (from [`OLDEST_LAYOUT_VERSION`]), which it migrates.
 pub fn is_known_version(version: u32) -> bool {
-    version == LAYOUT_VERSION || version == PREVIOUS_LAYOUT_VERSION
+    (OLDEST_LAYOUT_VERSION..=LAYOUT_VERSION).contains(&version)
 }
 
 /// A layout found under the pin directory.
@@ -73,16 +77,18 @@ pub struct FoundLayout {
 }
 
 /// The earlier layouts in `contents`, in the order they are migrated and read:
-/// version 1 first, then the unversioned layout, so that where both pin the same
-/// map or link, version 1's (the newer) is kept.
+/// the newest version first, the unversioned layout last, so that where two pin
+/// the same map or link, the newer one's is kept.
 pub fn earlier_layouts(pin_dir: &Path, contents: &PinDirContents) -> Vec<FoundLayout> {
     let mut earlier = Vec::new();
-    if contents.versions.contains(&PREVIOUS_LAYOUT_VERSION) {
-        earlier.push(FoundLayout {
-            dir: layout_dir(pin_dir, PREVIOUS_LAYOUT_VERSION),
-            version: PREVIOUS_LAYOUT_VERSION,
-            what: format!("pin layout version {PREVIOUS_LAYOUT_VERSION}"),
-        });
+    for &version in contents.versions.iter().rev() {
+        if version < LAYOUT_VERSION && is_known_version(version) {
+            earlier.push(FoundLayout {
+                dir: layout_dir(pin_dir, version),
+                version,
+                what: format!("pin layout version {version}"),
+            });
+        }
     }
     if contents.legacy {
         earlier.push(FoundLayout {
@@ -151,7 +157,7 @@ pub fn survey(pin_dir: &Path) -> Result<PinDirContents> {
 }
 
 /// Refuses layouts this podlink does not know: any `v<M>` other than its own and
-/// the previous one (the agent before it changes anything, `podlink inspect`
+/// the earlier ones it migrates (the agent before it changes anything, `podlink inspect`
 /// before it reads).
 ///
 /// # Errors
@@ -179,11 +185,16 @@ pub(super) struct Prepared {
     /// layout's), whose flows are to be copied into this layout's map once the
     /// programs are loaded, before [`finish_migration`] removes them.
     pub old_flows: Vec<PathBuf>,
+    /// The `pod_counters` maps of earlier layouts (versions 1 and 2, the
+    /// unversioned layout), newest first, whose counters are to be copied into
+    /// this layout's map, likewise.
+    pub old_counters: Vec<PathBuf>,
 }
 
 /// Makes `<pin_dir>/v<N>/links` ready for this agent: refuses unknown versions and
-/// moves version 1's and the unversioned layout's pins into it, but for their
-/// `captured_flows` (see [`Prepared::old_flows`]). Nothing is made or moved
+/// moves earlier versions' and the unversioned layout's pins into it, but for the
+/// maps whose layout changed since (see [`Prepared::old_flows`] and
+/// [`Prepared::old_counters`]). Nothing is made or moved
 /// unless this layout's maps and every earlier layout's are as expected.
 ///
 /// # Errors
@@ -205,28 +216,37 @@ pub(super) fn prepare(pin_dir: &Path) -> Result<Prepared> {
     }
     let links = dir.join(LINKS_DIR);
     fs::create_dir_all(&links).map_err(IoError::at("creating", &links))?;
-    let mut old_flows = Vec::new();
+    let (mut old_flows, mut old_counters) = (Vec::new(), Vec::new());
     for layout in &earlier {
         migrate(layout, &dir)?;
-        let flows = layout.dir.join(MAP_CAPTURED_FLOWS);
-        if flows.exists() {
-            old_flows.push(flows);
+        for (name, old) in [
+            (MAP_CAPTURED_FLOWS, &mut old_flows),
+            (MAP_COUNTERS, &mut old_counters),
+        ] {
+            let path = layout.dir.join(name);
+            if !same_layout(name, layout.version) && path.exists() {
+                old.push(path);
+            }
         }
     }
     Ok(Prepared {
         dir,
         migrated: !earlier.is_empty(),
         old_flows,
+        old_counters,
     })
 }
 
 /// Moves the pins of an earlier layout (checked by [`prepare`]) into `dir`, but
-/// for `captured_flows`. Each step is a rename, and a pin already in `dir` is
-/// kept (the old one removed), so that the move is idempotent.
+/// for the maps whose layout changed since. Each step is a rename, and a pin
+/// already in `dir` is kept (the old one removed), so that the move is idempotent.
 fn migrate(layout: &FoundLayout, dir: &Path) -> Result<()> {
     let from = &layout.dir;
     let mut moved = 0;
-    for name in MAP_NAMES.into_iter().filter(|n| *n != MAP_CAPTURED_FLOWS) {
+    for name in MAP_NAMES
+        .into_iter()
+        .filter(|n| same_layout(n, layout.version))
+    {
         let (old, new) = (from.join(name), dir.join(name));
         if !old.exists() {
             continue;
@@ -276,20 +296,23 @@ fn rename(from: &Path, to: &Path) -> Result<()> {
     })
 }
 
-/// Ends a migration ([`Prepared::migrated`]) once the flows of `old_flows` are
-/// copied: removes those pins, and version 1's directory when nothing else is left
-/// in it (what podlink does not name stays, and so does the directory).
+/// Ends a migration ([`Prepared::migrated`]) once the maps of `old` (the old
+/// flows and counters) are copied: removes those pins, and the earlier versions'
+/// directories when nothing else is left in them (what podlink does not name
+/// stays, and so does its directory).
 ///
 /// # Errors
 /// A pin that cannot be removed.
-pub(super) fn finish_migration(pin_dir: &Path, old_flows: &[PathBuf]) -> Result<()> {
-    for flows in old_flows {
-        fs::remove_file(flows).map_err(IoError::at("removing", flows))?;
+pub(super) fn finish_migration(pin_dir: &Path, old: &[PathBuf]) -> Result<()> {
+    for map in old {
+        fs::remove_file(map).map_err(IoError::at("removing", map))?;
     }
-    let previous = layout_dir(pin_dir, PREVIOUS_LAYOUT_VERSION);
-    if previous.is_dir() {
-        // Fails, and leaves it, when something else is still in it.
-        let _ = fs::remove_dir(&previous);
+    for version in OLDEST_LAYOUT_VERSION..LAYOUT_VERSION {
+        let earlier = layout_dir(pin_dir, version);
+        if earlier.is_dir() {
+            // Fails, and leaves it, when something else is still in it.
+            let _ = fs::remove_dir(&earlier);
+        }
     }
     Ok(())
 }
@@ -381,6 +404,7 @@ fn remove_tree(dir: &Path, removed: &mut Vec<PathBuf>) -> Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use podlink_common::PREVIOUS_LAYOUT_VERSION;
 
     #[test]
     fn link_pin_names_round_trip() {
@@ -473,11 +497,15 @@ mod tests {
     #[test]
     fn earlier_layouts_are_taken_newest_first() {
         let dir = Path::new("/pins");
-        let both = PinDirContents {
-            versions: vec![PREVIOUS_LAYOUT_VERSION, LAYOUT_VERSION],
+        let all = PinDirContents {
+            versions: vec![
+                OLDEST_LAYOUT_VERSION,
+                PREVIOUS_LAYOUT_VERSION,
+                LAYOUT_VERSION,
+            ],
             legacy: true,
         };
-        let found: Vec<(PathBuf, u32)> = earlier_layouts(dir, &both)
+        let found: Vec<(PathBuf, u32)> = earlier_layouts(dir, &all)
             .into_iter()
             .map(|l| (l.dir, l.version))
             .collect();
@@ -488,6 +516,10 @@ mod tests {
                     layout_dir(dir, PREVIOUS_LAYOUT_VERSION),
                     PREVIOUS_LAYOUT_VERSION
                 ),
+                (
+                    layout_dir(dir, OLDEST_LAYOUT_VERSION),
+                    OLDEST_LAYOUT_VERSION
+                ),
                 (dir.to_path_buf(), UNVERSIONED_LAYOUT)
             ]
         );
@@ -496,6 +528,25 @@ mod tests {
             legacy: false,
         };
         assert!(earlier_layouts(dir, &current).is_empty());
+    }
+
+    #[test]
+    fn every_earlier_version_is_known_and_migrated() {
+        assert!((OLDEST_LAYOUT_VERSION..=LAYOUT_VERSION).all(is_known_version));
+        assert!(!is_known_version(0));
+        assert!(!is_known_version(LAYOUT_VERSION + 1));
+        let dir = tempfile::tempdir().unwrap();
+        for version in OLDEST_LAYOUT_VERSION..LAYOUT_VERSION {
+            fs::create_dir_all(layout_dir(dir.path(), version).join(LINKS_DIR)).unwrap();
+        }
+        let prepared = prepare(dir.path()).unwrap();
+        assert!(prepared.migrated);
+        assert!(prepared.old_flows.is_empty() && prepared.old_counters.is_empty());
+        finish_migration(dir.path(), &[]).unwrap();
+        for version in OLDEST_LAYOUT_VERSION..LAYOUT_VERSION {
+            assert!(!layout_dir(dir.path(), version).exists(), "v{version} left");
+        }
+        assert!(versioned_dir(dir.path()).join(LINKS_DIR).is_dir());
     }
 
     #[test]

@@ -127,14 +127,13 @@ fn pod_totals(maps: &DataplaneMaps) -> Vec<(Option<Ipv4Addr>, PodCounters)> {
 }
 
 /// The drop reasons of [`PodCounters`]: the `reason` label and the count.
-pub fn drop_reasons(c: &PodCounters) -> [(&'static str, u64); 8] {
+pub fn drop_reasons(c: &PodCounters) -> [(&'static str, u64); 7] {
     [
         ("no_listener", c.dropped_no_listener),
         ("bounce_miss", c.dropped_bounce_miss),
         ("assign_failed", c.dropped_assign_failed),
         ("fragment", c.dropped_fragment),
         ("unparsable", c.dropped_unparsable),
-        ("ipv6", c.dropped_ipv6),
         ("flow_gone", c.dropped_flow_gone),
         ("spoofed", c.dropped_spoofed),
     ]
@@ -309,16 +308,15 @@ mod tests {
             dropped_assign_failed: 3,
             dropped_fragment: 4,
             dropped_unparsable: 5,
-            dropped_ipv6: 6,
-            dropped_flow_gone: 7,
-            dropped_spoofed: 8,
+            dropped_flow_gone: 6,
+            dropped_spoofed: 7,
             ..Default::default()
         };
         let total: u64 = drop_reasons(&c).iter().map(|(_, n)| n).sum();
-        assert_eq!(total, 36);
+        assert_eq!(total, 28);
         let mut sum = PodCounters::default();
         sum.add(&c);
         sum.add(&c);
-        assert_eq!(sum.dropped_spoofed, 16);
+        assert_eq!(sum.dropped_spoofed, 14);
     }
 }
