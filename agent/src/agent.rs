@@ -84,7 +84,7 @@ pub struct AgentConfig {
     /// ([`crate::dataplane::rcu`]).
     pub expedite_attach: bool,
     /// Destination IPv4 prefixes that bypass capture.
-    pub excluded_cidrs: Vec<ipnet::Ipv4Net>,
+    pub excluded_cidrs: Vec<ipnet::IpNet>,
     /// The cluster's pod and service ranges (IPv4 and IPv6): an outbound
     /// connection to an address in them that the agent does not know yet waits
     /// briefly for it ([`crate::state::ClusterRanges`]).

@@ -216,9 +216,10 @@ struct AgentArgs {
     /// tolerates.
     #[arg(long)]
     expedite_attach: bool,
-    /// Destination IPv4 prefix that bypasses capture (repeatable).
-    #[arg(long = "exclude-cidr", value_name = "CIDR")]
-    excluded_cidrs: Vec<ipnet::Ipv4Net>,
+    /// Destination prefix, IPv4 or IPv6, that bypasses capture (repeatable),
+    /// e.g. 169.254.0.0/16 or fd00:ec2::/64.
+    #[arg(long = "exclude-cidr", value_name = "CIDR", value_parser = parse_cluster_cidr)]
+    excluded_cidrs: Vec<ipnet::IpNet>,
     /// The cluster's pod and service ranges, IPv4 and IPv6 (repeatable, or
     /// comma-separated), e.g. 10.244.0.0/16,10.96.0.0/12. An enrolled pod's
     /// connection to an address in them that the agent does not know yet (a

@@ -227,6 +227,22 @@ pub(super) fn carry_captured_flows(
 
 /// `config` with the node's addresses filled in (the first [`MAX_NODE_ADDRS`]):
 /// IPv4 mapped (`::ffff:a.b.c.d`), IPv6 as it is.
+/// The excluded-CIDRs trie key of a prefix: an IPv4 prefix IPv4-mapped with 96
+/// added to its length (the programs look IPv4 destinations up mapped), an IPv6
+/// prefix as it is (the programs look IPv6 destinations up as they are).
+pub(super) fn cidr_key(net: &ipnet::IpNet) -> CidrKey {
+    match net {
+        ipnet::IpNet::V4(v4) => CidrKey {
+            prefix_len: 96 + u32::from(v4.prefix_len()),
+            addr: ipv4_mapped(v4.network().octets()),
+        },
+        ipnet::IpNet::V6(v6) => CidrKey {
+            prefix_len: u32::from(v6.prefix_len()),
+            addr: v6.network().octets(),
+        },
+    }
+}
+
 pub(super) fn with_node_addrs(mut config: Config, addrs: &[IpAddr]) -> Config {
     config.node_addrs = [[0; 16]; MAX_NODE_ADDRS];
     for (slot, addr) in config.node_addrs.iter_mut().zip(addrs) {
@@ -243,6 +259,19 @@ pub(super) fn with_node_addrs(mut config: Config, addrs: &[IpAddr]) -> Config {
 mod tests {
     use super::*;
     use podlink_common::{OLDEST_LAYOUT_VERSION, PREVIOUS_LAYOUT_VERSION};
+
+    #[test]
+    fn excluded_prefixes_are_keyed_as_the_programs_look_them_up() {
+        let v4 = cidr_key(&"10.96.0.0/12".parse().unwrap());
+        assert_eq!({ v4.prefix_len }, 108);
+        assert_eq!(v4.addr, ipv4_mapped([10, 96, 0, 0]));
+        let v6 = cidr_key(&"fd00:ec2::/64".parse().unwrap());
+        assert_eq!({ v6.prefix_len }, 64);
+        assert_eq!(
+            v6.addr,
+            "fd00:ec2::".parse::<std::net::Ipv6Addr>().unwrap().octets()
+        );
+    }
 
     #[test]
     fn old_counters_are_carried_field_by_field_without_dropped_ipv6() {

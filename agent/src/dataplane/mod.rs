@@ -32,7 +32,7 @@ pub mod rcu;
 
 pub use error::{Error, IoError, Result};
 use journal::SysctlJournal;
-use layout::with_node_addrs;
+use layout::{cidr_key, with_node_addrs};
 use pins::{link_pin_name, parse_link_pin_name};
 pub use program::Program;
 use rcu::ExpeditedAttach;
@@ -60,9 +60,9 @@ use aya::{
 };
 use nix::fcntl::Flock;
 use podlink_common::{
-    CONFIG_DRAINING, CidrKey, Config, FlowKey, LAYOUT_VERSION, LINKS_DIR, MAP_CAPTURED_FLOWS,
-    MAP_CONFIG, MAP_COUNTERS, MAP_EXCLUDED_CIDRS, MAP_EXCLUDED_PORTS, MAP_NAMES, MAP_PODS,
-    MAX_NODE_ADDRS, POD_ENROLLED, POD_HAS_IPV4, POD_HAS_IPV6, PodCounters, PodInfo, ipv4_mapped,
+    CONFIG_DRAINING, Config, FlowKey, LAYOUT_VERSION, LINKS_DIR, MAP_CAPTURED_FLOWS, MAP_CONFIG,
+    MAP_COUNTERS, MAP_EXCLUDED_CIDRS, MAP_EXCLUDED_PORTS, MAP_NAMES, MAP_PODS, MAX_NODE_ADDRS,
+    POD_ENROLLED, POD_HAS_IPV4, POD_HAS_IPV6, PodCounters, PodInfo, ipv4_mapped,
 };
 
 /// The pin directory by default (on the host's bpffs).
@@ -96,7 +96,7 @@ pub struct DataplaneConfig {
     /// holds the first [`MAX_NODE_ADDRS`].
     pub node_addrs: Vec<IpAddr>,
     /// Destination prefixes that bypass capture.
-    pub excluded_cidrs: Vec<ipnet::Ipv4Net>,
+    pub excluded_cidrs: Vec<ipnet::IpNet>,
     /// Destination ports that bypass capture.
     pub excluded_ports: Vec<u16>,
     /// Whether TCX attachments run with expedited RCU grace periods ([`rcu`]).
@@ -348,10 +348,7 @@ impl Dataplane {
             let _ = excluded_cidrs.remove(&key);
         }
         for net in &cfg.excluded_cidrs {
-            let key = CidrKey {
-                prefix_len: 96 + u32::from(net.prefix_len()),
-                addr: ipv4_mapped(net.network().octets()),
-            };
+            let key = cidr_key(net);
             let prefix_len = key.prefix_len;
             excluded_cidrs
                 .insert(&Key::new(prefix_len, key.addr), 1, 0)
