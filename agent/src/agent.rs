@@ -168,11 +168,21 @@ pub async fn run(cfg: AgentConfig) -> Result<()> {
         .max_connections
         .unwrap_or_else(|| (nofile / 3).clamp(256, 1 << 20) as usize);
     tracing::info!(nofile, max_connections, "connection limit");
+    // The one answer to whether this node has IPv6, for the listeners, the policy
+    // routing and the sysctls; said once when it has not (ztunnel crashed binding
+    // `[::]` on such nodes, istio/ztunnel#1131).
+    let ipv6 = net::ipv6_enabled();
+    if !ipv6 {
+        tracing::info!(
+            "IPv6 is off on this node ({} is absent or not 0): capturing, proxying and routing IPv4 only",
+            net::IPV6_DISABLED_SYSCTL
+        );
+    }
     let proxy_config = ProxyConfig {
         max_connections,
         listen_ip: std::net::Ipv4Addr::LOCALHOST,
-        // The IPv6 twins, on a node with IPv6 (logged when it is off).
-        listen_ip6: proxy::ipv6_listen_ip(crate::dataplane::net::ipv6_enabled()),
+        // The IPv6 twins, on a node with IPv6.
+        listen_ip6: proxy::ipv6_listen_ip(ipv6),
         outbound_port: OUTBOUND_PORT,
         inbound_plaintext_port: INBOUND_PLAINTEXT_PORT,
         hbone_port: HBONE_PORT,
@@ -223,10 +233,11 @@ pub async fn run(cfg: AgentConfig) -> Result<()> {
         REDIRECT_MARK_MASK,
         ROUTE_TABLE,
         RULE_PRIORITY,
+        ipv6,
     )
     .await
     .context("installing policy routing")?;
-    net::apply_node_sysctls(dataplane.journal())?;
+    net::apply_node_sysctls(dataplane.journal(), ipv6)?;
     let state = Arc::new(ProxyState::new(proxy_config, certs));
     let maps = match DataplaneMaps::new(&dataplane) {
         Ok(maps) => Some(Arc::new(std::sync::Mutex::new(maps))),

@@ -279,32 +279,15 @@ fn loopback() -> Result<u32> {
 /// table's `local 0.0.0.0/0 dev lo` route, so that packets assigned to a proxy
 /// socket by `from_pod` are delivered locally: the rule and route
 /// `ip -4 rule add pref <priority> fwmark <mark>/<mask> lookup <table>` and
-/// `ip -4 route replace local 0.0.0.0/0 dev lo table <table>` make. When the node
-/// has IPv6 ([`ipv6_enabled`]), their IPv6 twins too (`ip -6 rule add …` and
-/// `ip -6 route replace local ::/0 dev lo table <table>`); else it says so once
-/// (info). Idempotent: a rule is added only when missing (rules of others at the
-/// same preference are left alone), a route is replaced.
+/// `ip -4 route replace local 0.0.0.0/0 dev lo table <table>` make. When `ipv6`
+/// (the node has IPv6, [`ipv6_enabled`]), their IPv6 twins too (`ip -6 rule add
+/// …` and `ip -6 route replace local ::/0 dev lo table <table>`). Idempotent: a
+/// rule is added only when missing (rules of others at the same preference are
+/// left alone), a route is replaced.
 ///
 /// # Errors
 /// A route netlink request the kernel refuses (`CAP_NET_ADMIN` is needed).
 pub async fn install_policy_routing(
-    netlink: &Netlink,
-    mark: u32,
-    mask: u32,
-    table: u32,
-    priority: u32,
-) -> Result<()> {
-    let ipv6 = ipv6_enabled();
-    if !ipv6 {
-        tracing::info!(
-            "IPv6 is off on this node ({IPV6_DISABLED_SYSCTL} is absent or not 0): IPv4 policy routing only"
-        );
-    }
-    install_policy_routing_of(netlink, mark, mask, table, priority, ipv6).await
-}
-
-/// [`install_policy_routing`], for IPv6 too when `ipv6`.
-async fn install_policy_routing_of(
     netlink: &Netlink,
     mark: u32,
     mask: u32,
@@ -384,8 +367,8 @@ async fn install_policy_routing_of(
 /// Each change is recorded in `journal` first, for `podlink uninstall`. The TCP
 /// sysctls cover IPv6 too; IPv6 forwarding is left as it is (turning it on would
 /// make the node ignore router advertisements), said once (info) when it is off
-/// on a node with IPv6.
-pub fn apply_node_sysctls(journal: &SysctlJournal) -> Result<()> {
+/// on a node with IPv6 (`ipv6`).
+pub fn apply_node_sysctls(journal: &SysctlJournal, ipv6: bool) -> Result<()> {
     journal.set("net.ipv4.tcp_early_demux", "0", None)?;
     journal.set("net.ipv4.ip_forward", "1", None)?;
     journal.set("net.ipv4.tcp_tw_reuse", "1", None)?;
@@ -397,7 +380,7 @@ pub fn apply_node_sysctls(journal: &SysctlJournal) -> Result<()> {
     }
     // IPv6 needs no sysctl of its own (the module's documentation); its
     // forwarding is the CNI plugin's, which turns it on for pods with IPv6.
-    if ipv6_enabled()
+    if ipv6
         && journal
             .read("net.ipv6.conf.all.forwarding")
             .is_ok_and(|v| v == "0")
@@ -637,7 +620,7 @@ mod tests {
             };
             let netlink = Netlink::open().unwrap();
             let install = async |ipv6| {
-                install_policy_routing_of(&netlink, MARK, MARK, TABLE, PRIORITY, ipv6)
+                install_policy_routing(&netlink, MARK, MARK, TABLE, PRIORITY, ipv6)
                     .await
                     .unwrap()
             };

@@ -86,17 +86,10 @@ pub struct ProxyConfig {
 
 /// The address of the IPv6 listeners ([`ProxyConfig::listen_ip6`]): `::1` when
 /// the node has IPv6 (`ipv6_enabled`, from
-/// [`ipv6_enabled`](crate::dataplane::net::ipv6_enabled)), else `None`, which is
-/// logged: the proxy then serves IPv4 only, and never fails for want of IPv6.
+/// [`ipv6_enabled`](crate::dataplane::net::ipv6_enabled)), else `None`: the proxy
+/// then serves IPv4 only, and never fails for want of IPv6.
 pub fn ipv6_listen_ip(ipv6_enabled: bool) -> Option<Ipv6Addr> {
-    if ipv6_enabled {
-        Some(Ipv6Addr::LOCALHOST)
-    } else {
-        tracing::info!(
-            "IPv6 is off on this node (net.ipv6.conf.all.disable_ipv6); proxying IPv4 only"
-        );
-        None
-    }
+    ipv6_enabled.then_some(Ipv6Addr::LOCALHOST)
 }
 
 /// `addr` with its address in canonical form: an IPv4-mapped IPv6 address
