@@ -67,7 +67,7 @@ impl Ip6 {
 
     /// `fe80::/10`: neighbour discovery, MLD and router solicitations come from it.
     #[inline(always)]
-    fn is_link_local(&self) -> bool {
+    pub fn is_link_local(&self) -> bool {
         u32::from_be(self.0[0]) & 0xffc0_0000 == 0xfe80_0000
     }
 

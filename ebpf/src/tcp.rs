@@ -165,9 +165,14 @@ impl Tcp for Tcp6 {
         tuple6(&self.saddr, &Ip6::LOOPBACK, self.sport, port)
     }
 
+    /// TCP, unlike neighbour discovery, may come from a link-local source only
+    /// to a link-local destination (the node, the pod's only link peer): from
+    /// `::`, or from a link-local source to any other address, it is spoofed.
     #[inline(always)]
     fn is_spoofed(&self, pod: &PodInfo) -> bool {
-        !parse::is_pod_ipv6_source(pod, &self.saddr) && !parse::is_pod_ipv6(pod, &self.daddr)
+        !parse::is_pod_ipv6(pod, &self.saddr)
+            && !(self.saddr.is_link_local() && self.daddr.is_link_local())
+            && !parse::is_pod_ipv6(pod, &self.daddr)
     }
 
     #[inline(always)]
@@ -180,9 +185,11 @@ impl Tcp for Tcp6 {
         maps::is_node_addr6(cfg, &self.saddr)
     }
 
+    /// A link-local destination is the node itself (RFC 4291 2.5.6: never
+    /// forwarded): such a connection passes, as to an excluded prefix.
     #[inline(always)]
     fn is_excluded_daddr(&self) -> bool {
-        maps::is_excluded_cidr6(&self.daddr)
+        self.daddr.is_link_local() || maps::is_excluded_cidr6(&self.daddr)
     }
 }
 

@@ -587,10 +587,36 @@ fn ipv6_decisions_on_crafted_packets() {
             ipv6(Ipv6Addr::LOCALHOST, PEER6, &[], 17, &udp_header),
             tcp6(elsewhere, PEER6, &[], 1000, 80, SYN),
             tcp6(elsewhere, PEER6, &[(0, 0), (60, 0)], 1000, 80, ACK),
+            // TCP from a link-local source to a routable address, or from `::`.
+            tcp6(LINK_LOCAL, PEER6, &[], 1000, 80, SYN),
+            tcp6(Ipv6Addr::UNSPECIFIED, PEER6, &[], 1000, 80, SYN),
         ] {
             assert_eq!(p.run("from_pod", &packet, 0), DROP);
         }
-        assert_eq!(p.counters().dropped_spoofed, before.dropped_spoofed + 5);
+        assert_eq!(p.counters().dropped_spoofed, before.dropped_spoofed + 7);
+
+        // TCP between link-local addresses (the pod and its node) passes
+        // uncaptured, as to an excluded prefix: it never leaves the link.
+        let before = p.counters();
+        let node_link_local = Ipv6Addr::new(0xfe80, 0, 0, 0, 0, 0, 0, 1);
+        assert_eq!(
+            p.run(
+                "from_pod",
+                &tcp6(LINK_LOCAL, node_link_local, &[], 1000, 80, SYN),
+                0
+            ),
+            PASS
+        );
+        assert_eq!(
+            p.run(
+                "from_pod",
+                &tcp6(POD6, node_link_local, &[], 1000, 80, SYN),
+                0
+            ),
+            PASS
+        );
+        assert_eq!(p.counters().passed, before.passed + 2);
+        assert_eq!(p.counters().captured_outbound, before.captured_outbound);
 
         // IPv6 TCP is captured as IPv4 TCP is (see `decisions_on_crafted_packets`),
         // also behind hop-by-hop, routing (16 bytes) and destination options
