@@ -8,7 +8,7 @@ use std::{
 };
 
 use anyhow::{Context, Result};
-use podlink_tests::netns;
+use podlink_tests::{Family, netns};
 
 use super::{
     ECHO_PORT, MANY_CLIENTS, Path2, Settings,
@@ -48,6 +48,7 @@ pub(super) fn bench(s: Settings, json: Option<&Path>, markdown: Option<&Path>) -
     let mut ebpf_by_workload = EbpfByWorkload::default();
     let mut throughput_max_kib = vec![0; idle_kib.len()];
     let mut t1 = Series::default();
+    let mut t1v6 = Series::default();
     let mut t4 = Series::default();
     let mut rr = [(); 4].map(|_| Series::default()); // 1 B p50, p99, 1 KiB p50, p99
     let mut one_client_phases: [Vec<Phases>; 2] = Default::default();
@@ -57,19 +58,23 @@ pub(super) fn bench(s: Settings, json: Option<&Path>, markdown: Option<&Path>) -
         eprintln!("bench: repetition {}/{}", rep + 1, s.repetitions);
         let order = Path2::order(rep);
         let pids = agent_pids(&bed.cluster);
-        for (series, streams) in [(&mut t1, 1), (&mut t4, 4)] {
+        for (series, streams, family) in [
+            (&mut t1, 1, Family::V4),
+            (&mut t1v6, 1, Family::V6),
+            (&mut t4, 4, Family::V4),
+        ] {
             for path in order {
                 let (client, server) = bed.pair(path);
                 let sampler = (path == Path2::Podlink).then(|| RssSampler::start(pids.clone()));
                 let cpu = agents_cpu(&bed.cluster);
-                let workload = if streams == 1 {
-                    "single-stream throughput"
-                } else {
-                    "4-stream throughput"
+                let workload = match (streams, family) {
+                    (1, Family::V4) => "single-stream throughput",
+                    (1, Family::V6) => "single-stream throughput, IPv6",
+                    _ => "4-stream throughput",
                 };
                 let v =
                     ebpf_by_workload.measure(&bed.cluster, prog_pods, workload, path, || {
-                        throughput(client, server, s.throughput_seconds, streams)
+                        throughput(client, server.ip_of(family), s.throughput_seconds, streams)
                     })?;
                 series.push(path, v, agents_cpu(&bed.cluster) - cpu);
                 if let Some(sampler) = sampler {
@@ -173,7 +178,7 @@ pub(super) fn bench(s: Settings, json: Option<&Path>, markdown: Option<&Path>) -
     };
     let rows = main_rows(
         &s,
-        [&t1, &t4],
+        [&t1, &t1v6, &t4],
         &rr,
         [&c1, &c16],
         &churn,

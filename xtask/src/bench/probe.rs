@@ -48,6 +48,8 @@ use super::{
 pub enum Row {
     /// iperf3, one stream (Gbit/s), 10 s runs.
     SingleStream,
+    /// iperf3, one stream to the server's IPv6 address (Gbit/s), 10 s runs.
+    SingleStreamIpv6,
     /// iperf3 -P 4 (Gbit/s), 10 s runs.
     FourStreams,
     /// 10,000 round trips of 1 byte on one connection (p50 µs).
@@ -81,7 +83,9 @@ impl Row {
     /// The full bench's run length for this row (s), if it has one.
     fn bench_seconds(self) -> Option<u32> {
         match self {
-            Row::SingleStream | Row::FourStreams => Some(THROUGHPUT_SECONDS),
+            Row::SingleStream | Row::SingleStreamIpv6 | Row::FourStreams => {
+                Some(THROUGHPUT_SECONDS)
+            }
             Row::OneClient | Row::SixteenClients => Some(CONNECT_SECONDS as u32),
             Row::Scaling => Some(SCALING_THROUGHPUT_SECONDS),
             Row::RoundTrips | Row::Enrollment | Row::ApiWatch => None,
@@ -107,7 +111,7 @@ impl Row {
 
     fn unit(self) -> &'static str {
         match self {
-            Row::SingleStream | Row::FourStreams | Row::Scaling => "Gbit/s",
+            Row::SingleStream | Row::SingleStreamIpv6 | Row::FourStreams | Row::Scaling => "Gbit/s",
             Row::RoundTrips => "µs p50",
             Row::OneClient | Row::SixteenClients => "connections/s",
             Row::Enrollment | Row::ApiWatch => "ms",
@@ -318,8 +322,11 @@ fn run_rows(bed: &mut Bed, o: &Options) -> Result<()> {
             let secs = o.seconds();
             let echo = server.addr(ECHO_PORT);
             let measure = || match o.row {
-                Row::SingleStream => throughput(client, server, secs, 1),
-                Row::FourStreams => throughput(client, server, secs, 4),
+                Row::SingleStream => throughput(client, server.ip.into(), secs, 1),
+                Row::SingleStreamIpv6 => {
+                    throughput(client, server.ip_of(podlink_tests::Family::V6), secs, 1)
+                }
+                Row::FourStreams => throughput(client, server.ip.into(), secs, 4),
                 Row::RoundTrips => Ok(latency(client, echo, 1, ROUND_TRIPS)?[0]),
                 Row::OneClient => Ok(run_clients(&[(client, echo)], 1, secs as f64, true)?.rate()),
                 Row::SixteenClients => {
@@ -521,7 +528,7 @@ mod tests {
     #[test]
     fn runs_last_as_in_the_full_bench_unless_told() {
         let full = Settings::new(false, None);
-        for row in [Row::SingleStream, Row::FourStreams] {
+        for row in [Row::SingleStream, Row::SingleStreamIpv6, Row::FourStreams] {
             assert_eq!(options(row).seconds(), full.throughput_seconds);
         }
         for row in [Row::OneClient, Row::SixteenClients] {

@@ -4,6 +4,7 @@
 use std::{
     fs,
     io::Write,
+    net::IpAddr,
     process::{Child, Command, Stdio},
     time::{Duration, Instant},
 };
@@ -14,16 +15,23 @@ use serde_json::Value;
 
 use super::{IPERF_PORT, agents::proc_stat};
 
-pub(super) fn iperf3_command(client: &Pod, server: &Pod, seconds: u32, streams: usize) -> Command {
+/// An iperf3 client in `client`'s namespace, to the server pod's address
+/// `server` (either family: the servers listen on both).
+pub(super) fn iperf3_command(
+    client: &Pod,
+    server: IpAddr,
+    seconds: u32,
+    streams: usize,
+) -> Command {
     let mut cmd = netns::command_in(&client.netns, "iperf3");
     cmd.args(iperf3_args(server, seconds, streams));
     cmd
 }
 
-pub(super) fn iperf3_args(server: &Pod, seconds: u32, streams: usize) -> Vec<String> {
+pub(super) fn iperf3_args(server: IpAddr, seconds: u32, streams: usize) -> Vec<String> {
     [
         "-c",
-        &server.ip.to_string(),
+        &server.to_string(),
         "-p",
         &IPERF_PORT.to_string(),
         "-t",
@@ -50,8 +58,14 @@ pub(super) fn iperf3_received(stdout: &[u8]) -> Result<f64> {
         .context("iperf3 reported no throughput")
 }
 
-/// One iperf3 run of `streams` streams: Gbit/s received.
-pub(super) fn throughput(client: &Pod, server: &Pod, seconds: u32, streams: usize) -> Result<f64> {
+/// One iperf3 run of `streams` streams to the server pod's address `server`:
+/// Gbit/s received.
+pub(super) fn throughput(
+    client: &Pod,
+    server: IpAddr,
+    seconds: u32,
+    streams: usize,
+) -> Result<f64> {
     let out = iperf3_command(client, server, seconds, streams).output()?;
     Ok(iperf3_received(&out.stdout)? / 1e9)
 }
@@ -80,7 +94,7 @@ pub(super) fn throughput_concurrent(pairs: &[(Pod, Pod)], seconds: u32) -> Resul
         .map(|(client, server)| {
             netns::command_in(&client.netns, "sh")
                 .args(["-c", r#"read -r _ && exec iperf3 "$@""#, "sh"])
-                .args(iperf3_args(server, seconds, 1))
+                .args(iperf3_args(IpAddr::V4(server.ip), seconds, 1))
                 .stdin(Stdio::piped())
                 .stdout(Stdio::piped())
                 .spawn()
