@@ -409,6 +409,21 @@ fn ipv6_outside_the_mesh_destinations_get_plain_tcp_from_the_pod_address() {
     let node_server = app::EchoServer::start(&c.nodes[0].netns, (node6, 7777).into()).unwrap();
     exchange_keeping_address(&c, &client, node_server.addr, b"hello node");
     c.wait_log(0, &["route=passthrough"]).unwrap();
+
+    // The node to the enrolled pod over IPv6 (a kubelet probe): from one of the
+    // node's own IPv6 addresses, so not captured.
+    let probed = app::EchoServer::start(&client.netns, client.addr6(8081)).unwrap();
+    let before = counter(&c, &client, "captured_inbound_plaintext");
+    let ex = app::exchange(&c.nodes[0].netns, client.addr6(8081), b"probe").unwrap();
+    assert_eq!(ex.echoed, b"probe");
+    assert!(ex.peer_seen.is_ipv6(), "{ex:?}");
+    assert_eq!(probed.accepted(), 1);
+    assert_eq!(
+        counter(&c, &client, "captured_inbound_plaintext"),
+        before,
+        "a probe from the node's address {} was captured",
+        ex.peer_seen.ip()
+    );
 }
 
 #[test]

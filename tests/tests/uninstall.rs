@@ -6,7 +6,7 @@
 
 use std::{fs, net::IpAddr, process::Command};
 
-use podlink_tests::{Capture, Cluster, PodSpec, app, contains_bytes, netns};
+use podlink_tests::{Capture, Cluster, Family, PodSpec, app, contains_bytes, netns};
 use serde_json::Value;
 
 const CONFLIST: &str = r#"{
@@ -50,7 +50,8 @@ fn in_node(netns_name: &str, program: &str, args: &[&str]) -> String {
 
 #[test]
 fn uninstall_removes_every_trace_and_pods_talk_directly() {
-    let mut c = Cluster::with_namespaces(2, &[("mesh", true)]).unwrap();
+    // Dual stack: the IPv6 twins of the rule and route go too.
+    let mut c = Cluster::dual_stack(2, &[("mesh", true)]).unwrap();
     let client = c.add_pod(PodSpec::new("client", "mesh", 0)).unwrap();
     let server = c.add_pod(PodSpec::new("server", "mesh", 1)).unwrap();
     let node = c.nodes[0].clone();
@@ -83,6 +84,11 @@ fn uninstall_removes_every_trace_and_pods_talk_directly() {
     let changed: Vec<String> = names.iter().map(|n| sysctl(&node.netns, n)).collect();
     assert_ne!(changed, original);
     assert!(in_node(&node.netns, "ip", &["rule"]).contains("lookup 1339"));
+    assert!(in_node(&node.netns, "ip", &["-6", "rule"]).contains("lookup 1339"));
+    assert!(
+        in_node(&node.netns, "ip", &["-6", "route", "show", "table", "1339"])
+            .contains("local default dev lo")
+    );
     let report = c.inspect(0).unwrap();
     let link_ids: Vec<u64> = report["links"]
         .as_array()
@@ -192,19 +198,21 @@ fn uninstall_removes_every_trace_and_pods_talk_directly() {
             "link {id} is still there: {links:#}"
         );
     }
-    let rules = in_node(&node.netns, "ip", &["rule"]);
-    assert!(
-        !rules.contains("1339") && !rules.contains("0x1000"),
-        "{rules}"
-    );
-    let routes = netns::command_in(&node.netns, "ip")
-        .args(["route", "show", "table", "1339"])
-        .output()
-        .unwrap();
-    assert!(
-        String::from_utf8_lossy(&routes.stdout).trim().is_empty(),
-        "{routes:?}"
-    );
+    for family in ["-4", "-6"] {
+        let rules = in_node(&node.netns, "ip", &[family, "rule"]);
+        assert!(
+            !rules.contains("1339") && !rules.contains("0x1000"),
+            "{family}: {rules}"
+        );
+        let routes = netns::command_in(&node.netns, "ip")
+            .args([family, "route", "show", "table", "1339"])
+            .output()
+            .unwrap();
+        assert!(
+            String::from_utf8_lossy(&routes.stdout).trim().is_empty(),
+            "{family}: {routes:?}"
+        );
+    }
     // No pins; the state is gone; the sysctls are as they were.
     assert!(!node.pin_dir.exists(), "{}", node.pin_dir.display());
     assert!(!node.state_dir.exists());
@@ -244,6 +252,11 @@ fn uninstall_removes_every_trace_and_pods_talk_directly() {
         "no HBONE: {lines:#?}"
     );
     assert_eq!(echo.accepted(), 2);
+    // And over IPv6.
+    let _echo6 = app::EchoServer::start(&server.netns, server.addr6(8000)).unwrap();
+    let ex = app::exchange(&client.netns, server.addr6(8000), b"direct-over-ipv6").unwrap();
+    assert_eq!(ex.echoed, b"direct-over-ipv6");
+    assert_eq!(ex.peer_seen.ip(), client.ip_of(Family::V6));
 
     // Twice is harmless.
     for (n, dir) in [(0, &cni_dir), (1, &no_cni)] {

@@ -4,14 +4,15 @@
 //! [`super::metrics`] for the list.
 
 use std::{
-    net::{IpAddr, Ipv4Addr},
+    net::{IpAddr, Ipv4Addr, Ipv6Addr},
     sync::Mutex,
     time::{SystemTime, UNIX_EPOCH},
 };
 
 use aya::maps::{HashMap as BpfHashMap, MapData, MapError, PerCpuHashMap};
 use podlink_common::{
-    FlowKey, MAP_CAPTURED_FLOWS, MAP_COUNTERS, MAP_PODS, POD_HAS_IPV4, PodCounters, PodInfo,
+    FlowKey, MAP_CAPTURED_FLOWS, MAP_COUNTERS, MAP_PODS, POD_HAS_IPV4, POD_HAS_IPV6, PodCounters,
+    PodInfo,
 };
 use prometheus_client::{
     encoding::{EncodeLabelSet, text},
@@ -104,8 +105,8 @@ impl DataplaneMaps {
 }
 
 /// A pod's counters summed over CPUs, with the pod's address when the pods map
-/// has one for its host veth.
-fn pod_totals(maps: &DataplaneMaps) -> Vec<(Option<Ipv4Addr>, PodCounters)> {
+/// has one for its host veth: its IPv4 address, or an IPv6-only pod's IPv6.
+fn pod_totals(maps: &DataplaneMaps) -> Vec<(Option<IpAddr>, PodCounters)> {
     let mut totals = Vec::new();
     for entry in maps.counters.iter() {
         let Ok((ifindex, per_cpu)) = entry else {
@@ -115,15 +116,22 @@ fn pod_totals(maps: &DataplaneMaps) -> Vec<(Option<Ipv4Addr>, PodCounters)> {
         for c in per_cpu.iter() {
             sum.add(c);
         }
-        let ipv4 = maps
-            .pods
-            .get(&ifindex, 0)
-            .ok()
-            .filter(|p| p.flags & POD_HAS_IPV4 != 0)
-            .map(|p| Ipv4Addr::new(p.ipv4[12], p.ipv4[13], p.ipv4[14], p.ipv4[15]));
-        totals.push((ipv4, sum));
+        let addr = maps.pods.get(&ifindex, 0).ok().and_then(|p| pod_addr(&p));
+        totals.push((addr, sum));
     }
     totals
+}
+
+/// The address a pods-map entry names its pod by: IPv4 first (`POD_HAS_*`).
+fn pod_addr(pod: &PodInfo) -> Option<IpAddr> {
+    if pod.flags & POD_HAS_IPV4 != 0 {
+        let [.., a, b, c, d] = pod.ipv4;
+        Some(Ipv4Addr::new(a, b, c, d).into())
+    } else if pod.flags & POD_HAS_IPV6 != 0 {
+        Some(Ipv6Addr::from(pod.ipv6).into())
+    } else {
+        None
+    }
 }
 
 /// The drop reasons of [`PodCounters`]: the `reason` label and the count.
@@ -208,9 +216,9 @@ pub fn encode(proxy: &impl ScrapeSource, maps: Option<&Mutex<DataplaneMaps>>) ->
 
         let drops = Family::<PodLabels, Counter>::default();
         let captured = Family::<CaptureLabels, Counter>::default();
-        for (ipv4, totals) in pod_totals(&maps) {
-            let (name, namespace) = ipv4
-                .and_then(|ip| proxy.workload_at(ip.into()))
+        for (addr, totals) in pod_totals(&maps) {
+            let (name, namespace) = addr
+                .and_then(|ip| proxy.workload_at(ip))
                 .unwrap_or_else(|| (UNKNOWN.to_string(), UNKNOWN.to_string()));
             for (reason, n) in drop_reasons(&totals) {
                 drops
@@ -299,6 +307,22 @@ pub fn encode(proxy: &impl ScrapeSource, maps: Option<&Mutex<DataplaneMaps>>) ->
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_pod_is_named_by_its_ipv4_address_else_its_ipv6() {
+        let v6: Ipv6Addr = "fd00:10:244:1::5".parse().unwrap();
+        let mut pod = PodInfo {
+            ipv4: podlink_common::ipv4_mapped([10, 244, 1, 5]),
+            ipv6: v6.octets(),
+            flags: POD_HAS_IPV4 | POD_HAS_IPV6,
+            ..Default::default()
+        };
+        assert_eq!(pod_addr(&pod), Some(Ipv4Addr::new(10, 244, 1, 5).into()));
+        pod.flags = POD_HAS_IPV6;
+        assert_eq!(pod_addr(&pod), Some(v6.into()));
+        pod.flags = 0;
+        assert_eq!(pod_addr(&pod), None);
+    }
 
     #[test]
     fn drop_reasons_cover_every_dropped_field() {
