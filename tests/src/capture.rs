@@ -79,3 +79,17 @@ impl Capture {
 pub fn contains_bytes(haystack: &[u8], needle: &[u8]) -> bool {
     !needle.is_empty() && haystack.windows(needle.len()).any(|w| w == needle)
 }
+
+/// How many connections tcpdump's summary `lines` show opened to `ip`, port
+/// `port` (SYNs to `10.244.2.2.15008`, `fd00:10:244:2::2.15008`: tcpdump prints
+/// an endpoint as `address.port` in both families).
+pub fn syns_to(lines: &[String], ip: std::net::IpAddr, port: u16) -> usize {
+    let needle = format!("> {ip}.{port}: Flags [S]");
+    lines.iter().filter(|l| l.contains(&needle)).count()
+}
+
+/// Whether tcpdump's summary `lines` show a packet from `ip` (any port).
+pub fn any_from(lines: &[String], ip: std::net::IpAddr) -> bool {
+    let needle = format!(" {ip}.");
+    lines.iter().any(|l| l.contains(&needle))
+}

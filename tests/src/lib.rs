@@ -32,7 +32,7 @@ mod capture;
 pub mod cni_runtime;
 pub mod netns;
 
-pub use capture::{Capture, contains_bytes};
+pub use capture::{Capture, any_from, contains_bytes, syns_to};
 
 use std::{
     collections::{BTreeMap, HashMap, HashSet},
@@ -1186,6 +1186,42 @@ impl Cluster {
     /// A node agent's log so far.
     pub fn agent_log(&self, node: usize) -> String {
         fs::read_to_string(self.agent_log_path(node)).unwrap_or_default()
+    }
+
+    /// Every node agent's log, headed by its node, for failure messages.
+    pub fn agent_logs(&self) -> String {
+        (0..self.nodes.len())
+            .map(|n| format!("node{}:\n{}", n + 1, self.agent_log(n)))
+            .collect::<Vec<_>>()
+            .join("\n")
+    }
+
+    /// Starts a packet capture on node `node`'s underlay interface (`eth0`).
+    pub fn underlay_capture(&self, node: usize) -> Result<Capture> {
+        Capture::start(&self.nodes[node].netns, "eth0", &self.dir, "underlay")
+    }
+
+    /// Node `node`'s agent lists `pod` as one workload whose `ips` hold every
+    /// address of the pod (a dual-stack pod is one workload); panics with the
+    /// config dump otherwise.
+    pub fn assert_one_workload(&self, node: usize, pod: &Pod) {
+        let dump = self.config_dump(node).unwrap();
+        let entries: Vec<&Value> = dump["workloads"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .filter(|w| w["namespace"] == pod.namespace.as_str() && w["name"] == pod.name.as_str())
+            .collect();
+        assert_eq!(entries.len(), 1, "{dump:#}");
+        let ips: Vec<&str> = entries[0]["ips"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .filter_map(Value::as_str)
+            .collect();
+        for ip in pod.ips() {
+            assert!(ips.contains(&ip.to_string().as_str()), "{ip} in {dump:#}");
+        }
     }
 
     /// Waits (up to 10 s) until a node agent's log has a line containing one of

@@ -180,7 +180,11 @@ mod tests {
         };
         let rows = main_rows(
             &s,
-            [&series(reps, 12.0), &series(reps, 11.0), &series(reps, 28.0)],
+            [
+                &series(reps, 12.0),
+                &series(reps, 11.0),
+                &series(reps, 28.0),
+            ],
             &[0, 1, 2, 3].map(|i| series(reps, 80.0 + 10.0 * i as f64)),
             [&series(reps, 3_000.0), &series(reps, 5_000.0)],
             &churn,
