@@ -254,37 +254,6 @@ pub fn forwarded_for(ip: IpAddr) -> HeaderValue {
     HeaderValue::from_str(&value).expect("an address is a valid header value")
 }
 
-/// The client address a `forwarded` header names ([`forwarded_for`]'s forms, RFC
-/// 7239 §4: `for=10.1.2.3`, `for="[fd00::1]"`, also quoted IPv4 and an IPv6 node
-/// with a port, `for="[fd00::1]:4711"`), in canonical form (an IPv4-mapped IPv6
-/// address is its IPv4 address). The first `for` of the first element counts;
-/// `None` when there is none or it is not an address (`unknown`, an obfuscated
-/// identifier, an unbracketed IPv6 address).
-pub fn parse_forwarded_for(value: &HeaderValue) -> Option<IpAddr> {
-    let first = value.to_str().ok()?.split(',').next()?;
-    let node = first.split(';').find_map(|pair| {
-        let (name, value) = pair.trim().split_once('=')?;
-        name.trim()
-            .eq_ignore_ascii_case("for")
-            .then_some(value.trim())
-    })?;
-    let node = match node.strip_prefix('"') {
-        Some(quoted) => quoted.strip_suffix('"')?,
-        None => node,
-    };
-    let ip = match node.strip_prefix('[') {
-        Some(bracketed) => {
-            let (ip, _port) = bracketed.split_once(']')?;
-            IpAddr::V6(ip.parse().ok()?)
-        }
-        None => {
-            let ip = node.split_once(':').map_or(node, |(ip, _port)| ip);
-            IpAddr::V4(ip.parse().ok()?)
-        }
-    };
-    Some(ip.to_canonical())
-}
-
 /// The `:authority` of a CONNECT to `dst`: `ip:port`, an IPv6 address in brackets
 /// (`[fd00::2]:8080`, RFC 3986 §3.2.2). An IPv4-mapped IPv6 address is written as
 /// its IPv4 address; an IPv6 scope is left out (pod addresses have none).
@@ -437,6 +406,37 @@ mod tests {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
     use super::*;
+
+    /// The client address a `forwarded` header names ([`forwarded_for`]'s forms, RFC
+    /// 7239 §4: `for=10.1.2.3`, `for="[fd00::1]"`, also quoted IPv4 and an IPv6 node
+    /// with a port, `for="[fd00::1]:4711"`), in canonical form (an IPv4-mapped IPv6
+    /// address is its IPv4 address). The first `for` of the first element counts;
+    /// `None` when there is none or it is not an address (`unknown`, an obfuscated
+    /// identifier, an unbracketed IPv6 address).
+    fn parse_forwarded_for(value: &HeaderValue) -> Option<IpAddr> {
+        let first = value.to_str().ok()?.split(',').next()?;
+        let node = first.split(';').find_map(|pair| {
+            let (name, value) = pair.trim().split_once('=')?;
+            name.trim()
+                .eq_ignore_ascii_case("for")
+                .then_some(value.trim())
+        })?;
+        let node = match node.strip_prefix('"') {
+            Some(quoted) => quoted.strip_suffix('"')?,
+            None => node,
+        };
+        let ip = match node.strip_prefix('[') {
+            Some(bracketed) => {
+                let (ip, _port) = bracketed.split_once(']')?;
+                IpAddr::V6(ip.parse().ok()?)
+            }
+            None => {
+                let ip = node.split_once(':').map_or(node, |(ip, _port)| ip);
+                IpAddr::V4(ip.parse().ok()?)
+            }
+        };
+        Some(ip.to_canonical())
+    }
 
     /// After a handshake, h2's vectored write of a DATA frame of a 64 KiB read
     /// and its header is taken whole and goes out as its TLS records together
