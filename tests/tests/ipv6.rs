@@ -1,10 +1,10 @@
 //! IPv6 and dual-stack pods: the dual-stack test bed carries IPv6 between pods,
 //! and enrolled pods' IPv6 TCP is captured, carried over HBONE (to the
 //! destination pod's `[ipv6]:15008`) and delivered with the client's IPv6
-//! address, as IPv4 is (cross_node.rs holds both families' cross-node tests;
-//! here the IPv6 twins of same_node.rs, inbound_plaintext.rs,
-//! outside_mesh.rs, fail_closed.rs, enrollment.rs, authorization.rs,
-//! services.rs); a node with IPv6 off keeps working for IPv4, and an IPv6
+//! address, as IPv4 is. `cross_node.rs`, `same_node.rs` and
+//! `inbound_plaintext.rs` hold both families' tests; here are the IPv6 twins of
+//! `outside_mesh.rs`, `fail_closed.rs`, `enrollment.rs`, `authorization.rs` and
+//! `services.rs`; a node with IPv6 off keeps working for IPv4, and an IPv6
 //! socket connecting to an IPv4-mapped address is an IPv4 flow.
 
 use std::{
@@ -176,63 +176,6 @@ fn dual_stack_bed_carries_ipv6_between_pods() {
 }
 
 // ---- The scenarios of the IPv4 tests, over IPv6 ----
-
-#[test]
-fn ipv6_same_node_traffic_goes_through_the_proxy_without_a_tunnel() {
-    let mut c = Cluster::dual_stack(1, &[("mesh", true)]).unwrap();
-    let client = c.add_pod(PodSpec::new("a", "mesh", 0)).unwrap();
-    let server = c.add_pod(PodSpec::new("b", "mesh", 0)).unwrap();
-    c.start_agent(0).unwrap();
-    c.wait_all_captured(&[&client, &server]).unwrap();
-    let echo = app::EchoServer::start(&server.netns, server.addr6(7000)).unwrap();
-
-    for i in 0..3 {
-        let payload = format!("round {i}").repeat(500).into_bytes();
-        exchange_keeping_address(&c, &client, server.addr6(7000), &payload);
-    }
-    assert_eq!(echo.accepted(), 3);
-
-    let client_counters = c.counters(&client).unwrap();
-    let server_counters = c.counters(&server).unwrap();
-    assert_eq!(
-        client_counters["captured_outbound"], 3,
-        "{client_counters:?}"
-    );
-    assert_eq!(
-        server_counters["captured_inbound_hbone"], 0,
-        "{server_counters:?}"
-    );
-    assert_eq!(
-        server_counters["captured_inbound_plaintext"], 0,
-        "{server_counters:?}"
-    );
-    assert!(server_counters["passed"] > 0, "{server_counters:?}");
-    c.wait_log(0, &["route=local"]).unwrap();
-}
-
-#[test]
-fn ipv6_plaintext_from_outside_the_mesh_is_captured_at_the_destination() {
-    let mut c = Cluster::dual_stack(2, &[("mesh", true), ("legacy", false)]).unwrap();
-    let client = c.add_pod(PodSpec::new("outsider", "legacy", 0)).unwrap();
-    let server = c.add_pod(PodSpec::new("server", "mesh", 1)).unwrap();
-    c.start_agents().unwrap();
-    c.wait_captured(&server, true).unwrap();
-    assert!(!c.is_captured(&client).unwrap());
-    let _echo = app::EchoServer::start(&server.netns, server.addr6(9000)).unwrap();
-
-    let capture = c.underlay_capture(0).unwrap();
-    let payload = b"plain-payload-abcdef".repeat(100);
-    exchange_keeping_address(&c, &client, server.addr6(9000), &payload);
-    let (raw, lines) = capture.stop().unwrap();
-    // Not in the mesh, so not encrypted: the capture sees the bytes.
-    assert!(contains_bytes(&raw, b"plain-payload-abcdef"));
-    assert!(any_from(&lines, client.ip_of(Family::V6)), "{lines:#?}");
-
-    let counters = c.counters(&server).unwrap();
-    assert!(counters["captured_inbound_plaintext"] >= 1, "{counters:?}");
-    assert_eq!(counters["captured_inbound_hbone"], 0, "{counters:?}");
-    assert!(c.counters(&client).unwrap().is_empty());
-}
 
 #[test]
 fn ipv6_outside_the_mesh_destinations_get_plain_tcp_from_the_pod_address() {
