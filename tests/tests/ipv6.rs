@@ -1,9 +1,9 @@
 //! IPv6 and dual-stack pods: the dual-stack test bed carries IPv6 between pods,
 //! and enrolled pods' IPv6 TCP is captured, carried over HBONE (to the
 //! destination pod's `[ipv6]:15008`) and delivered with the client's IPv6
-//! address, as IPv4 is. `cross_node.rs`, `same_node.rs` and
-//! `inbound_plaintext.rs` hold both families' tests; here are the IPv6 twins of
-//! `outside_mesh.rs`, `fail_closed.rs`, `enrollment.rs`, `authorization.rs` and
+//! address, as IPv4 is. `cross_node.rs`, `same_node.rs`, `inbound_plaintext.rs`
+//! and `outside_mesh.rs` hold both families' tests; here are the IPv6 twins of
+//! `fail_closed.rs`, `enrollment.rs`, `authorization.rs` and
 //! `services.rs`; a node with IPv6 off keeps working for IPv4, and an IPv6
 //! socket connecting to an IPv4-mapped address is an IPv4 flow.
 
@@ -176,47 +176,6 @@ fn dual_stack_bed_carries_ipv6_between_pods() {
 }
 
 // ---- The scenarios of the IPv4 tests, over IPv6 ----
-
-#[test]
-fn ipv6_outside_the_mesh_destinations_get_plain_tcp_from_the_pod_address() {
-    let mut c = Cluster::dual_stack(2, &[("mesh", true), ("legacy", false)]).unwrap();
-    let client = c.add_pod(PodSpec::new("client", "mesh", 0)).unwrap();
-    let server = c.add_pod(PodSpec::new("plain", "legacy", 1)).unwrap();
-    c.start_agents().unwrap();
-    c.wait_captured(&client, true).unwrap();
-    let _echo = app::EchoServer::start(&server.netns, server.addr6(5432)).unwrap();
-
-    let capture = c.underlay_capture(0).unwrap();
-    let payload = b"to-the-outside".repeat(100);
-    exchange_keeping_address(&c, &client, server.addr6(5432), &payload);
-    let (raw, lines) = capture.stop().unwrap();
-    assert!(contains_bytes(&raw, b"to-the-outside"));
-    assert!(!lines.iter().any(|l| l.contains(".15008")), "{lines:#?}");
-    assert!(any_from(&lines, client.ip_of(Family::V6)), "{lines:#?}");
-    assert!(counter(&c, &client, "captured_outbound") >= 1);
-
-    // The pod's own node over IPv6 (its underlay address): the node's replies
-    // come back through the pod's host veth and must reach the proxy.
-    let node6 = c.nodes[0].ipv6.unwrap();
-    let node_server = app::EchoServer::start(&c.nodes[0].netns, (node6, 7777).into()).unwrap();
-    exchange_keeping_address(&c, &client, node_server.addr, b"hello node");
-    c.wait_log(0, &["route=passthrough"]).unwrap();
-
-    // The node to the enrolled pod over IPv6 (a kubelet probe): from one of the
-    // node's own IPv6 addresses, so not captured.
-    let probed = app::EchoServer::start(&client.netns, client.addr6(8081)).unwrap();
-    let before = counter(&c, &client, "captured_inbound_plaintext");
-    let ex = app::exchange(&c.nodes[0].netns, client.addr6(8081), b"probe").unwrap();
-    assert_eq!(ex.echoed, b"probe");
-    assert!(ex.peer_seen.is_ipv6(), "{ex:?}");
-    assert_eq!(probed.accepted(), 1);
-    assert_eq!(
-        counter(&c, &client, "captured_inbound_plaintext"),
-        before,
-        "a probe from the node's address {} was captured",
-        ex.peer_seen.ip()
-    );
-}
 
 #[test]
 fn ipv6_no_proxy_means_no_new_connections_and_no_plaintext() {
