@@ -1,21 +1,31 @@
 //! With the proxy stopped, the pinned programs stay attached: enrolled pods' new
-//! connections fail (nothing leaves in plain text), and they work again once an
-//! agent is back on the same pins.
+//! connections fail (nothing leaves in plain text), over IPv4 and IPv6
+//! (dual-stack pods), and they work again once an agent is back on the same pins.
 
 use std::time::Duration;
 
-use podlink_tests::{Capture, Cluster, PodSpec, app};
+use podlink_tests::{Capture, Cluster, Family, PodSpec, any_from, app};
 
 #[test]
 fn no_proxy_means_no_new_connections_and_no_plaintext() {
-    let mut c = Cluster::with_namespaces(2, &[("mesh", true), ("legacy", false)]).unwrap();
+    no_proxy(Family::V4);
+}
+
+#[test]
+fn ipv6_no_proxy_means_no_new_connections_and_no_plaintext() {
+    no_proxy(Family::V6);
+}
+
+fn no_proxy(family: Family) {
+    let mut c = Cluster::dual_stack(2, &[("mesh", true), ("legacy", false)]).unwrap();
     let client = c.add_pod(PodSpec::new("client", "mesh", 0)).unwrap();
     let server = c.add_pod(PodSpec::new("server", "mesh", 1)).unwrap();
     let outsider = c.add_pod(PodSpec::new("outsider", "legacy", 0)).unwrap();
     c.start_agents().unwrap();
     c.wait_all_captured(&[&client, &server]).unwrap();
-    let echo = app::EchoServer::start(&server.netns, server.addr(8000)).unwrap();
-    app::exchange(&client.netns, server.addr(8000), b"up").unwrap();
+    let dst = server.addr_of(family, 8000);
+    let echo = app::EchoServer::start(&server.netns, dst).unwrap();
+    app::exchange(&client.netns, dst, b"up").unwrap();
     assert_eq!(echo.accepted(), 1);
 
     c.stop_agent(0).unwrap();
@@ -24,12 +34,12 @@ fn no_proxy_means_no_new_connections_and_no_plaintext() {
     assert!(c.is_captured(&client).unwrap());
     assert!(c.is_captured(&server).unwrap());
 
-    let capture = Capture::start(&c.nodes[0].netns, "eth0", &c.dir, "underlay").unwrap();
+    let capture = c.underlay_capture(0).unwrap();
     // Outbound from an enrolled pod: its SYN is dropped at its own host veth.
-    let err = app::connect(&client.netns, server.addr(8000), Duration::from_secs(2)).unwrap_err();
+    let err = app::connect(&client.netns, dst, Duration::from_secs(2)).unwrap_err();
     assert_eq!(err.kind(), std::io::ErrorKind::TimedOut, "{err}");
     // Inbound to an enrolled pod from outside the mesh: dropped at the server's veth.
-    let err = app::connect(&outsider.netns, server.addr(8000), Duration::from_secs(2)).unwrap_err();
+    let err = app::connect(&outsider.netns, dst, Duration::from_secs(2)).unwrap_err();
     assert_eq!(err.kind(), std::io::ErrorKind::TimedOut, "{err}");
     let (_, lines) = capture.stop().unwrap();
     assert_eq!(
@@ -38,21 +48,18 @@ fn no_proxy_means_no_new_connections_and_no_plaintext() {
         "a connection reached the server without the proxy"
     );
     // The client's SYNs never left its node.
-    let from_client = format!("{}.", client.ip);
-    assert!(
-        !lines.iter().any(|l| l.contains(&from_client)),
-        "{lines:#?}"
-    );
+    assert!(!any_from(&lines, client.ip_of(family)), "{lines:#?}");
     assert!(c.counters(&client).unwrap()["dropped_no_listener"] >= 1);
     assert!(c.counters(&server).unwrap()["dropped_no_listener"] >= 1);
 
     // A new agent adopts the pinned links and maps; traffic flows again.
     c.start_agents().unwrap();
     assert!(c.agent_log(0).contains("adopted pinned link"));
-    let ex = app::exchange(&client.netns, server.addr(8000), b"back").unwrap();
+    let ex = app::exchange(&client.netns, dst, b"back").unwrap();
     assert_eq!(ex.echoed, b"back");
+    assert_eq!(ex.peer_seen.ip(), client.ip_of(family));
     assert_eq!(echo.accepted(), 2);
-    let ex = app::exchange(&outsider.netns, server.addr(8000), b"plain back").unwrap();
+    let ex = app::exchange(&outsider.netns, dst, b"plain back").unwrap();
     assert_eq!(ex.echoed, b"plain back");
 }
 
