@@ -1,5 +1,5 @@
 //! Enrollment changes while traffic flows: flows that predate enrollment survive
-//! it, new pods are attached and deleted ones detached, un-enrolling restores the
+//! it (IPv4 and IPv6), new pods are attached and deleted ones detached, un-enrolling restores the
 //! direct path, and opted-out pods are left alone.
 
 use std::{
@@ -9,21 +9,28 @@ use std::{
     time::{Duration, Instant},
 };
 
-use podlink_tests::{Capture, Cluster, PodSpec, app, contains_bytes};
+use podlink_tests::{Capture, Cluster, Family, PodSpec, app, contains_bytes};
 
 #[test]
 fn a_flow_established_before_enrollment_survives_it() {
-    let mut c = Cluster::with_namespaces(2, &[("apps", false)]).unwrap();
+    flow_before_enrollment(Family::V4);
+}
+
+#[test]
+fn an_ipv6_flow_established_before_enrollment_survives_it() {
+    flow_before_enrollment(Family::V6);
+}
+
+fn flow_before_enrollment(family: Family) {
+    let mut c = Cluster::dual_stack(2, &[("apps", false)]).unwrap();
     let client = c.add_pod(PodSpec::new("client", "apps", 0)).unwrap();
     let server = c.add_pod(PodSpec::new("server", "apps", 1)).unwrap();
     c.start_agents().unwrap();
-    let _echo = app::EchoServer::start(&server.netns, server.addr(8000)).unwrap();
+    let dst = server.addr_of(family, 8000);
+    let _echo = app::EchoServer::start(&server.netns, dst).unwrap();
 
-    let mut old = app::connect(&client.netns, server.addr(8000), Duration::from_secs(5)).unwrap();
-    assert_eq!(
-        app::read_greeting(&old).unwrap().ip(),
-        IpAddr::V4(client.ip)
-    );
+    let mut old = app::connect(&client.netns, dst, Duration::from_secs(5)).unwrap();
+    assert_eq!(app::read_greeting(&old).unwrap().ip(), client.ip_of(family));
     assert_eq!(app::echo_round(&mut old, b"before").unwrap(), b"before");
 
     // Enroll the whole namespace.
@@ -39,8 +46,8 @@ fn a_flow_established_before_enrollment_survives_it() {
         );
     }
     // A new flow is captured and tunnelled.
-    let ex = app::exchange(&client.netns, server.addr(8000), b"new flow").unwrap();
-    assert_eq!(ex.peer_seen.ip(), IpAddr::V4(client.ip));
+    let ex = app::exchange(&client.netns, dst, b"new flow").unwrap();
+    assert_eq!(ex.peer_seen.ip(), client.ip_of(family));
     assert_eq!(ex.echoed, b"new flow");
     assert!(c.counters(&client).unwrap()["captured_outbound"] >= 1);
     assert!(c.counters(&server).unwrap()["captured_inbound_hbone"] >= 1);

@@ -2,14 +2,13 @@
 //! and enrolled pods' IPv6 TCP is captured, carried over HBONE (to the
 //! destination pod's `[ipv6]:15008`) and delivered with the client's IPv6
 //! address, as IPv4 is. `cross_node.rs`, `same_node.rs`, `inbound_plaintext.rs`,
-//! `outside_mesh.rs` and `fail_closed.rs` hold both families' tests; here are
-//! the IPv6 twins of `enrollment.rs`, `authorization.rs` and `services.rs`; a
+//! `outside_mesh.rs`, `fail_closed.rs` and `enrollment.rs` hold both families'
+//! tests; here are the IPv6 twins of `authorization.rs` and `services.rs`; a
 //! node with IPv6 off keeps working for IPv4, and an IPv6 socket connecting to
 //! an IPv4-mapped address is an IPv4 flow.
 
 use std::{
-    io::Read,
-    net::{IpAddr, Shutdown, SocketAddr, SocketAddrV6},
+    net::{IpAddr, SocketAddr, SocketAddrV6},
     time::{Duration, Instant},
 };
 
@@ -163,45 +162,6 @@ fn dual_stack_bed_carries_ipv6_between_pods() {
 }
 
 // ---- The scenarios of the IPv4 tests, over IPv6 ----
-
-#[test]
-fn an_ipv6_flow_established_before_enrollment_survives_it() {
-    let mut c = Cluster::dual_stack(2, &[("apps", false)]).unwrap();
-    let client = c.add_pod(PodSpec::new("client", "apps", 0)).unwrap();
-    let server = c.add_pod(PodSpec::new("server", "apps", 1)).unwrap();
-    c.start_agents().unwrap();
-    let dst = server.addr6(8000);
-    let _echo = app::EchoServer::start(&server.netns, dst).unwrap();
-
-    let mut old = app::connect(&client.netns, dst, Duration::from_secs(5)).unwrap();
-    assert_eq!(
-        app::read_greeting(&old).unwrap().ip(),
-        client.ip_of(Family::V6)
-    );
-    assert_eq!(app::echo_round(&mut old, b"before").unwrap(), b"before");
-
-    c.add_namespace("apps", true).unwrap();
-    c.wait_all_captured(&[&client, &server]).unwrap();
-
-    for i in 0..5 {
-        let msg = format!("during {i}");
-        assert_eq!(
-            app::echo_round(&mut old, msg.as_bytes()).unwrap(),
-            msg.as_bytes()
-        );
-    }
-    // A new IPv6 flow is captured and tunnelled.
-    exchange_keeping_address(&c, &client, dst, b"new flow");
-    assert!(counter(&c, &client, "captured_outbound") >= 1);
-    assert!(counter(&c, &server, "captured_inbound_hbone") >= 1);
-    // The old one still works, to its end, its packets passed.
-    assert_eq!(app::echo_round(&mut old, b"after").unwrap(), b"after");
-    old.shutdown(Shutdown::Write).unwrap();
-    let mut rest = Vec::new();
-    old.read_to_end(&mut rest).unwrap();
-    assert!(rest.is_empty());
-    assert!(counter(&c, &client, "passed") >= 5);
-}
 
 /// An AuthorizationPolicy of `action` for `app: web` in `shop` whose one rule
 /// matches sources in `blocks`.
