@@ -2,7 +2,8 @@
 //! policies written to the manifests directory are enforced on inbound HBONE
 //! (401), inbound plaintext (reset) and connections between pods of one node;
 //! open connections are closed when a policy comes to deny them; a broken policy
-//! file denies everything until it is fixed.
+//! file denies everything until it is fixed; `ipBlocks` with IPv6 prefixes
+//! match IPv6 sources only.
 
 use std::{
     net::SocketAddr,
@@ -11,7 +12,7 @@ use std::{
 
 use http::StatusCode;
 use podlink_agent::identity::SpiffeId;
-use podlink_tests::{Cluster, Pod, PodSpec, Source, app};
+use podlink_tests::{Cluster, Family, Pod, PodSpec, Source, app};
 
 mod common;
 use common::{attempt, credentials};
@@ -516,4 +517,84 @@ fn istio_crds_missing_then_installed() {
     }
     c.wait_log(1, &["authorization policies are known"])
         .unwrap();
+}
+
+/// An AuthorizationPolicy of `action` for `app: web` in `shop` whose one rule
+/// matches sources in `blocks`.
+fn ip_block_policy(action: &str, blocks: &[String]) -> String {
+    let blocks: Vec<String> = blocks.iter().map(|b| format!("\"{b}\"")).collect();
+    format!(
+        "apiVersion: security.istio.io/v1
+kind: AuthorizationPolicy
+metadata: {{name: by-address, namespace: shop}}
+spec:
+  selector: {{matchLabels: {{app: web}}}}
+  action: {action}
+  rules: [{{from: [{{source: {{ipBlocks: [{}]}}}}]}}]
+",
+        blocks.join(", ")
+    )
+}
+
+/// `ipBlocks` with IPv6 CIDRs and addresses match the IPv6 source a client
+/// connects from (over HBONE and between pods of one node), and never its IPv4
+/// address.
+#[test]
+fn policies_match_ipv6_ip_blocks() {
+    let mut c = Cluster::dual_stack(2, &[("shop", true)]).unwrap();
+    let web = c
+        .add_pod(
+            PodSpec::new("web", "shop", 1)
+                .service_account("web")
+                .label("app", "web"),
+        )
+        .unwrap();
+    let near = c
+        .add_pod(PodSpec::new("near", "shop", 1).service_account("near"))
+        .unwrap();
+    let front = c
+        .add_pod(PodSpec::new("front", "shop", 0).service_account("front"))
+        .unwrap();
+    c.start_agents().unwrap();
+    c.wait_all_captured(&[&web, &near, &front]).unwrap();
+    let (web4, web6) = (web.addr(8080), web.addr6(8080));
+    let _echo4 = app::EchoServer::start(&web.netns, web4).unwrap();
+    let _echo6 = app::EchoServer::start(&web.netns, web6).unwrap();
+    // front's node's IPv6 pod range, e.g. fd00:10:244:1::/64.
+    let front_range = c.nodes[0].pod_range6().unwrap();
+
+    check(
+        &c,
+        &[
+            (&front, web6, true),
+            (&front, web4, true),
+            (&near, web6, true),
+        ],
+    );
+
+    // DENY front's IPv6 range: its IPv6 connections only.
+    c.write_manifest(
+        "policy-by-address.yaml",
+        &ip_block_policy("DENY", std::slice::from_ref(&front_range)),
+    )
+    .unwrap();
+    wait_until(&c, &front, web6, false);
+    check(&c, &[(&front, web4, true), (&near, web6, true)]);
+
+    // ALLOW that range and near's one IPv6 address: nothing else.
+    let near6 = near.ip_of(Family::V6).to_string();
+    c.write_manifest(
+        "policy-by-address.yaml",
+        &ip_block_policy("ALLOW", &[front_range, near6]),
+    )
+    .unwrap();
+    wait_until(&c, &front, web6, true);
+    check(
+        &c,
+        &[
+            (&front, web4, false),
+            (&near, web6, true),
+            (&near, web4, false),
+        ],
+    );
 }

@@ -1,16 +1,12 @@
-//! IPv6 and dual-stack pods: the dual-stack test bed carries IPv6 between pods,
-//! and enrolled pods' IPv6 TCP is captured, carried over HBONE (to the
-//! destination pod's `[ipv6]:15008`) and delivered with the client's IPv6
-//! address, as IPv4 is. `cross_node.rs`, `same_node.rs`, `inbound_plaintext.rs`,
-//! `outside_mesh.rs`, `fail_closed.rs` and `enrollment.rs` hold both families'
-//! tests; here are the IPv6 twins of `authorization.rs` and `services.rs`; a
-//! node with IPv6 off keeps working for IPv4, and an IPv6 socket connecting to
-//! an IPv4-mapped address is an IPv4 flow.
+//! IPv6 and dual-stack pods: the dual-stack test bed carries IPv6 between pods;
+//! a dual-stack Service is reached over its IPv6 ClusterIP; a node with IPv6 off
+//! keeps working for IPv4; an IPv6 socket connecting to an IPv4-mapped address
+//! is an IPv4 flow. The scenarios IPv4 has are tested for both families in their
+//! own files (`cross_node.rs`, `same_node.rs`, `inbound_plaintext.rs`,
+//! `outside_mesh.rs`, `fail_closed.rs`, `enrollment.rs`, and IPv6 `ipBlocks` in
+//! `authorization.rs`).
 
-use std::{
-    net::{IpAddr, SocketAddr, SocketAddrV6},
-    time::{Duration, Instant},
-};
+use std::net::{IpAddr, SocketAddr, SocketAddrV6};
 
 use podlink_tests::{Cluster, Family, Pod, PodSpec, Source, app, contains_bytes, syns_to};
 
@@ -46,39 +42,6 @@ fn family_of(addr: SocketAddr) -> Family {
         Family::V4
     } else {
         Family::V6
-    }
-}
-
-/// Whether one exchange from `from` to `dst` goes through and is echoed.
-fn allowed(from: &Pod, dst: SocketAddr) -> bool {
-    let payload = format!("hello from {}", from.name).into_bytes();
-    app::exchange(&from.netns, dst, &payload).is_ok_and(|ex| ex.echoed == payload)
-}
-
-/// Waits (up to 20 s) until `from` -> `dst` is `allowed` or not.
-fn wait_until(c: &Cluster, from: &Pod, dst: SocketAddr, want: bool) {
-    let deadline = Instant::now() + Duration::from_secs(20);
-    while allowed(from, dst) != want {
-        assert!(
-            Instant::now() < deadline,
-            "{} -> {dst} never became {}\n{}",
-            from.name,
-            if want { "allowed" } else { "denied" },
-            c.agent_logs()
-        );
-        std::thread::sleep(Duration::from_millis(100));
-    }
-}
-
-fn check(c: &Cluster, cases: &[(&Pod, SocketAddr, bool)]) {
-    for (from, dst, want) in cases {
-        assert_eq!(
-            allowed(from, *dst),
-            *want,
-            "{} -> {dst}\n{}",
-            from.name,
-            c.agent_logs()
-        );
     }
 }
 
@@ -161,87 +124,7 @@ fn dual_stack_bed_carries_ipv6_between_pods() {
     }
 }
 
-// ---- The scenarios of the IPv4 tests, over IPv6 ----
-
-/// An AuthorizationPolicy of `action` for `app: web` in `shop` whose one rule
-/// matches sources in `blocks`.
-fn ip_block_policy(action: &str, blocks: &[String]) -> String {
-    let blocks: Vec<String> = blocks.iter().map(|b| format!("\"{b}\"")).collect();
-    format!(
-        "apiVersion: security.istio.io/v1
-kind: AuthorizationPolicy
-metadata: {{name: by-address, namespace: shop}}
-spec:
-  selector: {{matchLabels: {{app: web}}}}
-  action: {action}
-  rules: [{{from: [{{source: {{ipBlocks: [{}]}}}}]}}]
-",
-        blocks.join(", ")
-    )
-}
-
-/// `ipBlocks` with IPv6 CIDRs and addresses match the IPv6 source a client
-/// connects from (over HBONE and between pods of one node), and never its IPv4
-/// address.
-#[test]
-fn policies_match_ipv6_ip_blocks() {
-    let mut c = Cluster::dual_stack(2, &[("shop", true)]).unwrap();
-    let web = c
-        .add_pod(
-            PodSpec::new("web", "shop", 1)
-                .service_account("web")
-                .label("app", "web"),
-        )
-        .unwrap();
-    let near = c
-        .add_pod(PodSpec::new("near", "shop", 1).service_account("near"))
-        .unwrap();
-    let front = c
-        .add_pod(PodSpec::new("front", "shop", 0).service_account("front"))
-        .unwrap();
-    c.start_agents().unwrap();
-    c.wait_all_captured(&[&web, &near, &front]).unwrap();
-    let (web4, web6) = (web.addr(8080), web.addr6(8080));
-    let _echo4 = app::EchoServer::start(&web.netns, web4).unwrap();
-    let _echo6 = app::EchoServer::start(&web.netns, web6).unwrap();
-    // front's node's IPv6 pod range, e.g. fd00:10:244:1::/64.
-    let front_range = c.nodes[0].pod_range6().unwrap();
-
-    check(
-        &c,
-        &[
-            (&front, web6, true),
-            (&front, web4, true),
-            (&near, web6, true),
-        ],
-    );
-
-    // DENY front's IPv6 range: its IPv6 connections only.
-    c.write_manifest(
-        "policy-by-address.yaml",
-        &ip_block_policy("DENY", std::slice::from_ref(&front_range)),
-    )
-    .unwrap();
-    wait_until(&c, &front, web6, false);
-    check(&c, &[(&front, web4, true), (&near, web6, true)]);
-
-    // ALLOW that range and near's one IPv6 address: nothing else.
-    let near6 = near.ip_of(Family::V6).to_string();
-    c.write_manifest(
-        "policy-by-address.yaml",
-        &ip_block_policy("ALLOW", &[front_range, near6]),
-    )
-    .unwrap();
-    wait_until(&c, &front, web6, true);
-    check(
-        &c,
-        &[
-            (&front, web4, false),
-            (&near, web6, true),
-            (&near, web4, false),
-        ],
-    );
-}
+// ---- IPv6 Services, nodes without IPv6, IPv4-mapped addresses ----
 
 /// A dual-stack Service: ClusterIPs of both families, one EndpointSlice per
 /// family. An enrolled client reaches it over either, the endpoints over HBONE
