@@ -404,7 +404,7 @@ async fn serve_stream(
 
 #[cfg(test)]
 mod tests {
-    use std::{collections::HashSet, time::Duration};
+    use std::collections::HashSet;
 
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
@@ -413,7 +413,7 @@ mod tests {
         dataplane::testing::{in_new_network_namespace, ip},
         k8s::{Namespace, Pod},
         proxy::{
-            ProxyConfig, canonical,
+            canonical,
             pool::{HboneError, PoolKey},
         },
         state::{View, WorkloadIndex},
@@ -450,35 +450,11 @@ mod tests {
             .iter()
             .map(|ip| ip.parse().unwrap())
             .collect();
-        let view = View {
+        crate::proxy::learning::tests::proxy_state(View {
             workloads: Arc::new(workloads),
             captured: Arc::new(captured),
             ..View::default()
-        };
-        let dir = tempfile::tempdir().unwrap();
-        crate::identity::ca::init(dir.path()).unwrap();
-        let certs = crate::identity::CertManager::new(
-            crate::identity::CertSource::Local {
-                dir: dir.path().to_path_buf(),
-            },
-            "cluster.local",
-            Duration::from_secs(3600),
-        )
-        .unwrap();
-        let config = ProxyConfig {
-            listen_ip: std::net::Ipv4Addr::LOCALHOST,
-            listen_ip6: Some(std::net::Ipv6Addr::LOCALHOST),
-            outbound_port: 15001,
-            inbound_plaintext_port: 15006,
-            hbone_port: 15008,
-            proxy_mark: 0,
-            connect_timeout: Duration::from_secs(2),
-            max_connections: 16,
-            cluster_id: "Kubernetes".into(),
-        };
-        let state = Arc::new(ProxyState::new(config, certs));
-        state.update(view);
-        (state, dir)
+        })
     }
 
     /// HBONE between two pods' IPv6 addresses: the outer connection goes from

@@ -234,7 +234,7 @@ pub(super) mod tests {
             hbone_port: 15008,
             proxy_mark: 0,
             connect_timeout: Duration::from_secs(1),
-            max_connections: 1,
+            max_connections: 16,
             cluster_id: "Kubernetes".into(),
         };
         let state = Arc::new(ProxyState::new(config, certs));
