@@ -104,6 +104,17 @@ spec:
   rules: [{from: [{source: {notPrincipals: [\"*\"]}}]}]
 ";
 
+/// The pods of namespace `shop` the policies are about: `web` (`app: web`) and
+/// `near` on node 2, `front` on node 1, each with a service account of its name.
+fn shop_pods(c: &mut Cluster) -> [Pod; 3] {
+    let web = PodSpec::new("web", "shop", 1)
+        .service_account("web")
+        .label("app", "web");
+    let near = PodSpec::new("near", "shop", 1).service_account("near");
+    let front = PodSpec::new("front", "shop", 0).service_account("front");
+    [web, near, front].map(|spec| c.add_pod(spec).unwrap())
+}
+
 #[test]
 fn allow_deny_and_audit_policies_between_pods() {
     policies_between_pods(Source::Manifests);
@@ -121,19 +132,7 @@ fn policies_between_pods(source: Source) {
         source,
     )
     .unwrap();
-    let web = c
-        .add_pod(
-            PodSpec::new("web", "shop", 1)
-                .service_account("web")
-                .label("app", "web"),
-        )
-        .unwrap();
-    let near = c
-        .add_pod(PodSpec::new("near", "shop", 1).service_account("near"))
-        .unwrap();
-    let front = c
-        .add_pod(PodSpec::new("front", "shop", 0).service_account("front"))
-        .unwrap();
+    let [web, near, front] = shop_pods(&mut c);
     let teller = c
         .add_pod(PodSpec::new("teller", "bank", 0).service_account("teller"))
         .unwrap();
@@ -542,19 +541,7 @@ spec:
 #[test]
 fn policies_match_ipv6_ip_blocks() {
     let mut c = Cluster::dual_stack(2, &[("shop", true)]).unwrap();
-    let web = c
-        .add_pod(
-            PodSpec::new("web", "shop", 1)
-                .service_account("web")
-                .label("app", "web"),
-        )
-        .unwrap();
-    let near = c
-        .add_pod(PodSpec::new("near", "shop", 1).service_account("near"))
-        .unwrap();
-    let front = c
-        .add_pod(PodSpec::new("front", "shop", 0).service_account("front"))
-        .unwrap();
+    let [web, near, front] = shop_pods(&mut c);
     c.start_agents().unwrap();
     c.wait_all_captured(&[&web, &near, &front]).unwrap();
     let (web4, web6) = (web.addr(8080), web.addr6(8080));
