@@ -182,7 +182,7 @@ pub async fn run(cfg: AgentConfig) -> Result<()> {
         max_connections,
         listen_ip: std::net::Ipv4Addr::LOCALHOST,
         // The IPv6 twins, on a node with IPv6.
-        listen_ip6: proxy::ipv6_listen_ip(ipv6),
+        listen_ip6: ipv6.then_some(std::net::Ipv6Addr::LOCALHOST),
         outbound_port: OUTBOUND_PORT,
         inbound_plaintext_port: INBOUND_PLAINTEXT_PORT,
         hbone_port: HBONE_PORT,

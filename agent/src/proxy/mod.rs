@@ -63,7 +63,8 @@ pub struct ProxyConfig {
     /// Address the IPv4 listeners bind (127.0.0.1).
     pub listen_ip: Ipv4Addr,
     /// Address the IPv6 listeners bind (`::1`), or `None` when the node has IPv6
-    /// off: then only the IPv4 ones are bound ([`ipv6_listen_ip`]).
+    /// off ([`ipv6_enabled`](crate::dataplane::net::ipv6_enabled)): then only the
+    /// IPv4 ones are bound, and the proxy never fails for want of IPv6.
     pub listen_ip6: Option<Ipv6Addr>,
     /// Outbound capture port (15001).
     pub outbound_port: u16,
@@ -82,14 +83,6 @@ pub struct ProxyConfig {
     /// The cluster ID: the `source_cluster` and `destination_cluster` metric
     /// labels of known workloads.
     pub cluster_id: String,
-}
-
-/// The address of the IPv6 listeners ([`ProxyConfig::listen_ip6`]): `::1` when
-/// the node has IPv6 (`ipv6_enabled`, from
-/// [`ipv6_enabled`](crate::dataplane::net::ipv6_enabled)), else `None`: the proxy
-/// then serves IPv4 only, and never fails for want of IPv6.
-pub fn ipv6_listen_ip(ipv6_enabled: bool) -> Option<Ipv6Addr> {
-    ipv6_enabled.then_some(Ipv6Addr::LOCALHOST)
 }
 
 /// `addr` with its address in canonical form: an IPv4-mapped IPv6 address
@@ -376,21 +369,6 @@ impl Listeners {
             hbone,
         })
     }
-
-    /// The bound addresses, by listener, in [`ProxyConfig::listen_addrs`]' order.
-    pub fn local_addrs(&self) -> [(&'static str, Vec<SocketAddr>); 3] {
-        let addrs = |listeners: &[TcpListener]| {
-            listeners
-                .iter()
-                .filter_map(|l| l.local_addr().ok())
-                .collect()
-        };
-        [
-            ("outbound", addrs(&self.outbound)),
-            ("inbound plaintext", addrs(&self.inbound_plaintext)),
-            ("inbound HBONE", addrs(&self.hbone)),
-        ]
-    }
 }
 
 /// Serves the listeners until the task is dropped.
@@ -579,15 +557,12 @@ mod tests {
     /// with it off, none is bound.
     #[test]
     fn ipv6_listeners_only_when_the_node_has_ipv6() {
-        assert_eq!(ipv6_listen_ip(true), Some(Ipv6Addr::LOCALHOST));
-        assert_eq!(ipv6_listen_ip(false), None);
-
-        let off = config(15001, ipv6_listen_ip(false));
+        let off = config(15001, None);
         for (name, addrs) in off.listen_addrs() {
             assert_eq!(addrs.len(), 1, "{name}");
             assert!(addrs[0].is_ipv4(), "{name}: {addrs:?}");
         }
-        let on = config(15001, ipv6_listen_ip(true));
+        let on = config(15001, Some(Ipv6Addr::LOCALHOST));
         let want = |port| {
             vec![
                 format!("127.0.0.1:{port}").parse::<SocketAddr>().unwrap(),
@@ -629,9 +604,11 @@ mod tests {
             }
             let listeners = Listeners::bind(&config(15001, Some(Ipv6Addr::LOCALHOST)))
                 .expect("the listeners of both families");
-            let local = listeners.local_addrs();
+            let local = |listeners: &[TcpListener]| -> Vec<SocketAddr> {
+                listeners.iter().map(|l| l.local_addr().unwrap()).collect()
+            };
             assert_eq!(
-                local[2].1,
+                local(&listeners.hbone),
                 vec![
                     "127.0.0.1:15008".parse::<SocketAddr>().unwrap(),
                     "[::1]:15008".parse().unwrap()
@@ -667,8 +644,13 @@ mod tests {
             );
 
             // IPv6 off: the IPv4 listeners alone.
-            let listeners = Listeners::bind(&config(15201, ipv6_listen_ip(false))).unwrap();
-            for (name, addrs) in listeners.local_addrs() {
+            let listeners = Listeners::bind(&config(15201, None)).unwrap();
+            for (name, kind) in [
+                ("outbound", &listeners.outbound),
+                ("inbound plaintext", &listeners.inbound_plaintext),
+                ("inbound HBONE", &listeners.hbone),
+            ] {
+                let addrs = local(kind);
                 assert!(addrs.iter().all(SocketAddr::is_ipv4), "{name}: {addrs:?}");
                 assert_eq!(addrs.len(), 1, "{name}");
             }
