@@ -468,10 +468,10 @@ mod tests {
     fn hbone_over_ipv6_keeps_the_client_address() {
         in_new_network_namespace(|| async {
             ip("link set lo up");
-            if !crate::dataplane::net::ipv6_enabled() {
-                eprintln!("skipped: IPv6 is off here (net.ipv6.conf.all.disable_ipv6)");
-                return;
-            }
+            assert!(
+                crate::dataplane::net::ipv6_enabled(),
+                "needs IPv6 (net.ipv6.conf.all.disable_ipv6 is 1, or the kernel has none)"
+            );
             ip("-6 addr add fd00:1::1/128 dev lo nodad");
             ip("-6 addr add fd00:2::2/128 dev lo nodad");
             let (state, _ca) = dual_stack_state();

@@ -598,10 +598,10 @@ mod tests {
     fn ipv6_twins_accept_on_loopback() {
         in_new_network_namespace(|| async {
             ip("link set lo up");
-            if !ipv6_enabled() {
-                eprintln!("skipped: IPv6 is off here (net.ipv6.conf.all.disable_ipv6)");
-                return;
-            }
+            assert!(
+                ipv6_enabled(),
+                "needs IPv6 (net.ipv6.conf.all.disable_ipv6 is 1, or the kernel has none)"
+            );
             let listeners = Listeners::bind(&config(15001, Some(Ipv6Addr::LOCALHOST)))
                 .expect("the listeners of both families");
             let local = |listeners: &[TcpListener]| -> Vec<SocketAddr> {

@@ -204,10 +204,10 @@ mod tests {
         use crate::dataplane::testing::{in_new_network_namespace, ip};
         in_new_network_namespace(|| async {
             ip("link set lo up");
-            if !crate::dataplane::net::ipv6_enabled() {
-                eprintln!("skipped: IPv6 is off here (net.ipv6.conf.all.disable_ipv6)");
-                return;
-            }
+            assert!(
+                crate::dataplane::net::ipv6_enabled(),
+                "needs IPv6 (net.ipv6.conf.all.disable_ipv6 is 1, or the kernel has none)"
+            );
             // The pod's address is not the node's: routed to this host as
             // replies to transparent sockets are (`local` route).
             ip("-6 addr add fd00::1/128 dev lo nodad");
