@@ -225,8 +225,6 @@ pub(super) fn carry_captured_flows(
     Ok((copied, left_out))
 }
 
-/// `config` with the node's addresses filled in (the first [`MAX_NODE_ADDRS`]):
-/// IPv4 mapped (`::ffff:a.b.c.d`), IPv6 as it is.
 /// The excluded-CIDRs trie key of a prefix: an IPv4 prefix IPv4-mapped with 96
 /// added to its length (the programs look IPv4 destinations up mapped), an IPv6
 /// prefix as it is (the programs look IPv6 destinations up as they are).
@@ -243,6 +241,8 @@ pub(super) fn cidr_key(net: &ipnet::IpNet) -> CidrKey {
     }
 }
 
+/// `config` with the node's addresses filled in (the first [`MAX_NODE_ADDRS`]):
+/// IPv4 mapped (`::ffff:a.b.c.d`), IPv6 as it is.
 pub(super) fn with_node_addrs(mut config: Config, addrs: &[IpAddr]) -> Config {
     config.node_addrs = [[0; 16]; MAX_NODE_ADDRS];
     for (slot, addr) in config.node_addrs.iter_mut().zip(addrs) {
