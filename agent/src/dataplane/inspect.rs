@@ -17,7 +17,7 @@ use std::{
 };
 
 use aya::{
-    maps::{HashMap as BpfHashMap, Map, MapData, PerCpuHashMap},
+    maps::{HashMap as BpfHashMap, Map, MapData},
     programs::{
         links::{FdLink, PinnedLink},
         loaded_programs,
@@ -32,7 +32,7 @@ use serde::Serialize;
 use super::{
     Program,
     error::{Error, Result},
-    layout::{OldCounters, check_pinned_layouts, counters_from_old, same_layout},
+    layout::{OldCounters, check_pinned_layouts, counters_from_old, read_counters, same_layout},
     net,
     netlink::Netlink,
     pins::{self, parse_link_pin_name},
@@ -153,26 +153,6 @@ fn summed(per_cpu: &[PodCounters]) -> serde_json::Map<String, serde_json::Value>
         .named()
         .into_iter()
         .map(|(name, value)| (name.to_string(), value.into()))
-        .collect()
-}
-
-/// The per-CPU counters of the `pod_counters` map pinned at `pin`, whose values
-/// are `V`, each CPU's converted by `convert`, by host veth ifindex.
-fn read_counters<V: aya::Pod>(
-    pin: &Path,
-    convert: impl Fn(&V) -> PodCounters,
-) -> Result<Vec<(u32, Vec<PodCounters>)>> {
-    let reading = || Error::map_pin("reading", pin);
-    let map: PerCpuHashMap<MapData, u32, V> = PerCpuHashMap::try_from(
-        Map::from_map_data(MapData::from_pin(pin).map_err(Error::map_pin("opening", pin))?)
-            .map_err(reading())?,
-    )
-    .map_err(reading())?;
-    map.iter()
-        .map(|entry| {
-            let (ifindex, values) = entry.map_err(reading())?;
-            Ok((ifindex, values.iter().map(&convert).collect()))
-        })
         .collect()
 }
 

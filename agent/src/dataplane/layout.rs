@@ -107,6 +107,26 @@ pub(super) fn counters_from_old(old: &OldCounters) -> PodCounters {
     }
 }
 
+/// The per-CPU counters of the `pod_counters` map pinned at `pin`, whose values
+/// are `V`, each CPU's converted by `convert`, by host veth ifindex.
+pub(super) fn read_counters<V: aya::Pod>(
+    pin: &Path,
+    convert: impl Fn(&V) -> PodCounters,
+) -> Result<Vec<(u32, Vec<PodCounters>)>> {
+    let reading = || Error::map_pin("reading", pin);
+    let map: PerCpuHashMap<MapData, u32, V> = PerCpuHashMap::try_from(
+        Map::from_map_data(MapData::from_pin(pin).map_err(Error::map_pin("opening", pin))?)
+            .map_err(reading())?,
+    )
+    .map_err(reading())?;
+    map.iter()
+        .map(|entry| {
+            let (ifindex, values) = entry.map_err(reading())?;
+            Ok((ifindex, values.iter().map(&convert).collect()))
+        })
+        .collect()
+}
+
 /// Copies the per-CPU counters of a `pod_counters` map of layout 1 or 2 (pinned
 /// at `old`, [`OldCounters`] values) into `counters`, this layout's map, field by
 /// field ([`counters_from_old`]), for every host veth that has no entry there yet
@@ -118,17 +138,11 @@ pub(super) fn carry_counters(
     old: &Path,
     counters: &mut PerCpuHashMap<MapData, u32, PodCounters>,
 ) -> Result<usize> {
-    let old_map: PerCpuHashMap<MapData, u32, OldCounters> = PerCpuHashMap::try_from(
-        Map::PerCpuHashMap(MapData::from_pin(old).map_err(Error::map_pin("opening", old))?),
-    )
-    .map_err(Error::map_pin("reading", old))?;
     let mut copied = 0;
-    for entry in old_map.iter() {
-        let (ifindex, values) = entry.map_err(Error::map_pin("reading", old))?;
+    for (ifindex, values) in read_counters::<OldCounters>(old, counters_from_old)? {
         if counters.get(&ifindex, 0).is_ok() {
             continue;
         }
-        let values: Vec<PodCounters> = values.iter().map(counters_from_old).collect();
         let values = PerCpuValues::try_from(values).map_err(|error| Error::PerCpu { error })?;
         counters
             .insert(ifindex, values, 0)
