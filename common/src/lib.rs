@@ -259,8 +259,10 @@ pub struct PodCounters {
     /// Dropped: a packet of a flow the proxy had taken over whose socket is gone
     /// (for example after the agent stopped); passing it would leak it in plain text.
     pub dropped_flow_gone: u64,
-    /// Dropped: a packet from the pod whose source is not the pod's address (for
-    /// IPv6, nor a link-local or the unspecified address).
+    /// Dropped: a packet from the pod whose source is not the pod's address. IPv6
+    /// may also come from a link-local or the unspecified address (neighbour
+    /// discovery, MLD), but IPv6 TCP from a link-local address only to a
+    /// link-local one, and never from the unspecified address.
     pub dropped_spoofed: u64,
 }
 
