@@ -475,12 +475,6 @@ impl Cluster {
         Self::build(nodes, false)
     }
 
-    /// As [`Cluster::new`], dual stack: nodes and pods get IPv6 addresses too
-    /// (see the module documentation).
-    pub fn new_dual_stack(nodes: usize) -> Result<Self> {
-        Self::build(nodes, true)
-    }
-
     fn build(nodes: usize, dual_stack: bool) -> Result<Self> {
         require_root();
         sweep_stale();

@@ -26,7 +26,7 @@ pub fn run() -> Result<()> {
 
 fn demo() -> Result<()> {
     section("building a two-node cluster of network namespaces");
-    let mut c = Cluster::new_dual_stack(2)?;
+    let mut c = Cluster::dual_stack(2, &[])?;
     for node in &c.nodes {
         println!(
             "{}: namespace {}, underlay {} and {}, pods {}/24 and {}",

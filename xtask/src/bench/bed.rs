@@ -95,7 +95,7 @@ pub(super) fn add_pair(
 
 pub(super) fn build_bed() -> Result<Bed> {
     // Dual stack, for the IPv6 single-stream row; every other figure is IPv4.
-    let mut c = Cluster::new_dual_stack(2)?;
+    let mut c = Cluster::dual_stack(2, &[])?;
     c.add_pod_range(0, NODE1_EXTRA_RANGE)?;
     c.add_namespace(Path2::Direct.namespace(), false)?;
     c.add_namespace(Path2::Podlink.namespace(), true)?;
