@@ -6,12 +6,13 @@
 mod bench;
 mod demo;
 mod deploy;
+mod guest;
 mod setup;
 
 use std::{path::PathBuf, process::Command};
 
 use anyhow::{Context, Result, bail};
-use clap::{Parser, Subcommand};
+use clap::{Parser, Subcommand, ValueEnum};
 
 #[derive(Parser)]
 #[command(about = "podlink development tasks")]
@@ -35,10 +36,16 @@ enum Cmd {
     /// kustomization.yaml lists them all).
     ValidateDeploy,
     /// Validate deploy/, run unit tests, then the end-to-end tests (root) on the
-    /// network-namespace test bed.
+    /// network-namespace test bed, on this machine's kernel and then in a QEMU
+    /// guest booting Debian's 6.12 kernel (see xtask/src/guest.rs).
     Test {
         /// Only run tests whose name contains this filter.
         filter: Option<String>,
+        /// Only on these kernels: `host` (this machine's: every test), `6.1` or
+        /// `6.12` (a guest: the end-to-end tests that matter for a kernel).
+        /// Repeatable [default: host and 6.12].
+        #[arg(long, value_enum)]
+        kernel: Vec<TestKernel>,
     },
     /// Measure podlink against the direct path on the two-node test bed (the
     /// figures and targets of issue 6, a scaling table, pod enrollment).
@@ -86,6 +93,29 @@ enum Cmd {
     },
 }
 
+/// Where `cargo xtask test` runs the tests.
+#[derive(Clone, Copy, PartialEq, Eq, ValueEnum)]
+enum TestKernel {
+    /// This machine's kernel.
+    Host,
+    /// A guest with Debian 12's 6.1.
+    #[value(name = "6.1")]
+    V6_1,
+    /// A guest with Debian 12's backported 6.12.
+    #[value(name = "6.12")]
+    V6_12,
+}
+
+impl TestKernel {
+    fn guest(self) -> Option<guest::Kernel> {
+        match self {
+            TestKernel::Host => None,
+            TestKernel::V6_1 => Some(guest::Kernel::V6_1),
+            TestKernel::V6_12 => Some(guest::Kernel::V6_12),
+        }
+    }
+}
+
 fn main() -> Result<()> {
     let cli = Cli::parse();
     // The bench's flags are refused before setup installs or builds anything.
@@ -130,16 +160,38 @@ fn main() -> Result<()> {
             demo::run()
         }
         Cmd::ValidateDeploy => deploy::validate(),
-        Cmd::Test { filter } => {
+        Cmd::Test { filter, kernel } => {
+            let kernels = if kernel.is_empty() {
+                // 6.1 only when asked: the verifier of 6.1 refuses `from_pod`
+                // as the compiler lays it out now (docs/development.md).
+                vec![TestKernel::Host, TestKernel::V6_12]
+            } else {
+                kernel
+            };
+            let guests: Vec<guest::Kernel> = kernels.iter().filter_map(|k| k.guest()).collect();
+            if !guests.is_empty() {
+                guest::setup()?;
+            }
             // First (seconds), but its failure does not keep the tests from
-            // running: both are reported, and either fails the command.
+            // running: all are reported, and any fails the command.
             let deploy = deploy::validate();
             if let Err(e) = &deploy {
                 eprintln!("validate-deploy failed: {e:#}");
             }
             build()?;
-            let tests = test(filter.as_deref());
-            tests.and(deploy.context("validate-deploy"))
+            let mut result = deploy.context("validate-deploy");
+            if kernels.contains(&TestKernel::Host) {
+                result = test(filter.as_deref()).and(result);
+            }
+            for kernel in guests {
+                let guest = guest::test(kernel, filter.as_deref())
+                    .with_context(|| format!("the {} guest", kernel.name()));
+                if let Err(e) = &guest {
+                    eprintln!("{e:#}");
+                }
+                result = result.and(guest);
+            }
+            result
         }
         Cmd::Bench {
             repeat,
@@ -245,6 +297,16 @@ fn build() -> Result<()> {
     run(&mut cmd).context("building the agent")
 }
 
+/// `cargo test --release` as `cargo xtask test` runs it: the guest tests build
+/// their binaries with the same command, so that nothing is built twice.
+fn cargo_test() -> Command {
+    let mut cmd = host_cargo();
+    cmd.args(["test", "--release"])
+        .env("PODLINK_EBPF_OBJECT", ebpf_object())
+        .env("PODLINK_BIN", dist_bin("podlink"));
+    cmd
+}
+
 /// Unit tests of every crate and the end-to-end tests, in one release build (the
 /// end-to-end tests run the shipped agent that `build` made, `dist` profile), then
 /// the agent's unit tests that need root (`#[ignore = "needs root"]`). All tests
@@ -256,18 +318,15 @@ fn test(filter: Option<&str>) -> Result<()> {
             "the end-to-end tests create network namespaces, veths, bpffs mounts and BPF links: run as root"
         );
     }
-    let cargo_test = |args: &[&str]| {
-        let mut cmd = host_cargo();
-        cmd.args(["test", "--release", "--no-fail-fast"])
-            .args(args)
-            .env("PODLINK_EBPF_OBJECT", ebpf_object())
-            .env("PODLINK_BIN", dist_bin("podlink"));
+    let tests = |args: &[&str]| {
+        let mut cmd = cargo_test();
+        cmd.arg("--no-fail-fast").args(args);
         cmd
     };
-    let mut all = cargo_test(&["--workspace"]);
+    let mut all = tests(&["--workspace"]);
     // The agent's unit tests that need root are ignored by a plain `cargo
     // test`; they run here, after the others.
-    let mut root = cargo_test(&["-p", "podlink-agent", "--lib"]);
+    let mut root = tests(&["-p", "podlink-agent", "--lib"]);
     if let Some(f) = filter {
         all.arg(f);
         root.arg(f);

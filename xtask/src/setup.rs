@@ -50,7 +50,7 @@ pub enum Validator {
 /// Installs what is missing: the Debian packages, `rust-src`, `bpf-linker`, and
 /// `kubernetes-validate` when `validator` asks for it.
 pub fn setup(validator: Validator) -> Result<()> {
-    install_packages()?;
+    install(PACKAGES)?;
     install_rust_src()?;
     install_bpf_linker()?;
     if validator == Validator::Install {
@@ -59,8 +59,9 @@ pub fn setup(validator: Validator) -> Result<()> {
     Ok(())
 }
 
-fn install_packages() -> Result<()> {
-    let missing: Vec<&str> = PACKAGES
+/// Installs those of `packages` (name, a file it installs) whose file is missing.
+pub fn install(packages: &[(&str, &str)]) -> Result<()> {
+    let missing: Vec<&str> = packages
         .iter()
         .filter(|(_, file)| !Path::new(file).exists())
         .map(|(pkg, _)| *pkg)
