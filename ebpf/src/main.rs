@@ -77,27 +77,48 @@ pub fn from_pod(ctx: TcContext) -> i32 {
     match parse::parse(&ctx) {
         Packet::Tcp4(pkt) => from_pod_tcp(&ctx, cfg, ifindex, &pkt),
         Packet::Tcp6(pkt) => from_pod_tcp(&ctx, cfg, ifindex, &pkt),
-        other => {
+        // What leaves an enrolled pod carries its own address (see
+        // `Tcp::is_spoofed`). IPv6 also passes link-local and unspecified sources
+        // (neighbour discovery, MLD), for a pod without an IPv6 address too; any
+        // other IPv6 source of such a pod is spoofed (see
+        // `parse::is_pod_ipv6_source`). Each family's source is read in its own
+        // arm: matched together, LLVM read the enum's payload before the
+        // variant, from a stack slot the other variants never wrote, which the
+        // verifier of Linux 6.1 refuses ("invalid read from stack").
+        Packet::Ipv4Other { saddr } => {
             let Some(pod) = maps::pod(ifindex) else {
                 return PASS;
             };
-            // What leaves an enrolled pod carries its own address (see
-            // `Tcp::is_spoofed`). IPv6 also passes link-local and unspecified
-            // sources (neighbour discovery, MLD), for a pod without an IPv6
-            // address too; any other IPv6 source of such a pod is spoofed (see
-            // `parse::is_pod_ipv6_source`).
-            let spoofed = match &other {
-                Packet::Ipv4Other { saddr } => !parse::is_pod_ipv4(pod, *saddr),
-                Packet::Ipv6Other { saddr } => !parse::is_pod_ipv6_source(pod, saddr),
-                _ => false,
+            if !parse::is_pod_ipv4(pod, saddr) {
+                return spoofed(ifindex);
+            }
+            count(ifindex, |c| &mut c.passed);
+            PASS
+        }
+        Packet::Ipv6Other { saddr } => {
+            let Some(pod) = maps::pod(ifindex) else {
+                return PASS;
             };
-            if spoofed {
-                count(ifindex, |c| &mut c.dropped_spoofed);
-                return DROP;
+            if !parse::is_pod_ipv6_source(pod, &saddr) {
+                return spoofed(ifindex);
+            }
+            count(ifindex, |c| &mut c.passed);
+            PASS
+        }
+        other => {
+            if maps::pod(ifindex).is_none() {
+                return PASS;
             }
             not_tcp(other, ifindex)
         }
     }
+}
+
+/// Drops a packet whose source is not its pod's, counting it.
+#[inline(always)]
+fn spoofed(ifindex: u32) -> i32 {
+    count(ifindex, |c| &mut c.dropped_spoofed);
+    DROP
 }
 
 /// A TCP packet at the host veth's ingress: from the pod, or bounced in by
