@@ -9,7 +9,7 @@ use crate::{
     agent::{self, AgentConfig, CniConfig, WorkloadSourceConfig},
     authz::DEFAULT_ROOT_NAMESPACE,
     cni,
-    dataplane::{DEFAULT_PIN_DIR, DEFAULT_STATE_DIR, inspect},
+    dataplane::{DEFAULT_PIN_DIR, DEFAULT_STATE_DIR, inspect, preflight},
     identity::{
         DEFAULT_TRUST_DOMAIN, ca,
         istio_ca::{DEFAULT_CLUSTER_ID, DEFAULT_TOKEN_FILE, IstioCaConfig},
@@ -61,6 +61,20 @@ enum Command {
         #[arg(long, default_value = DEFAULT_PIN_DIR)]
         pin_dir: PathBuf,
         /// Print a JSON document instead of tables.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Check that this node's kernel has what podlink's programs need — the
+    /// program and map types, every helper they call, TCX or else the clsact
+    /// qdisc and cls_bpf, a bpffs for the pins, BTF — as the agent does at start,
+    /// and say which is missing and what needs it. Probes with trivial programs
+    /// and maps, changes nothing; fails when something is missing. Run it as
+    /// root, agent running or not.
+    Preflight {
+        /// The agent's pin directory (its bpffs is checked).
+        #[arg(long, default_value = DEFAULT_PIN_DIR)]
+        pin_dir: PathBuf,
+        /// Print a JSON document instead of a table.
         #[arg(long)]
         json: bool,
     },
@@ -285,6 +299,18 @@ pub fn main() -> Result<()> {
                 print!("{}", report.to_table());
             }
             Ok(())
+        }
+        Command::Preflight { pin_dir, json } => {
+            let report = preflight::run(&pin_dir)?;
+            if json {
+                println!("{}", serde_json::to_string_pretty(&report)?);
+            } else {
+                print!("{}", report.to_table());
+            }
+            match report.error() {
+                Some(error) => Err(error.into()),
+                None => Ok(()),
+            }
         }
         Command::Uninstall {
             pin_dir,

@@ -52,11 +52,11 @@ pub fn set_malloc_thresholds(mmap_bytes: libc::c_int, trim_bytes: libc::c_int) {
 }
 
 /// Moves the calling thread alone into a new network namespace
-/// (unshare(2), `CLONE_NEWNET`; needs `CAP_SYS_ADMIN`). For tests.
+/// (unshare(2), `CLONE_NEWNET`; needs `CAP_SYS_ADMIN`): for tests, and for the
+/// preflight's probe of the classic TC attachment.
 ///
 /// # Errors
 /// The system call's error (`EPERM` without the capability).
-#[cfg(test)]
 pub(crate) fn unshare_network_namespace() -> std::io::Result<()> {
     // SAFETY: unshare takes a flag word and touches no memory of the caller;
     // CLONE_NEWNET changes only the calling thread's network namespace.

@@ -1453,6 +1453,21 @@ impl Cluster {
         })
     }
 
+    /// `podlink preflight --json` run in node `node`'s network namespace with its
+    /// pin directory, parsed. It fails (exits non-zero) when the kernel lacks
+    /// something; the report is printed either way.
+    pub fn preflight(&self, node: usize) -> Result<Value> {
+        let out = run(self
+            .podlink_command(node, &["preflight", "--json", "--pin-dir"])
+            .arg(&self.nodes[node].pin_dir))?;
+        serde_json::from_slice(&out.stdout).with_context(|| {
+            format!(
+                "podlink preflight --json printed no JSON: {}",
+                String::from_utf8_lossy(&out.stdout)
+            )
+        })
+    }
+
     /// The ifindex of a pod's host veth in its node namespace.
     pub fn host_ifindex(&self, pod: &Pod) -> Result<u32> {
         let out = ip(&[

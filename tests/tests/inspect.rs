@@ -1,6 +1,7 @@
 //! `podlink inspect` reads the pins, with the agent running and stopped: enrolled
 //! pods with their addresses, flags, links and counters, and a link left dangling
-//! by a pod deleted while no agent ran.
+//! by a pod deleted while no agent ran. `podlink preflight` reports the kernel
+//! as the agent found it at start.
 
 use std::process::Command;
 
@@ -160,4 +161,47 @@ fn inspect_shows_pods_links_counters_and_dangling_links() {
     assert!(table.contains("link_interface_gone"), "{table}");
     assert!(table.contains(&client.host_veth), "{table}");
     assert!(table.contains(&client.ip.to_string()), "{table}");
+}
+
+/// The agent logs the preflight's summary at start: the line `podlink preflight
+/// --json` gives, for this kernel, which lacks nothing; and it attaches the way
+/// the preflight says (TCX links pinned, or none with cls_bpf).
+#[test]
+fn preflight_summary_is_logged_at_start_as_the_command_reports_it() {
+    let mut c = Cluster::with_namespaces(1, &[("mesh", true)]).unwrap();
+    let pod = c.add_pod(PodSpec::new("client", "mesh", 0)).unwrap();
+    c.start_agent(0).unwrap();
+    c.wait_all_captured(&[&pod]).unwrap();
+
+    let report = c.preflight(0).unwrap();
+    assert_eq!(report["missing"], serde_json::json!([]), "{report:#}");
+    let release = std::fs::read_to_string("/proc/sys/kernel/osrelease").unwrap();
+    assert_eq!(report["release"], release.trim(), "{report:#}");
+    let summary = report["summary"].as_str().unwrap();
+    assert!(
+        summary.starts_with(&format!("kernel {}", release.trim())),
+        "{summary}"
+    );
+    let log = c.agent_log(0);
+    assert!(
+        log.lines()
+            .any(|l| l.contains(" INFO ") && l.ends_with(&format!("preflight: {summary}"))),
+        "no preflight summary \"{summary}\" in the agent's log:\n{log}"
+    );
+    // Every helper the programs call was probed and found.
+    let helpers: Vec<&str> = report["checks"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter_map(|c| c["what"].as_str())
+        .filter(|w| w.starts_with("bpf_"))
+        .collect();
+    assert!(helpers.contains(&"bpf_sk_assign"), "{report:#}");
+
+    let links = link_ids(&c.inspect(0).unwrap(), c.host_ifindex(&pod).unwrap());
+    match report["attach"].as_str() {
+        Some("tcx") => assert_eq!(links.len(), 2, "{links:?}"),
+        Some("cls_bpf") => assert_eq!(links, [], "cls_bpf filters are not pinned"),
+        other => panic!("attach {other:?}: {report:#}"),
+    }
 }

@@ -7,7 +7,10 @@
 //! mount namespace and passes its path as `--pin-dir`.
 
 use crate::error::IoError;
-use std::path::Path;
+use std::{
+    os::unix::fs::MetadataExt,
+    path::{Path, PathBuf},
+};
 
 use super::error::Result;
 use nix::{
@@ -17,6 +20,33 @@ use nix::{
 
 fn is_bpffs(path: &Path) -> bool {
     statfs(path).is_ok_and(|s| s.filesystem_type() == BPF_FS_MAGIC)
+}
+
+/// The mount point of the bpffs that `pin_dir` (or its nearest existing ancestor)
+/// is on, if it is on one: the highest ancestor on the same bpffs (same device).
+pub fn mount_point(pin_dir: &Path) -> Option<PathBuf> {
+    let existing = pin_dir.ancestors().find(|p| p.exists())?;
+    if !is_bpffs(existing) {
+        return None;
+    }
+    let dev = std::fs::metadata(existing).ok()?.dev();
+    let mut at = existing;
+    while let Some(parent) = at.parent()
+        && is_bpffs(parent)
+        && std::fs::metadata(parent).is_ok_and(|m| m.dev() == dev)
+    {
+        at = parent;
+    }
+    Some(at.to_path_buf())
+}
+
+/// Whether the kernel has the BPF filesystem: `/proc/filesystems` lists `bpf`
+/// (`nodev\tbpf`).
+pub fn kernel_has_bpffs() -> bool {
+    std::fs::read_to_string("/proc/filesystems").is_ok_and(|s| {
+        s.lines()
+            .any(|line| line.split_whitespace().last() == Some("bpf"))
+    })
 }
 
 /// Whether this process's mount namespace differs from init's.

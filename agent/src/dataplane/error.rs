@@ -14,7 +14,10 @@ use aya::{
 };
 use podlink_common::LAYOUT_VERSION;
 
-use super::Program;
+use super::{
+    Program,
+    preflight::{Missing, NeedsError},
+};
 use crate::error::Chain;
 pub use crate::error::IoError;
 
@@ -43,6 +46,37 @@ pub enum Error {
         "this podlink binary was built without its eBPF object; build it with `cargo xtask build`"
     )]
     NoObject,
+    /// The kernel lacks something the programs need (found by the preflight,
+    /// before they are loaded).
+    #[error(
+        "kernel {release} lacks what podlink needs: {}. `podlink preflight` shows every check",
+        missing.iter().map(ToString::to_string).collect::<Vec<_>>().join("; ")
+    )]
+    Preflight {
+        /// The kernel's release.
+        release: String,
+        /// What is missing, with what needs it.
+        missing: Vec<Missing>,
+    },
+    /// The embedded object could not be read for what it needs.
+    #[error("{error}")]
+    ObjectNeeds {
+        /// What failed.
+        error: NeedsError,
+    },
+    /// The kernel refused to load a program: the verifier's last lines (its
+    /// whole log is logged at debug level).
+    #[error(
+        "loading program {program}: the kernel refused it ({io_error}); the verifier's last lines (the whole log is logged at debug level):\n{verifier_tail}"
+    )]
+    LoadProgram {
+        /// The program.
+        program: Program,
+        /// The error of `BPF_PROG_LOAD`.
+        io_error: io::Error,
+        /// The last lines of the verifier's log.
+        verifier_tail: String,
+    },
     /// The kernel refused the object or its maps.
     #[error("loading the eBPF object (maps pinned under {pin_dir}): {}", Chain(&**.error))]
     LoadObject {

@@ -365,7 +365,8 @@ fn problems(
 }
 
 /// Lays out rows under headers, columns padded to their widest cell.
-fn table(headers: &[&str], rows: &[Vec<String>]) -> String {
+/// `rows` under `headers`, in columns as wide as their widest cell.
+pub(super) fn table(headers: &[&str], rows: &[Vec<String>]) -> String {
     let mut widths: Vec<usize> = headers.iter().map(|h| h.len()).collect();
     for row in rows {
         for (width, cell) in widths.iter_mut().zip(row) {

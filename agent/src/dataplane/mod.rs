@@ -27,6 +27,7 @@ mod layout;
 pub mod net;
 pub mod netlink;
 pub mod pins;
+pub mod preflight;
 mod program;
 pub mod rcu;
 
@@ -56,7 +57,6 @@ use aya::{
         links::{FdLink, PinnedLink},
         tc::{self, SchedClassifierLink, TcAttachOptions},
     },
-    util::KernelVersion,
 };
 use nix::fcntl::Flock;
 use podlink_common::{
@@ -261,6 +261,15 @@ impl Dataplane {
         if EBPF_OBJECT.is_empty() {
             return Err(Error::NoObject);
         }
+        // What the kernel lacks is named before anything is loaded.
+        let preflight = preflight::run(&cfg.pin_dir)?;
+        for unsure in &preflight.unsure {
+            tracing::warn!("preflight: could not tell, taken as present: {unsure}");
+        }
+        tracing::info!("preflight: {}", preflight.summary);
+        if let Some(error) = preflight.error() {
+            return Err(error);
+        }
         bpffs::ensure(&cfg.pin_dir)?;
         let lock = pins::lock(&cfg.pin_dir)?;
         let prepared = pins::prepare(&cfg.pin_dir)?;
@@ -282,11 +291,7 @@ impl Dataplane {
         for program in Program::ALL {
             classifier(&mut ebpf, program)?
                 .load()
-                .map_err(|error| Error::Program {
-                    action: "loading",
-                    program,
-                    error,
-                })?;
+                .map_err(|error| preflight::load_error(program, error))?;
         }
         let take = |ebpf: &mut Ebpf, name: &str| {
             ebpf.take_map(name).ok_or_else(|| Error::MissingMap {
@@ -372,10 +377,10 @@ impl Dataplane {
                     error,
                 })?;
         }
-        let tcx = KernelVersion::current().is_ok_and(|v| v >= KernelVersion::new(6, 6, 0));
+        let tcx = preflight.attach == Some(preflight::AttachPath::Tcx);
         if !tcx {
             tracing::warn!(
-                "kernel older than 6.6: programs are attached as netlink cls_bpf filters, which cannot be pinned; when this agent exits, capture stops until an agent is back"
+                "no TCX on this kernel (Linux 6.6+): programs are attached as netlink cls_bpf filters, which cannot be pinned; when this agent exits, capture stops until an agent is back"
             );
         }
         let rcu = ExpeditedAttach::new(&cfg.state_dir, cfg.expedite_attach && tcx);
