@@ -241,10 +241,7 @@ fn remove_filters(record: &ClsactRecord) -> (Vec<String>, Vec<String>) {
                     )),
                     Ok(false) => {}
                     Err(e) => {
-                        failures.push(format!(
-                            "removing the clsact qdisc of {}: {e}",
-                            added.name
-                        ));
+                        failures.push(format!("removing the clsact qdisc of {}: {e}", added.name));
                         continue;
                     }
                 }

@@ -96,7 +96,10 @@ pub enum Error {
     /// Another filter holds podlink's priority and handle on a host veth.
     #[error(
         "{interface} has a filter at {direction} with podlink's priority {} and handle {:#x} that is not podlink's {program}: remove it (tc filter del dev {interface} {direction} pref {} handle {:#x} bpf) or use --attach-mode tcx",
-        super::tc::FILTER_PRIORITY, super::tc::FILTER_HANDLE, super::tc::FILTER_PRIORITY, super::tc::FILTER_HANDLE
+        super::tc::FILTER_PRIORITY,
+        super::tc::FILTER_HANDLE,
+        super::tc::FILTER_PRIORITY,
+        super::tc::FILTER_HANDLE
     )]
     FilterTaken {
         /// The program.

@@ -480,10 +480,8 @@ impl Dataplane {
                     error,
                 })?;
         }
-        let rcu = ExpeditedAttach::new(
-            &cfg.state_dir,
-            cfg.expedite_attach && mode == LinkKind::Tcx,
-        );
+        let rcu =
+            ExpeditedAttach::new(&cfg.state_dir, cfg.expedite_attach && mode == LinkKind::Tcx);
         match rcu.recover() {
             Ok(true) => tracing::warn!(
                 "put {} back to 0: an earlier agent stopped while it had it at 1",
@@ -514,7 +512,9 @@ impl Dataplane {
         dataplane.adopt_filters()?;
         match dataplane.clsact.prune() {
             Ok(0) => {}
-            Ok(dropped) => tracing::debug!(dropped, "dropped the clsact records of gone interfaces"),
+            Ok(dropped) => {
+                tracing::debug!(dropped, "dropped the clsact records of gone interfaces")
+            }
             Err(e) => tracing::warn!("pruning the clsact record: {e}"),
         }
         Ok(dataplane)
@@ -716,7 +716,8 @@ impl Dataplane {
                         },
                     });
                 }
-                self.replace_filter(ifindex, program).map_err(attach_error)?;
+                self.replace_filter(ifindex, program)
+                    .map_err(attach_error)?;
             }
             Err(e) => return Err(attach_error(e)),
         }

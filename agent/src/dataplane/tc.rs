@@ -391,13 +391,11 @@ impl Tc {
     ) -> io::Result<()> {
         let mut message = filter(ifindex, program)?;
         let fd = u32::try_from(fd.as_raw_fd()).map_err(io::Error::other)?;
-        message
-            .attributes
-            .push(TcAttribute::Options(vec![
-                TcOption::Bpf(TcFilterBpfOption::ProgFd(fd)),
-                TcOption::Bpf(TcFilterBpfOption::ProgName(program.name().to_string())),
-                TcOption::Bpf(TcFilterBpfOption::Flags(TcBpfFlags::DirectAction)),
-            ]));
+        message.attributes.push(TcAttribute::Options(vec![
+            TcOption::Bpf(TcFilterBpfOption::ProgFd(fd)),
+            TcOption::Bpf(TcFilterBpfOption::ProgName(program.name().to_string())),
+            TcOption::Bpf(TcFilterBpfOption::Flags(TcBpfFlags::DirectAction)),
+        ]));
         let flags = match how {
             How::Create => NLM_F_CREATE | NLM_F_EXCL,
             How::Replace => 0,
@@ -552,8 +550,18 @@ mod tests {
                     .map(|f| (f.ifindex, f.program, f.program_id, f.direct_action))
                     .collect::<Vec<_>>(),
                 [
-                    (ifindex, Program::FromPod, Some(id(&first, Program::FromPod)), true),
-                    (ifindex, Program::ToPod, Some(id(&first, Program::ToPod)), true),
+                    (
+                        ifindex,
+                        Program::FromPod,
+                        Some(id(&first, Program::FromPod)),
+                        true
+                    ),
+                    (
+                        ifindex,
+                        Program::ToPod,
+                        Some(id(&first, Program::ToPod)),
+                        true
+                    ),
                 ]
             );
 
@@ -564,7 +572,8 @@ mod tests {
             // Replaced in place: the same filters run the second object's programs.
             for program in Program::ALL {
                 let fd = classifier(&second, program).fd().unwrap();
-                t.attach(ifindex, program, fd.as_fd(), How::Replace).unwrap();
+                t.attach(ifindex, program, fd.as_fd(), How::Replace)
+                    .unwrap();
             }
             let found = t.podlink_filters_on(ifindex).unwrap();
             assert_eq!(
