@@ -480,6 +480,13 @@ impl Dataplane {
                     error,
                 })?;
         }
+        if cfg.expedite_attach && mode == LinkKind::ClsBpf {
+            // cls_bpf_change() frees what it replaces after a grace period,
+            // without waiting for it.
+            tracing::info!(
+                "--expedite-attach concerns TCX links only: not used with cls_bpf filters"
+            );
+        }
         let rcu =
             ExpeditedAttach::new(&cfg.state_dir, cfg.expedite_attach && mode == LinkKind::Tcx);
         match rcu.recover() {
