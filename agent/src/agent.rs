@@ -33,7 +33,7 @@ use tokio::signal::unix::{SignalKind, signal};
 use crate::{
     admin,
     cni::{self, enroller::Enroller},
-    dataplane::{Dataplane, DataplaneConfig, net, netlink::Netlink},
+    dataplane::{AttachMode, Dataplane, DataplaneConfig, net, netlink::Netlink},
     identity::{
         CertManager, CertSource,
         istio_ca::{IstioCaClient, IstioCaConfig},
@@ -83,6 +83,9 @@ pub struct AgentConfig {
     /// Attach TCX links with expedited RCU grace periods
     /// ([`crate::dataplane::rcu`]).
     pub expedite_attach: bool,
+    /// How the programs are attached to host veths: TCX links or `cls_bpf`
+    /// filters ([`crate::dataplane::AttachMode`]).
+    pub attach_mode: AttachMode,
     /// Destination IPv4 prefixes that bypass capture.
     pub excluded_cidrs: Vec<ipnet::IpNet>,
     /// The cluster's pod and service ranges (IPv4 and IPv6): an outbound
@@ -226,6 +229,7 @@ pub async fn run(cfg: AgentConfig) -> Result<()> {
         excluded_cidrs: cfg.excluded_cidrs.clone(),
         excluded_ports: cfg.excluded_ports.clone(),
         expedite_attach: cfg.expedite_attach,
+        attach_mode: cfg.attach_mode,
     })?;
     net::install_policy_routing(
         &netlink,

@@ -9,7 +9,7 @@ use crate::{
     agent::{self, AgentConfig, CniConfig, WorkloadSourceConfig},
     authz::DEFAULT_ROOT_NAMESPACE,
     cni,
-    dataplane::{DEFAULT_PIN_DIR, DEFAULT_STATE_DIR, inspect, preflight},
+    dataplane::{AttachMode, DEFAULT_PIN_DIR, DEFAULT_STATE_DIR, inspect, preflight},
     identity::{
         DEFAULT_TRUST_DOMAIN, ca,
         istio_ca::{DEFAULT_CLUSTER_ID, DEFAULT_TOKEN_FILE, IstioCaConfig},
@@ -52,10 +52,10 @@ enum Command {
         #[command(subcommand)]
         command: CaCommand,
     },
-    /// Show what is pinned: enrolled pods (interface, addresses, flags), their TCX
-    /// links, their packet counters by outcome and drop reason, and anything
-    /// inconsistent. Reads the pins only, with or without an agent running; run it
-    /// in the node's network namespace.
+    /// Show what is pinned and attached: enrolled pods (interface, addresses,
+    /// flags), their TCX links or cls_bpf filters, their packet counters by outcome
+    /// and drop reason, and anything inconsistent. Reads only, with or without an
+    /// agent running; run it in the node's network namespace.
     Inspect {
         /// The agent's pin directory.
         #[arg(long, default_value = DEFAULT_PIN_DIR)]
@@ -78,16 +78,18 @@ enum Command {
         #[arg(long)]
         json: bool,
     },
-    /// Remove everything the agent made on this node: links and pins, the policy
-    /// routing rule and route, the sysctls it changed (restored where they still
-    /// have its value), and podlink-cni from the CNI configuration lists.
+    /// Remove everything the agent made on this node: links and pins, its cls_bpf
+    /// filters and the clsact qdiscs it added (where no other filter is left), the
+    /// policy routing rule and route, the sysctls it changed (restored where they
+    /// still have its value), and podlink-cni from the CNI configuration lists.
     /// Refuses while an agent runs on the pin directory: stop it first. Run it in
     /// the node's network namespace; running it again is harmless.
     Uninstall {
         /// The agent's pin directory.
         #[arg(long, default_value = DEFAULT_PIN_DIR)]
         pin_dir: PathBuf,
-        /// The agent's state directory (the sysctl journal).
+        /// The agent's state directory (the sysctl journal, the record of the
+        /// clsact qdiscs it added).
         #[arg(long, default_value = DEFAULT_STATE_DIR)]
         state_dir: PathBuf,
         /// The CNI configuration directory (its *.conflist files are edited).
@@ -182,8 +184,9 @@ struct AgentArgs {
     /// under vN/, N being the layout version. Locked while the agent runs.
     #[arg(long, default_value = DEFAULT_PIN_DIR)]
     pin_dir: PathBuf,
-    /// Where the original values of the sysctls the agent changes are recorded
-    /// (sysctls.json), for `podlink uninstall`. One per node network namespace.
+    /// Where the original values of the sysctls the agent changes (sysctls.json)
+    /// and the clsact qdiscs it adds (clsact/) are recorded, for `podlink
+    /// uninstall`. One per node network namespace.
     #[arg(long, default_value = DEFAULT_STATE_DIR)]
     state_dir: PathBuf,
     /// SPIFFE trust domain of the mesh.
@@ -230,6 +233,14 @@ struct AgentArgs {
     /// tolerates.
     #[arg(long)]
     expedite_attach: bool,
+    /// How the programs are attached to the pods' host veths: auto (TCX links
+    /// on Linux 6.6 and later, else cls-bpf), tcx (pinned TCX links; refused below
+    /// 6.6) or cls-bpf (netlink cls_bpf filters on a clsact qdisc, priority 1,
+    /// handle 0x53b, for tooling that expects tc filters). Either outlives the
+    /// agent; an agent started in the other mode than the previous one takes its
+    /// attachments over pod by pod.
+    #[arg(long, value_enum, default_value_t = AttachMode::Auto)]
+    attach_mode: AttachMode,
     /// Destination prefix, IPv4 or IPv6, that bypasses capture (repeatable),
     /// e.g. 169.254.0.0/16 or fd00:ec2::/64.
     #[arg(long = "exclude-cidr", value_name = "CIDR", value_parser = parse_cluster_cidr)]
@@ -377,6 +388,7 @@ pub fn main() -> Result<()> {
                 cert_lifetime: args.cert_lifetime,
                 fail_open: args.fail_open,
                 expedite_attach: args.expedite_attach,
+                attach_mode: args.attach_mode,
                 excluded_cidrs: args.excluded_cidrs,
                 cluster_cidrs: args.cluster_cidrs,
                 excluded_ports: args.excluded_ports,

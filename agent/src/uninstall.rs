@@ -2,7 +2,11 @@
 //! with the agent stopped, so that pods talk directly again.
 //!
 //! In order: every link pin (which detaches the TCX links), map pin and layout
-//! directory under the pin directory; the policy routing rules and the routes of
+//! directory under the pin directory; podlink's `cls_bpf` filters on every
+//! interface, then the `clsact` qdiscs podlink added (as recorded in the state
+//! directory, [`crate::dataplane::clsact`]) where no other filter is left on them —
+//! a `clsact` qdisc that was there before podlink, or that holds someone else's
+//! filters, stays; the policy routing rules and the routes of
 //! podlink's table (IPv4's and IPv6's); `/sys/kernel/rcu_expedited` if an agent was killed while it
 //! had it at 1; the sysctls recorded in the state directory's journal (restored
 //! where they still have podlink's value); the `podlink-cni` entries of
@@ -26,11 +30,14 @@ use podlink_common::{REDIRECT_MARK, REDIRECT_MARK_MASK, ROUTE_TABLE, RULE_PRIORI
 use crate::{
     cni,
     dataplane::{
+        Program,
+        clsact::ClsactRecord,
         journal::{Restored, SysctlJournal},
         net,
         netlink::Netlink,
         pins,
         rcu::{self, ExpeditedAttach},
+        tc::Tc,
     },
 };
 
@@ -74,6 +81,9 @@ pub fn uninstall(cfg: &UninstallConfig) -> Result<Vec<String>> {
         ),
         Err(e) => failures.push(format!("removing pins: {e:#}")),
     }
+    let (removed, failed) = remove_filters(&ClsactRecord::new(&cfg.state_dir));
+    done.extend(removed);
+    failures.extend(failed);
     match Netlink::blocking(async |netlink| {
         net::remove_policy_routing(
             netlink,
@@ -150,6 +160,101 @@ pub fn uninstall(cfg: &UninstallConfig) -> Result<Vec<String>> {
         );
     }
     Ok(done)
+}
+
+/// Deletes podlink's `cls_bpf` filters on every interface of the network
+/// namespace, then, of the `clsact` qdiscs `record` says podlink added, those on
+/// which no filter is left (and the record). Returns what was done and, each
+/// named, what failed.
+fn remove_filters(record: &ClsactRecord) -> (Vec<String>, Vec<String>) {
+    let (mut done, mut failures) = (Vec::new(), Vec::new());
+    let mut tc = match Tc::open() {
+        Ok(tc) => tc,
+        Err(e) => {
+            failures.push(format!("opening a route netlink socket: {e}"));
+            return (done, failures);
+        }
+    };
+    let name = |ifindex: u32| {
+        nix::net::if_::if_indextoname(ifindex)
+            .map(|n| n.to_string_lossy().into_owned())
+            .unwrap_or_else(|_| format!("interface {ifindex}"))
+    };
+    match tc.podlink_filters() {
+        Ok(filters) => {
+            for f in filters {
+                let direction = match f.program {
+                    Program::FromPod => "ingress",
+                    Program::ToPod => "egress",
+                };
+                match tc.detach(f.ifindex, f.program) {
+                    Ok(true) => done.push(format!(
+                        "removed the cls_bpf filter {} at {direction} of {}",
+                        f.program,
+                        name(f.ifindex)
+                    )),
+                    Ok(false) => {}
+                    Err(e) => failures.push(format!(
+                        "removing the cls_bpf filter {} at {direction} of {}: {e}",
+                        f.program,
+                        name(f.ifindex)
+                    )),
+                }
+            }
+        }
+        Err(e) => failures.push(format!("listing podlink's cls_bpf filters: {e}")),
+    }
+    let entries = match record.entries() {
+        Ok(entries) => entries,
+        Err(e) => {
+            failures.push(format!("reading the record of clsact qdiscs: {e:#}"));
+            return (done, failures);
+        }
+    };
+    for added in entries {
+        if added.exists() {
+            let mut left = 0;
+            let mut unreadable = None;
+            for program in Program::ALL {
+                match tc.filters(added.ifindex, program) {
+                    Ok(found) => left += found.len(),
+                    Err(e) => unreadable = Some(e),
+                }
+            }
+            if let Some(e) = unreadable {
+                failures.push(format!(
+                    "listing the filters of {} before deleting its clsact qdisc: {e}",
+                    added.name
+                ));
+                continue;
+            }
+            if left > 0 {
+                done.push(format!(
+                    "left the clsact qdisc of {}: other filters are on it",
+                    added.name
+                ));
+            } else {
+                match tc.remove_clsact(added.ifindex) {
+                    Ok(true) => done.push(format!(
+                        "removed the clsact qdisc of {} (podlink added it)",
+                        added.name
+                    )),
+                    Ok(false) => {}
+                    Err(e) => {
+                        failures.push(format!("removing the clsact qdisc of {}: {e}", added.name));
+                        continue;
+                    }
+                }
+            }
+        }
+        if let Err(e) = record.remove(added.ifindex) {
+            failures.push(format!("{e:#}"));
+        }
+    }
+    if let Err(e) = record.remove_dir() {
+        failures.push(format!("{e:#}"));
+    }
+    (done, failures)
 }
 
 /// Removes what podlink's CNI socket leaves on a node: the socket file if no one

@@ -16,7 +16,9 @@
 //!   get one address of each family from `host-local` (`status.podIPs` lists
 //!   both, IPv4 first). Duplicate address detection is off in the namespaces the
 //!   test bed makes, so IPv6 addresses are usable at once.
-//! * One `podlink agent` per node, started with `ip netns exec`.
+//! * One `podlink agent` per node, started with `ip netns exec`, attaching its
+//!   programs as the cluster's [`AttachMode`] says (by default as the agent's own
+//!   `auto` does: TCX links from Linux 6.6 on, `cls_bpf` filters below).
 //! * The agents' source ([`Source`]): the shared manifests directory, or the
 //!   Kubernetes API server double ([`api_double`]), listening in every node's
 //!   namespace. The same calls ([`Cluster::write_manifest`], [`Cluster::add_pod`],
@@ -122,6 +124,93 @@ impl Metrics {
     pub fn has(&self, name: &str, labels: &[(&str, &str)]) -> bool {
         self.matching(name, labels).next().is_some()
     }
+}
+
+/// How the agents attach their programs to the host veths (`podlink agent
+/// --attach-mode`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum AttachMode {
+    /// The agent's default: TCX links where the kernel has them, else `cls_bpf`
+    /// filters.
+    #[default]
+    Auto,
+    /// Pinned TCX links (Linux 6.6 and later).
+    Tcx,
+    /// `cls_bpf` filters on a `clsact` qdisc.
+    ClsBpf,
+}
+
+impl AttachMode {
+    /// The kind of attachment the agent makes in this mode on this machine's
+    /// kernel: [`AttachMode::Tcx`] or [`AttachMode::ClsBpf`].
+    pub fn on_this_kernel(self) -> AttachMode {
+        match self {
+            AttachMode::Auto if kernel_has_tcx() => AttachMode::Tcx,
+            AttachMode::Auto => AttachMode::ClsBpf,
+            other => other,
+        }
+    }
+
+    /// The value of `--attach-mode`.
+    pub fn arg(self) -> &'static str {
+        match self {
+            AttachMode::Auto => "auto",
+            AttachMode::Tcx => "tcx",
+            AttachMode::ClsBpf => "cls-bpf",
+        }
+    }
+
+    /// What the agent logs for each attachment of a previous agent it adopts, in
+    /// this mode on this kernel.
+    pub fn adoption_log(self) -> &'static str {
+        match self.on_this_kernel() {
+            AttachMode::ClsBpf => "adopted cls_bpf filter",
+            _ => "adopted pinned link",
+        }
+    }
+}
+
+/// Whether this machine's kernel has TCX links (Linux 6.6 and later), read from
+/// its release (`/proc/sys/kernel/osrelease`, e.g. `6.1.0-28-amd64`). Panics if
+/// it cannot be read.
+pub fn kernel_has_tcx() -> bool {
+    let release = fs::read_to_string("/proc/sys/kernel/osrelease")
+        .expect("reading /proc/sys/kernel/osrelease");
+    let mut numbers = release
+        .trim()
+        .split(|c: char| !c.is_ascii_digit())
+        .map(|n| n.parse::<u32>().unwrap_or(0));
+    let version = (numbers.next().unwrap_or(0), numbers.next().unwrap_or(0));
+    version >= (6, 6)
+}
+
+/// The priority of podlink's `cls_bpf` filters as `tc -j filter show` prints it
+/// (`podlink_agent::dataplane::tc::FILTER_PRIORITY`).
+pub const FILTER_PREF: u64 = 1;
+/// The handle of podlink's `cls_bpf` filters as `tc -j filter show` prints it
+/// (`podlink_agent::dataplane::tc::FILTER_HANDLE`).
+pub const FILTER_HANDLE: &str = "0x53b";
+
+/// The entries of `tc -j filter show` output that are podlink's filter for
+/// `program` (`from_pod` at ingress, `to_pod` at egress): kind `bpf` at
+/// [`FILTER_PREF`] with [`FILTER_HANDLE`], named after the program.
+pub fn podlink_filters<'a>(shown: &'a Value, program: &'a str) -> impl Iterator<Item = &'a Value> {
+    shown.as_array().into_iter().flatten().filter(move |f| {
+        f["kind"] == "bpf"
+            && f["pref"] == FILTER_PREF
+            && f["options"]["handle"] == FILTER_HANDLE
+            && f["options"]["bpf_name"] == program
+    })
+}
+
+/// A pod's attachments in its node: the programs with a pinned TCX link, and those
+/// with podlink's `cls_bpf` filter.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Attachments {
+    /// `from_pod`, `to_pod`: the programs whose link is pinned.
+    pub links: Vec<&'static str>,
+    /// The programs attached as podlink's `cls_bpf` filter.
+    pub filters: Vec<&'static str>,
 }
 
 /// Where Debian's containernetworking-plugins are installed.
@@ -366,6 +455,8 @@ pub struct Cluster {
     api: Option<KubeApi>,
     /// Whether nodes and pods have IPv6 addresses too.
     dual_stack: bool,
+    /// How the agents started from now on attach their programs.
+    attach_mode: AttachMode,
 }
 
 fn write_atomically(path: &Path, text: &str) -> Result<()> {
@@ -496,6 +587,7 @@ impl Cluster {
             extra_pod_ranges: HashMap::new(),
             api: None,
             dual_stack,
+            attach_mode: AttachMode::Auto,
         };
         cluster.track(Resource::Dir(dir.clone()));
         fs::create_dir_all(&cluster.manifests)?;
@@ -693,6 +785,23 @@ impl Cluster {
             cluster.add_namespace(name, *ambient)?;
         }
         Ok(cluster)
+    }
+
+    /// Makes the agents started from now on attach their programs in `mode`
+    /// (`--attach-mode`, left out for [`AttachMode::Auto`]).
+    pub fn set_attach_mode(&mut self, mode: AttachMode) {
+        self.attach_mode = mode;
+    }
+
+    /// As [`Cluster::set_attach_mode`], for a cluster just built.
+    pub fn attaching(mut self, mode: AttachMode) -> Self {
+        self.attach_mode = mode;
+        self
+    }
+
+    /// How the agents started from now on attach their programs.
+    pub fn attach_mode(&self) -> AttachMode {
+        self.attach_mode
     }
 
     /// Whether nodes and pods have IPv6 addresses too.
@@ -1320,6 +1429,13 @@ impl Cluster {
                     .into_iter()
                     .flatten(),
             )
+            // The cluster's attach mode, unless the agent is given one.
+            .args(
+                (self.attach_mode != AttachMode::Auto && !extra.contains(&"--attach-mode"))
+                    .then(|| ["--attach-mode", self.attach_mode.arg()])
+                    .into_iter()
+                    .flatten(),
+            )
             .args(extra)
             .stdout(log.try_clone()?)
             .stderr(log)
@@ -1485,24 +1601,100 @@ impl Cluster {
             .ok_or_else(|| anyhow!("no ifindex for {}", pod.host_veth))
     }
 
-    /// Whether the pod is captured: both TCX links of its host veth pinned and its
+    /// `tc -j filter show dev <veth> <direction>` of a pod's host veth, parsed.
+    pub fn tc_filters(&self, pod: &Pod, direction: &str) -> Result<Value> {
+        let out = run(netns::command_in(&self.nodes[pod.node].netns, "tc").args([
+            "-j",
+            "filter",
+            "show",
+            "dev",
+            &pod.host_veth,
+            direction,
+        ]))?;
+        let text = String::from_utf8_lossy(&out.stdout);
+        // Nothing at all (no clsact qdisc) prints nothing.
+        if text.trim().is_empty() {
+            return Ok(Value::Array(Vec::new()));
+        }
+        serde_json::from_str(&text).with_context(|| format!("tc printed no JSON: {text}"))
+    }
+
+    /// A pod's programs attached in its node: pinned TCX links (`links/` of the
+    /// node's pins) and podlink's `cls_bpf` filters (`tc filter show`).
+    pub fn attachments(&self, pod: &Pod) -> Result<Attachments> {
+        self.attachments_at(pod, self.host_ifindex(pod)?)
+    }
+
+    /// [`Cluster::attachments`] of a pod whose host veth has index `ifindex`.
+    fn attachments_at(&self, pod: &Pod, ifindex: u32) -> Result<Attachments> {
+        let links = self.nodes[pod.node].pins().join("links");
+        let mut found = Attachments::default();
+        for (program, direction) in [("from_pod", "ingress"), ("to_pod", "egress")] {
+            if links.join(format!("{ifindex}_{program}")).exists() {
+                found.links.push(program);
+            }
+            let shown = self.tc_filters(pod, direction)?;
+            if podlink_filters(&shown, program).next().is_some() {
+                found.filters.push(program);
+            }
+        }
+        Ok(found)
+    }
+
+    /// What identifies a pod's attachments to the kernel, to tell whether they
+    /// were replaced: the ids of its TCX links (`podlink inspect`), and for its
+    /// `cls_bpf` filters, which have no id of their own (and whose program a new
+    /// agent replaces in place), their program, direction, priority and handle.
+    pub fn attachment_ids(&self, pod: &Pod) -> Result<Vec<String>> {
+        let ifindex = self.host_ifindex(pod)?;
+        let report = self.inspect(pod.node)?;
+        let mut ids: Vec<String> = report["links"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .filter(|l| l["ifindex"] == ifindex)
+            .map(|l| format!("link {}", l["link_id"]))
+            .chain(
+                report["filters"]
+                    .as_array()
+                    .into_iter()
+                    .flatten()
+                    .filter(|f| f["ifindex"] == ifindex)
+                    .map(|f| {
+                        format!(
+                            "filter {} {} pref {} handle {}",
+                            f["program"], f["direction"], f["priority"], f["handle"]
+                        )
+                    }),
+            )
+            .collect();
+        ids.sort();
+        Ok(ids)
+    }
+
+    /// Whether the pod is captured: both programs attached to its host veth, each
+    /// once (a pinned TCX link or podlink's `cls_bpf` filter, not both), and its
     /// pods-map entry present. `None` while only part of that is in place.
     pub fn capture_state(&self, pod: &Pod) -> Result<Option<bool>> {
         let ifindex = self.host_ifindex(pod)?;
-        let links = self.nodes[pod.node].pins().join("links");
-        let pins = ["from_pod", "to_pod"]
+        let attachments = self.attachments_at(pod, ifindex)?;
+        let attached = ["from_pod", "to_pod"]
             .iter()
-            .filter(|p| links.join(format!("{ifindex}_{p}")).exists())
+            .filter(|p| attachments.links.contains(p) || attachments.filters.contains(p))
             .count();
+        let twice = attachments
+            .links
+            .iter()
+            .any(|p| attachments.filters.contains(p));
         let entry = self
             .dump_map(pod.node, "pods")?
             .as_array()
             .into_iter()
             .flatten()
             .any(|e| e["formatted"]["key"].as_u64() == Some(u64::from(ifindex)));
-        Ok(match (pins, entry) {
-            (2, true) => Some(true),
-            (0, false) => Some(false),
+        Ok(match (attached, twice, entry) {
+            (2, false, true) => Some(true),
+            (0, _, false) => Some(false),
             _ => None,
         })
     }

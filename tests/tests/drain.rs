@@ -52,7 +52,7 @@ fn sigterm_drains_open_connections_then_exits_leaving_the_pins() {
     // A new agent adopts the pins; traffic resumes, and the drops counted while
     // no agent listened are in its metrics (the counters live in the pinned maps).
     c.start_agent(0).unwrap();
-    assert!(c.agent_log(0).contains("adopted pinned link"));
+    assert!(c.agent_log(0).contains(c.attach_mode().adoption_log()));
     let ex = app::exchange(&client.netns, server.addr(8000), b"back").unwrap();
     assert_eq!(ex.echoed, b"back");
     let m = c.metrics(0).unwrap();

@@ -1,23 +1,37 @@
-//! With the proxy stopped, the pinned programs stay attached: enrolled pods' new
-//! connections fail (nothing leaves in plain text), over IPv4 and IPv6
-//! (dual-stack pods), and they work again once an agent is back on the same pins.
+//! With the proxy stopped, the programs stay attached (pinned TCX links, or
+//! `cls_bpf` filters): enrolled pods' new connections fail (nothing leaves in
+//! plain text), over IPv4 and IPv6 (dual-stack pods), and they work again once an
+//! agent is back on the same pins. Each scenario runs with the agents' default
+//! attach mode and with `cls_bpf` filters.
 
 use std::time::Duration;
 
-use podlink_tests::{Capture, Cluster, Family, PodSpec, any_from, app};
+use podlink_tests::{AttachMode, Capture, Cluster, Family, PodSpec, any_from, app};
 
 #[test]
 fn no_proxy_means_no_new_connections_and_no_plaintext() {
-    no_proxy(Family::V4);
+    no_proxy(Family::V4, AttachMode::Auto);
 }
 
 #[test]
 fn ipv6_no_proxy_means_no_new_connections_and_no_plaintext() {
-    no_proxy(Family::V6);
+    no_proxy(Family::V6, AttachMode::Auto);
 }
 
-fn no_proxy(family: Family) {
-    let mut c = Cluster::dual_stack(2, &[("mesh", true), ("legacy", false)]).unwrap();
+#[test]
+fn no_proxy_means_no_new_connections_and_no_plaintext_with_cls_bpf() {
+    no_proxy(Family::V4, AttachMode::ClsBpf);
+}
+
+#[test]
+fn ipv6_no_proxy_means_no_new_connections_and_no_plaintext_with_cls_bpf() {
+    no_proxy(Family::V6, AttachMode::ClsBpf);
+}
+
+fn no_proxy(family: Family, mode: AttachMode) {
+    let mut c = Cluster::dual_stack(2, &[("mesh", true), ("legacy", false)])
+        .unwrap()
+        .attaching(mode);
     let client = c.add_pod(PodSpec::new("client", "mesh", 0)).unwrap();
     let server = c.add_pod(PodSpec::new("server", "mesh", 1)).unwrap();
     let outsider = c.add_pod(PodSpec::new("outsider", "legacy", 0)).unwrap();
@@ -30,9 +44,14 @@ fn no_proxy(family: Family) {
 
     c.stop_agent(0).unwrap();
     c.stop_agent(1).unwrap();
-    // Pins outlive the agents.
+    // Pinned links and filters outlive the agents.
     assert!(c.is_captured(&client).unwrap());
     assert!(c.is_captured(&server).unwrap());
+    if mode.on_this_kernel() == AttachMode::ClsBpf {
+        for pod in [&client, &server] {
+            assert_eq!(c.attachments(pod).unwrap().filters, ["from_pod", "to_pod"]);
+        }
+    }
 
     let capture = c.underlay_capture(0).unwrap();
     // Outbound from an enrolled pod: its SYN is dropped at its own host veth.
@@ -52,9 +71,10 @@ fn no_proxy(family: Family) {
     assert!(c.counters(&client).unwrap()["dropped_no_listener"] >= 1);
     assert!(c.counters(&server).unwrap()["dropped_no_listener"] >= 1);
 
-    // A new agent adopts the pinned links and maps; traffic flows again.
+    // A new agent adopts the pinned links (or filters) and maps; traffic flows
+    // again.
     c.start_agents().unwrap();
-    assert!(c.agent_log(0).contains("adopted pinned link"));
+    assert!(c.agent_log(0).contains(mode.adoption_log()));
     let ex = app::exchange(&client.netns, dst, b"back").unwrap();
     assert_eq!(ex.echoed, b"back");
     assert_eq!(ex.peer_seen.ip(), client.ip_of(family));
@@ -68,9 +88,20 @@ fn no_proxy(family: Family) {
 /// the network in plain text.
 #[test]
 fn proxied_flows_do_not_leak_after_the_proxy_is_gone() {
+    proxied_flows_do_not_leak(AttachMode::Auto);
+}
+
+#[test]
+fn proxied_flows_do_not_leak_after_the_proxy_is_gone_with_cls_bpf() {
+    proxied_flows_do_not_leak(AttachMode::ClsBpf);
+}
+
+fn proxied_flows_do_not_leak(mode: AttachMode) {
     use std::io::Write;
 
-    let mut c = Cluster::with_namespaces(2, &[("mesh", true)]).unwrap();
+    let mut c = Cluster::with_namespaces(2, &[("mesh", true)])
+        .unwrap()
+        .attaching(mode);
     let client = c.add_pod(PodSpec::new("client", "mesh", 0)).unwrap();
     let server = c.add_pod(PodSpec::new("server", "mesh", 1)).unwrap();
     // Orphaned proxy sockets (FIN_WAIT2) go away after a second instead of a minute.

@@ -1,11 +1,13 @@
-//! `podlink inspect` reads the pins, with the agent running and stopped: enrolled
-//! pods with their addresses, flags, links and counters, and a link left dangling
-//! by a pod deleted while no agent ran. `podlink preflight` reports the kernel
-//! as the agent found it at start.
+//! `podlink inspect` reads the pins and podlink's filters, with the agent running
+//! and stopped: enrolled pods with their addresses, flags, links (or `cls_bpf`
+//! filters) and counters, and what a pod deleted while no agent ran leaves: a
+//! dangling link, or a pod entry without attachments (its filters went with its
+//! veth).
+//! `podlink preflight` reports the kernel as the agent found it at start.
 
 use std::process::Command;
 
-use podlink_tests::{Cluster, Pod, PodSpec, app, netns};
+use podlink_tests::{AttachMode, Cluster, Pod, PodSpec, app, netns};
 use serde_json::Value;
 
 /// The `pods` entry of `pod` in an inspect report.
@@ -36,9 +38,41 @@ fn link_ids(report: &Value, ifindex: u32) -> Vec<(String, u64)> {
     ids
 }
 
+/// The filters of `ifindex` in an inspect report: program, direction, priority,
+/// handle and the name of the program it runs.
+fn filters(report: &Value, ifindex: u32) -> Vec<(String, String, u64, String, String)> {
+    report["filters"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|f| f["ifindex"] == ifindex)
+        .map(|f| {
+            (
+                f["program"].as_str().unwrap().to_string(),
+                f["direction"].as_str().unwrap().to_string(),
+                f["priority"].as_u64().unwrap(),
+                f["handle"].as_str().unwrap().to_string(),
+                f["program_name"].as_str().unwrap_or_default().to_string(),
+            )
+        })
+        .collect()
+}
+
 #[test]
 fn inspect_shows_pods_links_counters_and_dangling_links() {
-    let mut c = Cluster::with_namespaces(1, &[("mesh", true)]).unwrap();
+    inspect_shows(AttachMode::Auto);
+}
+
+#[test]
+fn inspect_shows_pods_filters_counters_and_what_a_deleted_pod_leaves_with_cls_bpf() {
+    inspect_shows(AttachMode::ClsBpf);
+}
+
+fn inspect_shows(mode: AttachMode) {
+    let tcx = mode.on_this_kernel() == AttachMode::Tcx;
+    let mut c = Cluster::with_namespaces(1, &[("mesh", true)])
+        .unwrap()
+        .attaching(mode);
     let client = c.add_pod(PodSpec::new("client", "mesh", 0)).unwrap();
     let server = c.add_pod(PodSpec::new("server", "mesh", 0)).unwrap();
     c.start_agent(0).unwrap();
@@ -67,6 +101,32 @@ fn inspect_shows_pods_links_counters_and_dangling_links() {
         assert_eq!(entry["ifindex"], ifindex);
         assert_eq!(entry["ipv4"], pod.ip.to_string());
         assert_eq!(entry["flags"], serde_json::json!(["enrolled", "has_ipv4"]));
+        if !tcx {
+            // podlink's filters, running its programs; no link.
+            assert_eq!(
+                filters(&report, ifindex),
+                [
+                    (
+                        "from_pod".into(),
+                        "ingress".into(),
+                        1,
+                        "0x53b".into(),
+                        "from_pod".into()
+                    ),
+                    (
+                        "to_pod".into(),
+                        "egress".into(),
+                        1,
+                        "0x53b".into(),
+                        "to_pod".into()
+                    ),
+                ],
+                "{report:#}"
+            );
+            assert!(link_ids(&report, ifindex).is_empty(), "{report:#}");
+            continue;
+        }
+        assert!(filters(&report, ifindex).is_empty(), "{report:#}");
         let links = link_ids(&report, ifindex);
         assert_eq!(
             links.iter().map(|(p, _)| p.as_str()).collect::<Vec<_>>(),
@@ -90,6 +150,9 @@ fn inspect_shows_pods_links_counters_and_dangling_links() {
                 .unwrap_or_else(|| panic!("link {id} not in bpftool link show"));
             assert_eq!(kernel["prog_id"], link["program_id"]);
         }
+    }
+    for pod in [&client, &server] {
+        let entry = pod_entry(&report, pod);
         let total: u64 = entry["counters"]
             .as_object()
             .unwrap()
@@ -111,6 +174,7 @@ fn inspect_shows_pods_links_counters_and_dangling_links() {
     let stopped = c.inspect(0).unwrap();
     assert_eq!(stopped["problems"], serde_json::json!([]), "{stopped:#}");
     assert_eq!(stopped["links"], report["links"]);
+    assert_eq!(stopped["filters"], report["filters"]);
     assert_eq!(stopped["pods"].as_array().unwrap().len(), 2);
 
     // The server pod goes (CNI DEL removes its veth) while no agent runs.
@@ -125,14 +189,6 @@ fn inspect_shows_pods_links_counters_and_dangling_links() {
         .collect();
     let gone = u64::from(gone);
     assert!(
-        problems
-            .iter()
-            .filter(|p| **p == ("link_interface_gone", gone))
-            .count()
-            == 2,
-        "{after:#}"
-    );
-    assert!(
         problems.contains(&("pod_interface_gone", gone)),
         "{after:#}"
     );
@@ -140,16 +196,30 @@ fn inspect_shows_pods_links_counters_and_dangling_links() {
         problems.iter().all(|(_, i)| *i == gone),
         "only the deleted pod is inconsistent: {after:#}"
     );
-    // Inspecting changed nothing: the dangling links are still pinned.
-    assert_eq!(after["links"].as_array().unwrap().len(), 4);
-    for program in ["from_pod", "to_pod"] {
+    if tcx {
         assert!(
-            c.nodes[0]
-                .pins()
-                .join("links")
-                .join(format!("{gone}_{program}"))
-                .exists()
+            problems
+                .iter()
+                .filter(|p| **p == ("link_interface_gone", gone))
+                .count()
+                == 2,
+            "{after:#}"
         );
+        // Inspecting changed nothing: the dangling links are still pinned.
+        assert_eq!(after["links"].as_array().unwrap().len(), 4);
+        for program in ["from_pod", "to_pod"] {
+            assert!(
+                c.nodes[0]
+                    .pins()
+                    .join("links")
+                    .join(format!("{gone}_{program}"))
+                    .exists()
+            );
+        }
+    } else {
+        // The filters went with the veth; the pod's entry is left without any.
+        assert!(problems.contains(&("pod_without_links", gone)), "{after:#}");
+        assert_eq!(after["filters"].as_array().unwrap().len(), 2, "{after:#}");
     }
     // The table says it too.
     let out = netns::run(
@@ -158,7 +228,13 @@ fn inspect_shows_pods_links_counters_and_dangling_links() {
     )
     .unwrap();
     let table = String::from_utf8_lossy(&out.stdout);
-    assert!(table.contains("link_interface_gone"), "{table}");
+    if tcx {
+        assert!(table.contains("link_interface_gone"), "{table}");
+    } else {
+        assert!(table.contains("pod_without_links"), "{table}");
+        assert!(table.contains("FILTERS (cls_bpf)"), "{table}");
+        assert!(table.contains("0x53b"), "{table}");
+    }
     assert!(table.contains(&client.host_veth), "{table}");
     assert!(table.contains(&client.ip.to_string()), "{table}");
 }

@@ -72,18 +72,11 @@ impl KubeBed {
         }
     }
 
-    /// The kernel IDs of a pod's TCX links, from `podlink inspect`.
-    fn link_ids(&self, pod: &Pod) -> Vec<u64> {
-        let ifindex = self.c.host_ifindex(pod).unwrap();
-        let report = self.c.inspect(pod.node).unwrap();
-        let mut ids: Vec<u64> = report["links"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .filter(|l| l["ifindex"] == ifindex)
-            .map(|l| l["link_id"].as_u64().unwrap())
-            .collect();
-        ids.sort_unstable();
+    /// What identifies a pod's attachments: its TCX links' kernel ids or its
+    /// filters' places ([`Cluster::attachment_ids`]).
+    fn link_ids(&self, pod: &Pod) -> Vec<String> {
+        let ids = self.c.attachment_ids(pod).unwrap();
+        assert_eq!(ids.len(), 2, "{ids:?}");
         ids
     }
 }

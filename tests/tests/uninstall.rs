@@ -1,12 +1,14 @@
 //! `podlink uninstall` leaves nothing of podlink's on a node — no TCX program, no
-//! link, no pin, no policy routing, sysctls as they were, no `podlink-cni` in the
-//! CNI configuration — and pods talk directly again. It refuses while an agent
-//! runs, an agent refused by the pin directory's lock changes nothing, and
-//! running it twice is harmless.
+//! link, no `cls_bpf` filter, no `clsact` qdisc it added, no pin, no policy
+//! routing, sysctls as they were, no `podlink-cni` in the CNI configuration — and
+//! pods talk directly again, while someone else's `clsact` qdisc and filters stay.
+//! It refuses while an agent runs, an agent refused by the pin directory's lock
+//! changes nothing, and running it twice is harmless. It runs with the agents'
+//! default attach mode and with `cls_bpf` filters.
 
 use std::{fs, net::IpAddr, process::Command};
 
-use podlink_tests::{Capture, Cluster, Family, PodSpec, app, contains_bytes, netns};
+use podlink_tests::{AttachMode, Capture, Cluster, Family, PodSpec, app, contains_bytes, netns};
 use serde_json::Value;
 
 const CONFLIST: &str = r#"{
@@ -50,11 +52,46 @@ fn in_node(netns_name: &str, program: &str, args: &[&str]) -> String {
 
 #[test]
 fn uninstall_removes_every_trace_and_pods_talk_directly() {
+    uninstall_removes_every_trace(AttachMode::Auto);
+}
+
+#[test]
+fn uninstall_removes_every_trace_and_pods_talk_directly_with_cls_bpf() {
+    uninstall_removes_every_trace(AttachMode::ClsBpf);
+}
+
+fn uninstall_removes_every_trace(mode: AttachMode) {
+    let filters_mode = mode.on_this_kernel() == AttachMode::ClsBpf;
     // Dual stack: the IPv6 twins of the rule and route go too.
-    let mut c = Cluster::dual_stack(2, &[("mesh", true)]).unwrap();
+    let mut c = Cluster::dual_stack(2, &[("mesh", true)])
+        .unwrap()
+        .attaching(mode);
     let client = c.add_pod(PodSpec::new("client", "mesh", 0)).unwrap();
     let server = c.add_pod(PodSpec::new("server", "mesh", 1)).unwrap();
     let node = c.nodes[0].clone();
+    // Someone else's clsact qdisc on the server's veth, with a filter after
+    // podlink's priority: both stay.
+    let server_node = c.nodes[1].netns.clone();
+    let tc = |netns_name: &str, args: &[&str]| in_node(netns_name, "tc", args);
+    tc(
+        &server_node,
+        &["qdisc", "add", "dev", &server.host_veth, "clsact"],
+    );
+    tc(
+        &server_node,
+        &[
+            "filter",
+            "add",
+            "dev",
+            &server.host_veth,
+            "ingress",
+            "pref",
+            "5",
+            "bpf",
+            "bytecode",
+            "1,6 0 0 0",
+        ],
+    );
     // A strict reverse-path filter, which the agent relaxes to loose.
     netns::run(netns::command_in(&node.netns, "sysctl").args([
         "-q",
@@ -96,7 +133,17 @@ fn uninstall_removes_every_trace_and_pods_talk_directly() {
         .iter()
         .map(|l| l["link_id"].as_u64().unwrap())
         .collect();
-    assert_eq!(link_ids.len(), 2, "{report:#}");
+    let filters = report["filters"].as_array().unwrap().len();
+    if filters_mode {
+        assert_eq!((link_ids.len(), filters), (0, 2), "{report:#}");
+        assert!(tc(&node.netns, &["qdisc", "show", "dev", &client.host_veth]).contains("clsact"));
+    } else {
+        assert_eq!((link_ids.len(), filters), (2, 0), "{report:#}");
+    }
+    assert_eq!(
+        c.attachments(&server).unwrap().filters.len(),
+        if filters_mode { 2 } else { 0 }
+    );
 
     let uninstall = |c: &Cluster, node: usize, cni_dir: &std::path::Path| {
         let mut cmd = c.podlink_command(node, &["uninstall", "--pin-dir"]);
@@ -171,6 +218,7 @@ fn uninstall_removes_every_trace_and_pods_talk_directly() {
         drop(std::os::unix::net::UnixListener::bind(&node.cni_socket).unwrap());
     }
     let no_cni = c.dir.join("node2-cni");
+    let mut said = String::new();
     for (n, dir) in [(0, &cni_dir), (1, &no_cni)] {
         let out = uninstall(&c, n, dir);
         assert!(
@@ -178,9 +226,49 @@ fn uninstall_removes_every_trace_and_pods_talk_directly() {
             "{}",
             String::from_utf8_lossy(&out.stderr)
         );
+        said += &String::from_utf8_lossy(&out.stdout);
+    }
+    if filters_mode {
+        // The qdisc podlink added to the client's veth goes; the server's, which
+        // was someone else's, stays with their filter.
+        for line in [
+            format!(
+                "removed the cls_bpf filter from_pod at ingress of {}",
+                client.host_veth
+            ),
+            format!(
+                "removed the cls_bpf filter to_pod at egress of {}",
+                server.host_veth
+            ),
+            format!(
+                "removed the clsact qdisc of {} (podlink added it)",
+                client.host_veth
+            ),
+        ] {
+            assert!(said.contains(&line), "{line:?} not in {said}");
+        }
+    }
+    assert!(
+        !said.contains(&format!("qdisc of {}", server.host_veth)),
+        "{said}"
+    );
+    assert!(!tc(&node.netns, &["qdisc", "show", "dev", &client.host_veth]).contains("clsact"));
+    assert!(tc(&server_node, &["qdisc", "show", "dev", &server.host_veth]).contains("clsact"));
+    let left = tc(
+        &server_node,
+        &["filter", "show", "dev", &server.host_veth, "ingress"],
+    );
+    assert!(
+        left.contains("pref 5 bpf") && left.contains("bytecode"),
+        "{left}"
+    );
+    assert!(!left.contains("pref 1 "), "{left}");
+    for pod in [&client, &server] {
+        assert_eq!(c.attachments(pod).unwrap(), Default::default());
     }
 
-    // No TCX program on the node's interfaces, no link, no rule, no route.
+    // No TCX program nor filter of podlink's on the node's interfaces, no link,
+    // no rule, no route.
     let net = in_node(&node.netns, "bpftool", &["-j", "net", "show"]);
     assert!(
         !net.contains("from_pod") && !net.contains("to_pod"),

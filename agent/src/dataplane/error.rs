@@ -117,6 +117,49 @@ pub enum Error {
         /// aya's error.
         error: ProgramError,
     },
+    /// Attaching a program to a pod's host veth as a `cls_bpf` filter failed.
+    #[error("attaching {program} to {interface} as a cls_bpf filter: {error}")]
+    AttachFilter {
+        /// The program.
+        program: Program,
+        /// The host veth's name.
+        interface: String,
+        /// The kernel's refusal.
+        error: io::Error,
+    },
+    /// Another filter holds podlink's priority and handle on a host veth.
+    #[error(
+        "{interface} has a filter at {direction} with podlink's priority {} and handle {:#x} that is not podlink's {program}: remove it (tc filter del dev {interface} {direction} pref {} handle {:#x} bpf) or use --attach-mode tcx",
+        super::tc::FILTER_PRIORITY,
+        super::tc::FILTER_HANDLE,
+        super::tc::FILTER_PRIORITY,
+        super::tc::FILTER_HANDLE
+    )]
+    FilterTaken {
+        /// The program.
+        program: Program,
+        /// The host veth's name.
+        interface: String,
+        /// `ingress` or `egress`.
+        direction: &'static str,
+    },
+    /// A traffic-control request (a dump of filters or qdiscs, a qdisc added)
+    /// failed.
+    #[error("{request}: {error}")]
+    Tc {
+        /// What was asked: `dumping the cls_bpf filters`, `adding a clsact qdisc to …`.
+        request: String,
+        /// The kernel's or the socket's error.
+        error: io::Error,
+    },
+    /// `--attach-mode tcx` on a kernel without TCX.
+    #[error(
+        "--attach-mode tcx needs TCX links, which came with Linux 6.6; this kernel is {kernel}: use --attach-mode auto or cls-bpf"
+    )]
+    NoTcx {
+        /// The kernel's version.
+        kernel: String,
+    },
     /// A link is not of the kind expected (a TCX link of a TC program).
     #[error("the link of program {program}: {}", Chain(.error))]
     Link {
@@ -359,6 +402,12 @@ impl Error {
             path,
             error,
         }
+    }
+
+    /// An [`Error::Tc`] for `request`.
+    pub(crate) fn tc(request: impl Into<String>) -> impl FnOnce(io::Error) -> Self {
+        let request = request.into();
+        move |error| Error::Tc { request, error }
     }
 
     /// An [`Error::Netlink`] for `request`.

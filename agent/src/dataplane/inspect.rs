@@ -1,11 +1,13 @@
-//! `podlink inspect`: what the pins say, read without an agent and without changing
-//! anything — enrolled pods, their links and counters, and what does not add up.
+//! `podlink inspect`: what the pins and the node's interfaces say, read without an
+//! agent and without changing anything — enrolled pods, their attachments (TCX
+//! links or `cls_bpf` filters) and counters, and what does not add up.
 //!
 //! It reads the pin directory's maps (`pods`, `pod_counters`; per-CPU counters are
 //! summed) and link pins (`BPF_OBJ_GET`, then `BPF_OBJ_GET_INFO_BY_FD` for the link
-//! and program ids), and the node's interfaces (a route netlink dump of the
-//! links): run it in the node's network namespace, where the interface indexes
-//! mean something.
+//! and program ids), podlink's `cls_bpf` filters on the node's interfaces (route
+//! netlink dumps of the qdiscs and filters, [`super::tc`]), and the node's
+//! interfaces (a route netlink dump of the links): run it in the node's network
+//! namespace, where the interface indexes mean something.
 
 use crate::error::IoError;
 use std::{
@@ -36,6 +38,7 @@ use super::{
     net,
     netlink::Netlink,
     pins::{self, parse_link_pin_name},
+    tc::{self, Tc},
 };
 
 /// Everything `podlink inspect` reports. Its JSON form (`--json`) is a stable
@@ -52,6 +55,9 @@ pub struct Inspection {
     pub pods: Vec<PodReport>,
     /// Pinned TCX links, by host veth index and program.
     pub links: Vec<LinkReport>,
+    /// podlink's `cls_bpf` filters on the node's interfaces, by interface index
+    /// and program.
+    pub filters: Vec<FilterReport>,
     /// What does not add up; empty when all is consistent.
     pub problems: Vec<Problem>,
 }
@@ -97,12 +103,37 @@ pub struct LinkReport {
     pub error: Option<String>,
 }
 
+/// One of podlink's `cls_bpf` filters.
+#[derive(Clone, Debug, Serialize)]
+pub struct FilterReport {
+    /// The interface's index.
+    pub ifindex: u32,
+    /// Its name in this network namespace; `null` when no interface has the index.
+    pub interface: Option<String>,
+    /// `from_pod` (on `ingress`) or `to_pod` (on `egress`).
+    pub program: Program,
+    /// `ingress` or `egress`: where on the `clsact` qdisc it is.
+    pub direction: &'static str,
+    /// Its priority (`tc filter show … pref`): [`tc::FILTER_PRIORITY`].
+    pub priority: u16,
+    /// Its handle, in hex as `tc filter show` prints it: [`tc::FILTER_HANDLE`].
+    pub handle: String,
+    /// The id of the program it runs; `null` if the kernel did not say.
+    pub program_id: Option<u32>,
+    /// That program's name; `null` if unknown.
+    pub program_name: Option<String>,
+    /// Whether it is in direct-action mode.
+    pub direct_action: bool,
+}
+
 /// Something inconsistent in the pins.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize)]
 pub struct Problem {
     /// `link_interface_gone`, `link_interface_not_veth`, `link_without_pod`,
-    /// `pod_interface_gone`, `pod_without_links`, `unversioned_pins_left`,
-    /// `previous_layout_pins_left`.
+    /// `filter_without_pod`, `pod_interface_gone`, `pod_without_links` (a program
+    /// with neither a link nor a filter), `pod_attached_twice` (a program with
+    /// both: an agent switching attach modes stopped half way),
+    /// `unversioned_pins_left`, `previous_layout_pins_left`.
     pub kind: &'static str,
     /// The interface index concerned (0 when none).
     pub ifindex: u32,
@@ -167,6 +198,27 @@ pub fn inspect(pin_dir: &Path) -> Result<Inspection> {
         pin_dir: pin_dir.to_path_buf(),
         ..Default::default()
     };
+    let interfaces = Netlink::blocking(async |netlink| net::interfaces(netlink).await)?;
+    let name_of = |ifindex: u32| interfaces.get(&ifindex).map(|(name, _)| name.clone());
+    let program_names = program_names();
+    let mut filters: Vec<FilterReport> = Tc::open()
+        .and_then(|mut tc| tc.podlink_filters())
+        .map_err(Error::tc("listing podlink's cls_bpf filters"))?
+        .into_iter()
+        .map(|f| FilterReport {
+            ifindex: f.ifindex,
+            interface: name_of(f.ifindex),
+            program: f.program,
+            direction: direction(f.program),
+            priority: tc::FILTER_PRIORITY,
+            handle: format!("{:#x}", tc::FILTER_HANDLE),
+            program_id: f.program_id,
+            program_name: f.program_id.and_then(|id| program_names.get(&id).cloned()),
+            direct_action: f.direct_action,
+        })
+        .collect();
+    filters.sort_by_key(|f| (f.ifindex, f.program));
+    report.filters = filters;
     let contents = pins::survey(pin_dir)?;
     pins::refuse_other_versions(pin_dir, &contents)?;
     // The newest layout found is read (as the agent keeps the newest pins);
@@ -212,8 +264,6 @@ pub fn inspect(pin_dir: &Path) -> Result<Inspection> {
         format!("v{version}")
     });
     check_pinned_layouts(&dir, version)?;
-    let interfaces = Netlink::blocking(async |netlink| net::interfaces(netlink).await)?;
-    let name_of = |ifindex: u32| interfaces.get(&ifindex).map(|(name, _)| name.clone());
 
     let mut pods: BTreeMap<u32, PodReport> = BTreeMap::new();
     let pods_pin = dir.join(MAP_PODS);
@@ -250,7 +300,6 @@ pub fn inspect(pin_dir: &Path) -> Result<Inspection> {
     let links_dir = dir.join(LINKS_DIR);
     let mut links = Vec::new();
     if links_dir.is_dir() {
-        let program_names = program_names();
         for entry in fs::read_dir(&links_dir).map_err(IoError::at("reading", &links_dir))? {
             let pin = entry.map_err(IoError::at("reading", &links_dir))?.path();
             let Some((ifindex, program)) = pin
@@ -284,6 +333,7 @@ pub fn inspect(pin_dir: &Path) -> Result<Inspection> {
     report.problems.extend(problems(
         &pods.values().cloned().collect::<Vec<_>>(),
         &links,
+        &report.filters,
         &interfaces,
     ));
     report.pods = pods.into_values().collect();
@@ -291,11 +341,20 @@ pub fn inspect(pin_dir: &Path) -> Result<Inspection> {
     Ok(report)
 }
 
-/// The inconsistencies between pods entries, links and the node's interfaces
-/// (index → name and kind).
+/// Where on the `clsact` qdisc `program`'s filter is.
+fn direction(program: Program) -> &'static str {
+    match program {
+        Program::FromPod => "ingress",
+        Program::ToPod => "egress",
+    }
+}
+
+/// The inconsistencies between pods entries, links, filters and the node's
+/// interfaces (index → name and kind).
 fn problems(
     pods: &[PodReport],
     links: &[LinkReport],
+    filters: &[FilterReport],
     interfaces: &HashMap<u32, (String, Option<String>)>,
 ) -> Vec<Problem> {
     let mut problems = Vec::new();
@@ -332,6 +391,21 @@ fn problems(
             });
         }
     }
+    for filter in filters {
+        if !pods.iter().any(|p| p.ifindex == filter.ifindex) {
+            problems.push(Problem {
+                kind: "filter_without_pod",
+                ifindex: filter.ifindex,
+                message: format!(
+                    "the {} filter at {} of {}: the pods map has no entry for interface {}",
+                    filter.program,
+                    filter.direction,
+                    filter.interface.as_deref().unwrap_or("?"),
+                    filter.ifindex
+                ),
+            });
+        }
+    }
     for pod in pods {
         let label = match &pod.interface {
             Some(name) => format!("pod entry {} ({name})", pod.ifindex),
@@ -344,20 +418,44 @@ fn problems(
                 message: format!("{label}: no interface has this index any more"),
             });
         }
+        let linked = |p: Program| {
+            links
+                .iter()
+                .any(|l| l.ifindex == pod.ifindex && l.program == p)
+        };
+        let filtered = |p: Program| {
+            filters
+                .iter()
+                .any(|f| f.ifindex == pod.ifindex && f.program == p)
+        };
         let missing: Vec<&str> = Program::ALL
             .into_iter()
-            .filter(|p| {
-                !links
-                    .iter()
-                    .any(|l| l.ifindex == pod.ifindex && l.program == *p)
-            })
+            .filter(|p| !linked(*p) && !filtered(*p))
             .map(Program::name)
             .collect();
         if !missing.is_empty() {
             problems.push(Problem {
                 kind: "pod_without_links",
                 ifindex: pod.ifindex,
-                message: format!("{label}: no pinned {} link", missing.join(" or ")),
+                message: format!(
+                    "{label}: no {} attached (neither a pinned TCX link nor a cls_bpf filter)",
+                    missing.join(" or ")
+                ),
+            });
+        }
+        let twice: Vec<&str> = Program::ALL
+            .into_iter()
+            .filter(|p| linked(*p) && filtered(*p))
+            .map(Program::name)
+            .collect();
+        if !twice.is_empty() {
+            problems.push(Problem {
+                kind: "pod_attached_twice",
+                ifindex: pod.ifindex,
+                message: format!(
+                    "{label}: {} attached both as a pinned TCX link and as a cls_bpf filter; the next agent keeps the kind of its --attach-mode",
+                    twice.join(" and ")
+                ),
             });
         }
     }
@@ -396,6 +494,10 @@ impl Inspection {
         let mut out = String::new();
         let Some(layout) = &self.layout else {
             let _ = writeln!(out, "nothing pinned under {}", self.pin_dir.display());
+            if !self.filters.is_empty() {
+                let _ = writeln!(out, "\nFILTERS (cls_bpf)");
+                out += &self.filters_table();
+            }
             return out;
         };
         let _ = writeln!(
@@ -441,6 +543,8 @@ impl Inspection {
             &["IFINDEX", "INTERFACE", "PROGRAM", "LINK", "PROG", "PIN"],
             &rows,
         );
+        let _ = writeln!(out, "\nFILTERS (cls_bpf)");
+        out += &self.filters_table();
         let _ = writeln!(
             out,
             "\nCOUNTERS (packets, summed over CPUs; zero counters left out)"
@@ -465,6 +569,38 @@ impl Inspection {
             let _ = writeln!(out, "{}: {}", problem.kind, problem.message);
         }
         out
+    }
+}
+
+impl Inspection {
+    fn filters_table(&self) -> String {
+        let rows: Vec<Vec<String>> = self
+            .filters
+            .iter()
+            .map(|f| {
+                vec![
+                    f.ifindex.to_string(),
+                    or_dash(f.interface.as_ref()),
+                    f.program.to_string(),
+                    f.direction.to_string(),
+                    f.priority.to_string(),
+                    f.handle.clone(),
+                    or_dash(f.program_id),
+                ]
+            })
+            .collect();
+        table(
+            &[
+                "IFINDEX",
+                "INTERFACE",
+                "PROGRAM",
+                "DIRECTION",
+                "PREF",
+                "HANDLE",
+                "PROG",
+            ],
+            &rows,
+        )
     }
 }
 
@@ -548,7 +684,7 @@ mod tests {
             link(8, Program::FromPod),
             link(9, Program::FromPod),
         ];
-        let found: Vec<(&str, u32)> = problems(&pods, &links, &interfaces)
+        let found: Vec<(&str, u32)> = problems(&pods, &links, &[], &interfaces)
             .iter()
             .map(|p| (p.kind, p.ifindex))
             .collect();

@@ -15,11 +15,24 @@
 //! freshly loaded program with `BPF_LINK_UPDATE` (atomic: no packet sees no
 //! program).
 //!
-//! TCX links need kernel 6.6; below it, the programs are attached as netlink
-//! `cls_bpf` filters on a `clsact` qdisc (added if missing, never deleted), which
-//! are not pinned and detach when the agent exits.
+//! How the programs are attached follows [`AttachMode`] (`podlink agent
+//! --attach-mode`): TCX links, pinned, where the kernel has them (6.6 and later);
+//! below 6.6 (or with `--attach-mode cls-bpf`) netlink `cls_bpf` filters on a
+//! `clsact` qdisc ([`tc`]), at podlink's own priority and handle. Filters are not
+//! tied to a process either: they stay attached when the agent exits, and a new
+//! agent finds them on the node's interfaces and replaces their programs in place
+//! (no packet sees no program). Either way capture outlives the agent and fails
+//! closed while none runs. The `clsact` qdiscs podlink adds are recorded in the
+//! state directory ([`clsact`]) for `podlink uninstall`; the agent never deletes
+//! one.
+//!
+//! An agent started in the other mode than the previous one (on a kernel with
+//! both) takes its attachments over: it adopts them as they are, then, pod by pod,
+//! attaches its own kind and only then removes the previous kind, so that no pod
+//! is uncaptured meanwhile nor left with both.
 
 mod bpffs;
+pub mod clsact;
 mod error;
 pub mod inspect;
 pub mod journal;
@@ -30,7 +43,9 @@ pub mod pins;
 pub mod preflight;
 mod program;
 pub mod rcu;
+pub mod tc;
 
+use clsact::ClsactRecord;
 pub use error::{Error, IoError, Result};
 use journal::SysctlJournal;
 use layout::{cidr_key, with_node_addrs};
@@ -40,8 +55,10 @@ use rcu::ExpeditedAttach;
 
 use std::{
     collections::{HashMap, HashSet},
+    fmt,
     fs::{self, File},
     net::{IpAddr, Ipv4Addr, Ipv6Addr},
+    os::fd::AsFd,
     path::{Path, PathBuf},
     sync::Arc,
 };
@@ -55,7 +72,7 @@ use aya::{
     programs::{
         LinkOrder, SchedClassifier,
         links::{FdLink, PinnedLink},
-        tc::{self, SchedClassifierLink, TcAttachOptions},
+        tc::{SchedClassifierLink, TcAttachOptions},
     },
 };
 use nix::fcntl::Flock;
@@ -101,6 +118,65 @@ pub struct DataplaneConfig {
     pub excluded_ports: Vec<u16>,
     /// Whether TCX attachments run with expedited RCU grace periods ([`rcu`]).
     pub expedite_attach: bool,
+    /// How the programs are attached.
+    pub attach_mode: AttachMode,
+}
+
+/// How the programs are attached to the host veths (`podlink agent
+/// --attach-mode`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum)]
+pub enum AttachMode {
+    /// TCX links where the kernel has them (6.6 and later), else `cls_bpf`
+    /// filters.
+    #[default]
+    Auto,
+    /// TCX links, pinned (kernel 6.6 or later; the agent refuses to start
+    /// without).
+    Tcx,
+    /// Netlink `cls_bpf` filters on a `clsact` qdisc, on any kernel (for
+    /// tooling that expects tc filters).
+    ClsBpf,
+}
+
+/// The first kernel with TCX links (`BPF_LINK_TYPE_TCX`, Linux 6.6).
+pub const TCX_KERNEL: KernelVersion = KernelVersion::new(6, 6, 0);
+
+impl AttachMode {
+    /// The kind of attachment this mode gives on a kernel of version `kernel`
+    /// (`None`: unknown; then `auto` takes `cls_bpf`, which every kernel has).
+    ///
+    /// # Errors
+    /// [`Error::NoTcx`] for [`AttachMode::Tcx`] on a kernel older than
+    /// [`TCX_KERNEL`].
+    pub fn resolve(self, kernel: Option<KernelVersion>) -> Result<LinkKind> {
+        let tcx = kernel.map(|k| k >= TCX_KERNEL);
+        match (self, tcx) {
+            (AttachMode::Auto, Some(true)) => Ok(LinkKind::Tcx),
+            (AttachMode::Auto, _) | (AttachMode::ClsBpf, _) => Ok(LinkKind::ClsBpf),
+            (AttachMode::Tcx, Some(false)) => Err(Error::NoTcx {
+                kernel: kernel.map(|k| k.to_string()).unwrap_or_default(),
+            }),
+            (AttachMode::Tcx, _) => Ok(LinkKind::Tcx),
+        }
+    }
+}
+
+/// The kind of one attachment of a program to a host veth.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum LinkKind {
+    /// A TCX link, pinned under `links/`.
+    Tcx,
+    /// podlink's `cls_bpf` filter ([`tc`]).
+    ClsBpf,
+}
+
+impl fmt::Display for LinkKind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            LinkKind::Tcx => "TCX links",
+            LinkKind::ClsBpf => "cls_bpf filters",
+        })
+    }
 }
 
 /// What [`Dataplane::reconcile`] may detach and remove besides attaching.
@@ -169,8 +245,27 @@ impl CapturedPod {
 enum Link {
     /// A TCX link, pinned at the path.
     Pinned { path: PathBuf, _fd: FdLink },
-    /// A netlink cls_bpf filter (kernels before 6.6).
-    Netlink(#[allow(dead_code)] SchedClassifierLink),
+    /// podlink's `cls_bpf` filter for the program on the interface. Nothing is
+    /// held: dropping it detaches nothing ([`Dataplane::detach_links`] deletes
+    /// it).
+    Filter { ifindex: u32, program: Program },
+}
+
+impl Link {
+    fn kind(&self) -> LinkKind {
+        match self {
+            Link::Pinned { .. } => LinkKind::Tcx,
+            Link::Filter { .. } => LinkKind::ClsBpf,
+        }
+    }
+}
+
+/// What enrolling does for one program of a pod in mode `mode`, given what a
+/// previous agent left attached (`previous`): whether that attachment is kept
+/// as it is (true), or a new one of `mode`'s kind is made (false) — after which
+/// a previous attachment of the other kind is removed.
+fn keeps_previous(mode: LinkKind, previous: Option<LinkKind>) -> bool {
+    previous == Some(mode)
 }
 
 struct Attachment {
@@ -228,9 +323,9 @@ pub struct Dataplane {
     counters: PerCpuHashMap<MapData, u32, PodCounters>,
     config_map: Array<MapData, Config>,
     attached: HashMap<u32, Attachment>,
-    /// Pinned links of a previous agent, moved to this agent's programs, not yet
-    /// claimed by a pod.
-    adopted: HashMap<(u32, Program), (PathBuf, FdLink)>,
+    /// Attachments of a previous agent (pinned links and filters), moved to this
+    /// agent's programs, not yet claimed by a pod.
+    adopted: HashMap<(u32, Program), Link>,
     /// The pods map's entries of a previous agent were swept (once the workload
     /// source could tell which pods are gone), the whole map read and every stale
     /// entry removed. Only this agent writes the map while it holds the pin
@@ -243,7 +338,12 @@ pub struct Dataplane {
     /// entries stay meanwhile, so that a pod a previous agent captured (its links
     /// adopted) stays captured.
     unattached: HashSet<u32>,
-    tcx: bool,
+    /// How this agent attaches.
+    mode: LinkKind,
+    /// podlink's filters and `clsact` qdiscs.
+    tc: tc::Tc,
+    /// The `clsact` qdiscs podlink added.
+    clsact: ClsactRecord,
     rcu: ExpeditedAttach,
 }
 
@@ -270,6 +370,14 @@ impl Dataplane {
         if let Some(error) = preflight.error() {
             return Err(error);
         }
+        // Before anything is changed: a mode this kernel lacks is refused.
+        let kernel = KernelVersion::current().ok();
+        let mode = cfg.attach_mode.resolve(kernel)?;
+        tracing::info!(
+            kernel = %kernel.map(|k| k.to_string()).unwrap_or_else(|| "unknown".into()),
+            attach_mode = ?cfg.attach_mode,
+            "programs are attached as {mode}"
+        );
         bpffs::ensure(&cfg.pin_dir)?;
         let lock = pins::lock(&cfg.pin_dir)?;
         let prepared = pins::prepare(&cfg.pin_dir)?;
@@ -377,13 +485,15 @@ impl Dataplane {
                     error,
                 })?;
         }
-        let tcx = preflight.attach == Some(preflight::AttachPath::Tcx);
-        if !tcx {
-            tracing::warn!(
-                "no TCX on this kernel (Linux 6.6+): programs are attached as netlink cls_bpf filters, which cannot be pinned; when this agent exits, capture stops until an agent is back"
+        if cfg.expedite_attach && mode == LinkKind::ClsBpf {
+            // cls_bpf_change() frees what it replaces after a grace period,
+            // without waiting for it.
+            tracing::info!(
+                "--expedite-attach concerns TCX links only: not used with cls_bpf filters"
             );
         }
-        let rcu = ExpeditedAttach::new(&cfg.state_dir, cfg.expedite_attach && tcx);
+        let rcu =
+            ExpeditedAttach::new(&cfg.state_dir, cfg.expedite_attach && mode == LinkKind::Tcx);
         match rcu.recover() {
             Ok(true) => tracing::warn!(
                 "put {} back to 0: an earlier agent stopped while it had it at 1",
@@ -405,15 +515,30 @@ impl Dataplane {
             adopted: HashMap::new(),
             previous_swept: false,
             unattached: HashSet::new(),
-            tcx,
+            mode,
+            tc: tc::Tc::open().map_err(Error::tc("opening a route netlink socket"))?,
+            clsact: ClsactRecord::new(&cfg.state_dir),
             rcu,
         };
         dataplane.adopt_pinned_links()?;
+        dataplane.adopt_filters()?;
+        match dataplane.clsact.prune() {
+            Ok(0) => {}
+            Ok(dropped) => {
+                tracing::debug!(dropped, "dropped the clsact records of gone interfaces")
+            }
+            Err(e) => tracing::warn!("pruning the clsact record: {e}"),
+        }
         Ok(dataplane)
     }
 
     fn program(&mut self, program: Program) -> Result<&mut SchedClassifier> {
         classifier(&mut self.ebpf, program)
+    }
+
+    /// How this agent attaches the programs.
+    pub fn link_kind(&self) -> LinkKind {
+        self.mode
     }
 
     /// Moves every pinned link of a previous agent to this agent's programs.
@@ -431,7 +556,8 @@ impl Dataplane {
             match self.adopt_link(&path, program) {
                 Ok(fd) => {
                     tracing::info!(ifindex, program = program.name(), "adopted pinned link");
-                    self.adopted.insert((ifindex, program), (path, fd));
+                    self.adopted
+                        .insert((ifindex, program), Link::Pinned { path, _fd: fd });
                 }
                 Err(e) => {
                     // The interface went away with its pod: the link is defunct.
@@ -467,26 +593,65 @@ impl Dataplane {
         FdLink::try_from(link).map_err(|error| Error::Link { program, error })
     }
 
+    /// Replaces the program of every `cls_bpf` filter of a previous agent on the
+    /// node's interfaces ([`tc::Tc::podlink_filters`]) with this agent's, in
+    /// place. A filter whose program cannot be replaced is left as it is (and
+    /// replaced again when its pod is enrolled).
+    ///
+    /// # Errors
+    /// When the filters cannot be listed.
+    fn adopt_filters(&mut self) -> Result<()> {
+        let found = self
+            .tc
+            .podlink_filters()
+            .map_err(Error::tc("listing podlink's cls_bpf filters"))?;
+        for filter in found {
+            let (ifindex, program) = (filter.ifindex, filter.program);
+            match self.replace_filter(ifindex, program) {
+                Ok(()) => {
+                    tracing::info!(ifindex, program = program.name(), "adopted cls_bpf filter");
+                    self.adopted
+                        .insert((ifindex, program), Link::Filter { ifindex, program });
+                }
+                // Deleted since it was listed (with its interface).
+                Err(e) if matches!(e.raw_os_error(), Some(libc::ENOENT | libc::ENODEV)) => {}
+                Err(e) => tracing::warn!(
+                    ifindex,
+                    program = program.name(),
+                    "the cls_bpf filter of a previous agent keeps its program: {e}"
+                ),
+            }
+        }
+        Ok(())
+    }
+
+    /// Replaces the program of podlink's filter for `program` on `ifindex` with
+    /// this agent's.
+    fn replace_filter(&mut self, ifindex: u32, program: Program) -> std::io::Result<()> {
+        let prog = classifier(&mut self.ebpf, program).map_err(std::io::Error::other)?;
+        let fd = prog.fd().map_err(std::io::Error::other)?;
+        self.tc
+            .attach(ifindex, program, fd.as_fd(), tc::How::Replace)
+    }
+
+    /// Attaches `program` to the host veth as this agent's kind of attachment.
     fn attach(&mut self, ifname: &str, ifindex: u32, program: Program) -> Result<Link> {
-        if let Some((path, fd)) = self.adopted.remove(&(ifindex, program)) {
-            return Ok(Link::Pinned { path, _fd: fd });
+        match self.mode {
+            LinkKind::Tcx => self.attach_tcx(ifname, ifindex, program),
+            LinkKind::ClsBpf => self.attach_filter(ifname, ifindex, program),
         }
-        let attach_type = program.attach_type();
-        let tcx = self.tcx;
-        if !tcx {
-            // Adding is idempotent enough: EEXIST means another user made it.
-            let _ = tc::qdisc_add_clsact(ifname);
-        }
+    }
+
+    fn attach_tcx(&mut self, ifname: &str, ifindex: u32, program: Program) -> Result<Link> {
         let prog = self.program(program)?;
-        let options = if tcx {
-            // Before other programs, so that capture decides first; packets it
-            // passes go on to them (TCX_NEXT).
-            TcAttachOptions::TcxOrder(LinkOrder::first())
-        } else {
-            TcAttachOptions::Netlink(tc::NlOptions::default())
-        };
+        // Before other programs, so that capture decides first; packets it passes
+        // go on to them (TCX_NEXT).
         let id = prog
-            .attach_with_options(ifname, attach_type, options)
+            .attach_with_options(
+                ifname,
+                program.attach_type(),
+                TcAttachOptions::TcxOrder(LinkOrder::first()),
+            )
             .map_err(|error| Error::Attach {
                 program,
                 interface: ifname.to_string(),
@@ -497,9 +662,6 @@ impl Dataplane {
             program,
             error,
         })?;
-        if !tcx {
-            return Ok(Link::Netlink(link));
-        }
         let path = self
             .pins
             .join(LINKS_DIR)
@@ -518,9 +680,66 @@ impl Dataplane {
         })
     }
 
+    /// Adds a `clsact` qdisc to the host veth if it has none (recording it), then
+    /// podlink's filter for `program`. A filter of podlink's already there (an
+    /// earlier agent's that was not adopted) gets this agent's program in place;
+    /// another filter at podlink's priority and handle is an error.
+    fn attach_filter(&mut self, ifname: &str, ifindex: u32, program: Program) -> Result<Link> {
+        let attach_error = |error| Error::AttachFilter {
+            program,
+            interface: ifname.to_string(),
+            error,
+        };
+        let added = self
+            .tc
+            .add_clsact(ifindex)
+            .map_err(Error::tc(format!("adding a clsact qdisc to {ifname}")))?;
+        if added {
+            // Without the record, uninstall leaves the (empty) qdisc in place.
+            if let Err(e) = self.clsact.add(ifindex, ifname) {
+                tracing::warn!(ifname, "recording the clsact qdisc podlink added: {e}");
+            }
+        }
+        let prog = classifier(&mut self.ebpf, program)?;
+        let fd = prog.fd().map_err(|error| Error::Program {
+            action: "using",
+            program,
+            error,
+        })?;
+        match self
+            .tc
+            .attach(ifindex, program, fd.as_fd(), tc::How::Create)
+        {
+            Ok(()) => {}
+            Err(e) if e.raw_os_error() == Some(libc::EEXIST) => {
+                let ours = self
+                    .tc
+                    .podlink_filters_on(ifindex)
+                    .map_err(Error::tc(format!("listing the filters of {ifname}")))?
+                    .iter()
+                    .any(|f| f.program == program);
+                if !ours {
+                    return Err(Error::FilterTaken {
+                        program,
+                        interface: ifname.to_string(),
+                        direction: match program {
+                            Program::FromPod => "ingress",
+                            Program::ToPod => "egress",
+                        },
+                    });
+                }
+                self.replace_filter(ifindex, program)
+                    .map_err(attach_error)?;
+            }
+            Err(e) => return Err(attach_error(e)),
+        }
+        Ok(Link::Filter { ifindex, program })
+    }
+
     /// Writes `pod`'s map entries, its host veth's sysctls, and attaches both
-    /// programs. On error the pod is `unattached` (its entries removed if an
-    /// attachment failed).
+    /// programs: a previous agent's attachment of this agent's kind is kept, one
+    /// of the other kind is removed once both programs are attached. On error the
+    /// pod is `unattached` (its entries removed if an attachment failed).
     fn enroll(&mut self, pod: &CapturedPod) -> Result<()> {
         self.unattached.insert(pod.ifindex);
         let info = pod.info();
@@ -537,16 +756,33 @@ impl Dataplane {
         }
         net::apply_host_veth_sysctls(&self.journal, &pod.ifname, pod.ifindex)?;
         let mut links = Vec::new();
+        // A previous agent's attachments of the other kind, removed once this
+        // agent's are in place.
+        let mut superseded: Vec<((u32, Program), Link)> = Vec::new();
         // Adopted links are not attached again: no grace period to expedite.
-        let attaching = Program::ALL
-            .iter()
-            .any(|p| !self.adopted.contains_key(&(pod.ifindex, *p)));
+        let attaching = Program::ALL.iter().any(|p| {
+            let previous = self.adopted.get(&(pod.ifindex, *p)).map(Link::kind);
+            !keeps_previous(self.mode, previous)
+        });
         let window = attaching.then(|| self.rcu.begin());
         for program in Program::ALL {
+            let key = (pod.ifindex, program);
+            let previous = self.adopted.remove(&key);
+            if keeps_previous(self.mode, previous.as_ref().map(Link::kind)) {
+                links.extend(previous);
+                continue;
+            }
             match self.attach(&pod.ifname, pod.ifindex, program) {
-                Ok(link) => links.push(link),
+                Ok(link) => {
+                    links.push(link);
+                    superseded.extend(previous.map(|l| (key, l)));
+                }
                 Err(e) => {
-                    Self::detach_links(links);
+                    // The other kind's attachments stay: they are a previous
+                    // agent's, removed once the pod is gone or attached.
+                    self.adopted.extend(superseded);
+                    self.adopted.extend(previous.map(|l| (key, l)));
+                    self.detach_links(links);
                     let _ = self.pods.remove(&pod.ifindex);
                     let _ = self.counters.remove(&pod.ifindex);
                     return Err(e);
@@ -554,6 +790,16 @@ impl Dataplane {
             }
         }
         drop(window);
+        if !superseded.is_empty() {
+            tracing::info!(
+                workload = %pod.workload,
+                ifname = %pod.ifname,
+                "moved from a previous agent's {} to {}",
+                superseded[0].1.kind(),
+                self.mode
+            );
+            self.detach_links(superseded.into_iter().map(|(_, l)| l).collect());
+        }
         self.unattached.remove(&pod.ifindex);
         self.attached.insert(
             pod.ifindex,
@@ -565,29 +811,50 @@ impl Dataplane {
         Ok(())
     }
 
-    fn detach_links(links: Vec<Link>) {
+    /// Detaches `links`: a TCX link by removing its pin (the last reference goes
+    /// with the descriptor), a filter by deleting it.
+    fn detach_links(&mut self, links: Vec<Link>) {
         for link in links {
-            if let Link::Pinned { path, .. } = &link {
-                let _ = fs::remove_file(path);
+            match link {
+                Link::Pinned { path, _fd } => {
+                    let _ = fs::remove_file(&path);
+                    // Dropping the last reference detaches the link.
+                    drop(_fd);
+                }
+                Link::Filter { ifindex, program } => {
+                    if let Err(e) = self.tc.detach(ifindex, program) {
+                        tracing::warn!(
+                            ifindex,
+                            program = program.name(),
+                            "deleting the cls_bpf filter: {e}"
+                        );
+                    }
+                }
             }
-            // Dropping the last reference detaches the link.
-            drop(link);
         }
     }
 
     fn unenroll(&mut self, ifindex: u32) {
         self.unattached.remove(&ifindex);
         if let Some(attachment) = self.attached.remove(&ifindex) {
-            Self::detach_links(attachment.links);
+            self.detach_links(attachment.links);
             tracing::info!(workload = %attachment.pod.workload, ifname = %attachment.pod.ifname, "detached");
+            // A qdisc podlink added went with the interface, if it is gone.
+            let added = clsact::Added {
+                ifindex,
+                name: attachment.pod.ifname.to_string(),
+            };
+            if !added.exists() {
+                let _ = self.clsact.remove(ifindex);
+            }
         }
         let _ = self.pods.remove(&ifindex);
         let _ = self.counters.remove(&ifindex);
     }
 
     /// Detaches and removes this agent's pods not in `wanted`, and unless
-    /// `keep_previous`, the map entries and links of a previous agent that no wanted
-    /// pod claims.
+    /// `keep_previous`, the map entries and attachments (pinned links, filters) of
+    /// a previous agent that no wanted pod claims.
     fn remove_unwanted(
         &mut self,
         wanted_by_ifindex: &HashMap<u32, &CapturedPod>,
@@ -638,11 +905,11 @@ impl Dataplane {
             .filter(|(i, _)| !wanted_by_ifindex.contains_key(i))
             .copied()
             .collect();
-        for key in unclaimed {
-            if let Some((path, fd)) = self.adopted.remove(&key) {
-                Self::detach_links(vec![Link::Pinned { path, _fd: fd }]);
-            }
-        }
+        let links = unclaimed
+            .iter()
+            .filter_map(|key| self.adopted.remove(key))
+            .collect();
+        self.detach_links(links);
     }
 
     /// Makes the attachments and map entries match `wanted`: new pods are written to
@@ -837,6 +1104,46 @@ pub(crate) mod testing {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// `auto` takes TCX from 6.6 on, `cls_bpf` below it or when the kernel's
+    /// version is unknown; `tcx` is refused below 6.6, `cls-bpf` taken anywhere.
+    #[test]
+    fn attach_modes_resolve_by_kernel() {
+        let old = Some(KernelVersion::new(6, 1, 0));
+        let new = Some(KernelVersion::new(6, 6, 0));
+        let newer = Some(KernelVersion::new(6, 18, 2));
+        assert_eq!(AttachMode::Auto.resolve(old).unwrap(), LinkKind::ClsBpf);
+        assert_eq!(AttachMode::Auto.resolve(new).unwrap(), LinkKind::Tcx);
+        assert_eq!(AttachMode::Auto.resolve(newer).unwrap(), LinkKind::Tcx);
+        assert_eq!(AttachMode::Auto.resolve(None).unwrap(), LinkKind::ClsBpf);
+        for kernel in [old, new, None] {
+            assert_eq!(
+                AttachMode::ClsBpf.resolve(kernel).unwrap(),
+                LinkKind::ClsBpf
+            );
+        }
+        assert_eq!(AttachMode::Tcx.resolve(newer).unwrap(), LinkKind::Tcx);
+        let refused = AttachMode::Tcx.resolve(old).unwrap_err().to_string();
+        assert!(
+            refused.contains("6.6") && refused.contains("6.1.0"),
+            "{refused}"
+        );
+        // Unknown: tried (attaching says why if it fails).
+        assert_eq!(AttachMode::Tcx.resolve(None).unwrap(), LinkKind::Tcx);
+    }
+
+    /// A previous agent's attachment is kept only when it is of this agent's
+    /// kind; otherwise this agent attaches its own (and then removes the other).
+    #[test]
+    fn previous_attachments_are_kept_only_of_the_same_kind() {
+        use LinkKind::{ClsBpf, Tcx};
+        assert!(keeps_previous(Tcx, Some(Tcx)));
+        assert!(keeps_previous(ClsBpf, Some(ClsBpf)));
+        assert!(!keeps_previous(Tcx, Some(ClsBpf)));
+        assert!(!keeps_previous(ClsBpf, Some(Tcx)));
+        assert!(!keeps_previous(Tcx, None));
+        assert!(!keeps_previous(ClsBpf, None));
+    }
 
     /// A pod's map entry carries its IPv6 address, flagged, when it has one:
     /// the programs take IPv6 from the pod only from that address.
