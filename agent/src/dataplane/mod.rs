@@ -74,6 +74,7 @@ use aya::{
         links::{FdLink, PinnedLink},
         tc::{SchedClassifierLink, TcAttachOptions},
     },
+    util::KernelVersion,
 };
 use nix::fcntl::Flock;
 use podlink_common::{
