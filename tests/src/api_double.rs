@@ -19,7 +19,9 @@
 //!   version with that version's `apiVersion`, as an API server serves a CRD
 //!   with two versions. [`ApiServer::set_istio_crds_installed`] takes the Istio
 //!   CRDs away (every request under `security.istio.io` is then 404
-//!   `NotFound`, as for a resource the server does not know) and back;
+//!   `NotFound`, as for a resource the server does not know) and back, and
+//!   [`ApiServer::serve_istio_versions`] serves them under one version only
+//!   (the other answers 404), as older Istio releases do;
 //! * `GET /version`, `/healthz`, `/livez`, `/readyz`.
 //!
 //! Every request needs `Authorization: Bearer` [`TOKEN`] (else 401, as an API
@@ -367,6 +369,9 @@ struct State {
     stores: [Store; STORES],
     /// Whether Istio's CRDs are installed ([`ApiServer::set_istio_crds_installed`]).
     istio: bool,
+    /// The versions Istio's kinds are served under
+    /// ([`ApiServer::serve_istio_versions`]).
+    istio_versions: Vec<&'static str>,
     faults: HashMap<String, u16>,
     requests: Vec<Request>,
     patches: Vec<PatchRequest>,
@@ -376,6 +381,12 @@ struct State {
 }
 
 impl State {
+    /// Whether Istio's `kind` is served: its CRD installed, its version
+    /// served.
+    fn serves(&self, kind: Kind) -> bool {
+        self.istio && self.istio_versions.contains(&kind.version())
+    }
+
     fn store(&self, kind: Kind) -> &Store {
         &self.stores[kind.slot()]
     }
@@ -572,6 +583,7 @@ impl ApiServer {
                     oldest: 0,
                     stores: Default::default(),
                     istio: true,
+                    istio_versions: vec!["v1", "v1beta1"],
                     faults: HashMap::new(),
                     requests: Vec::new(),
                     patches: Vec::new(),
@@ -748,6 +760,28 @@ current-context: podlink-api-double
                 *st.store_mut(kind) = Store::default();
             }
         }
+        drop(st);
+        self.shared.notify();
+    }
+
+    /// Serves Istio's kinds under `versions` only (`v1`, `v1beta1`; both at
+    /// start), as Istio releases before 1.22 serve only `v1beta1`: a request
+    /// under another version is answered 404 `NotFound` as for a resource the
+    /// server does not serve, and the open watches of that version are cut.
+    /// The objects stay, served under the versions left.
+    pub fn serve_istio_versions(&self, versions: &[&'static str]) {
+        let mut st = self.shared.lock();
+        st.istio_versions = versions.to_vec();
+        let rv = st.rv;
+        let served: Vec<Kind> = Kind::ALL.into_iter().filter(|k| st.serves(*k)).collect();
+        st.watches.retain(|w| {
+            if w.kind.is_istio() && !served.contains(&w.kind) {
+                let _ = w.control.send(Control::Cut(rv));
+                false
+            } else {
+                true
+            }
+        });
         drop(st);
         self.shared.notify();
     }
@@ -1242,7 +1276,7 @@ async fn respond(
         (&Method::PATCH, Some(_)) => "patch",
         _ => return method_not_allowed(),
     };
-    if kind.is_istio() && !shared.lock().istio {
+    if kind.is_istio() && !shared.lock().serves(kind) {
         // As for any resource the server does not serve.
         return not_found_path();
     }

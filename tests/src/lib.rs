@@ -1095,8 +1095,10 @@ impl Cluster {
         format!("pod-{}-{}.yaml", pod.namespace, pod.name)
     }
 
-    fn write_pod_manifest(&self, pod: &Pod) -> Result<()> {
-        let text = pod_manifest(
+    /// The manifest (YAML) [`Cluster::list_pod`] writes for `pod`, e.g. for
+    /// an agent given a manifests directory of its own.
+    pub fn pod_manifest(&self, pod: &Pod) -> String {
+        pod_manifest(
             &pod.name,
             &pod.namespace,
             &pod.labels,
@@ -1104,8 +1106,11 @@ impl Cluster {
             &pod.service_account,
             pod.owner.as_ref(),
             &pod.ips(),
-        );
-        self.write_manifest(&Self::pod_manifest_file(pod), &text)
+        )
+    }
+
+    fn write_pod_manifest(&self, pod: &Pod) -> Result<()> {
+        self.write_manifest(&Self::pod_manifest_file(pod), &self.pod_manifest(pod))
     }
 
     /// `GET path` on node `node`'s admin endpoint (127.0.0.1:15000 in the node's
@@ -1779,7 +1784,7 @@ fn pod_manifest(
     let owner = owner.map_or(String::new(), |(kind, owner)| {
         let api = if kind == "Job" || kind == "CronJob" { "batch/v1" } else { "apps/v1" };
         format!(
-            "  ownerReferences:\n  - {{apiVersion: {api}, kind: {kind}, name: {owner}, uid: uid-{owner}, controller: true}}\n"
+            "  ownerReferences:\n  - {{apiVersion: {api}, kind: {kind}, name: {owner}, uid: uid-{owner}, controller: true, blockOwnerDeletion: true}}\n"
         )
     });
     let status = match ips.first() {

@@ -1317,6 +1317,26 @@ fn the_wire_protocol_of_the_new_kinds() {
     );
     assert_eq!(code, 200);
 
+    // Served under v1beta1 only (Istio before 1.22): v1 is 404, v1beta1
+    // lists the same object.
+    api.serve_istio_versions(&["v1beta1"]);
+    let list = |version: &str| {
+        raw(
+            addr,
+            "GET",
+            &format!("/apis/security.istio.io/{version}/authorizationpolicies"),
+            true,
+            "",
+        )
+    };
+    assert_eq!(list("v1").0, 404);
+    let (code, body) = list("v1beta1");
+    assert_eq!(code, 200, "{body}");
+    let listed: Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(listed["items"][0]["metadata"]["name"], "deny");
+    api.serve_istio_versions(&["v1", "v1beta1"]);
+    assert_eq!(list("v1").0, 200);
+
     // Not installed: 404 with the Status of a resource the server does not serve,
     // on list, watch and get.
     api.set_istio_crds_installed(false);
@@ -1383,6 +1403,8 @@ async fn the_agents_source_reads_the_new_kinds_and_istio_crds_installed_later() 
         first.completeness,
         podlink_agent::state::Completeness::Complete
     );
+    // Every kind listed, the Nodes too (the Istio kinds found not installed).
+    assert!(first.unlisted.is_empty(), "{:?}", first.unlisted);
     // Istio not installed: no policies, and known to be none.
     assert_eq!(first.policies_unknown, None);
     assert_eq!(first.policies.as_ref().map(Vec::len), Some(0));

@@ -333,6 +333,14 @@ spec:
   portLevelMtls: {\"9090\": {mode: PERMISSIVE}}
 ";
 
+const WEB_DISABLE: &str = "apiVersion: security.istio.io/v1
+kind: PeerAuthentication
+metadata: {name: web-disable, namespace: shop}
+spec:
+  selector: {matchLabels: {app: web}}
+  mtls: {mode: DISABLE}
+";
+
 const WEB_STRICT: &str = "apiVersion: security.istio.io/v1
 kind: PeerAuthentication
 metadata: {name: web-strict, namespace: shop}
@@ -354,7 +362,8 @@ fn peer_authentication_from_the_kubernetes_api() {
 /// PeerAuthentication STRICT at the mesh, namespace and workload levels
 /// refuses a plaintext client from outside the mesh (the 15006 path) while an
 /// enrolled client still connects over HBONE; port-level PERMISSIVE inside a
-/// STRICT namespace lets plaintext reach that port; removal restores plaintext.
+/// STRICT namespace lets plaintext reach that port, and workload-level DISABLE
+/// every port of the workload; removal restores plaintext.
 fn peer_authentication(source: Source) {
     let mut c =
         Cluster::with_namespaces_from(2, &[("shop", true), ("outside", false)], source).unwrap();
@@ -422,9 +431,24 @@ fn peer_authentication(source: Source) {
     check(&c, &[(&plain, other_http, false), (&front, http, true)]);
     wait_denial_logged(&c, &plain, http, "shop/default");
 
+    // Workload DISABLE inside the STRICT namespace: web takes plaintext on
+    // every port, the namespace's other pods still refuse it.
+    c.remove_manifest("pa-web-admin.yaml").unwrap();
+    c.write_manifest("pa-web-disable.yaml", WEB_DISABLE)
+        .unwrap();
+    wait_until(&c, &plain, http, true);
+    check(
+        &c,
+        &[
+            (&plain, admin, true),
+            (&plain, other_http, false),
+            (&front, http, true),
+        ],
+    );
+
     // Workload STRICT in a namespace that is not: only web is refused.
     c.remove_manifest("pa-shop.yaml").unwrap();
-    c.remove_manifest("pa-web-admin.yaml").unwrap();
+    c.remove_manifest("pa-web-disable.yaml").unwrap();
     c.write_manifest("pa-web.yaml", WEB_STRICT).unwrap();
     wait_until(&c, &plain, other_http, true);
     wait_until(&c, &plain, admin, false);
@@ -440,7 +464,8 @@ fn peer_authentication(source: Source) {
 /// agent is ready, nothing is denied, each 404 is logged once), and
 /// installing them later takes effect without a restart. Until the policies
 /// have been listed once, the agent is not ready and inbound connections are
-/// denied.
+/// denied; until the EndpointSlices and the Nodes have, it is not ready. With
+/// the Istio kinds served under `v1beta1` only, policies are enforced.
 #[test]
 fn istio_crds_missing_then_installed() {
     let mut c = Cluster::with_namespaces_from(2, &[("shop", true)], Source::Kubernetes).unwrap();
@@ -500,22 +525,88 @@ fn istio_crds_missing_then_installed() {
     c.remove_manifest("policy-deny-front.yaml").unwrap();
     wait_until(&c, &front, http, true);
 
-    // A restarted agent whose policy list fails is not ready, and denies
-    // inbound connections, until the list succeeds.
-    c.api().unwrap().fail("authorizationpolicies", 500);
+    // A restarted agent whose first lists of the policies, the EndpointSlices
+    // and the Nodes fail serves with what it has, but is not ready until
+    // every one has listed once; while the policies are not listed, it
+    // denies inbound connections. The API serves the Istio kinds under
+    // v1beta1 only, as Istio releases before 1.22 do.
+    c.write_manifest(
+        "service-web.yaml",
+        &WEB_SERVICE.replace("WEB", &web.ip.to_string()),
+    )
+    .unwrap();
+    c.api().unwrap().serve_istio_versions(&["v1beta1"]);
+    for resource in ["authorizationpolicies", "endpointslices", "nodes"] {
+        c.api().unwrap().fail(resource, 500);
+    }
+    let unlisted = ["has not listed everything the agent watches", "\"nodes\""];
+    let warned = c.log_lines(1, &unlisted);
+    let before = c.agent_log(1).len();
     c.stop_agent(1).unwrap();
     c.start_agent(1).unwrap();
+    c.wait_log_lines(1, &unlisted, warned + 1, Duration::from_secs(30))
+        .unwrap();
     wait_until(&c, &front, http, false);
     assert_eq!(c.readiness(1).unwrap(), 503, "{}", c.agent_log(1));
     c.api().unwrap().heal("authorizationpolicies");
+    c.api().unwrap().heal("endpointslices");
     wait_until(&c, &front, http, true);
-    let deadline = Instant::now() + Duration::from_secs(20);
+    // The EndpointSlices are in (node 2 knows web's endpoint): the Nodes
+    // alone keep the agent not ready.
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while web_endpoints(&c, 1) != 1 {
+        assert!(Instant::now() < deadline, "{}", c.agent_log(1));
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    assert_eq!(c.readiness(1).unwrap(), 503, "{}", c.agent_log(1));
+    c.api().unwrap().heal("nodes");
+    let deadline = Instant::now() + Duration::from_secs(60);
     while c.readiness(1).unwrap() != 200 {
         assert!(Instant::now() < deadline, "{}", c.agent_log(1));
         std::thread::sleep(Duration::from_millis(100));
     }
     c.wait_log(1, &["authorization policies are known"])
         .unwrap();
+    // The policies come from v1beta1, v1 being not served: a DENY policy is
+    // enforced.
+    let log = c.agent_log(1);
+    assert!(
+        log[before..].contains("does not serve authorizationpolicies.security.istio.io/v1 "),
+        "{log}"
+    );
+    c.write_manifest("policy-deny-front.yaml", DENY_FRONT)
+        .unwrap();
+    wait_until(&c, &front, http, false);
+    c.remove_manifest("policy-deny-front.yaml").unwrap();
+    wait_until(&c, &front, http, true);
+}
+
+/// Service `web` of namespace `shop` (10.96.0.40) with the one endpoint `WEB`.
+const WEB_SERVICE: &str = "apiVersion: v1
+kind: Service
+metadata: {name: web, namespace: shop}
+spec:
+  clusterIP: 10.96.0.40
+  ports: [{port: 80, targetPort: 8080}]
+---
+apiVersion: discovery.k8s.io/v1
+kind: EndpointSlice
+metadata: {name: web-1, namespace: shop, labels: {kubernetes.io/service-name: web}}
+addressType: IPv4
+ports: [{port: 8080}]
+endpoints: [{addresses: [\"WEB\"]}]
+";
+
+/// How many endpoints node `node`'s agent knows for Service `shop/web`.
+fn web_endpoints(c: &Cluster, node: usize) -> usize {
+    let dump = c.config_dump(node).unwrap();
+    dump["services"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .find(|s| s["namespace"] == "shop" && s["name"] == "web")
+        .and_then(|s| s["endpoints"].as_array())
+        .map_or(0, Vec::len)
 }
 
 /// An AuthorizationPolicy of `action` for `app: web` in `shop` whose one rule

@@ -404,9 +404,13 @@ fn endpoint_choice_follows_the_service_from_the_kubernetes_api() {
 
 /// How the proxy chooses among a Service's endpoints, as kube-proxy would:
 /// serving-terminating endpoints when none is ready, `trafficDistribution` by
-/// the Node objects' zones, `internalTrafficPolicy: Local`, `sessionAffinity:
-/// ClientIP`; and the endpoints, pods of one Deployment, make one
-/// `destination_workload` series.
+/// the Node objects' zones (`PreferClose`, `PreferSameZone`, `PreferSameNode`
+/// falling back to the zone), `internalTrafficPolicy: Local`,
+/// `sessionAffinity: ClientIP` and its timeout; a headless Service leaves
+/// connections to its pods as they are. The endpoints, pods of one
+/// Deployment, make one `destination_workload` series, and pods of other
+/// controllers (StatefulSet, DaemonSet, Job, CronJob) and canonical labels
+/// are named as Istio names them.
 fn endpoint_choice(source: Source) {
     let mut c = Cluster::with_namespaces_from(3, &[("shop", true)], source).unwrap();
     c.write_manifest("nodes.yaml", NODES).unwrap();
@@ -420,8 +424,22 @@ fn endpoint_choice(source: Source) {
     let w1 = c.add_pod(web("web-5d8f9c7b6-aaaaa", 0)).unwrap();
     let w2 = c.add_pod(web("web-5d8f9c7b6-bbbbb", 1)).unwrap();
     let w3 = c.add_pod(web("web-5d8f9c7b6-ccccc", 2)).unwrap();
+    // Pods of other controllers, and of other canonical labels, on node 2
+    // (`ownerReferences` as their controllers set them).
+    let owned = WORKLOADS.map(|(name, owner, labels, _)| {
+        let mut spec = PodSpec::new(name, "shop", 1);
+        if let Some((kind, owner)) = owner {
+            spec = spec.owner(kind, owner);
+        }
+        for (key, value) in labels {
+            spec = spec.label(key, value);
+        }
+        c.add_pod(spec).unwrap()
+    });
     c.start_agents().unwrap();
-    c.wait_all_captured(&[&client, &w1, &w2, &w3]).unwrap();
+    let mut all = vec![&client, &w1, &w2, &w3];
+    all.extend(&owned);
+    c.wait_all_captured(&all).unwrap();
     let servers: Vec<app::EchoServer> = [&w1, &w2, &w3]
         .iter()
         .map(|p| app::EchoServer::start(&p.netns, p.addr(8080)).unwrap())
@@ -473,6 +491,19 @@ fn endpoint_choice(source: Source) {
     assert_eq!(spread(&c, &client, &servers, 10), [0, 0, 10]);
     c.write_manifest("nodes.yaml", NODES).unwrap();
 
+    // PreferSameZone: the endpoints of node 1's zone a, on node 1 and node 2.
+    c.write_manifest(
+        "pick.yaml",
+        &pick(
+            "  trafficDistribution: PreferSameZone\n",
+            &[(&w1, 0, READY), (&w2, 1, READY), (&w3, 2, READY)],
+        ),
+    )
+    .unwrap();
+    wait_choice(&c, "same-zone", 2);
+    let counts = spread(&c, &client, &servers, 20);
+    assert!(counts[2] == 0 && counts[0] + counts[1] == 20, "{counts:?}");
+
     // PreferSameNode: the endpoint on the client's node.
     c.write_manifest(
         "pick.yaml",
@@ -484,6 +515,17 @@ fn endpoint_choice(source: Source) {
     .unwrap();
     wait_choice(&c, "same-node", 1);
     assert_eq!(spread(&c, &client, &servers, 10), [10, 0, 0]);
+    // None on node 1: another node's, in node 1's zone.
+    c.write_manifest(
+        "pick.yaml",
+        &pick(
+            "  trafficDistribution: PreferSameNode\n",
+            &[(&w2, 1, READY), (&w3, 2, READY)],
+        ),
+    )
+    .unwrap();
+    wait_choice(&c, "same-zone", 1);
+    assert_eq!(spread(&c, &client, &servers, 10), [0, 10, 0]);
 
     // internalTrafficPolicy Local: only this node's endpoints; none here,
     // none at all.
@@ -513,18 +555,83 @@ fn endpoint_choice(source: Source) {
     wait_choice(&c, "local", 1);
     assert_eq!(spread(&c, &client, &servers, 10), [10, 0, 0]);
 
-    // sessionAffinity ClientIP: every connection of the client to one endpoint.
+    // A headless Service (no ClusterIP) of the same pods: no virtual
+    // address; connections to a pod's address go to that pod, as they are.
+    // Written before the next change of `pick`, which shows it arrived.
+    c.write_manifest("headless.yaml", &headless(&[&w2, &w3]))
+        .unwrap();
+
+    // sessionAffinity ClientIP with a timeout of 2 s: the client keeps its
+    // endpoint while it comes back within the timeout, even with a
+    // connection open to it (balancing alone would choose the other, idle
+    // one); past the timeout it is chosen afresh: the other one.
     c.write_manifest(
         "pick.yaml",
         &pick(
-            "  sessionAffinity: ClientIP\n  sessionAffinityConfig: {clientIP: {timeoutSeconds: 600}}\n",
+            "  sessionAffinity: ClientIP\n  sessionAffinityConfig: {clientIP: {timeoutSeconds: 2}}\n",
             &[(&w2, 1, READY), (&w3, 2, READY)],
         ),
     )
     .unwrap();
     wait_choice(&c, "ready", 2);
-    let counts = spread(&c, &client, &servers, 20);
-    assert!(counts == [0, 20, 0] || counts == [0, 0, 20], "{counts:?}");
+    let before = accepted(&servers);
+    let held = app::connect(
+        &client.netns,
+        PICK_VIP.parse().unwrap(),
+        Duration::from_secs(5),
+    )
+    .unwrap();
+    app::read_greeting(&held).unwrap();
+    let kept = (0..3)
+        .find(|&i| accepted(&servers)[i] > before[i])
+        .unwrap_or_else(|| panic!("no endpoint accepted: {:?}", accepted(&servers)));
+    assert!(kept == 1 || kept == 2, "{kept}");
+    let mut only_kept = [0; 3];
+    only_kept[kept] = 10;
+    assert_eq!(spread(&c, &client, &servers, 10), only_kept);
+    std::thread::sleep(Duration::from_secs(3));
+    let mut only_other = [0; 3];
+    only_other[3 - kept] = 10;
+    assert_eq!(spread(&c, &client, &servers, 10), only_other);
+    drop(held);
+
+    let dump = c.config_dump(0).unwrap();
+    assert!(
+        !dump["services"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|s| s["name"] == "headless"),
+        "{dump:#}"
+    );
+    // Over HBONE: node 1 counts them as mutual TLS, to no Service.
+    let direct = [
+        ("reporter", "source"),
+        ("connection_security_policy", "mutual_tls"),
+        ("destination_service", "unknown"),
+    ];
+    let tunnelled = c
+        .metrics(0)
+        .unwrap()
+        .sum("istio_tcp_connections_opened_total", &direct);
+    let before = accepted(&servers);
+    for _ in 0..5 {
+        let ex = app::exchange(&client.netns, w3.addr(8080), b"headless").unwrap();
+        assert_eq!(ex.peer_seen.ip(), IpAddr::V4(client.ip));
+    }
+    let after = accepted(&servers);
+    assert_eq!(
+        [
+            after[0] - before[0],
+            after[1] - before[1],
+            after[2] - before[2]
+        ],
+        [0, 0, 5]
+    );
+    c.wait_metrics(0, "5 more direct connections over HBONE", |m| {
+        m.sum("istio_tcp_connections_opened_total", &direct) == tunnelled + 5.0
+    })
+    .unwrap();
 
     // The endpoints are pods of Deployment web: one series for all of them.
     let metrics = c.metrics(0).unwrap();
@@ -543,4 +650,126 @@ fn endpoint_choice(source: Source) {
         assert_eq!(labels["destination_canonical_service"], "web");
         assert_eq!(labels["destination_canonical_revision"], "latest");
     }
+
+    // The workload of a StatefulSet's, a DaemonSet's, a Job's and a
+    // CronJob's pod, and the canonical labels by precedence; the same names
+    // on the source side.
+    let _owned: Vec<app::EchoServer> = owned
+        .iter()
+        .map(|p| app::EchoServer::start(&p.netns, p.addr(8080)).unwrap())
+        .collect();
+    for (pod, (_, _, _, [workload, service, revision])) in owned.iter().zip(WORKLOADS) {
+        let ex = app::exchange(&client.netns, pod.addr(8080), b"who").unwrap();
+        assert_eq!(ex.echoed, b"who");
+        let labels = [
+            ("reporter", "source"),
+            ("source_workload", "client"),
+            ("destination_workload", workload),
+            ("destination_canonical_service", service),
+            ("destination_canonical_revision", revision),
+            ("destination_app", service),
+            ("destination_version", revision),
+        ];
+        c.wait_metrics(0, &format!("{labels:?}"), |m| {
+            m.has("istio_tcp_connections_opened_total", &labels)
+        })
+        .unwrap();
+    }
+    let cron = &owned[3];
+    app::exchange(&cron.netns, w1.addr(8080), b"from a CronJob").unwrap();
+    let labels = [
+        ("reporter", "destination"),
+        ("source_workload", "report"),
+        ("source_canonical_service", "report"),
+        ("source_canonical_revision", "latest"),
+        ("source_app", "report"),
+        ("source_version", "latest"),
+        ("destination_workload", "web"),
+    ];
+    c.wait_metrics(0, &format!("{labels:?}"), |m| {
+        m.has("istio_tcp_connections_opened_total", &labels)
+    })
+    .unwrap();
+}
+
+/// Pods on node 2 by name, with their controller (kind, name) and labels,
+/// and the `*_workload`, `*_canonical_service` (and `*_app`) and
+/// `*_canonical_revision` (and `*_version`) telemetry reports them by.
+#[allow(clippy::type_complexity)]
+const WORKLOADS: [(&str, Option<(&str, &str)>, &[(&str, &str)], [&str; 3]); 6] = [
+    (
+        "db-0",
+        Some(("StatefulSet", "db")),
+        &[("app", "db"), ("version", "v2")],
+        ["db", "db", "v2"],
+    ),
+    (
+        "logs-x7k2p",
+        Some(("DaemonSet", "logs")),
+        &[],
+        ["logs", "logs", "latest"],
+    ),
+    (
+        "migrate-9fj2k",
+        Some(("Job", "migrate")),
+        &[],
+        ["migrate", "migrate", "latest"],
+    ),
+    // A Job a CronJob made: named after the CronJob and the scheduled time.
+    (
+        "report-28999680-k4x8z",
+        Some(("Job", "report-28999680")),
+        &[],
+        ["report", "report", "latest"],
+    ),
+    // Istio's canonical labels over app.kubernetes.io's over app/version.
+    (
+        "storefront",
+        None,
+        &[
+            ("service.istio.io/canonical-name", "shop-ui"),
+            ("service.istio.io/canonical-revision", "v3"),
+            ("app.kubernetes.io/name", "store"),
+            ("app.kubernetes.io/version", "v2"),
+            ("app", "front"),
+            ("version", "v1"),
+        ],
+        ["storefront", "shop-ui", "v3"],
+    ),
+    (
+        "catalog",
+        None,
+        &[
+            ("app.kubernetes.io/name", "catalog-api"),
+            ("app.kubernetes.io/version", "v2"),
+            ("app", "catalog"),
+            ("version", "v1"),
+        ],
+        ["catalog", "catalog-api", "v2"],
+    ),
+];
+
+/// A headless Service `headless` (`clusterIP: None`) and its EndpointSlice
+/// of `pods`.
+fn headless(pods: &[&Pod]) -> String {
+    let endpoints: String = pods
+        .iter()
+        .map(|p| format!("- addresses: [\"{}\"]\n", p.ip))
+        .collect();
+    format!(
+        "apiVersion: v1
+kind: Service
+metadata: {{name: headless, namespace: shop}}
+spec:
+  clusterIP: None
+  ports: [{{name: http, port: 8080, targetPort: 8080}}]
+---
+apiVersion: discovery.k8s.io/v1
+kind: EndpointSlice
+metadata: {{name: headless-1, namespace: shop, labels: {{kubernetes.io/service-name: headless}}}}
+addressType: IPv4
+ports: [{{name: http, port: 8080, protocol: TCP}}]
+endpoints:
+{endpoints}"
+    )
 }

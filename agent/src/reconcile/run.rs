@@ -57,11 +57,13 @@ impl Loop {
         }
     }
 
-    /// Whether the state's view is whole: the source complete, the policies
-    /// known.
+    /// Whether the state's view is whole: the source complete, every kind
+    /// it reads listed once (the Nodes too), the policies known.
     pub fn view_is_whole(&self) -> bool {
         let state = &self.reconciler.state;
-        state.completeness() == Completeness::Complete && state.policies_known()
+        state.completeness() == Completeness::Complete
+            && state.unlisted().is_empty()
+            && state.policies_known()
     }
 
     /// Sets `readiness` now if the view is whole ([`Loop::view_is_whole`]),
@@ -71,7 +73,7 @@ impl Loop {
         self.update_readiness();
         if self.readiness.is_some() {
             tracing::info!(
-                "not ready until the workload source's view is whole and the authorization policies are known"
+                "not ready until the workload source has listed everything it reads once and the authorization policies are known"
             );
         }
     }

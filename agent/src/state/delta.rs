@@ -58,6 +58,13 @@ pub struct Delta {
     /// Unlike [`Delta::policies_unknown`], they do not keep the view from
     /// being whole: one namespace's broken policy denies that namespace only.
     pub policies_unknown_in: BTreeMap<String, PoliciesUnknown>,
+    /// What the source has not read once yet, as logs name it (the
+    /// Kubernetes API's watches that have not listed: `nodes`, `services`, …;
+    /// carried by every delta, empty once everything was listed). The agent
+    /// is not ready while anything is left. Unlike [`Delta::completeness`] it
+    /// holds back no removal: the Nodes, say, tell nothing of which pods are
+    /// gone.
+    pub unlisted: Vec<&'static str>,
 }
 
 impl Delta {

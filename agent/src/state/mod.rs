@@ -93,6 +93,8 @@ pub struct State {
     /// index was last built with.
     zone: Option<String>,
     completeness: Completeness,
+    /// What the source has not read once yet ([`Delta::unlisted`]).
+    unlisted: Vec<&'static str>,
     policies_unknown: Option<PoliciesUnknown>,
     /// Policies refused by the source, by namespace ([`Delta::policies_unknown_in`]).
     policies_unknown_in: BTreeMap<String, PoliciesUnknown>,
@@ -170,6 +172,7 @@ impl State {
             zone: None,
             ranges: Arc::new(ClusterRanges::default()),
             completeness: Completeness::Incomplete,
+            unlisted: Vec::new(),
             policies_unknown: None,
             policies_unknown_in: BTreeMap::new(),
             policies_were_known: false,
@@ -232,6 +235,7 @@ impl State {
             self.policies_unknown_in = delta.policies_unknown_in;
             self.dirty.policies = true;
         }
+        self.unlisted = delta.unlisted;
     }
 
     /// Makes the indexes again from what the deltas since the last refresh
@@ -476,6 +480,12 @@ impl State {
     /// How complete the source's view is, as its last delta said.
     pub fn completeness(&self) -> Completeness {
         self.completeness
+    }
+
+    /// What the source has not read once yet, as its last delta said
+    /// ([`Delta::unlisted`]).
+    pub fn unlisted(&self) -> &[&'static str] {
+        &self.unlisted
     }
 
     /// Every pod definition the source has (without the layer), by

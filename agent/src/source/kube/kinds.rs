@@ -15,12 +15,16 @@ use k8s_openapi::{
 use kube::Resource;
 use serde::Deserialize;
 
-use super::REDIRECTION_ANNOTATION;
+use super::{
+    AUTHORIZATION_POLICIES, ENDPOINT_SLICES, NAMESPACES, NODES, PEER_AUTHENTICATIONS, PODS,
+    REDIRECTION_ANNOTATION, SERVICES,
+};
 use crate::k8s;
 
-/// Implements [`Resource`] for a partial type.
+/// Implements [`Resource`] for a partial type, with the API group and plural
+/// name of `$watched`, an entry of [`super::WATCHED`].
 macro_rules! resource {
-    ($ty:ident, $scope:ty, $kind:literal, $group:literal, $version:literal, $plural:literal) => {
+    ($ty:ident, $scope:ty, $kind:literal, $version:literal, $watched:expr) => {
         impl Resource for $ty {
             type DynamicType = ();
             type Scope = $scope;
@@ -28,13 +32,13 @@ macro_rules! resource {
                 $kind.into()
             }
             fn group(_: &()) -> Cow<'_, str> {
-                $group.into()
+                $watched.group.into()
             }
             fn version(_: &()) -> Cow<'_, str> {
                 $version.into()
             }
             fn plural(_: &()) -> Cow<'_, str> {
-                $plural.into()
+                $watched.resource.into()
             }
             fn meta(&self) -> &ApiObjectMeta {
                 &self.metadata
@@ -53,7 +57,7 @@ pub(super) struct ApiPod {
     pub spec: Option<k8s::PodSpec>,
     pub status: Option<k8s::PodStatus>,
 }
-resource!(ApiPod, NamespaceResourceScope, "Pod", "", "v1", "pods");
+resource!(ApiPod, NamespaceResourceScope, "Pod", "v1", PODS);
 
 /// A namespace as watched: its metadata only.
 #[derive(Clone, Debug, Deserialize)]
@@ -64,9 +68,8 @@ resource!(
     ApiNamespace,
     ClusterResourceScope,
     "Namespace",
-    "",
     "v1",
-    "namespaces"
+    NAMESPACES
 );
 
 /// A `v1` Service as watched.
@@ -79,9 +82,8 @@ resource!(
     ApiService,
     NamespaceResourceScope,
     "Service",
-    "",
     "v1",
-    "services"
+    SERVICES
 );
 
 /// A `discovery.k8s.io/v1` EndpointSlice as watched.
@@ -98,9 +100,8 @@ resource!(
     ApiEndpointSlice,
     NamespaceResourceScope,
     "EndpointSlice",
-    "discovery.k8s.io",
     "v1",
-    "endpointslices"
+    ENDPOINT_SLICES
 );
 
 /// A `v1` Node as watched: name, labels, pod ranges (not its status, which
@@ -110,26 +111,19 @@ pub(super) struct ApiNode {
     pub metadata: ApiObjectMeta,
     pub spec: Option<k8s::NodeSpec>,
 }
-resource!(ApiNode, ClusterResourceScope, "Node", "", "v1", "nodes");
+resource!(ApiNode, ClusterResourceScope, "Node", "v1", NODES);
 
 /// Declares an Istio `security.istio.io` kind in one API version: metadata and
 /// the spec as JSON ([`crate::authz::spec`] reads it when compiling).
 macro_rules! istio_kind {
-    ($ty:ident, $kind:literal, $version:literal, $plural:literal) => {
+    ($ty:ident, $kind:literal, $version:literal, $watched:expr) => {
         #[doc = concat!("A `security.istio.io/", $version, "` ", $kind, " as watched.")]
         #[derive(Clone, Debug, Deserialize)]
         pub(super) struct $ty {
             pub metadata: ApiObjectMeta,
             pub spec: Option<serde_json::Value>,
         }
-        resource!(
-            $ty,
-            NamespaceResourceScope,
-            $kind,
-            "security.istio.io",
-            $version,
-            $plural
-        );
+        resource!($ty, NamespaceResourceScope, $kind, $version, $watched);
         impl IstioObject for $ty {
             fn parts(&self) -> (&ApiObjectMeta, Option<&serde_json::Value>) {
                 (&self.metadata, self.spec.as_ref())
@@ -152,25 +146,25 @@ istio_kind!(
     ApiAuthorizationPolicyV1,
     "AuthorizationPolicy",
     "v1",
-    "authorizationpolicies"
+    AUTHORIZATION_POLICIES
 );
 istio_kind!(
     ApiAuthorizationPolicyV1beta1,
     "AuthorizationPolicy",
     "v1beta1",
-    "authorizationpolicies"
+    AUTHORIZATION_POLICIES
 );
 istio_kind!(
     ApiPeerAuthenticationV1,
     "PeerAuthentication",
     "v1",
-    "peerauthentications"
+    PEER_AUTHENTICATIONS
 );
 istio_kind!(
     ApiPeerAuthenticationV1beta1,
     "PeerAuthentication",
     "v1beta1",
-    "peerauthentications"
+    PEER_AUTHENTICATIONS
 );
 
 /// What podlink reads of a watched object, as a fingerprint: an event that

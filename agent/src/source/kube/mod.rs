@@ -79,6 +79,61 @@ pub const REDIRECTION_ENABLED: &str = "enabled";
 /// watched pod is waited for before it is sent again.
 const PATCH_RETRY: Duration = Duration::from_secs(10);
 
+/// A resource the Kubernetes source lists and watches, as an RBAC rule names
+/// it: its API group (`""` for the core group) and plural name.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct Watched {
+    /// The API group: `""`, `discovery.k8s.io`, `security.istio.io`.
+    pub group: &'static str,
+    /// The plural name: `pods`, `endpointslices`, …
+    pub resource: &'static str,
+}
+
+const PODS: Watched = Watched {
+    group: "",
+    resource: "pods",
+};
+const NAMESPACES: Watched = Watched {
+    group: "",
+    resource: "namespaces",
+};
+const SERVICES: Watched = Watched {
+    group: "",
+    resource: "services",
+};
+const ENDPOINT_SLICES: Watched = Watched {
+    group: "discovery.k8s.io",
+    resource: "endpointslices",
+};
+const NODES: Watched = Watched {
+    group: "",
+    resource: "nodes",
+};
+const AUTHORIZATION_POLICIES: Watched = Watched {
+    group: "security.istio.io",
+    resource: "authorizationpolicies",
+};
+const PEER_AUTHENTICATIONS: Watched = Watched {
+    group: "security.istio.io",
+    resource: "peerauthentications",
+};
+
+/// Every resource the Kubernetes source lists and watches (an Istio kind in
+/// both its versions is one resource for RBAC). The watched types of
+/// [`kinds`] take their API group and plural name from these, and
+/// `deploy/clusterrole.yaml` grants `get`, `list` and `watch` on exactly these,
+/// and `patch` on pods for [`REDIRECTION_ANNOTATION`] (unit tests hold the
+/// watches, this list and the ClusterRole together).
+pub const WATCHED: [Watched; 7] = [
+    PODS,
+    NAMESPACES,
+    SERVICES,
+    ENDPOINT_SLICES,
+    NODES,
+    AUTHORIZATION_POLICIES,
+    PEER_AUTHENTICATIONS,
+];
+
 /// kube-runtime's default backoff (0.8 s doubling to 30 s, with jitter), started
 /// over only once a watch has delivered something since the last failure. The
 /// watcher emits an `Init` marker before every list attempt, on which
@@ -229,18 +284,20 @@ fn record_mtls_policy(pending: &mut Pending, _: Seen) {
     pending.mtls_policies = true;
 }
 
-/// One watch and its store.
-struct Watch<K: Resource<DynamicType = ()> + Clone + 'static> {
-    store: Store<K>,
+/// Whether a watch has listed, whatever its kind.
+struct WatchFlags {
+    /// The watch as logs name it (`pods (this node)`).
+    what: &'static str,
     /// The first list has been stored, or the resource is not served (404).
     ready: Arc<AtomicBool>,
     /// The last list answered 404 (an Istio CRD that is not installed): the
     /// kind is empty, whatever the store kept.
     absent: Arc<AtomicBool>,
-    task: tokio::task::JoinHandle<()>,
+    /// Records what the watch saw in [`Pending`].
+    record: fn(&mut Pending, Seen),
 }
 
-impl<K: Resource<DynamicType = ()> + Clone + 'static> Watch<K> {
+impl WatchFlags {
     /// Whether listed once (or found not served).
     fn listed(&self) -> bool {
         self.ready.load(Ordering::Relaxed)
@@ -250,10 +307,24 @@ impl<K: Resource<DynamicType = ()> + Clone + 'static> Watch<K> {
     fn served(&self) -> bool {
         self.listed() && !self.absent.load(Ordering::Relaxed)
     }
+}
+
+/// One watch and its store.
+struct Watch<K: Resource<DynamicType = ()> + Clone + 'static> {
+    store: Store<K>,
+    flags: WatchFlags,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl<K: Resource<DynamicType = ()> + Clone + 'static> Watch<K> {
+    /// Whether listed, and served now.
+    fn served(&self) -> bool {
+        self.flags.served()
+    }
 
     /// The objects of the store; none while the resource is not served.
     fn objects(&self) -> Vec<Arc<K>> {
-        if self.absent.load(Ordering::Relaxed) {
+        if self.flags.absent.load(Ordering::Relaxed) {
             Vec::new()
         } else {
             self.store.state()
@@ -404,7 +475,7 @@ where
                         if newly_absent {
                             tracing::warn!(
                                 watch = what,
-                                "the Kubernetes API does not serve {} (404 Not Found: its CRD is not installed): policies of that kind are taken as none until its CRD is installed; listing it again every {}s at most",
+                                "the Kubernetes API does not serve {} (404 Not Found: its CRD is not installed, or not in that version): it is taken as empty, and the kind read from its other version if that one is served; listing it again every {}s at most",
                                 crd.unwrap_or(what),
                                 policies::NOT_INSTALLED_RETRY.as_secs()
                             );
@@ -445,8 +516,12 @@ where
     });
     Watch {
         store,
-        ready,
-        absent,
+        flags: WatchFlags {
+            what,
+            ready,
+            absent,
+            record,
+        },
         task,
     }
 }
@@ -479,6 +554,9 @@ pub struct KubeSource {
     held_mtls: HeldMessages,
     /// The Istio watches' flags as the last delta was made of them.
     sent_lists: Option<PolicyLists>,
+    /// What was not listed yet ([`Self::unlisted`]) as the last delta was
+    /// made.
+    sent_unlisted: Vec<&'static str>,
     /// What changed since the last delta.
     pending: Arc<Mutex<Pending>>,
     /// Whether the first delta was sent.
@@ -489,7 +567,7 @@ pub struct KubeSource {
 impl KubeSource {
     /// Connects with `kubeconfig`, or the in-cluster configuration (the service
     /// account's token and CA, `KUBERNETES_SERVICE_HOST`/`_PORT`) when `None`, and
-    /// starts the watchers. Does not wait for the first lists ([`Self::ready`]).
+    /// starts the watchers. Does not wait for the first lists ([`Self::wait_ready`]).
     ///
     /// # Errors
     /// A kubeconfig that cannot be read ([`Error::ReadKubeconfig`]) or used
@@ -577,38 +655,73 @@ impl KubeSource {
             held_policies: HeldMessages::default(),
             held_mtls: HeldMessages::default(),
             sent_lists: None,
+            sent_unlisted: Vec::new(),
             pending,
             started: false,
             changes,
         })
     }
 
-    /// Whether this node's pods, the namespaces, the Services and the
-    /// EndpointSlices have been listed: only then may pods missing from the
-    /// source be taken as deleted, and is the view whole.
-    pub fn ready(&self) -> bool {
-        self.local_pods.listed()
-            && self.namespaces.listed()
-            && self.services.listed()
-            && self.endpoint_slices.listed()
+    /// The watches of the kinds but Istio's, whose two versions are read as
+    /// one kind ([`Self::policies_listed`]).
+    fn core_watches(&self) -> [&WatchFlags; 6] {
+        [
+            &self.local_pods.flags,
+            &self.all_pods.flags,
+            &self.namespaces.flags,
+            &self.services.flags,
+            &self.endpoint_slices.flags,
+            &self.nodes.flags,
+        ]
+    }
+
+    /// The resource of every watch: its API group and plural name.
+    #[cfg(test)]
+    fn watched_resources(&self) -> BTreeSet<(String, String)> {
+        fn of<K: Resource<DynamicType = ()> + Clone + 'static>(_: &Watch<K>) -> (String, String) {
+            (K::group(&()).into(), K::plural(&()).into())
+        }
+        BTreeSet::from([
+            of(&self.local_pods),
+            of(&self.all_pods),
+            of(&self.namespaces),
+            of(&self.services),
+            of(&self.endpoint_slices),
+            of(&self.nodes),
+            of(&self.policies_v1),
+            of(&self.policies_v1beta1),
+            of(&self.mtls_v1),
+            of(&self.mtls_v1beta1),
+        ])
+    }
+
+    /// What has not been listed once yet, as logs name it: the watches
+    /// (`pods (this node)`, `nodes`, …), and the Istio kinds
+    /// (`authorizationpolicies`, `peerauthentications`) not listed as
+    /// [`Self::policies_listed`] counts them. The agent is not ready while
+    /// anything is left; whether the view is whole is told from the same
+    /// reading ([`Self::completeness`]).
+    fn unlisted(&self) -> Vec<&'static str> {
+        let mut unlisted: Vec<&'static str> = self
+            .core_watches()
+            .into_iter()
+            .filter(|w| !w.listed())
+            .map(|w| w.what)
+            .collect();
+        if !istio_kind_listed(&self.policies_v1.flags, &self.policies_v1beta1.flags) {
+            unlisted.push(AUTHORIZATION_POLICIES.resource);
+        }
+        if !istio_kind_listed(&self.mtls_v1.flags, &self.mtls_v1beta1.flags) {
+            unlisted.push(PEER_AUTHENTICATIONS.resource);
+        }
+        unlisted
     }
 
     /// Whether every Istio kind has been listed (or found not installed), so
-    /// that the policies can be known. Of a kind's two versions, one served
-    /// has every object; both must have answered otherwise.
+    /// that the policies can be known ([`istio_kind_listed`]).
     fn policies_listed(&self) -> bool {
-        let kind = |v1_served: bool, beta_served: bool, both_listed: bool| {
-            v1_served || beta_served || both_listed
-        };
-        kind(
-            self.policies_v1.served(),
-            self.policies_v1beta1.served(),
-            self.policies_v1.listed() && self.policies_v1beta1.listed(),
-        ) && kind(
-            self.mtls_v1.served(),
-            self.mtls_v1beta1.served(),
-            self.mtls_v1.listed() && self.mtls_v1beta1.listed(),
-        )
+        istio_kind_listed(&self.policies_v1.flags, &self.policies_v1beta1.flags)
+            && istio_kind_listed(&self.mtls_v1.flags, &self.mtls_v1beta1.flags)
     }
 
     /// Whether the policies are listed, and which version of each kind is
@@ -624,16 +737,14 @@ impl KubeSource {
         }
     }
 
-    /// Whether every watch has listed once: [`Self::ready`], the policies
-    /// and the Nodes.
+    /// Whether every watch has listed once (nothing is [`Self::unlisted`]).
     fn all_listed(&self) -> bool {
-        self.ready() && self.policies_listed() && self.nodes.listed()
+        self.unlisted().is_empty()
     }
 
     /// Waits until every watch has listed once ([`Self::all_listed`]) or
-    /// `timeout` has passed; returns whether the view is whole
-    /// ([`Self::ready`]).
-    pub async fn wait_ready(&self, timeout: Duration) -> bool {
+    /// `timeout` has passed.
+    pub async fn wait_ready(&self, timeout: Duration) {
         let deadline = tokio::time::Instant::now() + timeout;
         while !self.all_listed() {
             if tokio::time::timeout_at(deadline, self.changes.notified())
@@ -643,7 +754,6 @@ impl KubeSource {
                 break;
             }
         }
-        self.ready()
     }
 
     /// Every pod of both pod stores, one per namespace/name (this node's watch
@@ -726,10 +836,19 @@ impl KubeSource {
         policies::policies_unknown(listed, &refused)
     }
 
-    /// How complete the watches' view is: whole once this node's pods, the
-    /// namespaces, the Services and the EndpointSlices were listed.
-    fn completeness(&self) -> Completeness {
-        if self.ready() {
+    /// How complete the watches' view is, `unlisted` being what
+    /// [`Self::unlisted`] read: whole once this node's pods, the namespaces,
+    /// the Services and the EndpointSlices were listed.
+    fn completeness(&self, unlisted: &[&str]) -> Completeness {
+        let whole = [
+            &self.local_pods.flags,
+            &self.namespaces.flags,
+            &self.services.flags,
+            &self.endpoint_slices.flags,
+        ]
+        .iter()
+        .all(|w| !unlisted.contains(&w.what));
+        if whole {
             Completeness::Complete
         } else {
             Completeness::Incomplete
@@ -739,13 +858,21 @@ impl KubeSource {
     /// The delta of what the watches saw: every pod when a pod watch listed
     /// (again), else the pods they named with their objects now; every object
     /// of another kind when one of that kind changed.
-    /// `lists` are the Istio watches' flags, read before `pending` was taken.
-    fn delta(&mut self, pending: Pending, lists: PolicyLists) -> Delta {
+    /// `lists` are the Istio watches' flags and `unlisted` what was not
+    /// listed yet ([`Self::unlisted`]), both read before `pending` was taken.
+    fn delta(
+        &mut self,
+        pending: Pending,
+        lists: PolicyLists,
+        unlisted: Vec<&'static str>,
+    ) -> Delta {
         self.sent_lists = Some(lists);
         let mut delta = Delta {
-            completeness: self.completeness(),
+            completeness: self.completeness(&unlisted),
             ..Delta::default()
         };
+        self.sent_unlisted.clone_from(&unlisted);
+        delta.unlisted = unlisted;
         if pending.pods.listed {
             delta.all_pods = Some(self.read_all_pods());
         } else {
@@ -791,7 +918,9 @@ impl KubeSource {
         // delta of its own, never as a complete view of what was read before.
         let lists = self.policy_lists();
         self.sent_lists = Some(lists);
-        let completeness = self.completeness();
+        let unlisted = self.unlisted();
+        let completeness = self.completeness(&unlisted);
+        self.sent_unlisted.clone_from(&unlisted);
         let mut delta = Delta {
             all_pods: Some(self.read_all_pods()),
             namespaces: Some(self.read_namespaces()),
@@ -801,6 +930,7 @@ impl KubeSource {
             policies: Some(self.read_policies(lists.policies)),
             mtls_policies: Some(self.read_mtls_policies(lists.mtls)),
             completeness,
+            unlisted,
             ..Delta::default()
         };
         (delta.policies_unknown, delta.policies_unknown_in) = self.policies_unknown(lists.listed);
@@ -810,6 +940,13 @@ impl KubeSource {
     fn take_pending(&self) -> Pending {
         std::mem::take(&mut *self.pending.lock().unwrap_or_else(PoisonError::into_inner))
     }
+}
+
+/// Whether an Istio kind whose versions are watched by `v1` and `v1beta1`
+/// has been listed: one version served has every object; both must have
+/// answered otherwise (each listed, or found not installed).
+fn istio_kind_listed(v1: &WatchFlags, v1beta1: &WatchFlags) -> bool {
+    v1.served() || v1beta1.served() || (v1.listed() && v1beta1.listed())
 }
 
 /// The objects `keys` (`namespace/name`) of `watch`'s store now, as podlink
@@ -870,10 +1007,19 @@ fn changed_pods(
 impl Source for KubeSource {
     async fn next(&mut self) -> Delta {
         if !std::mem::replace(&mut self.started, true) {
-            if !self.wait_ready(FIRST_LIST_WAIT).await {
+            self.wait_ready(FIRST_LIST_WAIT).await;
+            let unlisted = self.unlisted();
+            let whole = self.completeness(&unlisted) == Completeness::Complete;
+            if !unlisted.is_empty() {
                 tracing::warn!(
-                    "the Kubernetes API has not listed this node's pods, the namespaces, the Services and the EndpointSlices within {}s; serving with what is known, nothing is detached until it has",
-                    FIRST_LIST_WAIT.as_secs()
+                    unlisted = ?unlisted,
+                    "the Kubernetes API has not listed everything the agent watches within {}s; serving with what is known, not ready until it has{}",
+                    FIRST_LIST_WAIT.as_secs(),
+                    if whole {
+                        ""
+                    } else {
+                        ", and nothing is detached until this node's pods, the namespaces, the Services and the EndpointSlices are listed"
+                    }
                 );
             }
             self.take_pending();
@@ -882,15 +1028,22 @@ impl Source for KubeSource {
         loop {
             // The flags before the pending changes, and both before the
             // stores: a list that ends meanwhile is read again
-            // ([`policies::rereads`]) or comes with the next delta, never
-            // taken as listed with the policies read before it.
+            // ([`policies::rereads`], and a watch listed since the last
+            // delta is read whole) or comes with the next delta, never taken
+            // as listed with the objects read before it.
             let lists = self.policy_lists();
+            let unlisted = self.unlisted();
             let mut pending = self.take_pending();
             let (policies, mtls) = policies::rereads(self.sent_lists, lists);
             pending.policies |= policies;
             pending.mtls_policies |= mtls;
-            if !pending.is_empty() {
-                return self.delta(pending, lists);
+            for watch in self.core_watches() {
+                if self.sent_unlisted.contains(&watch.what) && !unlisted.contains(&watch.what) {
+                    (watch.record)(&mut pending, Seen::Listed);
+                }
+            }
+            if !pending.is_empty() || unlisted != self.sent_unlisted {
+                return self.delta(pending, lists, unlisted);
             }
             self.changes.notified().await;
         }
@@ -1033,6 +1186,134 @@ mod tests {
         );
         record_service(&mut pending, Seen::Listed);
         assert!(pending.services.listed);
+    }
+
+    /// `deploy/clusterrole.yaml` grants `get`, `list` and `watch` on every
+    /// resource of [`WATCHED`], `patch` on pods (the redirection annotation,
+    /// [`RedirectionAnnotator`]), and nothing else.
+    #[test]
+    fn the_cluster_role_grants_exactly_what_is_watched() {
+        let role: serde_json::Value = serde_yaml_ng::from_str(include_str!(concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/../deploy/clusterrole.yaml"
+        )))
+        .unwrap();
+        assert_eq!(role["kind"], "ClusterRole");
+        let strings = |v: &serde_json::Value| -> Vec<String> {
+            v.as_array()
+                .unwrap_or_else(|| panic!("not a list: {v}"))
+                .iter()
+                .map(|s| s.as_str().unwrap().to_string())
+                .collect()
+        };
+        let mut granted: BTreeMap<(String, String), BTreeSet<String>> = BTreeMap::new();
+        for rule in role["rules"].as_array().unwrap() {
+            assert!(
+                rule.get("resourceNames").is_none() && rule.get("nonResourceURLs").is_none(),
+                "{rule}"
+            );
+            for group in strings(&rule["apiGroups"]) {
+                for resource in strings(&rule["resources"]) {
+                    granted
+                        .entry((group.clone(), resource))
+                        .or_default()
+                        .extend(strings(&rule["verbs"]));
+                }
+            }
+        }
+        let read = BTreeSet::from(["get", "list", "watch"].map(String::from));
+        let mut wanted: BTreeMap<(String, String), BTreeSet<String>> = WATCHED
+            .iter()
+            .map(|w| ((w.group.into(), w.resource.into()), read.clone()))
+            .collect();
+        wanted
+            .get_mut(&(PODS.group.into(), PODS.resource.into()))
+            .unwrap()
+            .insert("patch".into());
+        assert_eq!(granted, wanted);
+    }
+
+    /// The watches the source starts are of exactly the resources of
+    /// [`WATCHED`]. Until each has listed it is named unlisted (the Nodes
+    /// too), and the view is whole once this node's pods, the namespaces, the
+    /// Services and the EndpointSlices are listed; an Istio kind counts as
+    /// listed once one version is served, or both have answered.
+    #[tokio::test]
+    async fn the_watches_are_of_the_watched_resources_and_say_what_is_unlisted() {
+        let dir = tempfile::tempdir().unwrap();
+        let kubeconfig = dir.path().join("kubeconfig");
+        // Nothing answers on the discard port: every list fails and is retried.
+        std::fs::write(
+            &kubeconfig,
+            "apiVersion: v1
+kind: Config
+clusters: [{name: c, cluster: {server: \"http://127.0.0.1:9\"}}]
+users: [{name: u, user: {token: t}}]
+contexts: [{name: x, context: {cluster: c, user: u}}]
+current-context: x
+",
+        )
+        .unwrap();
+        let source = KubeSource::start(Some(&kubeconfig), "node1").await.unwrap();
+        let watched: BTreeSet<(String, String)> = WATCHED
+            .iter()
+            .map(|w| (w.group.into(), w.resource.into()))
+            .collect();
+        assert_eq!(source.watched_resources(), watched);
+
+        let unlisted = source.unlisted();
+        assert_eq!(
+            unlisted,
+            [
+                "pods (this node)",
+                "pods (all)",
+                "namespaces",
+                "services",
+                "endpointslices",
+                "nodes",
+                "authorizationpolicies",
+                "peerauthentications"
+            ]
+        );
+        assert_eq!(source.completeness(&unlisted), Completeness::Incomplete);
+        let list = |w: &WatchFlags| w.ready.store(true, Ordering::Relaxed);
+        for w in [
+            &source.local_pods.flags,
+            &source.namespaces.flags,
+            &source.services.flags,
+            &source.endpoint_slices.flags,
+        ] {
+            list(w);
+        }
+        let unlisted = source.unlisted();
+        assert_eq!(source.completeness(&unlisted), Completeness::Complete);
+        // Whole, but not everything is listed: the agent is not ready yet.
+        assert_eq!(
+            unlisted,
+            [
+                "pods (all)",
+                "nodes",
+                "authorizationpolicies",
+                "peerauthentications"
+            ]
+        );
+        list(&source.all_pods.flags);
+        list(&source.nodes.flags);
+        // AuthorizationPolicy v1 not installed (404), v1beta1 not listed yet:
+        // unlisted; v1beta1 listed: listed.
+        source
+            .policies_v1
+            .flags
+            .absent
+            .store(true, Ordering::Relaxed);
+        list(&source.policies_v1.flags);
+        // PeerAuthentication v1 served: listed whatever v1beta1 does.
+        list(&source.mtls_v1.flags);
+        assert_eq!(source.unlisted(), ["authorizationpolicies"]);
+        assert!(!source.all_listed());
+        list(&source.policies_v1beta1.flags);
+        assert!(source.unlisted().is_empty());
+        assert!(source.all_listed());
     }
 
     /// A 404 of an Istio kind is retried within `NOT_INSTALLED_RETRY`,
