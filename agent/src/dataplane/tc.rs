@@ -472,11 +472,18 @@ mod tests {
     /// Runs `tc ARGS` (split at spaces), asserts it succeeded, returns its
     /// standard output.
     fn tc(args: &str) -> String {
+        tc_argv(&args.split_whitespace().collect::<Vec<_>>())
+    }
+
+    /// Runs `tc` with `args` as they are (for arguments holding spaces, as a
+    /// classic BPF `bytecode`), asserts it succeeded, returns its standard
+    /// output.
+    fn tc_argv(args: &[&str]) -> String {
         let out = std::process::Command::new("tc")
-            .args(args.split_whitespace())
+            .args(args)
             .output()
             .unwrap();
-        assert!(out.status.success(), "tc {args}: {out:?}");
+        assert!(out.status.success(), "tc {args:?}: {out:?}");
         String::from_utf8(out.stdout).unwrap()
     }
 
@@ -567,8 +574,16 @@ mod tests {
 
             // Someone else's filters: a later priority, and podlink's handle at
             // another priority.
-            tc("filter add dev pl0 ingress pref 2 bpf bytecode 1,6,0,0,0");
-            tc("filter add dev pl0 egress pref 3 handle 0x53b bpf bytecode 1,6,0,0,0");
+            // Classic BPF `ret 0` (tc-bpf(8): instruction count, then each
+            // instruction's code, jt, jf and k separated by spaces).
+            let drop_all = "1,6 0 0 0";
+            tc_argv(&[
+                "filter", "add", "dev", "pl0", "ingress", "pref", "2", "bpf", "bytecode", drop_all,
+            ]);
+            tc_argv(&[
+                "filter", "add", "dev", "pl0", "egress", "pref", "3", "handle", "0x53b", "bpf",
+                "bytecode", drop_all,
+            ]);
             // Replaced in place: the same filters run the second object's programs.
             for program in Program::ALL {
                 let fd = classifier(&second, program).fd().unwrap();
