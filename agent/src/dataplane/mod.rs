@@ -1090,6 +1090,27 @@ pub(crate) mod testing {
         }
     }
 
+    /// Adds the IPv6 address `cidr` to `dev` without duplicate address
+    /// detection and waits (at most 5 s) for its `local` route. The kernel
+    /// adds that route from a work queue after the address (`addrconf_dad_work`
+    /// even with `nodad`), so a connection made at once can fail with
+    /// `ENETUNREACH`.
+    pub(crate) fn add_ipv6_address(cidr: &str, dev: &str) {
+        ip(&format!("-6 addr add {cidr} dev {dev} nodad"));
+        let address = cidr.split('/').next().unwrap();
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
+        while ip(&format!("-6 route show table local {address}"))
+            .trim()
+            .is_empty()
+        {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "no local route for {address} 5 s after adding it to {dev}"
+            );
+            std::thread::sleep(std::time::Duration::from_millis(10));
+        }
+    }
+
     /// Runs `ip ARGS` (split at spaces), asserts it succeeded, returns its
     /// standard output.
     pub(crate) fn ip(args: &str) -> String {

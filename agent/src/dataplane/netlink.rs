@@ -609,7 +609,7 @@ fn veth_name(link: &rtnetlink::packet_route::link::LinkMessage) -> Option<Arc<st
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::dataplane::testing::{in_new_network_namespace, ip};
+    use crate::dataplane::testing::{add_ipv6_address, in_new_network_namespace, ip};
     use rtnetlink::packet_route::link::LinkMessage;
 
     /// A host route to `dst` (`/32`, `/128`) out of `oif`, as a dump has it.
@@ -836,7 +836,7 @@ mod tests {
             ip("link add nlhost0 type veth peer name nlpod0");
             ip("link set nlhost0 up");
             ip("addr add 10.99.0.1/32 dev nlhost0");
-            ip("addr add fd99::1/128 dev nlhost0 nodad");
+            add_ipv6_address("fd99::1/128", "nlhost0");
             ip("route add 10.99.0.5/32 dev nlhost0");
             ip("-6 route add fd99::5/128 dev nlhost0");
             let index = nix::net::if_::if_nametoindex("nlhost0").unwrap();

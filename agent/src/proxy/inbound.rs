@@ -410,7 +410,7 @@ mod tests {
 
     use super::*;
     use crate::{
-        dataplane::testing::{in_new_network_namespace, ip},
+        dataplane::testing::{add_ipv6_address, in_new_network_namespace, ip},
         k8s::{Namespace, Pod},
         proxy::{
             canonical,
@@ -472,8 +472,8 @@ mod tests {
                 crate::dataplane::net::ipv6_enabled(),
                 "needs IPv6 (net.ipv6.conf.all.disable_ipv6 is 1, or the kernel has none)"
             );
-            ip("-6 addr add fd00:1::1/128 dev lo nodad");
-            ip("-6 addr add fd00:2::2/128 dev lo nodad");
+            add_ipv6_address("fd00:1::1/128", "lo");
+            add_ipv6_address("fd00:2::2/128", "lo");
             let (state, _ca) = dual_stack_state();
             let app = tokio::net::TcpListener::bind("[fd00:2::2]:8080")
                 .await

@@ -201,7 +201,7 @@ mod tests {
     #[test]
     #[ignore = "needs root"]
     fn ipv6_upstream_connections_keep_the_client_address() {
-        use crate::dataplane::testing::{in_new_network_namespace, ip};
+        use crate::dataplane::testing::{add_ipv6_address, in_new_network_namespace, ip};
         in_new_network_namespace(|| async {
             ip("link set lo up");
             assert!(
@@ -210,7 +210,7 @@ mod tests {
             );
             // The pod's address is not the node's: routed to this host as
             // replies to transparent sockets are (`local` route).
-            ip("-6 addr add fd00::1/128 dev lo nodad");
+            add_ipv6_address("fd00::1/128", "lo");
             ip("-6 route add local fd00:0:0:1::/64 dev lo");
             let server = tokio::net::TcpListener::bind("[fd00::1]:8080")
                 .await
