@@ -36,14 +36,15 @@ enum Cmd {
     /// kustomization.yaml lists them all).
     ValidateDeploy,
     /// Validate deploy/, run unit tests, then the end-to-end tests (root) on the
-    /// network-namespace test bed, on this machine's kernel and then in a QEMU
-    /// guest booting Debian's 6.12 kernel (see xtask/src/guest.rs).
+    /// network-namespace test bed, on this machine's kernel and then in QEMU
+    /// guests booting Debian's 6.12 (TCX) and 6.1 (`cls_bpf`) kernels (see
+    /// xtask/src/guest.rs).
     Test {
         /// Only run tests whose name contains this filter.
         filter: Option<String>,
         /// Only on these kernels: `host` (this machine's: every test), `6.1` or
         /// `6.12` (a guest: the end-to-end tests that matter for a kernel).
-        /// Repeatable [default: host and 6.12].
+        /// Repeatable [default: host, 6.12 and 6.1].
         #[arg(long, value_enum)]
         kernel: Vec<TestKernel>,
     },
@@ -162,9 +163,7 @@ fn main() -> Result<()> {
         Cmd::ValidateDeploy => deploy::validate(),
         Cmd::Test { filter, kernel } => {
             let kernels = if kernel.is_empty() {
-                // 6.1 only when asked: the verifier of 6.1 refuses `from_pod`
-                // as the compiler lays it out now (docs/development.md).
-                vec![TestKernel::Host, TestKernel::V6_12]
+                vec![TestKernel::Host, TestKernel::V6_12, TestKernel::V6_1]
             } else {
                 kernel
             };
