@@ -1207,6 +1207,22 @@ impl Cluster {
         serde_json::from_str(&body).with_context(|| format!("/config_dump is not JSON: {body}"))
     }
 
+    /// How many endpoints node `node`'s agent knows for Service
+    /// `namespace/name`, as its `/config_dump` lists them (0 when it knows no
+    /// such Service, or the dump cannot be read).
+    pub fn service_endpoints(&self, node: usize, namespace: &str, name: &str) -> usize {
+        let Ok(dump) = self.config_dump(node) else {
+            return 0;
+        };
+        dump["services"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .find(|s| s["namespace"] == namespace && s["name"] == name)
+            .and_then(|s| s["endpoints"].as_array())
+            .map_or(0, Vec::len)
+    }
+
     /// Writes `text` as manifest file `file` (replacing it by rename, as a
     /// ConfigMap update does). With [`Source::Kubernetes`], applies its objects
     /// to the API server double instead, and deletes those an earlier text of

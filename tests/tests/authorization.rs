@@ -554,7 +554,7 @@ fn istio_crds_missing_then_installed() {
     // The EndpointSlices are in (node 2 knows web's endpoint): the Nodes
     // alone keep the agent not ready.
     let deadline = Instant::now() + Duration::from_secs(60);
-    while web_endpoints(&c, 1) != 1 {
+    while c.service_endpoints(1, "shop", "web") != 1 {
         assert!(Instant::now() < deadline, "{}", c.agent_log(1));
         std::thread::sleep(Duration::from_millis(100));
     }
@@ -596,18 +596,6 @@ addressType: IPv4
 ports: [{port: 8080}]
 endpoints: [{addresses: [\"WEB\"]}]
 ";
-
-/// How many endpoints node `node`'s agent knows for Service `shop/web`.
-fn web_endpoints(c: &Cluster, node: usize) -> usize {
-    let dump = c.config_dump(node).unwrap();
-    dump["services"]
-        .as_array()
-        .into_iter()
-        .flatten()
-        .find(|s| s["namespace"] == "shop" && s["name"] == "web")
-        .and_then(|s| s["endpoints"].as_array())
-        .map_or(0, Vec::len)
-}
 
 /// An AuthorizationPolicy of `action` for `app: web` in `shop` whose one rule
 /// matches sources in `blocks`.

@@ -111,18 +111,6 @@ fn reset_at_once(client: &Pod, dst: SocketAddr) {
     );
 }
 
-/// How many endpoints node 1's agent knows for `shop/web`.
-fn web_endpoints(c: &Cluster) -> usize {
-    let dump = c.config_dump(0).unwrap();
-    dump["services"]
-        .as_array()
-        .into_iter()
-        .flatten()
-        .find(|s| s["namespace"] == "shop" && s["name"] == "web")
-        .and_then(|s| s["endpoints"].as_array())
-        .map_or(0, Vec::len)
-}
-
 #[test]
 fn service_connections_go_to_ready_endpoints_over_hbone() {
     service_connections(Source::Manifests);
@@ -249,7 +237,7 @@ endpoints: [{{addresses: [\"{}\"]}}]
     c.write_manifest("slice-web.yaml", &slice(&[(&first, READY), (&far1, READY)]))
         .unwrap();
     let deadline = Instant::now() + Duration::from_secs(20);
-    while web_endpoints(&c) != 2 {
+    while c.service_endpoints(0, "shop", "web") != 2 {
         assert!(Instant::now() < deadline, "{}", c.agent_log(0));
         std::thread::sleep(Duration::from_millis(50));
     }
