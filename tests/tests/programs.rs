@@ -40,6 +40,18 @@ const SYN: u8 = 0x02;
 const ACK: u8 = 0x10;
 
 /// Ethernet + IPv4 + TCP with the given addresses, ports and flags.
+/// Takes `listener` out of the kernel's socket lookup at once. Dropping it is
+/// not enough: a process another thread forks in the meantime holds a copy of
+/// its descriptor until it execs, and the socket listens until the last copy
+/// closes. `shutdown(SHUT_RD)` on a listening socket stops it whatever holds
+/// descriptors (`inet_shutdown()` disconnects a `TCP_LISTEN` socket).
+fn stop_listening(listener: TcpListener) {
+    use std::os::fd::AsRawFd;
+    // SAFETY: the descriptor is open for the call (`listener` owns it).
+    let r = unsafe { libc::shutdown(listener.as_raw_fd(), libc::SHUT_RD) };
+    assert_eq!(r, 0, "shutdown: {}", std::io::Error::last_os_error());
+}
+
 fn tcp(src: Ipv4Addr, dst: Ipv4Addr, sport: u16, dport: u16, flags: u8) -> Vec<u8> {
     let mut p = vec![0u8; 14 + 20 + 20];
     p[12..14].copy_from_slice(&0x0800u16.to_be_bytes());
@@ -482,7 +494,7 @@ fn decisions_on_crafted_packets() {
 
         // Fail open (a flag, off by default): with no listener, an outbound SYN
         // passes; an inbound one is still dropped.
-        drop(_outbound);
+        stop_listening(_outbound);
         p.set_flag(CONFIG_FAIL_OPEN, true);
         assert_eq!(p.run("from_pod", &tcp(POD, PEER, 1002, 80, SYN), 0), PASS);
         assert_eq!(p.run("from_pod", &tcp(PEER, POD, 1002, 80, SYN), 0), DROP);
@@ -797,7 +809,7 @@ fn ipv6_decisions_on_crafted_packets() {
 
         // Fail open: with no listener, an outbound SYN passes; an inbound one is
         // still dropped.
-        drop(_outbound);
+        stop_listening(_outbound);
         p.set_flag(CONFIG_FAIL_OPEN, true);
         assert_eq!(
             p.run("from_pod", &tcp6(POD6, PEER6, &[], 1002, 80, SYN), 0),
