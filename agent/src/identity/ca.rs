@@ -21,7 +21,7 @@ use rcgen::{
 };
 use rustls_pki_types::{CertificateDer, PrivateKeyDer, PrivatePkcs8KeyDer, pem::PemObject};
 use thiserror::Error;
-use x509_parser::prelude::{FromDer, GeneralName, ParsedExtension, X509Certificate};
+use x509_parser::prelude::{FromDer, GeneralName, ParsedExtension, X509Certificate, X509Name};
 
 use super::SpiffeId;
 
@@ -309,6 +309,12 @@ impl CertificateAuthority {
                 cert: cert_path.to_path_buf(),
             });
         }
+        check_encodable_subject(parsed.subject()).map_err(|what| {
+            invalid(
+                cert_path,
+                format!("cannot sign with this certificate: {what}"),
+            )
+        })?;
         let not_after = u64::try_from(parsed.validity().not_after.timestamp())
             .map_or(SystemTime::UNIX_EPOCH, |secs| {
                 SystemTime::UNIX_EPOCH + Duration::from_secs(secs)
@@ -405,6 +411,36 @@ fn check_ca_certificate(der: &CertificateDer<'_>) -> Result<(), String> {
             cert.validity().not_before,
             cert.validity().not_after
         ));
+    }
+    Ok(())
+}
+
+/// Checks that a CA certificate's `subject` can be written again: rcgen writes
+/// it as the issuer of every certificate it signs, and panics (yasna's
+/// `write_oid`, rcgen's `DistinguishedName::from_name`) on what x509-parser
+/// reads but DER cannot hold: an empty relative distinguished name, or an
+/// attribute type OID that cannot be encoded (X.690 §8.19.4: the first arc 0, 1
+/// or 2, the second below 40 unless the first is 2, the two together in 64 bits).
+fn check_encodable_subject(subject: &X509Name<'_>) -> Result<(), String> {
+    for rdn in subject.iter() {
+        if rdn.iter().next().is_none() {
+            return Err("the subject has an empty relative distinguished name".into());
+        }
+        for attribute in rdn.iter() {
+            let oid = attribute.attr_type();
+            let arcs: Option<Vec<u64>> = oid.iter().map(Iterator::collect);
+            let encodable = match arcs.as_deref() {
+                Some([first, second, ..]) => {
+                    *first < 3 && (*first == 2 || *second < 40) && *second < u64::MAX - 80
+                }
+                _ => false,
+            };
+            if !encodable {
+                return Err(format!(
+                    "the subject has an attribute type OID that cannot be encoded ({oid})"
+                ));
+            }
+        }
     }
     Ok(())
 }
