@@ -77,7 +77,6 @@ const BOUND: Duration = Duration::from_secs(10);
 struct Harness {
     state: Arc<ProxyState>,
     client: SpiffeId,
-    _ca: tempfile::TempDir,
 }
 
 static HARNESS: LazyLock<Harness> = LazyLock::new(|| {
@@ -99,6 +98,8 @@ static HARNESS: LazyLock<Harness> = LazyLock::new(|| {
         Duration::from_secs(3600),
     )
     .expect("the local CA loads");
+    // Loaded: the files are not read again.
+    drop(dir);
     let state = Arc::new(ProxyState::new(
         ProxyConfig {
             listen_ip: std::net::Ipv4Addr::LOCALHOST,
@@ -131,7 +132,6 @@ static HARNESS: LazyLock<Harness> = LazyLock::new(|| {
     Harness {
         state,
         client: SpiffeId::new("cluster.local", "shop", "client"),
-        _ca: dir,
     }
 });
 
