@@ -6,6 +6,7 @@
 mod bench;
 mod demo;
 mod deploy;
+mod fuzz;
 mod guest;
 mod setup;
 
@@ -38,7 +39,8 @@ enum Cmd {
     /// Validate deploy/, run unit tests, then the end-to-end tests (root) on the
     /// network-namespace test bed, on this machine's kernel and then in QEMU
     /// guests booting Debian's 6.12 (TCX) and 6.1 (`cls_bpf`) kernels (see
-    /// xtask/src/guest.rs).
+    /// xtask/src/guest.rs), then each fuzz target for 10 s, unoptimized (with the
+    /// host kernel; those whose name contains the filter, when one is given).
     Test {
         /// Only run tests whose name contains this filter.
         filter: Option<String>,
@@ -47,6 +49,21 @@ enum Cmd {
         /// Repeatable [default: host, 6.12 and 6.1].
         #[arg(long, value_enum)]
         kernel: Vec<TestKernel>,
+    },
+    /// Run the fuzz targets of fuzz/ (cargo-fuzz, nightly; installed into
+    /// .tools/ when missing) for a bounded time each; fails when any crashes,
+    /// printing the crashing input's path and the command that replays it
+    /// (xtask/src/fuzz.rs).
+    Fuzz {
+        /// Seconds each target runs for.
+        #[arg(long, default_value_t = fuzz::DEFAULT_SECONDS)]
+        seconds: u64,
+        /// Only the targets whose name contains this [default: all].
+        target: Option<String>,
+        /// Build them unoptimized, as `cargo xtask test` does (builds several
+        /// times faster, runs tens of times slower).
+        #[arg(long)]
+        dev: bool,
     },
     /// Measure podlink against the direct path on the two-node test bed (the
     /// figures and targets of issue 6, a scaling table, pod enrollment).
@@ -190,7 +207,28 @@ fn main() -> Result<()> {
                 }
                 result = result.and(guest);
             }
+            if kernels.contains(&TestKernel::Host) {
+                let fuzzing =
+                    fuzz::run_targets(filter.as_deref(), fuzz::SECONDS_IN_TEST, fuzz::Build::Quick)
+                        .context("fuzzing");
+                if let Err(e) = &fuzzing {
+                    eprintln!("{e:#}");
+                }
+                result = result.and(fuzzing);
+            }
             result
+        }
+        Cmd::Fuzz {
+            seconds,
+            target,
+            dev,
+        } => {
+            let build = if dev {
+                fuzz::Build::Quick
+            } else {
+                fuzz::Build::Optimized
+            };
+            fuzz::run_targets(target.as_deref(), seconds, build)
         }
         Cmd::Bench {
             repeat,

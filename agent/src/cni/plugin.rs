@@ -336,6 +336,10 @@ struct Invocation {
     prev_result: Option<Value>,
 }
 
+/// One exchange with the agent: `ask(socket, line)` sends `line` (a request as
+/// JSON and a newline) to the agent's socket `socket` and reads its reply.
+pub type Ask = dyn Fn(&Path, &[u8]) -> Result<Reply, AgentUnreachable>;
+
 /// Runs the plugin: `env` looks up environment variables, `stdin` is the
 /// configuration. Returns what to print on stdout on success (nothing for DEL
 /// and CHECK).
@@ -343,6 +347,19 @@ struct Invocation {
 /// # Errors
 /// The CNI error to print (with a non-zero exit).
 pub fn run(env: &dyn Fn(&str) -> Option<String>, stdin: &[u8]) -> Result<String, CniError> {
+    run_with(env, stdin, &ask)
+}
+
+/// [`run`] with `ask` in place of the exchange with the agent on its socket.
+/// The fuzz target of `fuzz/` answers there without a socket.
+///
+/// # Errors
+/// As [`run`].
+pub fn run_with(
+    env: &dyn Fn(&str) -> Option<String>,
+    stdin: &[u8],
+    ask: &Ask,
+) -> Result<String, CniError> {
     let Some(command) = env("CNI_COMMAND") else {
         return Err(PluginError::NoCommand.into());
     };
@@ -356,7 +373,7 @@ pub fn run(env: &dyn Fn(&str) -> Option<String>, stdin: &[u8]) -> Result<String,
         "CHECK" => Command::Check,
         other => return Err(PluginError::UnknownCommand(other.to_string()).into()),
     };
-    let result = configured(command, env, stdin);
+    let result = configured(command, env, stdin, ask);
     match result {
         // A failing DEL blocks the sandbox's teardown: it is best effort.
         Err(e) if command == Command::Del => {
@@ -375,6 +392,7 @@ fn configured(
     command: Command,
     env: &dyn Fn(&str) -> Option<String>,
     stdin: &[u8],
+    ask: &Ask,
 ) -> Result<String, CniError> {
     let config: Value = serde_json::from_slice(stdin).map_err(PluginError::ConfigNotJson)?;
     let Some(config) = config.as_object() else {
@@ -389,7 +407,7 @@ fn configured(
         return Err(PluginError::UnsupportedVersion(cni_version).into());
     }
     invocation(command, env, config)
-        .and_then(|invocation| execute(&invocation))
+        .and_then(|invocation| execute(&invocation, ask))
         .map_err(|e| CniError::from(e).in_version(&cni_version))
 }
 
@@ -504,7 +522,7 @@ fn addresses(result: &Value) -> Result<(Vec<IpAddr>, Option<String>), PluginErro
     Ok((ips, host_interface))
 }
 
-fn execute(inv: &Invocation) -> Result<String, PluginError> {
+fn execute(inv: &Invocation, ask: &Ask) -> Result<String, PluginError> {
     let passthrough = || {
         inv.prev_result
             .as_ref()

@@ -21,7 +21,7 @@ use rcgen::{
 };
 use rustls_pki_types::{CertificateDer, PrivateKeyDer, PrivatePkcs8KeyDer, pem::PemObject};
 use thiserror::Error;
-use x509_parser::prelude::{FromDer, GeneralName, ParsedExtension, X509Certificate};
+use x509_parser::prelude::{FromDer, GeneralName, ParsedExtension, X509Certificate, X509Name};
 
 use super::SpiffeId;
 
@@ -309,6 +309,12 @@ impl CertificateAuthority {
                 cert: cert_path.to_path_buf(),
             });
         }
+        check_encodable_subject(parsed.subject()).map_err(|what| {
+            invalid(
+                cert_path,
+                format!("cannot sign with this certificate: {what}"),
+            )
+        })?;
         let not_after = u64::try_from(parsed.validity().not_after.timestamp())
             .map_or(SystemTime::UNIX_EPOCH, |secs| {
                 SystemTime::UNIX_EPOCH + Duration::from_secs(secs)
@@ -405,6 +411,36 @@ fn check_ca_certificate(der: &CertificateDer<'_>) -> Result<(), String> {
             cert.validity().not_before,
             cert.validity().not_after
         ));
+    }
+    Ok(())
+}
+
+/// Checks that a CA certificate's `subject` can be written again: rcgen writes
+/// it as the issuer of every certificate it signs, and panics (yasna's
+/// `write_oid`, rcgen's `DistinguishedName::from_name`) on what x509-parser
+/// reads but DER cannot hold: an empty relative distinguished name, or an
+/// attribute type OID that cannot be encoded (X.690 §8.19.4: the first arc 0, 1
+/// or 2, the second below 40 unless the first is 2, the two together in 64 bits).
+fn check_encodable_subject(subject: &X509Name<'_>) -> Result<(), String> {
+    for rdn in subject.iter() {
+        if rdn.iter().next().is_none() {
+            return Err("the subject has an empty relative distinguished name".into());
+        }
+        for attribute in rdn.iter() {
+            let oid = attribute.attr_type();
+            let arcs: Option<Vec<u64>> = oid.iter().map(Iterator::collect);
+            let encodable = match arcs.as_deref() {
+                Some([first, second, ..]) => {
+                    *first < 3 && (*first == 2 || *second < 40) && *second < u64::MAX - 80
+                }
+                _ => false,
+            };
+            if !encodable {
+                return Err(format!(
+                    "the subject has an attribute type OID that cannot be encoded ({oid})"
+                ));
+            }
+        }
     }
     Ok(())
 }
@@ -550,5 +586,53 @@ mod tests {
         fs::write(dir.join(CA_KEY_FILE), leaf_key.serialize_pem()).unwrap();
         let err = CertificateAuthority::load(&dir).unwrap_err().to_string();
         assert!(err.contains("not a CA certificate"), "{err}");
+    }
+
+    /// A CA certificate whose subject x509-parser reads but DER cannot encode
+    /// again (an attribute type OID of first arc 4: `06 03 bd 04 03`) is
+    /// refused when loaded, naming the problem: rcgen writes the subject as the
+    /// issuer of every certificate it signs, and panicked there (found by the
+    /// fuzz target `trust_bundle`; the input as it found it).
+    #[test]
+    fn a_subject_that_cannot_be_encoded_again_is_refused_at_load() {
+        const INPUT: &str = "\
+-----BEGIN CERTIFICATE-----
+MIIByjCCAXGgAwIBAgIUDQxk1xjaFfqigRwdWHJPnsZtp0wwCgYIKoZIzj0EAwMw
+MjEWBMQGA1UECgwNY2x1c3Rlci5sb2NhbDEYMBYGAEww1UAPcG9kbGluayBmdXp6
+IENBMCAXDTI2MTIwNDE1Mzk1NloYDzIxMjYxMTEwMTUzOTU2WjAyMRYwFAYDVQQK
+DA1jbHVzdGVyLmxvY2FsMRgwFgYDvQQDDA9wb2RsaW5rIGZ1enogQ0EwWTATBgcq
+hkjOPQIBBggqhkjOPQMBBwNCAARt2f1OdSrVG32sC6SPd5zx4b3+ZZfeZU38IkQ1
+sd4t1GK+6H4/NAxQUdkuah63DUzoCprNKDeC8a1NFecbebQzo2MwYTAdBgNVHQ4E
+FgQUnhkae9wm0fItv17krnQkkvM02PkwHwYDVR0jBBgwFoakAnhUe9wm0fItv17k
+rnQkkvM02PkwDwYDVR0TAQH/BAUwAwEB/zAOBgNVHQ8BAf8EBAMCAQYwCgYIKoZI
+zj0EAwIDRwAwRAIgdeu7id5ZF/Xffm8SyQVxeCsmzzBTGDfdwxS4mwo9UGICIFT7
+601Ry7P/uoAoO8tF9iy6AW6LYBWXvyU9ruTiQrh6
+-----END CERTIFICATE-----
+-----BEGIN PRIVATE KEY-----
+MIGHAgEAMBMGByqGSM49AgEGCCqGSM49AwEHBG0wawIBAQQga/gQ0nS+WDcp2aiF
+kHGtGG7b+TzBkyYl2zM5uTd1p8ehRANCAARt2f1OdSrVG32sC6SPd5zx4b3+ZZfe
+ZU38IkQ1sd4t1GK+6H4/NAxQUdkuah63DUzoCprNKDeC8a1NFecbebQz
+-----END PRIVATE KEY-----
+";
+        let (cert, key) = INPUT.split_at(INPUT.find("-----BEGIN PRIVATE KEY-----").unwrap());
+        let loaded = CertificateAuthority::from_pem(
+            Path::new("ca.crt"),
+            cert.as_bytes(),
+            Path::new("ca.key"),
+            key.as_bytes(),
+        );
+        match loaded {
+            Ok(ca) => {
+                let id = SpiffeId::new("cluster.local", "default", "web");
+                let issued = ca.issue(&id, Duration::from_secs(3600)).map(|_| ());
+                panic!("loaded; issuing gave {issued:?}");
+            }
+            Err(err) => {
+                let err = err.to_string();
+                assert!(err.contains("ca.crt"), "{err}");
+                assert!(err.contains("cannot sign with this certificate"), "{err}");
+                assert!(err.contains("4.29.4.3"), "{err}");
+            }
+        }
     }
 }

@@ -24,6 +24,7 @@ use bytes::Bytes;
 use h2::server::SendResponse;
 use http::{Request, Response, StatusCode};
 use tokio::{
+    io::{AsyncRead, AsyncWrite},
     net::TcpStream,
     sync::{OwnedSemaphorePermit, watch},
 };
@@ -42,6 +43,7 @@ use crate::{
         SpiffeId,
         tls::{ALPN_H2, peer_identity},
     },
+    state::Workload,
     telemetry::{
         connection::{ConnectionRecord, Endpoints, Failure, Outcome},
         logging::RateLimited,
@@ -139,6 +141,30 @@ pub async fn handle(
         return;
     };
     tracing::debug!(%peer, %client, destination = %destination.key(), "HBONE connection accepted");
+    if serve_connection(&state, &mut conn, peer, local, &destination, client).await {
+        drop(conn);
+        if let Some(socket) = lingering {
+            lingering_close(socket).await;
+        }
+    }
+}
+
+/// Serves the CONNECT streams of an HBONE connection from `peer` to `local` (the
+/// enrolled pod `destination`) whose handshakes are done, by `client`, until it
+/// ends. Returns whether it ended cleanly (no more streams, the open ones
+/// finished), when the caller may close it lingering; `false` when it failed or
+/// the pod left the mesh.
+async fn serve_connection<T>(
+    state: &Arc<ProxyState>,
+    conn: &mut h2::server::Connection<T, Bytes>,
+    peer: SocketAddr,
+    local: SocketAddr,
+    destination: &Workload,
+    client: SpiffeId,
+) -> bool
+where
+    T: AsyncRead + AsyncWrite + Unpin,
+{
     // Streams end when their connection does (the client went away, or the pod
     // left the mesh): they watch this channel, whose sender goes with this task.
     let (_connection_alive, alive) = watch::channel(());
@@ -164,7 +190,7 @@ pub async fn handle(
             }
             () = state.unenrolled(local.ip()) => {
                 tracing::info!(%peer, destination = %destination.key(), "the pod left the mesh; closing its HBONE connection");
-                return;
+                return false;
             }
             Ok(()) = ca_changes.changed(), if !going_away => {
                 tracing::debug!(%peer, "the CA changed; asking the client to reconnect");
@@ -199,7 +225,7 @@ pub async fn handle(
             }
             Some(Err(e)) => {
                 tracing::debug!(%peer, "HBONE connection ended: {e}");
-                return;
+                return false;
             }
             None => break,
         }
@@ -207,10 +233,48 @@ pub async fn handle(
     // No more streams (the client sent GOAWAY, or idled out): drive the connection
     // until the open ones finish.
     let _ = std::future::poll_fn(|cx| conn.poll_closed(cx)).await;
-    drop(conn);
-    if let Some(socket) = lingering {
-        lingering_close(socket).await;
-    }
+    true
+}
+
+/// An HBONE connection over `io` from `peer` to `local` as [`handle`] serves it
+/// once its TLS handshake is done, `client` standing for the identity the
+/// client's certificate carries: the HTTP/2 handshake (the same settings, within
+/// the same time), a connection slot, then its streams until it ends. For the
+/// fuzz target of `fuzz/`, which sends a client's bytes through memory; the agent
+/// serves every HBONE connection with [`handle`].
+///
+/// # Errors
+/// Why the connection was refused before its streams: `local` is not an
+/// enrolled pod of this node, the HTTP/2 handshake failed or timed out, or the
+/// proxy is at its connection limit.
+pub async fn serve_without_tls<T>(
+    state: Arc<ProxyState>,
+    io: T,
+    client: SpiffeId,
+    peer: SocketAddr,
+    local: SocketAddr,
+) -> Result<(), String>
+where
+    T: AsyncRead + AsyncWrite + Unpin,
+{
+    let destination = state
+        .view()
+        .local_pod(local.ip())
+        .cloned()
+        .ok_or_else(|| format!("{local} is not an enrolled pod of this node"))?;
+    let mut conn = tokio::time::timeout(
+        HANDSHAKE_TIMEOUT,
+        hbone::server_builder().handshake::<_, Bytes>(io),
+    )
+    .await
+    .map_err(|_| "handshake timed out".to_string())?
+    .map_err(|e| format!("HTTP/2 handshake failed: {e}"))?;
+    let _slot = state
+        .limits
+        .connection_slot()
+        .ok_or("the proxy is at its connection limit")?;
+    serve_connection(&state, &mut conn, peer, local, &destination, client).await;
+    Ok(())
 }
 
 /// How long a closed HBONE connection waits for the client's end.

@@ -44,6 +44,8 @@ use tokio::{
     sync::{OwnedSemaphorePermit, watch},
 };
 
+#[doc(hidden)]
+pub use self::inbound::serve_without_tls;
 pub use self::limits::ConnectionLimits;
 pub(crate) use self::limits::{Budget, Refusal};
 use crate::{
