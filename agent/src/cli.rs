@@ -77,6 +77,11 @@ enum Command {
         /// Print a JSON document instead of a table.
         #[arg(long)]
         json: bool,
+        /// How the agent will attach the programs, as `podlink agent
+        /// --attach-mode`: `cls-bpf` checks the clsact qdisc and cls_bpf even
+        /// where TCX exists.
+        #[arg(long, value_enum, default_value_t = AttachMode::Auto)]
+        attach_mode: AttachMode,
     },
     /// Remove everything the agent made on this node: links and pins, its cls_bpf
     /// filters and the clsact qdiscs it added (where no other filter is left), the
@@ -311,8 +316,12 @@ pub fn main() -> Result<()> {
             }
             Ok(())
         }
-        Command::Preflight { pin_dir, json } => {
-            let report = preflight::run(&pin_dir)?;
+        Command::Preflight {
+            pin_dir,
+            json,
+            attach_mode,
+        } => {
+            let report = preflight::run(&pin_dir, attach_mode)?;
             if json {
                 println!("{}", serde_json::to_string_pretty(&report)?);
             } else {

@@ -462,7 +462,6 @@ fn problems(
     problems
 }
 
-/// Lays out rows under headers, columns padded to their widest cell.
 /// `rows` under `headers`, in columns as wide as their widest cell.
 pub(super) fn table(headers: &[&str], rows: &[Vec<String>]) -> String {
     let mut widths: Vec<usize> = headers.iter().map(|h| h.len()).collect();

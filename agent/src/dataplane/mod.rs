@@ -363,7 +363,7 @@ impl Dataplane {
             return Err(Error::NoObject);
         }
         // What the kernel lacks is named before anything is loaded.
-        let preflight = preflight::run(&cfg.pin_dir)?;
+        let preflight = preflight::run(&cfg.pin_dir, cfg.attach_mode)?;
         for unsure in &preflight.unsure {
             tracing::warn!("preflight: could not tell, taken as present: {unsure}");
         }

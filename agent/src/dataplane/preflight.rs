@@ -46,7 +46,7 @@ use aya_obj::{
 };
 use serde::Serialize;
 
-use super::bpffs;
+use super::{AttachMode, bpffs};
 use crate::error::Chain;
 
 /// Where the kernel exposes its own BTF (`CONFIG_DEBUG_INFO_BTF`).
@@ -159,7 +159,7 @@ const MAP_TYPES: &[(MapType, &str, Release)] = &[
 const SCHED_CLS_SINCE: Release = (4, 1);
 /// The `clsact` qdisc: 1f211a1b929c ("net, sched: add clsact qdisc").
 const CLSACT_SINCE: Release = (4, 5);
-/// cls_bpf's direct-action mode, which aya's netlink attachment uses: 045efa82ff56
+/// cls_bpf's direct-action mode, which podlink's filters use (`tc::Tc::attach`): 045efa82ff56
 /// ("cls_bpf: introduce integrated actions").
 const CLS_BPF_SINCE: Release = (4, 4);
 /// The BPF filesystem: b2197755b263 ("bpf: add support for persistent maps/progs").
@@ -486,8 +486,10 @@ fn by(programs: &BTreeSet<String>) -> String {
     }
 }
 
-/// Checks `kernel` against `needs`, with the pins under `pin_dir`.
-pub fn assess(needs: &Needs, kernel: &dyn Kernel, pin_dir: &Path) -> Report {
+/// Checks `kernel` against `needs`, with the pins under `pin_dir`, for the
+/// programs attached as `mode` asks (`cls-bpf` checks the clsact qdisc and
+/// cls_bpf even where TCX exists).
+pub fn assess(needs: &Needs, kernel: &dyn Kernel, pin_dir: &Path, mode: AttachMode) -> Report {
     let release = kernel.release();
     let version = kernel.version();
     let mut a = Assessor {
@@ -582,7 +584,7 @@ pub fn assess(needs: &Needs, kernel: &dyn Kernel, pin_dir: &Path) -> Report {
         since: Some(release_text(TCX_SINCE)),
         found: tcx,
     });
-    let attach = if tcx_present {
+    let attach = if tcx_present && mode != AttachMode::ClsBpf {
         Some(AttachPath::Tcx)
     } else {
         let classic = kernel.classic_tc();
@@ -968,17 +970,18 @@ async fn classic_tc_probe() -> ClassicTc {
 }
 
 /// Runs the preflight on this kernel for the embedded object, with the pins
-/// under `pin_dir`: the report, whatever it found (see [`Report::error`]).
+/// under `pin_dir` and the programs attached as `mode` asks: the report,
+/// whatever it found (see [`Report::error`]).
 ///
 /// # Errors
 /// When the binary has no eBPF object, or it cannot be read.
-pub fn run(pin_dir: &Path) -> super::Result<Report> {
+pub fn run(pin_dir: &Path, mode: AttachMode) -> super::Result<Report> {
     let object = super::ebpf_object();
     if object.is_empty() {
         return Err(super::Error::NoObject);
     }
     let needs = Needs::of_object(object).map_err(|error| super::Error::ObjectNeeds { error })?;
-    Ok(assess(&needs, &HostKernel, pin_dir))
+    Ok(assess(&needs, &HostKernel, pin_dir, mode))
 }
 
 /// How many lines of the verifier's log a load error carries.
@@ -1158,7 +1161,7 @@ mod tests {
     #[test]
     fn preflight_finds_everything_on_a_tcx_kernel() {
         let kernel = FakeKernel::modern();
-        let report = assess(&needs(), &kernel, pin_dir());
+        let report = assess(&needs(), &kernel, pin_dir(), AttachMode::Auto);
         assert_eq!(report.missing, [], "{}", report.to_table());
         assert!(report.unsure.is_empty());
         assert!(report.error().is_none());
@@ -1178,10 +1181,21 @@ mod tests {
         );
     }
 
+    /// `--attach-mode cls-bpf` on a kernel with TCX: the classic attachment is
+    /// what the agent will use, so it is what is checked and reported.
+    #[test]
+    fn preflight_checks_cls_bpf_when_asked_for_on_a_tcx_kernel() {
+        let kernel = FakeKernel::modern();
+        let report = assess(&needs(), &kernel, pin_dir(), AttachMode::ClsBpf);
+        assert_eq!(report.missing, [], "{}", report.to_table());
+        assert_eq!(report.attach, Some(AttachPath::ClsBpf));
+        assert!(kernel.classic_probed.get());
+    }
+
     #[test]
     fn preflight_takes_cls_bpf_on_debian_12() {
         let kernel = FakeKernel::debian12();
-        let report = assess(&needs(), &kernel, pin_dir());
+        let report = assess(&needs(), &kernel, pin_dir(), AttachMode::Auto);
         assert_eq!(report.missing, [], "{}", report.to_table());
         assert_eq!(report.attach, Some(AttachPath::ClsBpf));
         assert!(kernel.classic_probed.get());
@@ -1198,7 +1212,7 @@ mod tests {
             btf: false,
             ..FakeKernel::modern()
         };
-        let report = assess(&needs(), &kernel, pin_dir());
+        let report = assess(&needs(), &kernel, pin_dir(), AttachMode::Auto);
         assert_eq!(report.missing, []);
         assert!(
             report.summary.contains(", no BTF (not needed),"),
@@ -1210,7 +1224,7 @@ mod tests {
             core_relocations: true,
             ..needs()
         };
-        let report = assess(&core, &kernel, pin_dir());
+        let report = assess(&core, &kernel, pin_dir(), AttachMode::Auto);
         let error = report.error().expect("BTF is needed").to_string();
         assert_eq!(
             error,
@@ -1227,7 +1241,7 @@ mod tests {
             ..FakeKernel::modern()
         }
         .without_helper(BpfHelper::BPF_FUNC_sk_assign, Probe::No);
-        let report = assess(&needs(), &kernel, pin_dir());
+        let report = assess(&needs(), &kernel, pin_dir(), AttachMode::Auto);
         assert_eq!(report.attach, Some(AttachPath::ClsBpf));
         assert_eq!(
             report.error().expect("sk_assign is missing").to_string(),
@@ -1249,7 +1263,7 @@ mod tests {
             },
             ..FakeKernel::debian12()
         };
-        let report = assess(&needs(), &kernel, pin_dir());
+        let report = assess(&needs(), &kernel, pin_dir(), AttachMode::Auto);
         assert_eq!(report.attach, None);
         assert!(
             report.summary.contains(": no way to attach,"),
@@ -1273,7 +1287,7 @@ mod tests {
             },
             ..FakeKernel::debian12()
         };
-        let report = assess(&needs(), &kernel, pin_dir());
+        let report = assess(&needs(), &kernel, pin_dir(), AttachMode::Auto);
         assert_eq!(report.attach, None);
         let missing: Vec<&str> = report.missing.iter().map(|m| m.what.as_str()).collect();
         assert_eq!(
@@ -1300,7 +1314,7 @@ mod tests {
         }
         .without_helper(BpfHelper::BPF_FUNC_sk_assign, failed())
         .without_helper(BpfHelper::BPF_FUNC_skc_lookup_tcp, failed());
-        let report = assess(&needs(), &kernel, pin_dir());
+        let report = assess(&needs(), &kernel, pin_dir(), AttachMode::Auto);
         assert_eq!(report.attach, Some(AttachPath::ClsBpf));
         assert_eq!(
             report.error().expect("sk_assign came in 5.7").to_string(),
@@ -1324,7 +1338,7 @@ mod tests {
             tcx: failed(),
             ..FakeKernel::modern()
         };
-        let report = assess(&needs(), &kernel, pin_dir());
+        let report = assess(&needs(), &kernel, pin_dir(), AttachMode::Auto);
         assert_eq!(report.attach, Some(AttachPath::Tcx));
         assert!(!kernel.classic_probed.get());
     }
@@ -1337,7 +1351,7 @@ mod tests {
             ),
             ..FakeKernel::modern()
         };
-        let report = assess(&needs(), &kernel, pin_dir());
+        let report = assess(&needs(), &kernel, pin_dir(), AttachMode::Auto);
         // Nothing else of bpf(2) was asked: it would fail the same way.
         assert_eq!(kernel.probes.get(), 0);
         assert_eq!(
@@ -1360,7 +1374,7 @@ mod tests {
             ..FakeKernel::modern()
         };
         kernel.maps.insert(MapType::LpmTrie as u32, Probe::No);
-        let report = assess(&needs(), &kernel, pin_dir());
+        let report = assess(&needs(), &kernel, pin_dir(), AttachMode::Auto);
         let missing: Vec<String> = report.missing.iter().map(ToString::to_string).collect();
         assert_eq!(
             missing,
@@ -1387,7 +1401,7 @@ mod tests {
             bpffs: Bpffs::Mountable,
             ..FakeKernel::modern()
         };
-        let report = assess(&needs(), &kernel, pin_dir());
+        let report = assess(&needs(), &kernel, pin_dir(), AttachMode::Auto);
         assert_eq!(report.missing, []);
         assert!(
             report.summary.contains(", bpffs to be mounted,"),
@@ -1487,7 +1501,7 @@ mod tests {
     #[ignore = "needs root"]
     fn preflight_probes_this_kernel() {
         let dir = tempfile::tempdir().unwrap();
-        let report = run(dir.path()).unwrap();
+        let report = run(dir.path(), AttachMode::Auto).unwrap();
         assert_eq!(report.missing, [], "{}", report.to_table());
         assert!(report.unsure.is_empty(), "{}", report.to_table());
         assert_eq!(
