@@ -4,7 +4,7 @@
 //!
 //! * cargo-fuzz is installed into `.tools/cargo-fuzz/` when missing.
 //! * All targets are built by one `cargo fuzz build` (into `target/fuzz/`),
-//!   without a sanitizer (the agent forbids `unsafe` code; panics, overflows,
+//!   without a sanitizer (the agent denies `unsafe` outside `sys.rs`; panics, overflows,
 //!   hangs and memory blow-ups are found all the same), with debug assertions:
 //!   optimized for `cargo xtask fuzz`, unoptimized for `cargo xtask test`, whose
 //!   build takes a fifth of the time and whose runs only need to replay the

@@ -129,8 +129,28 @@ const QEMU_MIN_MAJOR: u32 = 10;
 
 /// Installs the host's packages for the guest tests, if missing.
 pub fn setup() -> Result<()> {
+    host_is_bookworm()?;
     crate::setup::install(HOST_PACKAGES)?;
     install_qemu()
+}
+
+/// Refuses a host other than Debian 12 (bookworm): the guest's root file
+/// system is bookworm's, the test binaries run in it with the host's glibc
+/// expectations, and QEMU comes from bookworm-backports.
+fn host_is_bookworm() -> Result<()> {
+    let os = std::fs::read_to_string("/etc/os-release").unwrap_or_default();
+    let codename = os
+        .lines()
+        .find_map(|l| l.strip_prefix("VERSION_CODENAME="))
+        .map(|c| c.trim_matches('"'));
+    if codename != Some("bookworm") || std::env::consts::ARCH != "x86_64" {
+        bail!(
+            "the guest tests need a Debian 12 (bookworm) x86_64 host, this is {} on {}: run `cargo xtask test --kernel host`",
+            codename.unwrap_or("an unknown system"),
+            std::env::consts::ARCH
+        );
+    }
+    Ok(())
 }
 
 /// Installs `qemu-system-x86` from bookworm-backports unless a QEMU of at least
