@@ -185,8 +185,14 @@ fn main() -> Result<()> {
                 kernel
             };
             let guests: Vec<guest::Kernel> = kernels.iter().filter_map(|k| k.guest()).collect();
-            if !guests.is_empty() {
-                guest::setup()?;
+            // Installed first; a failure skips the guests, not the rest.
+            let guest_setup = if guests.is_empty() {
+                Ok(())
+            } else {
+                guest::setup().context("the guests' setup")
+            };
+            if let Err(e) = &guest_setup {
+                eprintln!("{e:#}");
             }
             // First (seconds), but its failure does not keep the tests from
             // running: all are reported, and any fails the command.
@@ -199,6 +205,12 @@ fn main() -> Result<()> {
             if kernels.contains(&TestKernel::Host) {
                 result = test(filter.as_deref()).and(result);
             }
+            let guests = if guest_setup.is_ok() {
+                guests
+            } else {
+                Vec::new()
+            };
+            result = result.and(guest_setup);
             for kernel in guests {
                 let guest = guest::test(kernel, filter.as_deref())
                     .with_context(|| format!("the {} guest", kernel.name()));
