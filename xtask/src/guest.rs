@@ -379,8 +379,29 @@ fn newest_cached(kernel: Kernel) -> Result<Option<String>> {
                 .is_some_and(|rest| rest.starts_with(['.', '-']))
         })
         .collect();
-    names.sort();
+    names.sort_by_key(|n| natural_key(n));
     Ok(names.pop())
+}
+
+/// `name` as runs of digits (compared as numbers) and of other characters, so
+/// that `6.1.0-41` sorts after `6.1.0-9`.
+fn natural_key(name: &str) -> Vec<(u64, String)> {
+    let mut key = Vec::new();
+    let mut rest = name;
+    while let Some(first) = rest.chars().next() {
+        let digits = first.is_ascii_digit();
+        let end = rest
+            .find(|c: char| c.is_ascii_digit() != digits)
+            .unwrap_or(rest.len());
+        let (run, tail) = rest.split_at(end);
+        key.push(if digits {
+            (run.parse().unwrap_or(u64::MAX), String::new())
+        } else {
+            (0, run.to_string())
+        });
+        rest = tail;
+    }
+    key
 }
 
 /// The one entry of `dir`, by name.
@@ -765,6 +786,18 @@ mod tests {
         assert!(pos("work") < pos("work/x"));
         assert!(pos("work/x/target") < pos("work/x/target/dist/podlink"));
         assert!(pos("work/x/tests/src") < pos("work/x/tests/src/lib.rs"));
+    }
+
+    #[test]
+    fn cached_kernels_sort_by_their_numbers() {
+        let mut names = [
+            "linux-image-6.1.0-41-cloud-amd64",
+            "linux-image-6.1.0-9-cloud-amd64",
+            "linux-image-6.1.0-50-cloud-amd64",
+        ];
+        names.sort_by_key(|n| natural_key(n));
+        assert_eq!(names.last(), Some(&"linux-image-6.1.0-50-cloud-amd64"));
+        assert_eq!(names.first(), Some(&"linux-image-6.1.0-9-cloud-amd64"));
     }
 
     #[test]
