@@ -104,6 +104,9 @@ pub struct AgentConfig {
     pub readiness_address: std::net::SocketAddr,
     /// How long open connections may go on after SIGTERM before the agent exits.
     pub drain_grace: Duration,
+    /// How long a pod's connections through the proxy may go on after it left
+    /// the mesh (zero: closed at once).
+    pub leave_drain: Duration,
     /// The cluster ID (the `*_cluster` metric labels).
     pub cluster_id: String,
     /// The log filter, changed at run time by the admin endpoint's `/logging`
@@ -285,7 +288,15 @@ pub async fn run(cfg: AgentConfig) -> Result<()> {
         Enroller::new(&cfg.node, &cfg.cni.socket),
         source.reporter.take(),
         source.lists_every_namespace,
-    );
+    )
+    .with_leave_drain(reconcile::LeaveDrain {
+        bound: cfg.leave_drain,
+        settle: reconcile::LEAVE_SETTLE,
+        carries: {
+            let carried = state.carried.clone();
+            Box::new(move |ip| carried.carries(ip))
+        },
+    });
     let mut reconcile = reconcile::run::Loop::new(reconciler, netlink, network, state.clone());
     reconcile.start(first);
     let proxy = tokio::spawn(proxy::serve(state.clone(), listeners));

@@ -216,6 +216,12 @@ struct AgentArgs {
     /// terminationDrainDuration).
     #[arg(long, default_value = "5s", value_parser = humantime::parse_duration)]
     drain_grace: Duration,
+    /// When a pod leaves the mesh (its namespace's or its own label, or its
+    /// annotation), how long the connections the proxy carries for it may go on
+    /// (new ones go direct at once) before they are closed, e.g. 1h; 0s closes
+    /// them at once.
+    #[arg(long, default_value = "1h", value_parser = humantime::parse_duration)]
+    leave_drain: Duration,
     /// Namespace whose AuthorizationPolicies apply to the whole mesh.
     #[arg(long, default_value = DEFAULT_ROOT_NAMESPACE)]
     root_namespace: String,
@@ -406,6 +412,7 @@ pub fn main() -> Result<()> {
                 metrics_address: args.metrics_address,
                 readiness_address: args.readiness_address,
                 drain_grace: args.drain_grace,
+                leave_drain: args.leave_drain,
                 cluster_id: args.cluster_id,
                 log_control: Some(log_control),
             }))

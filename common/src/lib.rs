@@ -109,6 +109,11 @@ pub const POD_ENROLLED: u32 = 1 << 0;
 pub const POD_HAS_IPV4: u32 = 1 << 1;
 /// [`PodInfo::flags`]: [`PodInfo::ipv6`] holds an address.
 pub const POD_HAS_IPV6: u32 = 1 << 2;
+/// [`PodInfo::flags`]: the pod left the mesh and drains: packets of the flows
+/// the proxy already carries still go to it, new connections (SYNs either way)
+/// are not captured. The agent detaches the pod once the proxy carries none of
+/// its flows, or its drain bound passed.
+pub const POD_DRAINING: u32 = 1 << 3;
 
 /// Value of the pods map: one enrolled pod, keyed by its host veth's ifindex.
 #[repr(C)]

@@ -23,7 +23,7 @@ use aya_ebpf::{
     bindings::BPF_F_INGRESS, helpers::generated::bpf_redirect, macros::classifier,
     programs::TcContext,
 };
-use podlink_common::{CONFIG_DRAINING, CONFIG_FAIL_OPEN, Config, PodInfo};
+use podlink_common::{CONFIG_DRAINING, CONFIG_FAIL_OPEN, Config, POD_DRAINING, PodInfo};
 
 use crate::{
     maps::{count, is_excluded},
@@ -221,6 +221,16 @@ fn from_pod_slow<P: Tcp>(
         return PASS;
     }
 
+    // A pod that left the mesh drains: the flows the proxy carries went on
+    // above, a new connection goes direct. (`to_pod` bounces no SYN to it.)
+    if pod.flags & POD_DRAINING != 0 {
+        if known {
+            maps::forget_flow(pkt);
+        }
+        count(ifindex, |c| &mut c.passed);
+        return PASS;
+    }
+
     // 3. A new connection: to the transparent listener for its direction (on
     //    127.0.0.1 for IPv4, [::1] for IPv6, the same ports).
     let dport = pkt.dport();
@@ -358,9 +368,11 @@ fn to_pod_tcp<P: Tcp>(
         return PASS;
     }
     let bounce = if syn {
-        // New connections from the node itself (kubelet probes) and to excluded
-        // ports are not captured.
-        let capture = !pkt.is_from_node(cfg) && !maps::is_excluded_port(pkt.dport());
+        // New connections from the node itself (kubelet probes), to excluded
+        // ports and to a pod that left the mesh (draining) are not captured.
+        let capture = pod.flags & POD_DRAINING == 0
+            && !pkt.is_from_node(cfg)
+            && !maps::is_excluded_port(pkt.dport());
         if !capture {
             // An earlier captured flow of the same 4-tuple must not steer this one.
             maps::forget_flow(pkt);

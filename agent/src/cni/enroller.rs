@@ -224,7 +224,10 @@ impl Enroller {
                         })
                     }
                     crate::state::Enrollment::Enrolled => {
-                        let planned = attached.wanted.iter().find(|c| *c.workload == *key);
+                        let planned = attached
+                            .wanted
+                            .iter()
+                            .find(|c| *c.workload == *key && !c.draining);
                         // Attached where the plugin says the pod is: its host
                         // interface and one of its addresses.
                         let here = |pod: &CapturedPod| {
@@ -405,6 +408,7 @@ mod tests {
             ipv6: None,
             ifname: "veth9".into(),
             ifindex: 9,
+            draining: false,
         }
     }
 

@@ -80,7 +80,7 @@ use nix::fcntl::Flock;
 use podlink_common::{
     CONFIG_DRAINING, Config, FlowKey, LAYOUT_VERSION, LINKS_DIR, MAP_CAPTURED_FLOWS, MAP_CONFIG,
     MAP_COUNTERS, MAP_EXCLUDED_CIDRS, MAP_EXCLUDED_PORTS, MAP_NAMES, MAP_PODS, MAX_NODE_ADDRS,
-    POD_ENROLLED, POD_HAS_IPV4, POD_HAS_IPV6, PodCounters, PodInfo, ipv4_mapped,
+    POD_DRAINING, POD_ENROLLED, POD_HAS_IPV4, POD_HAS_IPV6, PodCounters, PodInfo, ipv4_mapped,
 };
 
 /// The pin directory by default (on the host's bpffs).
@@ -212,6 +212,9 @@ pub struct CapturedPod {
     pub ifname: Arc<str>,
     /// The host veth's interface index in the node namespace.
     pub ifindex: u32,
+    /// The pod left the mesh and drains ([`POD_DRAINING`]): the flows the
+    /// proxy carries go on through it, new ones are not captured.
+    pub draining: bool,
 }
 
 impl CapturedPod {
@@ -237,7 +240,8 @@ impl CapturedPod {
             ipv6: self.ipv6.map_or([0; 16], |a| a.octets()),
             flags: POD_ENROLLED
                 | if self.ipv4.is_some() { POD_HAS_IPV4 } else { 0 }
-                | if self.ipv6.is_some() { POD_HAS_IPV6 } else { 0 },
+                | if self.ipv6.is_some() { POD_HAS_IPV6 } else { 0 }
+                | if self.draining { POD_DRAINING } else { 0 },
             workload_id: self.workload_id,
         }
     }
@@ -1178,6 +1182,7 @@ mod tests {
             ipv6: None,
             ifname: "veth5".into(),
             ifindex: 5,
+            draining: false,
         };
         let info = pod.info();
         assert_eq!(info.flags, POD_ENROLLED | POD_HAS_IPV4);
@@ -1194,6 +1199,9 @@ mod tests {
         pod.ipv4 = None;
         let info = pod.info();
         assert_eq!(info.flags, POD_ENROLLED | POD_HAS_IPV6);
+        // Leaving the mesh.
+        pod.draining = true;
+        assert_eq!(pod.info().flags, POD_ENROLLED | POD_HAS_IPV6 | POD_DRAINING);
         assert_eq!(info.ipv4, [0; 16]);
         assert_eq!(pod.addrs_text(), "fd00:10:244:1::5");
     }

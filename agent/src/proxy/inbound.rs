@@ -419,6 +419,8 @@ async fn serve_stream(
             why,
         )));
     };
+    // Counted for the pod: a pod leaving the mesh drains until none is left.
+    let _carried = state.carried.carry(pod_ip);
     let connect = tokio::time::timeout(
         state.config.connect_timeout,
         socket::connect(source, target, state.config.proxy_mark),

@@ -64,6 +64,8 @@ pub async fn handle(
         return;
     }
     drop(view);
+    // Counted for the pod: a pod leaving the mesh drains until none is left.
+    let _carried = state.carried.carry(dst.ip());
     // The client's address is what the network delivered: keep it.
     let proxy = async {
         let mut upstream = tokio::time::timeout(

@@ -20,6 +20,7 @@
 //! An outbound connection to an address of the cluster that the agent does not
 //! know yet waits briefly for it to be learned (`learning`).
 
+mod carried;
 pub mod copy;
 pub mod hbone;
 mod inbound;
@@ -46,8 +47,8 @@ use tokio::{
 
 #[doc(hidden)]
 pub use self::inbound::serve_without_tls;
-pub use self::limits::ConnectionLimits;
 pub(crate) use self::limits::{Budget, Refusal};
+pub use self::{carried::CarriedFlows, limits::ConnectionLimits};
 use crate::{
     authz::{self, Denial, DenialCounts, Request},
     error::Chain,
@@ -150,6 +151,9 @@ pub struct ProxyState {
     pub limits: ConnectionLimits,
     /// Open connections to each Service endpoint, for balancing.
     pub endpoints: EndpointLoad,
+    /// Open connections by pod of this node: a pod that left the mesh drains
+    /// until none is left.
+    pub carried: CarriedFlows,
     view: watch::Sender<View>,
     /// Connections denied, by the policy that denied them ([`Denial::policy`]).
     denials: DenialCounts,
@@ -174,6 +178,7 @@ impl ProxyState {
             metrics: Arc::new(Metrics::new(&config.cluster_id)),
             limits: ConnectionLimits::new(config.max_connections),
             endpoints: EndpointLoad::default(),
+            carried: CarriedFlows::default(),
             view: watch::Sender::new(View::default()),
             denials: Default::default(),
             denial_log: RateLimited::default(),
@@ -231,6 +236,11 @@ impl ProxyState {
                 }
                 decided = Some(view.decision_inputs());
                 if view.local_pod(req.destination_ip).is_none() {
+                    if view.draining.contains(&req.destination_ip) {
+                        // Its connections go on as they were permitted until
+                        // the drain ends.
+                        break 'decide;
+                    }
                     return "the pod left the mesh".into();
                 }
                 if let Err(denial) = view.authorize(req, false) {
@@ -283,12 +293,16 @@ impl ProxyState {
         }
     }
 
-    /// Resolves once `ip` is no longer a captured pod of this node (at once if it is
-    /// not one now).
+    /// Resolves once `ip` is neither a captured pod of this node nor one that
+    /// left the mesh and drains (at once if it is neither now).
     pub async fn unenrolled(&self, ip: IpAddr) {
         let mut rx = self.view.subscribe();
         loop {
-            if rx.borrow_and_update().local_pod(ip).is_none() {
+            let carried_on = {
+                let view = rx.borrow_and_update();
+                view.local_pod(ip).is_some() || view.draining.contains(&ip)
+            };
+            if !carried_on {
                 return;
             }
             if rx.changed().await.is_err() {

@@ -174,6 +174,10 @@ pub async fn handle(
             None => std::future::pending().await,
         }
     };
+    // Counted for the pods it comes from and (between two pods of this node)
+    // goes to: a pod leaving the mesh drains until none is left.
+    let _carried = state.carried.carry(src.ip());
+    let _carried_to = local.is_some().then(|| state.carried.carry(upstream.ip()));
     let result = tokio::select! {
         result = proxy(&state, &mut tcp, route, &source, (src, upstream), &record) => result,
         () = state.unenrolled(src.ip()) => Err(Failure::new(FailureKind::Revoked, "the pod left the mesh")),

@@ -86,6 +86,21 @@ pub const PENDING_RETRY_MAX: Duration = Duration::from_secs(5);
 /// How long an enrolled pod of this node may have no host route (its sandbox
 /// starting) before the agent warns that none leads to it.
 pub const NO_ROUTE_WARNING: Duration = Duration::from_secs(30);
+/// A pod that leaves the mesh drains for at least this long, even when the
+/// proxy carries none of its connections: a connection the programs handed
+/// to a listener a moment ago may not be accepted yet.
+pub const LEAVE_SETTLE: Duration = Duration::from_secs(1);
+
+/// How pods that leave the mesh drain ([`Reconciler::drain_leaving`]).
+pub struct LeaveDrain {
+    /// How long a leaving pod's connections through the proxy may go on; zero:
+    /// none, the pod is detached at once.
+    pub bound: Duration,
+    /// How long a leaving pod drains at least ([`LEAVE_SETTLE`] in the agent).
+    pub settle: Duration,
+    /// Whether the proxy carries a connection of the pod at an address.
+    pub carries: Box<dyn Fn(IpAddr) -> bool + Send + Sync>,
+}
 
 /// The reconciler's state between two rounds.
 pub struct Reconciler<C: Capture> {
@@ -129,6 +144,10 @@ pub struct Reconciler<C: Capture> {
     /// The host veths (ifindex) whose attach failed in the last apply: their
     /// names may have changed ([`Reconciler::take_failed_interfaces`]).
     failed_interfaces: Vec<u32>,
+    /// How pods leaving the mesh drain.
+    leave_drain: LeaveDrain,
+    /// The pods leaving the mesh (by host veth ifindex), since when.
+    leaving: HashMap<u32, Instant>,
 }
 
 impl<C: Capture> Reconciler<C> {
@@ -159,7 +178,20 @@ impl<C: Capture> Reconciler<C> {
             attached: HashSet::new(),
             attach_errors: HashMap::new(),
             failed_interfaces: Vec::new(),
+            leave_drain: LeaveDrain {
+                bound: Duration::ZERO,
+                settle: LEAVE_SETTLE,
+                carries: Box::new(|_| false),
+            },
+            leaving: HashMap::new(),
         }
+    }
+
+    /// Drains pods that leave the mesh as `leave_drain` says (by default they
+    /// are detached at once).
+    pub fn with_leave_drain(mut self, leave_drain: LeaveDrain) -> Self {
+        self.leave_drain = leave_drain;
+        self
     }
 
     /// Takes in a source's delta (made into indexes by the next
@@ -215,18 +247,27 @@ impl<C: Capture> Reconciler<C> {
     /// ranges and the planned pods' addresses (before anything is attached: a pod's first
     /// connection finds the proxy knowing it), and the certificates it needs.
     pub fn publish(&self, proxy: &ProxyState) {
-        let captured: HashSet<IpAddr> = self.wanted.iter().flat_map(CapturedPod::addrs).collect();
+        let addrs = |draining: bool| -> HashSet<IpAddr> {
+            self.wanted
+                .iter()
+                .filter(|p| p.draining == draining)
+                .flat_map(CapturedPod::addrs)
+                .collect()
+        };
+        let (captured, draining) = (addrs(false), addrs(true));
         let view = proxy.view();
         let index = self.state.workloads();
         if !Arc::ptr_eq(&view.workloads, index)
             || !Arc::ptr_eq(&view.policies, self.state.policies())
             || !Arc::ptr_eq(&view.services, self.state.services())
             || *view.captured != captured
+            || *view.draining != draining
             || !Arc::ptr_eq(&view.ranges, self.state.ranges())
         {
             proxy.update(View {
                 workloads: index.clone(),
                 captured: Arc::new(captured),
+                draining: Arc::new(draining),
                 policies: self.state.policies().clone(),
                 services: self.state.services().clone(),
                 ranges: self.state.ranges().clone(),
@@ -259,8 +300,12 @@ impl<C: Capture> Reconciler<C> {
                 "workload source incomplete for now: detaching less"
             );
         }
-        let mut captured: HashSet<Arc<str>> =
-            self.wanted.iter().map(|p| p.workload.clone()).collect();
+        let mut captured: HashSet<Arc<str>> = self
+            .wanted
+            .iter()
+            .filter(|p| !p.draining)
+            .map(|p| p.workload.clone())
+            .collect();
         self.attach_errors.clear();
         self.failed_interfaces.clear();
         for (pod, error) in self.capture.reconcile(&self.wanted, removal) {
@@ -402,8 +447,64 @@ impl<C: Capture> Reconciler<C> {
                 ipv6,
                 ifname: ifname.clone(),
                 ifindex,
+                draining: false,
             });
         }
+        self.drain_leaving(network, &mut wanted);
         wanted
+    }
+
+    /// Adds to `wanted` the pods that left the mesh (planned before, not now)
+    /// whose host veth is still there, marked draining: the flows the proxy
+    /// carries for them go on through it, new ones are not captured. A pod
+    /// drains for at least [`LeaveDrain::settle`], then until the proxy carries none
+    /// of its connections or [`LeaveDrain::bound`] has passed; then it is
+    /// detached (its remaining connections closed). Planned again, it is no
+    /// longer draining. While the source settles ([`Removal::Nothing`]) a pod
+    /// missing from it is kept as it was.
+    fn drain_leaving(&mut self, network: &NodeNetwork, wanted: &mut Vec<CapturedPod>) {
+        let bound = self.leave_drain.bound;
+        if bound.is_zero() {
+            return;
+        }
+        let settling = removal(self.state.completeness()) == Removal::Nothing;
+        let planned: HashSet<u32> = wanted.iter().map(|p| p.ifindex).collect();
+        let now = Instant::now();
+        let mut leaving = HashMap::new();
+        for pod in &self.wanted {
+            if planned.contains(&pod.ifindex)
+                || network.veths.get(&pod.ifindex) != Some(&pod.ifname)
+            {
+                continue;
+            }
+            let since = match self.leaving.get(&pod.ifindex) {
+                Some(since) => *since,
+                None if settling => {
+                    wanted.push(pod.clone());
+                    continue;
+                }
+                None => {
+                    tracing::info!(workload = %pod.workload, ifname = %pod.ifname, "left the mesh: its connections through the proxy drain (up to {}), new ones go direct", humantime::format_duration(bound));
+                    now
+                }
+            };
+            let drained = now.saturating_duration_since(since);
+            if drained >= bound {
+                tracing::info!(workload = %pod.workload, ifname = %pod.ifname, "left the mesh {} ago: closing its remaining connections through the proxy", humantime::format_duration(bound));
+                continue;
+            }
+            if drained >= self.leave_drain.settle
+                && !pod.addrs().any(|a| (self.leave_drain.carries)(a))
+            {
+                tracing::info!(workload = %pod.workload, ifname = %pod.ifname, "drained: the proxy carries none of its connections");
+                continue;
+            }
+            leaving.insert(pod.ifindex, since);
+            wanted.push(CapturedPod {
+                draining: true,
+                ..pod.clone()
+            });
+        }
+        self.leaving = leaving;
     }
 }

@@ -182,6 +182,7 @@ fn captured(name: &str, ip: &str, ifindex: u32) -> CapturedPod {
         ipv6: None,
         ifname: Arc::from(format!("veth{ifindex}")),
         ifindex,
+        draining: false,
     }
 }
 
@@ -463,4 +464,97 @@ fn a_dual_stack_pod_follows_its_ipv4_route() {
     assert_eq!(b.attached(), ["amb/dual"]);
     assert_eq!(b.reconciler.wanted()[0].ifindex, 1);
     assert!(b.reconciler.warned.contains("amb/dual"));
+}
+
+/// A pod that leaves the mesh drains while the proxy carries its connections:
+/// still attached, marked draining, not reported captured; enrolled again it is captured as before; once the
+/// proxy carries none of its connections (or its veth goes) it is detached.
+#[test]
+fn a_pod_leaving_the_mesh_drains_while_the_proxy_carries_its_connections() {
+    let carried = Arc::new(Mutex::new(HashSet::<IpAddr>::new()));
+    let dir = tempfile::tempdir().unwrap();
+    let reported = Reported::default();
+    let reconciler = Reconciler::new(
+        State::new("n1", "cluster.local", "istio-system"),
+        FakeCapture::default(),
+        Enroller::new("n1", &dir.path().join("cni.sock")),
+        Some(Box::new(reported.clone())),
+        true,
+    )
+    .with_leave_drain(LeaveDrain {
+        bound: Duration::from_secs(3600),
+        settle: Duration::ZERO,
+        carries: {
+            let carried = carried.clone();
+            Box::new(move |ip| carried.lock().unwrap().contains(&ip))
+        },
+    });
+    let mut b = Bed {
+        reconciler,
+        reported,
+        _dir: dir,
+    };
+    let net = network(&[("10.0.0.1", 1), ("10.0.0.2", 2)]);
+    let mut out = pod("web", "10.0.0.1");
+    out.metadata.labels =
+        Some([("istio.io/dataplane-mode".to_string(), "none".to_string())].into());
+    let enrolled = || {
+        all(
+            vec![pod("web", "10.0.0.1"), pod("db", "10.0.0.2")],
+            Completeness::Complete,
+        )
+    };
+    let left = || {
+        all(
+            vec![out.clone(), pod("db", "10.0.0.2")],
+            Completeness::Complete,
+        )
+    };
+    let draining = |b: &Bed| -> Vec<String> {
+        b.reconciler
+            .capture
+            .attached
+            .values()
+            .filter(|(p, _)| p.draining)
+            .map(|(p, _)| p.workload.to_string())
+            .collect()
+    };
+    b.round(Some(enrolled()), &net);
+    assert_eq!(b.attached(), ["amb/web", "amb/db"]);
+    assert!(draining(&b).is_empty());
+
+    // web leaves with a connection through the proxy: it drains.
+    carried.lock().unwrap().insert("10.0.0.1".parse().unwrap());
+    b.round(Some(left()), &net);
+    assert_eq!(b.attached(), ["amb/web", "amb/db"]);
+    assert_eq!(draining(&b), ["amb/web"]);
+    assert_eq!(b.reported.0.lock().unwrap().last().unwrap(), &["amb/db"]);
+    b.round(None, &net);
+    assert_eq!(draining(&b), ["amb/web"], "still carried: still draining");
+
+    // Enrolled again: captured as before, no longer draining.
+    b.round(Some(enrolled()), &net);
+    assert_eq!(b.attached(), ["amb/web", "amb/db"]);
+    assert!(draining(&b).is_empty());
+
+    // Leaves again; its last connection ends: detached.
+    b.round(Some(left()), &net);
+    assert_eq!(draining(&b), ["amb/web"]);
+    carried.lock().unwrap().clear();
+    b.round(None, &net);
+    assert_eq!(b.attached(), ["amb/db"]);
+
+    // A pod whose host veth is gone is not drained.
+    carried.lock().unwrap().insert("10.0.0.2".parse().unwrap());
+    b.round(Some(enrolled()), &net);
+    let mut db_out = pod("db", "10.0.0.2");
+    db_out.metadata.labels = out.metadata.labels.clone();
+    b.round(
+        Some(all(
+            vec![pod("web", "10.0.0.1"), db_out],
+            Completeness::Complete,
+        )),
+        &network(&[("10.0.0.1", 1)]),
+    );
+    assert_eq!(b.attached(), ["amb/web"]);
 }

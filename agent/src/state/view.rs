@@ -15,6 +15,9 @@ pub struct View {
     pub workloads: Arc<WorkloadIndex>,
     /// Addresses of the pods captured on this node.
     pub captured: Arc<HashSet<IpAddr>>,
+    /// Addresses of this node's pods that left the mesh and drain: their
+    /// connections through the proxy go on, new ones are not captured.
+    pub draining: Arc<HashSet<IpAddr>>,
     /// The authorization policies of the mesh.
     pub policies: Arc<PolicySet>,
     /// The Services, by virtual address.
@@ -36,11 +39,13 @@ impl View {
     }
 
     /// What an authorization decision reads of this view: the workloads, the
-    /// captured addresses and the policies (the indexes themselves, shared).
+    /// captured and draining addresses and the policies (the indexes
+    /// themselves, shared).
     pub fn decision_inputs(&self) -> DecisionInputs {
         DecisionInputs {
             workloads: self.workloads.clone(),
             captured: self.captured.clone(),
+            draining: self.draining.clone(),
             policies: self.policies.clone(),
         }
     }
@@ -67,6 +72,7 @@ impl View {
 pub struct DecisionInputs {
     workloads: Arc<WorkloadIndex>,
     captured: Arc<HashSet<IpAddr>>,
+    draining: Arc<HashSet<IpAddr>>,
     policies: Arc<PolicySet>,
 }
 
@@ -76,6 +82,7 @@ impl DecisionInputs {
     pub fn same_in(&self, view: &View) -> bool {
         Arc::ptr_eq(&self.workloads, &view.workloads)
             && Arc::ptr_eq(&self.captured, &view.captured)
+            && Arc::ptr_eq(&self.draining, &view.draining)
             && Arc::ptr_eq(&self.policies, &view.policies)
     }
 }
@@ -94,5 +101,9 @@ mod tests {
         assert!(inputs.same_in(&other));
         other.policies = Arc::new(PolicySet::default());
         assert!(!inputs.same_in(&other));
+        // Pods leaving the mesh are read too.
+        let mut leaving = view.clone();
+        leaving.draining = Arc::new(HashSet::new());
+        assert!(!inputs.same_in(&leaving));
     }
 }
