@@ -7,7 +7,8 @@
 //! to [`Pool::new`]'s `per_key` connections (the agent gives the number of its
 //! runtime's worker threads): a new stream goes to a connection with no stream open,
 //! else to a new connection while there are fewer, else to the connection with the
-//! fewest. One connection's frames and TLS records are handled by one task at a
+//! fewest, and to a further connection when each is at the peer's limit of
+//! concurrent streams (a CONNECT never waits for another pod's stream to end). One connection's frames and TLS records are handled by one task at a
 //! time, so parallel streams between one pair of pods (`iperf3 -P 4`, a client's
 //! connection pool) spread over the workers instead of queueing behind one; a pod
 //! pair that opens one connection at a time keeps using one. Each connection is made
@@ -125,12 +126,33 @@ struct Connection {
 }
 
 /// A place for one pooled connection of a key.
-#[derive(Default)]
 struct Slot {
     /// The connection: made at first use, made again once it closed.
     conn: tokio::sync::Mutex<Option<Connection>>,
     /// Streams open on it or being opened.
     streams: Arc<AtomicUsize>,
+    /// The streams the peer lets it open at once (its
+    /// `SETTINGS_MAX_CONCURRENT_STREAMS`, RFC 9113 §6.5.2), as last seen; a
+    /// podlink peer's until the connection is made.
+    max_streams: AtomicUsize,
+}
+
+impl Default for Slot {
+    fn default() -> Self {
+        Slot {
+            conn: tokio::sync::Mutex::default(),
+            streams: Arc::default(),
+            max_streams: AtomicUsize::new(hbone::MAX_CONCURRENT_STREAMS as usize),
+        }
+    }
+}
+
+impl Slot {
+    /// Whether its streams reach what the peer allows: a new stream would
+    /// wait for one of them to end.
+    fn is_full(&self) -> bool {
+        self.streams.load(Ordering::Relaxed) >= self.max_streams.load(Ordering::Relaxed)
+    }
 }
 
 /// The pool.
@@ -150,12 +172,15 @@ impl Pool {
 
     /// The slot a new stream for `key` goes to, counted in it from now on: one
     /// with no stream, else a new one while the key has fewer than `per_key`,
-    /// else the one with the fewest streams.
+    /// else the one with the fewest streams, but never a full one
+    /// ([`Slot::is_full`]): when every slot is full a new one is added, so that
+    /// a pod pair may hold more streams at once than `per_key` connections allow.
     fn pick(&self, key: &PoolKey) -> (Arc<Slot>, ActiveStream) {
         let mut slots = self.slots.lock().expect("pool lock");
         let list = slots.entry(key.clone()).or_default();
         let least = list
             .iter()
+            .filter(|slot| !slot.is_full())
             .min_by_key(|slot| slot.streams.load(Ordering::Relaxed));
         let slot = match least {
             Some(slot)
@@ -227,7 +252,11 @@ impl Pool {
                 e.is_go_away() || e.reason() == Some(h2::Reason::REFUSED_STREAM) || e.is_io()
             };
             let mut sender = match sender.ready().await {
-                Ok(sender) => sender,
+                Ok(sender) => {
+                    slot.max_streams
+                        .store(sender.current_max_send_streams(), Ordering::Relaxed);
+                    sender
+                }
                 Err(e) if attempts > 0 => {
                     tracing::debug!(dst = %key.dst, "pooled HBONE connection is gone: {e}");
                     closed.store(true, Ordering::Release);
@@ -390,12 +419,20 @@ mod tests {
         drop(b);
         assert_eq!(second.streams.load(Ordering::Relaxed), 0);
 
-        // Another key has its own; a pool of one never adds a second.
+        // Another key has its own; a pool of one never adds a second while
+        // its connection may open more streams.
         let single = Pool::new(1);
         let (x, _x) = single.pick(&key);
         let (y, _y) = single.pick(&key);
         assert!(Arc::ptr_eq(&x, &y));
         assert_eq!(single.slots(&key), 1);
+        // Full (the peer allows two streams at once): a second connection.
+        x.max_streams.store(2, Ordering::Relaxed);
+        let (z, _z) = single.pick(&key);
+        assert!(!Arc::ptr_eq(&x, &z), "a full connection takes no stream");
+        assert_eq!(single.slots(&key), 2);
+        let (w, _w) = single.pick(&key);
+        assert!(Arc::ptr_eq(&z, &w), "the one with room");
     }
 
     /// The key names the source address and the peer's HBONE address: an IPv6
