@@ -8,8 +8,8 @@
 //! runtime's worker threads): a new stream goes to a connection with no stream open,
 //! else to a new connection while there are fewer, else to the connection with the
 //! fewest, and to a further connection when each is at the peer's limit of
-//! concurrent streams (a CONNECT never waits for another pod's stream to end). One connection's frames and TLS records are handled by one task at a
-//! time, so parallel streams between one pair of pods (`iperf3 -P 4`, a client's
+//! concurrent streams (a new CONNECT never waits for an open one to end). One
+//! connection's frames and TLS records are handled by one task at a time, so parallel streams between one pair of pods (`iperf3 -P 4`, a client's
 //! connection pool) spread over the workers instead of queueing behind one; a pod
 //! pair that opens one connection at a time keeps using one. Each connection is made
 //! once at a time; concurrent requests for it wait and then share it. Connections
