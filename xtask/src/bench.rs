@@ -90,7 +90,7 @@
 //! churn compared over 3 s windows, 50 pods for the enrollment row, 1 and 10 pairs
 //! and 10 and 100 pods for scaling): for development, never to judge the targets.
 //! `--probe ROW` and its flags measure one figure on its own bed instead
-//! ([`probe`]).
+//! ([`probe`]). `--soak [--minutes N]` runs the soak instead ([`soak`]).
 
 use std::{path::Path, time::Duration};
 
@@ -114,6 +114,7 @@ mod probe;
 mod report;
 mod round_trips;
 mod scaling;
+mod soak;
 mod stats;
 mod throughput;
 
@@ -266,6 +267,26 @@ pub fn run(
         None => bench(Settings::new(quick, repeat), json, markdown),
     };
     restore_bpf_stats();
+    netns::cleanup();
+    result
+}
+
+/// The soak's echo server, run by the soak as a process of its own
+/// (`xtask soak-server`).
+pub fn soak_server(netns_name: &str, addr: std::net::SocketAddr) -> Result<()> {
+    soak::serve(netns_name, addr)
+}
+
+/// The soak ([`soak`]): `minutes` long (default 10), its section written to
+/// `markdown` when given.
+pub fn run_soak(minutes: Option<u64>, markdown: Option<&Path>) -> Result<()> {
+    ctrlc::set_handler(|| {
+        eprintln!("\ninterrupted: cleaning up");
+        netns::cleanup();
+        std::process::exit(130);
+    })
+    .context("installing the Ctrl-C handler")?;
+    let result = soak::soak(minutes.unwrap_or(soak::DEFAULT_MINUTES), markdown);
     netns::cleanup();
     result
 }

@@ -24,6 +24,14 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Cmd {
+    /// The soak's echo server in network namespace NETNS on ADDR, until killed
+    /// (a process of its own: the soak's sockets exceed one process's
+    /// open-file limit).
+    #[command(hide = true)]
+    SoakServer {
+        netns: String,
+        addr: std::net::SocketAddr,
+    },
     /// Install what building and testing need (Debian packages, nightly rust-src,
     /// bpf-linker, kubernetes-validate). Idempotent.
     Setup,
@@ -108,6 +116,16 @@ enum Cmd {
         /// group gets SIGINT, and the probe waits for it.
         #[arg(long, requires = "probe")]
         hook: Option<String>,
+        /// Run the soak instead (xtask/src/bench/soak.rs): 10,000 idle
+        /// connections through the mesh and 1,000 new ones per second; the
+        /// agents' memory, descriptors and TIME_WAIT sampled each minute; fails on
+        /// any failed connection or growth after warm-up. With --markdown, writes
+        /// the page's `## Soak` section.
+        #[arg(long, conflicts_with_all = ["probe", "quick", "json", "repeat"])]
+        soak: bool,
+        /// The soak's length in minutes [default: 10].
+        #[arg(long, requires = "soak")]
+        minutes: Option<u64>,
     },
 }
 
@@ -241,6 +259,16 @@ fn main() -> Result<()> {
                 fuzz::Build::Optimized
             };
             fuzz::run_targets(target.as_deref(), seconds, build)
+        }
+        Cmd::SoakServer { netns, addr } => bench::soak_server(&netns, addr),
+        Cmd::Bench {
+            soak: true,
+            minutes,
+            markdown,
+            ..
+        } => {
+            build()?;
+            bench::run_soak(minutes, markdown.as_deref())
         }
         Cmd::Bench {
             repeat,

@@ -224,6 +224,12 @@ pub(super) fn bench(s: Settings, json: Option<&Path>, markdown: Option<&Path>) -
     }
     if let Some(path) = markdown {
         let page = markdown::markdown(&report_blocks(&report), report.settings.quick);
+        // The last soak's section stays (`--soak` writes it).
+        let old = fs::read_to_string(path).unwrap_or_default();
+        let page = match super::soak::existing_section(&old) {
+            Some(soak) => super::soak::replace_section(&page, soak),
+            None => page,
+        };
         fs::write(path, page).with_context(|| format!("writing {}", path.display()))?;
         eprintln!("bench: wrote {}", path.display());
     }
