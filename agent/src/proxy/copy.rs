@@ -6,6 +6,17 @@
 //! so that the room is kept. (tokio's `copy_bidirectional` zeroes two 64 KiB
 //! buffers per connection, 6% of the agents' CPU in a connection-rate profile,
 //! and copies into and out of each HBONE stream.)
+//!
+//! Memory is bounded per connection: each direction reads again only once what
+//! it read is written, so at most [`LARGEST_READ`] bytes wait here per
+//! direction, whatever the peers do. A peer that does not read stops the copy
+//! towards it (and TCP's flow control then stops its sender); a peer that does
+//! not send costs nothing here: a socket's room is made only once it has bytes
+//! to read and let go while it has none. Idle connections are not closed here
+//! (TCP connections may be idle for as long as their peers like); what bounds
+//! them is the number of connections ([`ConnectionLimits`]).
+//!
+//! [`ConnectionLimits`]: super::ConnectionLimits
 
 use std::{
     future::poll_fn,
@@ -70,29 +81,39 @@ pub trait Source: AsyncRead + Unpin {
     /// # Errors
     /// The reader's.
     fn poll_read_chunk(&mut self, cx: &mut Context<'_>, chunk: &mut Chunk) -> Poll<io::Result<()>> {
-        let room = &mut chunk.room;
-        // A room is never grown in place (`reserve` would keep the bytes before
-        // its start and reach 112 KiB): it is reclaimed whole once nothing else
-        // holds it, else a new one is made.
-        if room.capacity() < chunk.next && !room.try_reclaim(chunk.next) {
-            *room = BytesMut::with_capacity(chunk.next);
-        }
-        let offered = room.capacity();
-        let n = ready!(tokio_util::io::poll_read_buf(Pin::new(self), cx, room))?;
-        if n == offered {
-            chunk.next = (chunk.next * 2).min(LARGEST_READ);
-        }
-        // A small read is copied out so that the room is kept: a chunk handed on
-        // (to h2's send queue) holds its whole allocation until it is written.
-        chunk.data = if n * 2 < offered {
-            let small = Bytes::copy_from_slice(room);
-            room.clear();
-            small
-        } else {
-            room.split().freeze()
-        };
-        Poll::Ready(Ok(()))
+        read_into_room(self, cx, chunk)
     }
+}
+
+/// Reads `reader` into `chunk`'s room (see [`Source::poll_read_chunk`]), which
+/// is made first if it is missing or too small.
+fn read_into_room<R: AsyncRead + Unpin + ?Sized>(
+    reader: &mut R,
+    cx: &mut Context<'_>,
+    chunk: &mut Chunk,
+) -> Poll<io::Result<()>> {
+    let room = &mut chunk.room;
+    // A room is never grown in place (`reserve` would keep the bytes before
+    // its start and reach 112 KiB): it is reclaimed whole once nothing else
+    // holds it, else a new one is made.
+    if room.capacity() < chunk.next && !room.try_reclaim(chunk.next) {
+        *room = BytesMut::with_capacity(chunk.next);
+    }
+    let offered = room.capacity();
+    let n = ready!(tokio_util::io::poll_read_buf(Pin::new(reader), cx, room))?;
+    if n == offered {
+        chunk.next = (chunk.next * 2).min(LARGEST_READ);
+    }
+    // A small read is copied out so that the room is kept: a chunk handed on
+    // (to h2's send queue) holds its whole allocation until it is written.
+    chunk.data = if n * 2 < offered {
+        let small = Bytes::copy_from_slice(room);
+        room.clear();
+        small
+    } else {
+        room.split().freeze()
+    };
+    Poll::Ready(Ok(()))
 }
 
 /// Where a direction's bytes go.
@@ -112,7 +133,22 @@ pub trait Sink: AsyncWrite + Unpin {
     }
 }
 
-impl Source for TcpStream {}
+/// A socket's room is made only once it has bytes to read, and let go while it
+/// has none: a connection that is idle (or never sent anything) holds no memory
+/// here, only its sockets.
+impl Source for TcpStream {
+    fn poll_read_chunk(&mut self, cx: &mut Context<'_>, chunk: &mut Chunk) -> Poll<io::Result<()>> {
+        // Readiness may be stale: a read that finds nothing lets the room go too.
+        let read = match self.poll_read_ready(cx)? {
+            Poll::Ready(()) => read_into_room(self, cx, chunk),
+            Poll::Pending => Poll::Pending,
+        };
+        if read.is_pending() {
+            chunk.room = BytesMut::new();
+        }
+        read
+    }
+}
 impl Sink for TcpStream {}
 
 #[cfg(test)]
@@ -330,6 +366,36 @@ mod tests {
             .await
             .unwrap();
         assert!(chunk.data.is_empty());
+    }
+
+    /// A socket with nothing to read holds no room: none is made before its first
+    /// bytes, and the room is let go once it has none left.
+    #[tokio::test]
+    async fn an_idle_socket_holds_no_room() {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let mut client = TcpStream::connect(listener.local_addr().unwrap())
+            .await
+            .unwrap();
+        let (mut accepted, _) = listener.accept().await.unwrap();
+        let mut chunk = Chunk::default();
+        let poll = |s: &mut TcpStream, chunk: &mut Chunk| {
+            let waker = futures_util::task::noop_waker();
+            let mut cx = Context::from_waker(&waker);
+            s.poll_read_chunk(&mut cx, chunk)
+        };
+        assert!(poll(&mut accepted, &mut chunk).is_pending());
+        assert_eq!(chunk.room.capacity(), 0);
+        client.write_all(b"hello").await.unwrap();
+        let read = poll_fn(|cx| accepted.poll_read_chunk(cx, &mut chunk));
+        tokio::time::timeout(std::time::Duration::from_secs(10), read)
+            .await
+            .expect("the bytes arrive")
+            .unwrap();
+        assert_eq!(&chunk.data[..], b"hello");
+        assert!(chunk.room.capacity() >= FIRST_READ);
+        chunk.data = Bytes::new();
+        assert!(poll(&mut accepted, &mut chunk).is_pending());
+        assert_eq!(chunk.room.capacity(), 0, "the room is let go when idle");
     }
 
     /// A writer that takes nothing is an error, not a busy loop.

@@ -81,7 +81,9 @@ pub struct ProxyConfig {
     pub connect_timeout: Duration,
     /// Connections (accepted, inbound HBONE ones once their handshakes succeed,
     /// plus inbound HBONE streams) handled at once; more are refused. Handshakes
-    /// under way have their own budget ([`ConnectionLimits::max_handshakes`]).
+    /// under way have their own budget ([`ConnectionLimits::max_handshakes`]);
+    /// one source address of the outbound and inbound plaintext listeners holds at
+    /// most its share of them ([`ConnectionLimits::share`]).
     pub max_connections: usize,
     /// The cluster ID: the `source_cluster` and `destination_cluster` metric
     /// labels of known workloads.
@@ -438,7 +440,9 @@ const DRAIN_QUIET: Duration = Duration::from_millis(1200);
 const DRAIN_ACCEPT_MAX: Duration = Duration::from_secs(3);
 
 /// Accepts connections on `listener` and hands each to `handle` with its peer
-/// and local addresses in canonical form ([`canonical`]), until the proxy
+/// and local addresses in canonical form ([`canonical`]) and the permit of
+/// `budget` (refusing it when there is none, or when `budget` is the connection
+/// slots and its peer's address holds its share of them), until the proxy
 /// drains. The agent has then stopped the programs from handing it new
 /// connections (enrolled pods' new connections fail closed); the listener goes
 /// on accepting the handshakes already under way until none came for
@@ -463,6 +467,7 @@ async fn accept_loop<F, Fut>(
     let addr = listener.local_addr().ok();
     let accept_failed = RateLimited::default();
     let over_limit = RateLimited::default();
+    let over_share = RateLimited::default();
     let mut close_by = None;
     loop {
         let accepted = match close_by {
@@ -508,11 +513,36 @@ async fn accept_loop<F, Fut>(
             socket::reset_on_close(&stream);
             continue;
         };
+        // A connection slot is also one of its source address's share
+        // ([`ConnectionLimits::share`]), held as long.
+        let share = match budget {
+            Budget::Connection => match state.limits.take_share(peer.ip()) {
+                Some(share) => Some(share),
+                None => {
+                    let refusal = Refusal {
+                        listener: name,
+                        direction,
+                        peer,
+                        after_handshakes: false,
+                    };
+                    state
+                        .limits
+                        .refused_at_share(&state.metrics, &over_share, &refusal);
+                    socket::reset_on_close(&stream);
+                    continue;
+                }
+            },
+            Budget::Handshake => None,
+        };
         let Ok(local) = stream.local_addr().map(canonical) else {
             continue;
         };
         // `TCP_NODELAY` comes from the listener (`socket::transparent_listener`).
-        tokio::spawn(handle(state.clone(), stream, peer, local, permit));
+        let handled = handle(state.clone(), stream, peer, local, permit);
+        tokio::spawn(async move {
+            handled.await;
+            drop(share);
+        });
     }
     drop(listener);
     state.limits.listener_closed();

@@ -168,6 +168,9 @@ pub enum FailureKind {
     ConnectionLimit,
     /// The proxy had as many inbound HBONE handshakes under way as it allows.
     HandshakeLimit,
+    /// The connection's source address held its share of the proxy's connection
+    /// slots (`ConnectionLimits::share`).
+    ShareLimit,
     /// An I/O error (a reset) while carrying the connection's bytes.
     Io,
     /// Closed by the proxy: a changed policy now denies it, or a pod left the mesh.
@@ -178,7 +181,7 @@ pub enum FailureKind {
 
 impl FailureKind {
     /// Every kind, in a fixed order.
-    pub const ALL: [FailureKind; 12] = [
+    pub const ALL: [FailureKind; 13] = [
         FailureKind::NotEnrolled,
         FailureKind::ConnectTimeout,
         FailureKind::ConnectFailed,
@@ -188,6 +191,7 @@ impl FailureKind {
         FailureKind::BadRequest,
         FailureKind::ConnectionLimit,
         FailureKind::HandshakeLimit,
+        FailureKind::ShareLimit,
         FailureKind::Io,
         FailureKind::Revoked,
         FailureKind::NoEndpoint,
@@ -195,7 +199,7 @@ impl FailureKind {
 
     /// The label value: `not_enrolled`, `connect_timeout`, `connect_failed`,
     /// `hbone`, `identity`, `handshake`, `bad_request`, `connection_limit`,
-    /// `handshake_limit`, `io`, `revoked`, `no_endpoint`.
+    /// `handshake_limit`, `share_limit`, `io`, `revoked`, `no_endpoint`.
     pub fn as_str(self) -> &'static str {
         match self {
             FailureKind::NotEnrolled => "not_enrolled",
@@ -207,6 +211,7 @@ impl FailureKind {
             FailureKind::BadRequest => "bad_request",
             FailureKind::ConnectionLimit => "connection_limit",
             FailureKind::HandshakeLimit => "handshake_limit",
+            FailureKind::ShareLimit => "share_limit",
             FailureKind::Io => "io",
             FailureKind::Revoked => "revoked",
             FailureKind::NoEndpoint => "no_endpoint",

@@ -43,8 +43,12 @@ pub fn text(status: StatusCode, body: impl Into<String>) -> Response<Full<Bytes>
 }
 
 /// Bounds on the connections of one endpoint, so that clients that connect and
-/// send nothing, or send a request slowly, cannot hold the agent's descriptors
-/// (the endpoints listen on every address of the node).
+/// send nothing, send a request slowly or send a huge one cannot hold the
+/// agent's descriptors or memory (the metrics and readiness endpoints listen on
+/// every address of the node). A request's body is never read: once answered,
+/// a connection whose body has not all arrived is closed (hyper's
+/// `poll_drain_or_close_read`), so a body costs at most the connection's read
+/// buffer ([`MAX_BUFFER`]).
 #[derive(Clone, Copy, Debug)]
 pub struct Limits {
     /// Connections served at once; more are closed as soon as they are accepted.
@@ -55,15 +59,26 @@ pub struct Limits {
     /// Longest life of a connection: a keep-alive connection is closed after it
     /// (a scraper opens another).
     pub lifetime: Duration,
+    /// Largest request line and headers (bytes); a larger request is answered
+    /// 431 (Request Header Fields Too Large) and its connection closed (hyper's
+    /// `max_header_size`).
+    pub header_size: usize,
 }
 
+/// The largest read buffer of a connection (bytes, hyper's `max_buf_size`):
+/// what a request's headers and the part of its body that arrived with them can
+/// take.
+pub const MAX_BUFFER: usize = 64 * 1024;
+
 impl Limits {
-    /// 64 connections, 5 s for a request's headers, 60 s per connection: far more
-    /// than scrapers and kubelet probes use.
+    /// 64 connections, 5 s for a request's headers, 60 s per connection, 16 KiB
+    /// of request line and headers: far more than scrapers, kubelet probes and
+    /// admin requests use.
     pub const DEFAULT: Limits = Limits {
         connections: 64,
         header_read: Duration::from_secs(5),
         lifetime: Duration::from_secs(60),
+        header_size: 16 * 1024,
     };
 }
 
@@ -120,6 +135,8 @@ where
             let connection = hyper::server::conn::http1::Builder::new()
                 .timer(TokioTimer::new())
                 .header_read_timeout(limits.header_read)
+                .max_header_size(limits.header_size)
+                .max_buf_size(MAX_BUFFER)
                 .serve_connection(TokioIo::new(stream), service);
             let _ = tokio::time::timeout(limits.lifetime, connection).await;
             drop(permit);
@@ -244,7 +261,7 @@ mod tests {
         let (addr, server) = endpoint(Limits {
             connections: 2,
             header_read: Duration::from_secs(60),
-            lifetime: Duration::from_secs(60),
+            ..Limits::DEFAULT
         })
         .await;
         let silent = tokio::net::TcpStream::connect(addr).await.unwrap();
@@ -277,7 +294,7 @@ mod tests {
         let (addr, server) = endpoint(Limits {
             connections: 64,
             header_read: Duration::from_millis(300),
-            lifetime: Duration::from_secs(60),
+            ..Limits::DEFAULT
         })
         .await;
         let mut silent = tokio::net::TcpStream::connect(addr).await.unwrap();
@@ -291,6 +308,76 @@ mod tests {
             closed_within(&mut silent, Duration::from_secs(5)).await,
             "a silent connection is closed after the header timeout"
         );
+        assert!(get(addr).await.starts_with("HTTP/1.1 200"));
+        server.abort();
+    }
+
+    /// Sends `head`, then `body_len` bytes of body (as far as the server takes
+    /// them); the response (empty when the connection was closed first), whether
+    /// the server closed the connection afterwards, and the body's bytes sent.
+    async fn send(addr: SocketAddr, head: &[u8], body_len: usize) -> (String, bool, usize) {
+        let mut client = tokio::net::TcpStream::connect(addr).await.unwrap();
+        client.write_all(head).await.unwrap();
+        let (mut read, mut write) = client.split();
+        let mut sent = 0;
+        let body = async {
+            let piece = vec![b'x'; 64 * 1024];
+            let mut left = body_len;
+            while left > 0 {
+                let n = left.min(piece.len());
+                if write.write_all(&piece[..n]).await.is_err() {
+                    break;
+                }
+                left -= n;
+                sent += n;
+            }
+            // The end of the request never comes: the server has to close.
+            std::future::pending::<bool>().await
+        };
+        let mut response = Vec::new();
+        let reading = async {
+            let mut buf = [0u8; 4096];
+            loop {
+                match read.read(&mut buf).await {
+                    Ok(0) | Err(_) => return true,
+                    Ok(n) => response.extend_from_slice(&buf[..n]),
+                }
+            }
+        };
+        let closed = tokio::time::timeout(Duration::from_secs(20), async {
+            tokio::select! {
+                closed = reading => closed,
+                closed = body => closed,
+            }
+        })
+        .await
+        .unwrap_or(false);
+        (
+            String::from_utf8_lossy(&response).into_owned(),
+            closed,
+            sent,
+        )
+    }
+
+    /// Headers over the limit are answered 431 and the connection closed; a body
+    /// is not read: the request is answered and the connection closed before the
+    /// body has all arrived. The endpoint answers the next client.
+    #[tokio::test]
+    async fn oversized_requests_are_cut_off() {
+        let (addr, server) = endpoint(Limits::DEFAULT).await;
+        let huge_header = format!(
+            "GET /metrics HTTP/1.1\r\nhost: x\r\nx-junk: {}\r\n\r\n",
+            "a".repeat(Limits::DEFAULT.header_size)
+        );
+        let (response, closed, _) = send(addr, huge_header.as_bytes(), 0).await;
+        assert!(response.starts_with("HTTP/1.1 431"), "{response:?}");
+        assert!(closed, "the connection of an oversized header is closed");
+
+        let head = b"POST /metrics HTTP/1.1\r\nhost: x\r\ncontent-length: 1073741824\r\n\r\n";
+        let (response, closed, sent) = send(addr, head, 1 << 30).await;
+        assert!(response.starts_with("HTTP/1.1 200"), "{response:?}");
+        assert!(closed, "a connection whose body is not all there is closed");
+        assert!(sent < 1 << 30, "the whole body was taken");
         assert!(get(addr).await.starts_with("HTTP/1.1 200"));
         server.abort();
     }
