@@ -133,3 +133,45 @@ fn cross_node_tunnel(family: Family, source: Source) {
     }
     assert!(c.agent_log(1).contains("rp_filter was 1 (strict)"));
 }
+
+/// More connections between one pod pair than the pooled HBONE connections
+/// may carry as streams at once (1,000 each, one connection per worker, one
+/// worker here): a further HBONE connection is made, and no connection waits
+/// for another to end.
+#[test]
+fn streams_beyond_one_hbone_connections_limit_open_another() {
+    const OPEN: usize = 1_200;
+    let mut c = Cluster::with_namespaces(2, &[("mesh", true)]).unwrap();
+    let client = c.add_pod(PodSpec::new("client", "mesh", 0)).unwrap();
+    let server = c.add_pod(PodSpec::new("server", "mesh", 1)).unwrap();
+    c.start_agent_with(0, &["--worker-threads", "1"]).unwrap();
+    c.start_agent(1).unwrap();
+    c.wait_all_captured(&[&client, &server]).unwrap();
+    let dst = server.addr(8080);
+    let _echo = app::EchoServer::start(&server.netns, dst).unwrap();
+    let mut open = Vec::with_capacity(OPEN);
+    for i in 0..OPEN {
+        let s = app::connect(&client.netns, dst, Duration::from_secs(5))
+            .and_then(|s| app::read_greeting(&s).map(|_| s))
+            .unwrap_or_else(|e| panic!("connection {i} of {OPEN}: {e}\n{}", c.agent_log(0)));
+        open.push(s);
+    }
+    for (i, s) in open.iter_mut().enumerate().rev().take(10) {
+        let payload = format!("stream {i}");
+        assert_eq!(
+            app::echo_round(s, payload.as_bytes()).unwrap(),
+            payload.as_bytes()
+        );
+    }
+    // Node 1's HBONE connections to the server pod: more than one.
+    let out = netns::run(netns::command_in(&c.nodes[0].netns, "ss").args([
+        "-Htn",
+        "state",
+        "established",
+        "dst",
+        &format!("{}:{HBONE}", server.ip),
+    ]))
+    .unwrap();
+    let hbone = String::from_utf8_lossy(&out.stdout).lines().count();
+    assert!(hbone >= 2, "{hbone} HBONE connection(s) for {OPEN} streams");
+}

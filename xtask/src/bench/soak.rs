@@ -1,8 +1,8 @@
 //! `cargo xtask bench --soak [--minutes N]`: load without growth.
 //!
 //! On a two-node bed of its own (enrolled namespace `mesh`): 10,000 idle
-//! connections held through the mesh across the nodes (from two client pods on
-//! node 1, 5,000 each, to one server pod on node 2), and meanwhile 1,000 new
+//! connections held through the mesh across the nodes (from four client pods on
+//! node 1, 2,500 each, to one server pod on node 2), and meanwhile 1,000 new
 //! connections per second (from two more client pods to the same server), each
 //! a small exchange: connect, read the greeting, send 100 bytes, half-close,
 //! read the echo to its end, close. The server speaks the test bed's echo
@@ -53,8 +53,11 @@ const RSS_SLACK_KIB: u64 = 16 * 1024;
 const FD_SLACK: u64 = 256;
 /// Idle connections checked with an echo round at each sample.
 const IDLE_CHECKED: usize = 100;
-/// Client pods of each kind.
-const CLIENT_PODS: usize = 2;
+/// Client pods holding the idle connections: each may hold a quarter of
+/// [`MAX_CONNECTIONS`] (the proxy's per-pod share).
+const IDLE_PODS: usize = 4;
+/// Client pods opening the new connections.
+const CHURN_PODS: usize = 2;
 /// Threads opening the new connections, per churn client pod.
 const CHURN_THREADS: usize = 8;
 /// The server's port.
@@ -88,10 +91,10 @@ pub(super) struct Sample {
 /// The bed could not be made, or the run did not pass (after printing it).
 pub(super) fn soak(minutes: u64, markdown: Option<&Path>) -> Result<()> {
     let mut c = Cluster::with_namespaces(2, &[("mesh", true)])?;
-    let idle: Vec<Pod> = (0..CLIENT_PODS)
+    let idle: Vec<Pod> = (0..IDLE_PODS)
         .map(|i| c.add_pod(PodSpec::new(&format!("idle{i}"), "mesh", 0)))
         .collect::<Result<_>>()?;
-    let churn: Vec<Pod> = (0..CLIENT_PODS)
+    let churn: Vec<Pod> = (0..CHURN_PODS)
         .map(|i| c.add_pod(PodSpec::new(&format!("churn{i}"), "mesh", 0)))
         .collect::<Result<_>>()?;
     let server = c.add_pod(PodSpec::new("server", "mesh", 1))?;
