@@ -981,8 +981,8 @@ impl Dataplane {
     /// swept), link pins under `links/`, podlink's filters on the node's
     /// interfaces. What cannot be read is logged and left unchecked.
     ///
-    /// Costs, per captured pod, one `if_indextoname`, one map lookup and four
-    /// system calls per TCX link; for the node, one walk of the pods map's keys,
+    /// Costs, per captured pod, one `if_indextoname`, one map lookup and, per
+    /// TCX link, three `bpf()` calls, a `close` and a `stat` of its pin; for the node, one walk of the pods map's keys,
     /// one read of `links/` and one dump of the qdiscs (two of filters per
     /// interface with a `clsact` qdisc).
     pub fn audit(&mut self, wanted: &[CapturedPod]) -> Vec<Finding> {
