@@ -126,3 +126,66 @@ pub fn yaml_too_deep(text: &str, max_depth: usize) -> Option<usize> {
         result
     }
 }
+
+/// The interface the TCX link of id `link_id` is attached to and the program it
+/// runs: `tcx.ifindex` and `prog_id` of its `bpf_link_info`
+/// (`BPF_LINK_GET_FD_BY_ID`, then `BPF_OBJ_GET_INFO_BY_FD`; bpf(2)). The
+/// interface is 0 once the link is detached: `tcx_link_fill_info()`
+/// (`kernel/bpf/tcx.c`) reads it from the link's device, which detaching the link
+/// (`BPF_LINK_DETACH`, as `bpftool link detach` does) or deleting the interface
+/// clears. aya's `LinkInfo` gives a link's id and program but not the fields of
+/// its type, and its `FdLink` does not lend its descriptor.
+///
+/// # Errors
+/// The system calls' errors (`ENOENT`: no link of that id any more).
+pub fn tcx_link_target(link_id: u32) -> std::io::Result<(u32, u32)> {
+    use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+
+    use aya_obj::generated::{bpf_attr, bpf_cmd, bpf_link_info};
+
+    // SAFETY: a plain C union of integers, for which all zeroes is a valid
+    // value (the kernel requires the fields a command does not use to be zero).
+    let mut attr: bpf_attr = unsafe { std::mem::zeroed() };
+    attr.__bindgen_anon_6.__bindgen_anon_1.link_id = link_id;
+    // SAFETY: `attr` is a valid `bpf_attr` of the size passed, read by the
+    // kernel only.
+    let rc = unsafe {
+        libc::syscall(
+            libc::SYS_bpf,
+            bpf_cmd::BPF_LINK_GET_FD_BY_ID as libc::c_long,
+            std::ptr::from_mut(&mut attr),
+            size_of::<bpf_attr>(),
+        )
+    };
+    if rc < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    // SAFETY: on success BPF_LINK_GET_FD_BY_ID returns a new descriptor, owned by
+    // nothing else.
+    let fd = unsafe { OwnedFd::from_raw_fd(rc as libc::c_int) };
+    // SAFETY: as `attr` above: plain C structs and unions of integers.
+    let mut info: bpf_link_info = unsafe { std::mem::zeroed() };
+    // SAFETY: as above.
+    let mut attr: bpf_attr = unsafe { std::mem::zeroed() };
+    attr.info.bpf_fd = fd.as_raw_fd() as u32;
+    attr.info.info_len = size_of::<bpf_link_info>() as u32;
+    attr.info.info = std::ptr::from_mut(&mut info) as u64;
+    // SAFETY: `attr` is a valid `bpf_attr` of the size passed, naming a buffer
+    // (`info`) of `info_len` bytes that lives across the call; the kernel writes
+    // at most `info_len` bytes there and reads `attr` only.
+    let rc = unsafe {
+        libc::syscall(
+            libc::SYS_bpf,
+            bpf_cmd::BPF_OBJ_GET_INFO_BY_FD as libc::c_long,
+            std::ptr::from_mut(&mut attr),
+            size_of::<bpf_attr>(),
+        )
+    };
+    if rc < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    // SAFETY: reading a union of integers: any bits are a valid `u32`; for a TCX
+    // link the kernel filled the `tcx` member.
+    let ifindex = unsafe { info.__bindgen_anon_1.tcx.ifindex };
+    Ok((ifindex, info.prog_id))
+}

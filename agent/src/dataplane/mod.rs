@@ -31,6 +31,7 @@
 //! attaches its own kind and only then removes the previous kind, so that no pod
 //! is uncaptured meanwhile nor left with both.
 
+pub mod audit;
 mod bpffs;
 pub mod clsact;
 mod error;
@@ -45,6 +46,7 @@ mod program;
 pub mod rcu;
 pub mod tc;
 
+use audit::{AttachmentFact, Finding, Owned, PodFacts, Reason};
 use clsact::ClsactRecord;
 pub use error::{Error, IoError, Result};
 use journal::SysctlJournal;
@@ -261,6 +263,14 @@ impl Link {
         match self {
             Link::Pinned { .. } => LinkKind::Tcx,
             Link::Filter { .. } => LinkKind::ClsBpf,
+        }
+    }
+
+    /// The program it attaches (for a pinned link, from its pin's name).
+    fn program(&self) -> Option<Program> {
+        match self {
+            Link::Pinned { path, .. } => Some(parse_link_pin_name(path.file_name()?.to_str()?)?.1),
+            Link::Filter { program, .. } => Some(*program),
         }
     }
 }
@@ -959,6 +969,230 @@ impl Dataplane {
         failures
     }
 
+    /// Compares what the kernel has with what this agent attached, for the pods
+    /// it captured and for what podlink left in the kernel, and returns the
+    /// discrepancies ([`audit`]); [`Dataplane::repair`] repairs each.
+    ///
+    /// For each captured pod still `wanted` as it was: whether its host veth's
+    /// index still names an interface (`if_indextoname(3)`), its pods-map entry,
+    /// and each program's attachment: a TCX link still attached to the host veth
+    /// (`bpf_link_info`'s `tcx.ifindex`, [`crate::sys::tcx_link_target`]),
+    /// running this agent's program, its pin present; or podlink's `cls_bpf`
+    /// filter there, running this agent's program. A captured pod wanted on
+    /// another interface had its host veth replaced or its host route moved. A
+    /// pod no longer wanted is left to [`Dataplane::reconcile`]. Then what
+    /// nothing of podlink's owns: pods-map entries (once a previous agent's were
+    /// swept), link pins under `links/`, podlink's filters on the node's
+    /// interfaces. What cannot be read is logged and left unchecked.
+    ///
+    /// Costs, per captured pod, one `if_indextoname`, one map lookup and, per
+    /// TCX link, three `bpf()` calls, a `close` and a `stat` of its pin; for the node, one walk of the pods map's keys,
+    /// one read of `links/` and one dump of the qdiscs (two of filters per
+    /// interface with a `clsact` qdisc).
+    pub fn audit(&mut self, wanted: &[CapturedPod]) -> Vec<Finding> {
+        let wanted_by_workload: HashMap<&str, &CapturedPod> =
+            wanted.iter().map(|p| (&*p.workload, p)).collect();
+        let ours: HashMap<Program, u32> = Program::ALL
+            .into_iter()
+            .filter_map(|p| Some((p, self.program(p).ok()?.info().ok()?.id())))
+            .collect();
+        let filters = match self.tc.podlink_filters() {
+            Ok(filters) => Some(filters),
+            Err(e) => {
+                tracing::warn!("audit: listing podlink's cls_bpf filters: {e}");
+                None
+            }
+        };
+        let mut found = Vec::new();
+        let mut ifindexes: Vec<u32> = self.attached.keys().copied().collect();
+        ifindexes.sort_unstable();
+        for ifindex in ifindexes {
+            let Some(attachment) = self.attached.get(&ifindex) else {
+                continue;
+            };
+            let pod = &attachment.pod;
+            let veth_exists = nix::net::if_::if_indextoname(ifindex).is_ok();
+            match wanted_by_workload.get(&*pod.workload) {
+                // Leaving: the reconcile's.
+                None => continue,
+                Some(w) if w.ifindex != ifindex => {
+                    found.push(audit::check_placement(pod, w, veth_exists));
+                    continue;
+                }
+                // New facts: the reconcile rewrites the entry.
+                Some(w) if **w != *pod => continue,
+                Some(_) => {}
+            }
+            let entry = match self.pods.get(&ifindex, 0) {
+                Ok(entry) => Some(entry),
+                Err(MapError::KeyNotFound) => None,
+                Err(e) => {
+                    tracing::warn!(workload = %pod.workload, "audit: reading the pods map: {e}");
+                    continue;
+                }
+            };
+            let attachments = attachment
+                .links
+                .iter()
+                .filter_map(|link| {
+                    let program = link.program()?;
+                    let fact = link_fact(
+                        link,
+                        ifindex,
+                        ours.get(&program).copied(),
+                        filters.as_deref(),
+                    );
+                    Some((program, fact))
+                })
+                .collect();
+            let facts = PodFacts {
+                veth_exists,
+                entry,
+                attachments,
+            };
+            found.extend(audit::check_pod(pod, &facts));
+        }
+        found.extend(audit::check_leftovers(
+            &self.owned(),
+            self.previous_swept
+                .then(|| self.pods_keys())
+                .flatten()
+                .as_deref(),
+            &self.link_pins(),
+            filters
+                .map(|f| f.iter().map(|f| (f.ifindex, f.program)).collect::<Vec<_>>())
+                .as_deref(),
+        ));
+        found
+    }
+
+    /// What podlink owns in the kernel: the interfaces of its attached, waiting
+    /// and adopted pods, and the links and filters it holds.
+    fn owned(&self) -> Owned {
+        let mut owned = Owned::default();
+        let attached = self
+            .attached
+            .iter()
+            .flat_map(|(i, a)| a.links.iter().map(move |l| (*i, l)));
+        let adopted = self.adopted.iter().map(|((i, _), l)| (*i, l));
+        for (ifindex, link) in attached.chain(adopted) {
+            owned.interfaces.insert(ifindex);
+            let Some(program) = link.program() else {
+                continue;
+            };
+            match link.kind() {
+                LinkKind::Tcx => owned.links.insert((ifindex, program)),
+                LinkKind::ClsBpf => owned.filters.insert((ifindex, program)),
+            };
+        }
+        owned.interfaces.extend(self.attached.keys());
+        owned.interfaces.extend(&self.unattached);
+        owned
+    }
+
+    /// The pods map's keys, or `None` if they cannot all be read.
+    fn pods_keys(&self) -> Option<Vec<u32>> {
+        match self.pods.keys().collect::<Result<Vec<u32>, _>>() {
+            Ok(keys) => Some(keys),
+            Err(e) => {
+                tracing::warn!("audit: reading the pods map's keys: {e}");
+                None
+            }
+        }
+    }
+
+    /// The link pins under `links/`: interface and program.
+    fn link_pins(&self) -> Vec<(u32, Program)> {
+        let dir = self.pins.join(LINKS_DIR);
+        match fs::read_dir(&dir) {
+            Ok(entries) => entries
+                .filter_map(|e| parse_link_pin_name(e.ok()?.file_name().to_str()?))
+                .collect(),
+            Err(e) => {
+                tracing::warn!(dir = %dir.display(), "audit: reading the link pins: {e}");
+                Vec::new()
+            }
+        }
+    }
+
+    /// Repairs what `finding` found ([`Dataplane::audit`]): a replaced veth or
+    /// moved route by removing what podlink had on the old interface (as for a
+    /// pod that left; the next [`Dataplane::reconcile`] captures the pod where
+    /// its host route leads); a map entry by writing the pod's; a link or filter
+    /// by attaching this agent's program anew (a new pinned link in place of the
+    /// old one, which is let go); a stale entry, pin or filter by removing it
+    /// (the entry with its counters).
+    ///
+    /// # Errors
+    /// A failed map write, attachment, pin removal or filter deletion.
+    pub fn repair(&mut self, finding: &Finding) -> Result<()> {
+        let ifindex = finding.ifindex;
+        match finding.reason {
+            Reason::VethReplaced | Reason::RouteMoved => self.unenroll(ifindex),
+            Reason::MapEntryMissing | Reason::MapEntryWrong => {
+                if let Some(a) = self.attached.get(&ifindex) {
+                    self.pods
+                        .insert(ifindex, a.pod.info(), 0)
+                        .map_err(Error::map("writing", MAP_PODS))?;
+                }
+            }
+            Reason::LinkDetached
+            | Reason::LinkUnpinned
+            | Reason::FilterMissing
+            | Reason::ProgramReplaced => {
+                if let Some(program) = finding.program {
+                    self.reattach(ifindex, program)?;
+                }
+            }
+            Reason::StaleMapEntry => {
+                match self.pods.remove(&ifindex) {
+                    Ok(()) | Err(MapError::KeyNotFound) => {}
+                    Err(e) => return Err(Error::map("removing from", MAP_PODS)(e)),
+                }
+                let _ = self.counters.remove(&ifindex);
+            }
+            Reason::StaleLink => {
+                if let Some(program) = finding.program {
+                    let path = self
+                        .pins
+                        .join(LINKS_DIR)
+                        .join(link_pin_name(ifindex, program));
+                    match fs::remove_file(&path) {
+                        Ok(()) => {}
+                        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+                        Err(e) => return Err(IoError::at("removing", &path)(e).into()),
+                    }
+                }
+            }
+            Reason::StaleFilter => {
+                if let Some(program) = finding.program {
+                    self.tc.detach(ifindex, program).map_err(Error::tc(format!(
+                        "deleting the {program} cls_bpf filter of interface {ifindex}"
+                    )))?;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Attaches `program` anew to the host veth of the pod captured on
+    /// `ifindex`, in place of its attachment: a new pinned TCX link (the old one,
+    /// whose pin the new one takes, is let go: detached if it was still
+    /// attached), or podlink's filter made or given this agent's program.
+    fn reattach(&mut self, ifindex: u32, program: Program) -> Result<()> {
+        let Some(ifname) = self.attached.get(&ifindex).map(|a| a.pod.ifname.clone()) else {
+            return Ok(());
+        };
+        let link = self.attach(&ifname, ifindex, program)?;
+        if let Some(a) = self.attached.get_mut(&ifindex) {
+            match a.links.iter_mut().find(|l| l.program() == Some(program)) {
+                Some(old) => drop(std::mem::replace(old, link)),
+                None => a.links.push(link),
+            }
+        }
+        Ok(())
+    }
+
     /// Marks the proxy as draining in the config map ([`CONFIG_DRAINING`]): from
     /// now on the programs hand no new connection to the listeners, which may then
     /// accept what is queued and close without resetting anything.
@@ -1049,6 +1283,55 @@ impl Dataplane {
                 let flows: BpfHashMap<&MapData, podlink_common::FlowKey, u32> =
                     BpfHashMap::try_from(map).map_err(Error::map("opening", name))?;
                 dup(flows.map())
+            }
+        }
+    }
+}
+
+/// What the kernel has of `link`, one of the attachments of the pod captured
+/// on `ifindex`: `ours` is this agent's program's id (`None`: unknown, not
+/// compared), `filters` podlink's filters on the node (`None`: not listed, a
+/// filter is then taken as in place).
+fn link_fact(
+    link: &Link,
+    ifindex: u32,
+    ours: Option<u32>,
+    filters: Option<&[tc::Filter]>,
+) -> AttachmentFact {
+    let other = |id: u32| ours.is_some_and(|ours| ours != id);
+    match link {
+        Link::Pinned { path, _fd } => {
+            let target = _fd
+                .info()
+                .map_err(std::io::Error::other)
+                .and_then(|info| crate::sys::tcx_link_target(info.id()));
+            match target {
+                Ok((attached_to, _)) if attached_to != ifindex => AttachmentFact::Detached,
+                Ok((_, program_id)) if other(program_id) => {
+                    AttachmentFact::OtherProgram(program_id)
+                }
+                Ok(_) if !path.exists() => AttachmentFact::Unpinned,
+                Ok(_) => AttachmentFact::Ours,
+                Err(e) => {
+                    tracing::warn!(path = %path.display(), "audit: reading the link's info: {e}");
+                    AttachmentFact::Detached
+                }
+            }
+        }
+        Link::Filter { ifindex, program } => {
+            let Some(filters) = filters else {
+                return AttachmentFact::Ours;
+            };
+            match filters
+                .iter()
+                .find(|f| f.ifindex == *ifindex && f.program == *program)
+            {
+                None => AttachmentFact::Missing,
+                Some(tc::Filter {
+                    program_id: Some(id),
+                    ..
+                }) if other(*id) => AttachmentFact::OtherProgram(*id),
+                Some(_) => AttachmentFact::Ours,
             }
         }
     }

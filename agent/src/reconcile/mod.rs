@@ -24,11 +24,12 @@ use std::{
 
 use crate::{
     cni::enroller::{Attached, Enroller, SourceView},
-    dataplane::{CapturedPod, Dataplane, Removal, netlink::NodeNetwork},
+    dataplane::{CapturedPod, Dataplane, Removal, audit::Finding, netlink::NodeNetwork},
     identity::SpiffeId,
     proxy::ProxyState,
     source::CaptureReporter,
     state::{Completeness, Delta, Refreshed, State, View},
+    telemetry::metrics::Metrics,
 };
 
 /// What the reconciler does to the kernel.
@@ -51,6 +52,24 @@ pub trait Capture {
         wanted: &[CapturedPod],
         removal: Removal,
     ) -> Vec<(CapturedPod, Self::Error)>;
+
+    /// Compares what the kernel has with what was attached for the pods that
+    /// were captured and are still `wanted` (the plan), and with what podlink
+    /// left in the kernel; returns the discrepancies. None by default.
+    fn audit(&mut self, wanted: &[CapturedPod]) -> Vec<Finding> {
+        let _ = wanted;
+        Vec::new()
+    }
+
+    /// Repairs what `finding` found (a pod whose attachment is dropped is
+    /// captured again by the next [`Capture::reconcile`]).
+    ///
+    /// # Errors
+    /// The repair failed (it is tried again at the next audit).
+    fn repair(&mut self, finding: &Finding) -> Result<(), Self::Error> {
+        let _ = finding;
+        Ok(())
+    }
 }
 
 impl Capture for Dataplane {
@@ -66,6 +85,14 @@ impl Capture for Dataplane {
         removal: Removal,
     ) -> Vec<(CapturedPod, Self::Error)> {
         Dataplane::reconcile(self, wanted, removal)
+    }
+
+    fn audit(&mut self, wanted: &[CapturedPod]) -> Vec<Finding> {
+        Dataplane::audit(self, wanted)
+    }
+
+    fn repair(&mut self, finding: &Finding) -> Result<(), Self::Error> {
+        Dataplane::repair(self, finding)
     }
 }
 
@@ -148,6 +175,8 @@ pub struct Reconciler<C: Capture> {
     leave_drain: LeaveDrain,
     /// The pods leaving the mesh (by host veth ifindex), since when.
     leaving: HashMap<u32, Instant>,
+    /// Where repairs are counted (`podlink_repairs_total`).
+    metrics: Option<Arc<Metrics>>,
 }
 
 impl<C: Capture> Reconciler<C> {
@@ -184,6 +213,7 @@ impl<C: Capture> Reconciler<C> {
                 carries: Box::new(|_| false),
             },
             leaving: HashMap::new(),
+            metrics: None,
         }
     }
 
@@ -192,6 +222,11 @@ impl<C: Capture> Reconciler<C> {
     pub fn with_leave_drain(mut self, leave_drain: LeaveDrain) -> Self {
         self.leave_drain = leave_drain;
         self
+    }
+
+    /// Counts the self-audit's repairs in `metrics` from now on.
+    pub fn count_repairs_in(&mut self, metrics: Arc<Metrics>) {
+        self.metrics = Some(metrics);
     }
 
     /// Takes in a source's delta (made into indexes by the next
@@ -308,6 +343,7 @@ impl<C: Capture> Reconciler<C> {
             .collect();
         self.attach_errors.clear();
         self.failed_interfaces.clear();
+        retry |= !self.audit_and_repair();
         for (pod, error) in self.capture.reconcile(&self.wanted, removal) {
             tracing::warn!(workload = %pod.workload, ifname = %pod.ifname, "capture failed: {error:#}");
             captured.remove(&pod.workload);
@@ -336,6 +372,42 @@ impl<C: Capture> Reconciler<C> {
             self.pending_retry
                 .map_or(PENDING_RETRY_MIN, |d| (d * 2).min(PENDING_RETRY_MAX))
         });
+    }
+
+    /// The self-audit, before attaching: each discrepancy between the kernel and
+    /// what was attached for the planned pods ([`Capture::audit`]) is logged (a
+    /// warning naming it), repaired and counted (`podlink_repairs_total`). A pod
+    /// whose attachment the repair dropped (its host veth replaced, its host
+    /// route moved) is captured again by the reconcile that follows. Returns
+    /// false if a repair failed (tried again at the next audit).
+    fn audit_and_repair(&mut self) -> bool {
+        let mut repaired = true;
+        for finding in self.capture.audit(&self.wanted) {
+            let workload = finding.workload.as_deref().unwrap_or("-");
+            let ifname = finding.ifname.as_deref().unwrap_or("-");
+            let program = finding.program.map_or("-", |p| p.name());
+            tracing::warn!(
+                reason = %finding.reason,
+                workload,
+                ifname,
+                ifindex = finding.ifindex,
+                program,
+                "audit: {}; repairing",
+                finding.detail
+            );
+            match self.capture.repair(&finding) {
+                Ok(()) => {
+                    if let Some(metrics) = &self.metrics {
+                        metrics.repaired(finding.reason);
+                    }
+                }
+                Err(e) => {
+                    tracing::warn!(reason = %finding.reason, workload, ifname, "repair failed: {e:#}");
+                    repaired = false;
+                }
+            }
+        }
+        repaired
     }
 
     /// Answers the podlink-cni requests the last apply settled.

@@ -48,6 +48,8 @@ impl Loop {
         network: NodeNetwork,
         proxy: Arc<ProxyState>,
     ) -> Self {
+        let mut reconciler = reconciler;
+        reconciler.count_repairs_in(proxy.metrics.clone());
         Loop {
             reconciler,
             netlink,

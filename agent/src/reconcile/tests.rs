@@ -30,6 +30,12 @@ struct FakeCapture {
     /// Host veths whose attach fails.
     failing: HashSet<String>,
     node_addrs: Vec<IpAddr>,
+    /// What the audit finds until it is repaired.
+    broken: Vec<Finding>,
+    /// Whether repairs fail.
+    repairs_fail: bool,
+    /// The calls made, in order: `audit`, `repair`, `reconcile`.
+    calls: Vec<&'static str>,
 }
 
 impl FakeCapture {
@@ -62,6 +68,7 @@ impl Capture for FakeCapture {
         wanted: &[CapturedPod],
         removal: Removal,
     ) -> Vec<(CapturedPod, String)> {
+        self.calls.push("reconcile");
         let wanted_ifindexes: HashSet<u32> = wanted.iter().map(|p| p.ifindex).collect();
         self.attached.retain(|ifindex, (_, own)| {
             wanted_ifindexes.contains(ifindex)
@@ -81,6 +88,20 @@ impl Capture for FakeCapture {
             self.attached.insert(pod.ifindex, (pod.clone(), own));
         }
         failures
+    }
+
+    fn audit(&mut self, _wanted: &[CapturedPod]) -> Vec<Finding> {
+        self.calls.push("audit");
+        self.broken.clone()
+    }
+
+    fn repair(&mut self, finding: &Finding) -> Result<(), String> {
+        self.calls.push("repair");
+        if self.repairs_fail {
+            return Err("refused".into());
+        }
+        self.broken.retain(|f| f != finding);
+        Ok(())
     }
 }
 
@@ -557,4 +578,55 @@ fn a_pod_leaving_the_mesh_drains_while_the_proxy_carries_its_connections() {
         &network(&[("10.0.0.1", 1)]),
     );
     assert_eq!(b.attached(), ["amb/web"]);
+}
+
+/// The audit runs before the reconcile; each finding is repaired and counted
+/// by reason; a failed repair is not counted, schedules a retry, and is found
+/// again by the next audit.
+#[test]
+fn audit_findings_are_repaired_before_attaching_and_counted() {
+    use crate::dataplane::audit::{AttachmentFact, PodFacts, Reason, check_pod};
+
+    let web = captured("web", "10.0.0.1", 1);
+    let facts = PodFacts {
+        veth_exists: true,
+        entry: None,
+        attachments: vec![(crate::dataplane::Program::FromPod, AttachmentFact::Detached)],
+    };
+    let broken = check_pod(&web, &facts);
+    let mut b = bed(FakeCapture {
+        broken: broken.clone(),
+        repairs_fail: true,
+        ..FakeCapture::default()
+    });
+    let metrics = Arc::new(Metrics::default());
+    b.reconciler.count_repairs_in(metrics.clone());
+    let net = network(&[("10.0.0.1", 1)]);
+    b.round(
+        Some(all(vec![pod("web", "10.0.0.1")], Completeness::Complete)),
+        &net,
+    );
+    assert_eq!(
+        b.reconciler.capture.calls,
+        ["audit", "repair", "repair", "reconcile"]
+    );
+    assert_eq!(metrics.repairs(Reason::MapEntryMissing), 0);
+    assert!(b.reconciler.pending_retry().is_some());
+
+    b.reconciler.capture.repairs_fail = false;
+    b.reconciler.capture.calls.clear();
+    b.round(None, &net);
+    assert_eq!(
+        b.reconciler.capture.calls,
+        ["audit", "repair", "repair", "reconcile"]
+    );
+    assert_eq!(metrics.repairs(Reason::MapEntryMissing), 1);
+    assert_eq!(metrics.repairs(Reason::LinkDetached), 1);
+    assert!(b.reconciler.capture.broken.is_empty());
+    assert!(b.reconciler.pending_retry().is_none());
+    assert_eq!(b.attached(), ["amb/web"]);
+
+    // Nothing more found: nothing more counted.
+    b.round(None, &net);
+    assert_eq!(metrics.repairs(Reason::MapEntryMissing), 1);
 }

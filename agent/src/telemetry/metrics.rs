@@ -44,8 +44,9 @@
 //! | `podlink_known_objects` | gauge | `kind` (`workloads`, `services`, `policies`) | objects the proxy's view holds |
 //! | `podlink_authorization_denials_total` | counter | `policy` (`namespace/name` of an AuthorizationPolicy, or of a PeerAuthentication refusing plaintext; `allow-policies`, `unknown-policies`) | connections denied, by the policy that denied them |
 //! | `podlink_connection_failures_total` | counter | `direction` (`outbound`, `inbound`), `kind` ([`FailureKind`]) | connections that failed, by kind |
+//! | `podlink_repairs_total` | counter | `reason` ([`Reason`]) | discrepancies between the kernel and the agent's attachments that the self-audit found and repaired |
 //!
-//! The `podlink_*` metrics but the failures are read at scrape time
+//! The `podlink_*` metrics but the failures and repairs are read at scrape time
 //! ([`super::scrape`]); the map-based ones from the dataplane's maps (a scrape
 //! walks the maps' keys: at most [`podlink_common::MAX_CAPTURED_FLOWS`] lookups);
 //! counters survive agent restarts with the pins, and a pod's counters end with
@@ -59,7 +60,7 @@ use prometheus_client::{
     registry::Registry,
 };
 
-use crate::identity::SpiffeId;
+use crate::{dataplane::audit::Reason, identity::SpiffeId};
 
 /// The default address of the metrics endpoint (all addresses of the node's
 /// network namespace, port 15020 as ztunnel).
@@ -372,6 +373,14 @@ impl TcpLabels {
     }
 }
 
+label_value!(Reason);
+
+/// Labels of `podlink_repairs_total`.
+#[derive(Clone, Debug, PartialEq, Eq, Hash, EncodeLabelSet)]
+struct RepairLabels {
+    reason: Reason,
+}
+
 /// Labels of `podlink_connection_failures_total`.
 #[derive(Clone, Debug, PartialEq, Eq, Hash, EncodeLabelSet)]
 struct FailureLabels {
@@ -393,6 +402,7 @@ pub struct Metrics {
     /// `istio_tcp_received_bytes_total` (client to server).
     pub received_bytes: Family<TcpLabels, Counter>,
     failures: Family<FailureLabels, Counter>,
+    repairs: Family<RepairLabels, Counter>,
     cluster_id: String,
 }
 
@@ -405,6 +415,7 @@ impl Metrics {
         let sent_bytes = Family::<TcpLabels, Counter>::default();
         let received_bytes = Family::<TcpLabels, Counter>::default();
         let failures = Family::<FailureLabels, Counter>::default();
+        let repairs = Family::<RepairLabels, Counter>::default();
         registry.register(
             "istio_tcp_connections_opened",
             "Total TCP connections opened",
@@ -430,7 +441,16 @@ impl Metrics {
             "Connections that failed, by direction and kind",
             failures.clone(),
         );
-        // Every kind is present from the start, so that rates need no absent series.
+        registry.register(
+            "podlink_repairs",
+            "Discrepancies between the kernel and the agent's attachments found by the self-audit and repaired, by reason",
+            repairs.clone(),
+        );
+        // Every kind and reason is present from the start, so that rates need no
+        // absent series.
+        for reason in Reason::ALL {
+            drop(repairs.get_or_create(&RepairLabels { reason }));
+        }
         for direction in [Direction::Outbound, Direction::Inbound] {
             for kind in FailureKind::ALL {
                 drop(failures.get_or_create(&FailureLabels { direction, kind }));
@@ -443,6 +463,7 @@ impl Metrics {
             sent_bytes,
             received_bytes,
             failures,
+            repairs,
             cluster_id: cluster_id.to_string(),
         }
     }
@@ -457,6 +478,16 @@ impl Metrics {
         self.failures
             .get_or_create(&FailureLabels { direction, kind })
             .inc();
+    }
+
+    /// Counts a repair made by the self-audit.
+    pub fn repaired(&self, reason: Reason) {
+        self.repairs.get_or_create(&RepairLabels { reason }).inc();
+    }
+
+    /// Repairs made so far for `reason`.
+    pub fn repairs(&self, reason: Reason) -> u64 {
+        self.repairs.get_or_create(&RepairLabels { reason }).get()
     }
 
     /// Writes the live metrics in the OpenMetrics text format, without the
@@ -668,6 +699,11 @@ mod tests {
         assert!(
             page.contains("podlink_connection_failures_total{direction=\"inbound\",kind=\"io\"} 0")
         );
+        metrics.repaired(Reason::LinkDetached);
+        let mut page = String::new();
+        text::encode(&mut page, &metrics.registry).unwrap();
+        assert!(page.contains("podlink_repairs_total{reason=\"link_detached\"} 1"));
+        assert!(page.contains("podlink_repairs_total{reason=\"stale_map_entry\"} 0"));
         assert!(page.ends_with("# EOF\n"), "{page}");
     }
 }
