@@ -189,3 +189,16 @@ pub fn tcx_link_target(link_id: u32) -> std::io::Result<(u32, u32)> {
     let ifindex = unsafe { info.__bindgen_anon_1.tcx.ifindex };
     Ok((ifindex, info.prog_id))
 }
+
+/// `fd` registered with the current tokio runtime's reactor, to await its
+/// readiness. Must be called on a runtime with I/O enabled.
+///
+/// # Errors
+/// The registration's error (`epoll_ctl`).
+pub fn watch_fd(
+    fd: std::os::fd::OwnedFd,
+) -> std::io::Result<tokio::io::unix::AsyncFd<std::os::fd::OwnedFd>> {
+    // SAFETY: the `OwnedFd` owns its descriptor, which stays open and the same
+    // for as long as the `AsyncFd` holds it.
+    unsafe { tokio::io::unix::AsyncFd::register(fd) }.map_err(std::io::Error::from)
+}

@@ -106,6 +106,9 @@ struct Tracked {
     /// The notification socket; `None` until the first full read, and after an
     /// error on it (the next read is then a full one, with a new socket).
     socket: Option<Socket>,
+    /// The same socket (a second descriptor) registered with the runtime, to
+    /// wait for its next notification ([`Netlink::notified`]).
+    watch: Option<Arc<tokio::io::unix::AsyncFd<std::os::fd::OwnedFd>>>,
     /// When the last full read was made.
     full_read_at: Option<std::time::Instant>,
     host_routes: HashMap<IpAddr, u32>,
@@ -454,8 +457,13 @@ impl Netlink {
             // first is in progress (EBUSY).
             let host_routes = self.host_routes().await?;
             let addrs = self.addrs().await?;
+            let watch = socket.as_ref().and_then(|s| {
+                let fd = std::os::fd::AsFd::as_fd(s).try_clone_to_owned().ok()?;
+                crate::sys::watch_fd(fd).ok().map(Arc::new)
+            });
             *self.tracked.lock().expect("tracked lock") = Tracked {
                 socket,
+                watch,
                 full_read_at: Some(started),
                 host_routes,
                 addrs,
@@ -495,6 +503,23 @@ impl Netlink {
                 tracing::debug!("route netlink notifications: {e}; reading everything");
                 false
             }
+        }
+    }
+
+    /// Resolves when a notification (a route, address or link change) arrived
+    /// since the last call, at once if one is waiting: the agent then reads the
+    /// node's network again and audits its captures. Never resolves while no
+    /// notification socket is open (the periodic resync reads then).
+    pub async fn notified(&self) {
+        let watch = self.tracked.lock().expect("tracked lock").watch.clone();
+        let Some(watch) = watch else {
+            return std::future::pending().await;
+        };
+        match watch.readable().await {
+            // Read (drained) by the next `read`; a notification after this
+            // wakes the next call.
+            Ok(mut ready) => ready.clear_ready(),
+            Err(_) => std::future::pending().await,
         }
     }
 
@@ -818,6 +843,33 @@ mod tests {
             node_addrs(found),
             parse(&["10.0.0.1", "10.0.0.2", "2001:db8::1", "fd00::1"])
         );
+    }
+
+    /// A change of the node's network wakes [`Netlink::notified`], which
+    /// otherwise waits; the next read takes the notification in. Needs root.
+    #[test]
+    #[ignore = "needs root"]
+    fn a_change_wakes_the_wait_for_notifications() {
+        in_new_network_namespace(|| async move {
+            let netlink = Netlink::open().unwrap();
+            netlink.read_all(true, FULL_READ_MAX_AGE).await.unwrap();
+            let quiet =
+                tokio::time::timeout(std::time::Duration::from_millis(200), netlink.notified())
+                    .await;
+            assert!(quiet.is_err(), "woken with nothing changed");
+            ip("link add nlwake0 type veth peer name nlwake1");
+            ip("link set nlwake0 up");
+            ip("route add 10.98.0.5/32 dev nlwake0");
+            tokio::time::timeout(std::time::Duration::from_secs(10), netlink.notified())
+                .await
+                .expect("no wake-up for a new route");
+            let index = nix::net::if_::if_nametoindex("nlwake0").unwrap();
+            let read = netlink.read(false).await.unwrap();
+            assert_eq!(
+                read.host_routes.get(&IpAddr::from([10, 98, 0, 5])),
+                Some(&index)
+            );
+        });
     }
 
     /// In a network namespace of its own (this thread's), the kernel's

@@ -1,5 +1,6 @@
 //! The reconcile loop: wakes on a source's delta, a podlink-cni request, a
-//! retry or the periodic resync, and reconciles.
+//! route netlink notification, a retry or the periodic resync, and reconciles
+//! (auditing what is attached first).
 
 use std::{future::Future, sync::Arc, time::Duration};
 
@@ -128,6 +129,7 @@ impl Loop {
                 wait.min(d.saturating_duration_since(std::time::Instant::now()))
             });
             let mut resync = false;
+            let mut network_changed = false;
             tokio::select! {
                 delta = deltas.recv() => {
                     let Some(delta) = delta else {
@@ -145,6 +147,9 @@ impl Loop {
                     }
                 }
                 () = tokio::time::sleep(wait) => resync = true,
+                // A route, address or link changed: a captured pod's veth may
+                // have gone or come back, its route moved (the audit sees it).
+                () = self.netlink.notified() => network_changed = true,
                 () = &mut shutdown => return Ok(()),
             }
             // An idle agent's periodic resync reads the whole network again;
@@ -158,6 +163,7 @@ impl Loop {
             if refreshed.changed
                 || self.reconciler.pending_retry().is_some()
                 || resync
+                || network_changed
                 || self.reconciler.cni.has_pending()
             {
                 self.read_network(idle_resync).await;
