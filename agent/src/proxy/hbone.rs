@@ -65,10 +65,11 @@ pub const MAX_CONCURRENT_STREAMS: u32 = 1000;
 /// names, values and 32 bytes per field, RFC 9113 §6.5.2). A larger one is
 /// answered 431 and reset; one over four times as large (h2's "way too
 /// large") closes the connection with GOAWAY `ENHANCE_YOUR_CALM`. It also bounds
-/// CONTINUATION frames (CVE-2024-27316): h2 keeps at most this much of an
-/// unfinished header block, and closes the connection with GOAWAY
-/// `ENHANCE_YOUR_CALM` after more CONTINUATION frames than the block could fill
-/// with frames of [`MAX_FRAME_SIZE`] (at least 5).
+/// CONTINUATION floods (CVE-2024-27316): h2 closes the connection with GOAWAY
+/// `ENHANCE_YOUR_CALM` after more CONTINUATION frames in one header block than
+/// this size takes in frames of [`MAX_FRAME_SIZE`], plus a quarter, and at least
+/// 5 (so 5 here): an unfinished header block holds at most 6 frames' payload
+/// (384 KiB).
 pub const MAX_HEADER_LIST_SIZE: u32 = 16 * 1024;
 /// Streams the client may reset before the server accepted them (RFC 9113
 /// §6.4): one more closes the connection with GOAWAY `ENHANCE_YOUR_CALM`. The

@@ -98,12 +98,9 @@ pub async fn handle(
     };
     let Some(peer_handshake) = state.limits.peer_handshake(peer.ip()) else {
         let refusal = refusal(false);
-        state.limits.refused_over_share(
-            &state.metrics,
-            &OVER_SHARE,
-            Share::Handshakes,
-            &refusal,
-        );
+        state
+            .limits
+            .refused_over_share(&state.metrics, &OVER_SHARE, Share::Handshakes, &refusal);
         return;
     };
     // A second descriptor of the socket, for the lingering close at the end.
