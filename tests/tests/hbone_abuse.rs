@@ -152,7 +152,7 @@ impl Bed {
     fn assert_friend_served(&self, during: &str) {
         let served = self
             .rt
-            .block_on(tokio::time::timeout(EVENTUALLY, self.friend_served()));
+            .block_on(async { tokio::time::timeout(EVENTUALLY, self.friend_served()).await });
         match served {
             Ok(Ok(())) => {}
             Ok(Err(e)) => panic!(
@@ -349,17 +349,22 @@ fn hbone_frame_floods_are_refused() {
         wr.write_all(&bytes).await.unwrap();
         let mut frames = Vec::new();
         let end = tokio::time::timeout(EVENTUALLY, async {
+            // Until both the PING's answer and the stream's have come.
+            let (mut pong, mut answer) = (false, false);
             while let Some(f) = read_frame(&mut rd).await {
-                let pong = f.kind == PING && f.flags & ACK != 0;
+                pong |= f.kind == PING && f.flags & ACK != 0;
+                answer |= matches!(f.kind, HEADERS | RST_STREAM) && f.stream == 1;
                 frames.push(f);
-                if pong {
+                if pong && answer {
                     return None;
                 }
             }
             Some(End::Closed)
         })
         .await
-        .expect("no PING ACK after an oversized header block");
+        .unwrap_or_else(|_| {
+            panic!("no PING ACK or no answer to an oversized header block: {frames:?}")
+        });
         (end, frames)
     });
     assert_eq!(
