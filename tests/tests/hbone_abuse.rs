@@ -373,7 +373,7 @@ fn hbone_frame_floods_are_refused() {
     );
     let answered = frames
         .iter()
-        .any(|f| f.kind == HEADERS && f.stream == 1 || f.kind == RST_STREAM && f.stream == 1);
+        .any(|f| matches!(f.kind, HEADERS | RST_STREAM) && f.stream == 1);
     assert!(
         answered,
         "the oversized header block was not answered: {frames:?}"
