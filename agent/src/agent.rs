@@ -96,6 +96,9 @@ pub struct AgentConfig {
     pub excluded_ports: Vec<u16>,
     /// Time allowed to connect upstream.
     pub connect_timeout: Duration,
+    /// Idle timeout of inbound HBONE connections and of unused CONNECT streams
+    /// ([`ProxyConfig::hbone_idle_timeout`]).
+    pub hbone_idle_timeout: Duration,
     /// Connections handled at once; `None`: a third of the open-file limit.
     pub max_connections: Option<usize>,
     /// Address of the metrics endpoint (`GET /metrics`).
@@ -194,6 +197,7 @@ pub async fn run(cfg: AgentConfig) -> Result<()> {
         hbone_port: HBONE_PORT,
         proxy_mark: PROXY_MARK,
         connect_timeout: cfg.connect_timeout,
+        hbone_idle_timeout: cfg.hbone_idle_timeout,
         cluster_id: cfg.cluster_id.clone(),
     };
     if !cfg.cluster_cidrs.is_empty() {

@@ -232,6 +232,11 @@ struct AgentArgs {
     /// Time allowed to connect upstream, e.g. 10s.
     #[arg(long, default_value = "10s", value_parser = humantime::parse_duration)]
     connect_timeout: Duration,
+    /// An inbound HBONE connection with no stream for this long is closed, and
+    /// so is a CONNECT stream that carried no byte either way in this long after
+    /// it opened, e.g. 5m; at least 1s.
+    #[arg(long, default_value = "5m", value_parser = parse_idle_timeout)]
+    hbone_idle_timeout: Duration,
     /// When no proxy listens, let enrolled pods' new outbound connections pass
     /// uncaptured instead of dropping them (default: fail closed).
     #[arg(long)]
@@ -283,6 +288,14 @@ const CERT_LIFETIME_RANGE: (Duration, Duration) = (
 
 fn parse_cluster_cidr(s: &str) -> Result<ipnet::IpNet, String> {
     crate::state::ranges::parse_cidr(s).map_err(|e| e.to_string())
+}
+
+fn parse_idle_timeout(s: &str) -> Result<Duration, String> {
+    let d = humantime::parse_duration(s).map_err(|e| e.to_string())?;
+    if d < Duration::from_secs(1) {
+        return Err(format!("{s} is shorter than 1s"));
+    }
+    Ok(d)
 }
 
 fn parse_cert_lifetime(s: &str) -> Result<Duration, String> {
@@ -408,6 +421,7 @@ pub fn main() -> Result<()> {
                 cluster_cidrs: args.cluster_cidrs,
                 excluded_ports: args.excluded_ports,
                 connect_timeout: args.connect_timeout,
+                hbone_idle_timeout: args.hbone_idle_timeout,
                 max_connections: args.max_connections,
                 metrics_address: args.metrics_address,
                 readiness_address: args.readiness_address,

@@ -109,6 +109,7 @@ static HARNESS: LazyLock<Harness> = LazyLock::new(|| {
             hbone_port: 15008,
             proxy_mark: 0,
             connect_timeout: Duration::from_secs(1),
+            hbone_idle_timeout: Duration::from_secs(300),
             // Small enough for an input to reach it with its streams.
             max_connections: 64,
             cluster_id: "Kubernetes".into(),

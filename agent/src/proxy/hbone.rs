@@ -54,10 +54,44 @@ pub fn take_whole_frames<D>(tls: &mut rustls::ConnectionCommon<D>) {
     tls.set_buffer_limit(Some(TLS_BUFFER_LIMIT));
 }
 
-/// Concurrent streams one HBONE connection accepts.
+/// Concurrent streams one HBONE connection accepts (`SETTINGS_MAX_CONCURRENT_STREAMS`,
+/// RFC 9113 §6.5.2); a stream over it is reset with `REFUSED_STREAM` (§5.1.2).
+/// Each open stream also holds a connection slot and one of its client
+/// address's share of them ([`ConnectionLimits::peer_connections`]).
+///
+/// [`ConnectionLimits::peer_connections`]: super::ConnectionLimits::peer_connections
 pub const MAX_CONCURRENT_STREAMS: u32 = 1000;
-/// Largest request header block a server accepts (bytes).
+/// Largest request header block a server accepts (bytes, as HPACK decodes it:
+/// names, values and 32 bytes per field, RFC 9113 §6.5.2). A larger one is
+/// answered 431 and reset; one over four times as large (h2's "way too
+/// large") closes the connection with GOAWAY `ENHANCE_YOUR_CALM`. It also bounds
+/// CONTINUATION floods (CVE-2024-27316): h2 closes the connection with GOAWAY
+/// `ENHANCE_YOUR_CALM` after more CONTINUATION frames in one header block than
+/// this size takes in frames of [`MAX_FRAME_SIZE`], plus a quarter, and at least
+/// 5 (so 5 here): an unfinished header block holds at most 6 frames' payload
+/// (384 KiB).
 pub const MAX_HEADER_LIST_SIZE: u32 = 16 * 1024;
+/// Streams the client may reset before the server accepted them (RFC 9113
+/// §6.4): one more closes the connection with GOAWAY `ENHANCE_YOUR_CALM`. The
+/// "rapid reset" of CVE-2023-44487 (HEADERS then RST_STREAM, over and over)
+/// meets it at once; a stream reset after it was accepted gives its slots back
+/// as soon as the proxy sees the reset (`inbound.rs`). h2's default.
+pub const MAX_PENDING_ACCEPT_RESET_STREAMS: usize = 20;
+/// Streams the server may reset because of the client's protocol errors on one
+/// connection; one more closes it with GOAWAY `ENHANCE_YOUR_CALM` ("MadeYouReset",
+/// CVE-2025-8671). h2's default.
+pub const MAX_LOCAL_ERROR_RESET_STREAMS: usize = 1024;
+/// Streams the server reset and remembers (to ignore the client's frames on them)
+/// for [`RESET_STREAM_DURATION`]; beyond it the oldest are forgotten, so the
+/// memory they take is bounded. h2's defaults.
+pub const MAX_CONCURRENT_RESET_STREAMS: usize = 50;
+/// See [`MAX_CONCURRENT_RESET_STREAMS`].
+pub const RESET_STREAM_DURATION: std::time::Duration = std::time::Duration::from_secs(1);
+/// Bytes a stream may queue to send before it waits (bytes): what the proxy holds
+/// for a client that does not read, per stream, whatever window the client
+/// grants; the copier stops reading the pod meanwhile, so the pod's socket
+/// fills and TCP stops it. h2's (and hyper's) default.
+pub const MAX_SEND_BUFFER_SIZE: usize = 400 * 1024;
 
 /// The `forwarded` header.
 pub const FORWARDED: &str = "forwarded";
@@ -390,14 +424,27 @@ pub fn client_builder() -> h2::client::Builder {
     b
 }
 
-/// The h2 server configuration of HBONE connections.
+/// The h2 server configuration of HBONE connections: the windows, the frame
+/// size and the abuse bounds above, set even where they are h2's defaults.
+///
+/// What h2 bounds without a setting: it answers one SETTINGS or PING at a time
+/// and reads no further frame until that answer is written (a SETTINGS or PING
+/// flood from a client that does not read stops being read), and it closes a
+/// connection with GOAWAY `ENHANCE_YOUR_CALM` after more than 100 empty DATA
+/// frames without END_STREAM, or when small DATA frames buffered unread cost more than half the
+/// connection window in overhead.
 pub fn server_builder() -> h2::server::Builder {
     let mut b = h2::server::Builder::new();
     b.initial_window_size(STREAM_WINDOW)
         .initial_connection_window_size(CONNECTION_WINDOW)
         .max_frame_size(MAX_FRAME_SIZE)
         .max_concurrent_streams(MAX_CONCURRENT_STREAMS)
-        .max_header_list_size(MAX_HEADER_LIST_SIZE);
+        .max_header_list_size(MAX_HEADER_LIST_SIZE)
+        .max_pending_accept_reset_streams(MAX_PENDING_ACCEPT_RESET_STREAMS)
+        .max_local_error_reset_streams(Some(MAX_LOCAL_ERROR_RESET_STREAMS))
+        .max_concurrent_reset_streams(MAX_CONCURRENT_RESET_STREAMS)
+        .reset_stream_duration(RESET_STREAM_DURATION)
+        .max_send_buffer_size(MAX_SEND_BUFFER_SIZE);
     b
 }
 

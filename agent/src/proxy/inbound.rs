@@ -34,6 +34,7 @@ use super::{
     Budget, ProxyState, Refusal, copy,
     hbone::{self, ActiveStream, H2Stream},
     learning::{self, ClientAddress},
+    limits::Share,
     socket,
     telemetry::meta,
 };
@@ -51,10 +52,10 @@ use crate::{
     },
 };
 
-/// Time allowed for the TLS and HTTP/2 handshakes.
+/// Time allowed for the TLS and HTTP/2 handshakes. A client whose handshake
+/// is slower (a trickled or never finished ClientHello, no HTTP/2 preface) is
+/// closed with a reset once it is up.
 const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
-/// An HBONE connection with no stream for this long is closed.
-const IDLE_TIMEOUT: Duration = Duration::from_secs(300);
 
 /// Handshake refusals, logged at a bounded rate (a flood of bad clients must not
 /// flood the log).
@@ -64,10 +65,21 @@ static REFUSALS: LazyLock<RateLimited> = LazyLock::new(RateLimited::default);
 /// logged at a bounded rate.
 static OVER_LIMIT: LazyLock<RateLimited> = LazyLock::new(RateLimited::default);
 
+/// Connections and streams refused because their client address had its share
+/// ([`ConnectionLimits::peer_handshakes`], [`ConnectionLimits::peer_connections`]),
+/// logged at a bounded rate.
+///
+/// [`ConnectionLimits::peer_handshakes`]: super::ConnectionLimits::peer_handshakes
+/// [`ConnectionLimits::peer_connections`]: super::ConnectionLimits::peer_connections
+static OVER_SHARE: LazyLock<RateLimited> = LazyLock::new(RateLimited::default);
+
 /// Handles one HBONE connection from `peer` to `local` (`pod ip:15008`). It holds
-/// the handshake permit `handshake` ([`ConnectionLimits::max_handshakes`](super::ConnectionLimits::max_handshakes)) during its
-/// TLS and HTTP/2 handshakes, then one of the proxy's connection slots for as long
-/// as it is open; without a free slot it is refused.
+/// the handshake permit `handshake` ([`ConnectionLimits::max_handshakes`](super::ConnectionLimits::max_handshakes)) and
+/// one of its client address's share of them
+/// ([`ConnectionLimits::peer_handshakes`](super::ConnectionLimits::peer_handshakes)) during its TLS and HTTP/2
+/// handshakes, then one of the proxy's connection slots and one of the address's
+/// share of them ([`ConnectionLimits::peer_connections`](super::ConnectionLimits::peer_connections)) for as long as it is
+/// open; without either it is refused (reset).
 pub async fn handle(
     state: Arc<ProxyState>,
     tcp: TcpStream,
@@ -78,6 +90,19 @@ pub async fn handle(
     // Until the handshakes succeed, a close is a RST: a refused or silent client
     // leaves no TIME_WAIT socket behind to collide with its next connection.
     socket::reset_on_close(&tcp);
+    let refusal = |after_handshakes| Refusal {
+        listener: "inbound HBONE",
+        direction: Direction::Inbound,
+        peer,
+        after_handshakes,
+    };
+    let Some(peer_handshake) = state.limits.peer_handshake(peer.ip()) else {
+        let refusal = refusal(false);
+        state
+            .limits
+            .refused_over_share(&state.metrics, &OVER_SHARE, Share::Handshakes, &refusal);
+        return;
+    };
     // A second descriptor of the socket, for the lingering close at the end.
     let lingering = socket2::SockRef::from(&tcp).try_clone().ok();
     let failed = |kind| state.metrics.failed(Direction::Inbound, kind);
@@ -127,17 +152,23 @@ pub async fn handle(
             return;
         }
     };
-    drop(handshake);
+    drop((handshake, peer_handshake));
     let Some(_slot) = state.limits.connection_slot() else {
-        let refusal = Refusal {
-            listener: "inbound HBONE",
-            direction: Direction::Inbound,
-            peer,
-            after_handshakes: true,
-        };
-        state
-            .limits
-            .refused_at_limit(&state.metrics, &OVER_LIMIT, Budget::Connection, &refusal);
+        state.limits.refused_at_limit(
+            &state.metrics,
+            &OVER_LIMIT,
+            Budget::Connection,
+            &refusal(true),
+        );
+        return;
+    };
+    let Some(_peer_slot) = state.limits.peer_connection(peer.ip()) else {
+        state.limits.refused_over_share(
+            &state.metrics,
+            &OVER_SHARE,
+            Share::Connections,
+            &refusal(true),
+        );
         return;
     };
     tracing::debug!(%peer, %client, destination = %destination.key(), "HBONE connection accepted");
@@ -169,7 +200,8 @@ where
     // left the mesh): they watch this channel, whose sender goes with this task.
     let (_connection_alive, alive) = watch::channel(());
     let active = Arc::new(AtomicUsize::new(0));
-    let mut idle_check = tokio::time::interval(IDLE_TIMEOUT / 4);
+    let idle_timeout = state.config.hbone_idle_timeout;
+    let mut idle_check = tokio::time::interval(idle_timeout / 4);
     // When the trust changes, the client is asked to go (GOAWAY; open streams
     // finish) and to handshake again: no connection outlives the roots it was
     // verified under.
@@ -201,7 +233,7 @@ where
             _ = idle_check.tick() => {
                 if active.load(Ordering::Relaxed) > 0 {
                     last_active = Instant::now();
-                } else if last_active.elapsed() >= IDLE_TIMEOUT {
+                } else if last_active.elapsed() >= idle_timeout {
                     tracing::debug!(%peer, "HBONE connection idle; closing it");
                     conn.graceful_shutdown();
                 }
@@ -273,6 +305,10 @@ where
         .limits
         .connection_slot()
         .ok_or("the proxy is at its connection limit")?;
+    let _peer_slot = state
+        .limits
+        .peer_connection(peer.ip())
+        .ok_or("the client address is at its share of the connection limit")?;
     serve_connection(&state, &mut conn, peer, local, &destination, client).await;
     Ok(())
 }
@@ -421,12 +457,46 @@ async fn serve_stream(
     };
     // Counted for the pod: a pod leaving the mesh drains until none is left.
     let _carried = state.carried.carry(pod_ip);
+    let Some(_peer_slot) = state.limits.peer_connection(peer.ip()) else {
+        let why = "the client address is at its share of the connection limit";
+        state.limits.refused_over_share(
+            &state.metrics,
+            &OVER_SHARE,
+            Share::Connections,
+            &Refusal {
+                listener: "inbound HBONE",
+                direction: Direction::Inbound,
+                peer,
+                after_handshakes: true,
+            },
+        );
+        let response = Response::builder()
+            .status(StatusCode::SERVICE_UNAVAILABLE)
+            .body(())
+            .expect("a status-only response");
+        let _ = respond.send_response(response, true);
+        return record.finish(Outcome::Failed(Failure::new(
+            FailureKind::ConnectionLimit,
+            why,
+        )));
+    };
     let connect = tokio::time::timeout(
         state.config.connect_timeout,
         socket::connect(source, target, state.config.proxy_mark),
-    )
-    .await
-    .unwrap_or_else(|_| Err(std::io::ErrorKind::TimedOut.into()));
+    );
+    // A stream the client resets while the proxy connects (a rapid reset,
+    // CVE-2023-44487) gives its slots and its connection back at once.
+    let connect = tokio::select! {
+        connect = connect => connect.unwrap_or_else(|_| Err(std::io::ErrorKind::TimedOut.into())),
+        reason = std::future::poll_fn(|cx| respond.poll_reset(cx)) => {
+            let why = match reason {
+                Ok(reason) => format!("the client reset the stream ({reason:?}) before the tunnel opened"),
+                Err(e) => format!("the client went away before the tunnel opened: {e}"),
+            };
+            tracing::debug!(%peer, "{why}");
+            return record.finish(Outcome::Failed(Failure::new(FailureKind::Io, why)));
+        }
+    };
     let mut upstream = match connect {
         Ok(upstream) => upstream,
         Err(e) => {
@@ -450,10 +520,15 @@ async fn serve_stream(
     };
     let mut stream = H2Stream::new(send, req.into_body());
     let mut metered = record.meter(&mut stream);
+    let unused = never_used(&record, state.config.hbone_idle_timeout);
     let result = tokio::select! {
         result = copy::bidirectional(&mut upstream, &mut metered) => {
             result.map_err(|e| Failure::new(FailureKind::Io, e))
         }
+        () = unused => Err(Failure::new(
+            FailureKind::Io,
+            "the tunnel carried no byte either way within the idle timeout",
+        )),
         why = state.revoked(&access, "HBONE stream") => Err(Failure::new(FailureKind::Revoked, why)),
         // The HBONE connection is gone: nothing can reach the client any more.
         _ = alive.changed() => Err(Failure::new(FailureKind::Io, "the HBONE connection closed")),
@@ -466,6 +541,18 @@ async fn serve_stream(
             record.finish(Outcome::Failed(e));
         }
     }
+}
+
+/// Resolves once a tunnel opened `idle_timeout` ago has carried no byte either
+/// way (a CONNECT that never sends data, to a pod that does not speak first);
+/// never once it has carried one: from then on it is a TCP connection, whose
+/// idle time is its applications' business.
+async fn never_used(record: &ConnectionRecord, idle_timeout: Duration) {
+    tokio::time::sleep(idle_timeout).await;
+    if record.bytes() == (0, 0) {
+        return;
+    }
+    std::future::pending().await
 }
 
 #[cfg(test)]

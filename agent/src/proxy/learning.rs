@@ -234,6 +234,7 @@ pub(super) mod tests {
             hbone_port: 15008,
             proxy_mark: 0,
             connect_timeout: Duration::from_secs(1),
+            hbone_idle_timeout: Duration::from_secs(300),
             max_connections: 16,
             cluster_id: "Kubernetes".into(),
         };

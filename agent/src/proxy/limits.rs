@@ -1,6 +1,8 @@
-//! The proxy's connection limits and drain: connection slots, each source
-//! address's share of them, the budget of inbound HBONE handshakes under way,
-//! the listeners still open, and whether the proxy drains.
+//! The proxy's connection limits and drain: connection slots, the budget of
+//! inbound HBONE handshakes under way, each client address's share of them
+//! (of the outbound and inbound plaintext listeners' slots; of the HBONE
+//! listener's slots and handshakes), the listeners still open, and whether the
+//! proxy drains.
 
 use std::{
     collections::HashMap,
@@ -47,8 +49,9 @@ fn max_handshakes(max_connections: usize) -> usize {
     (max_connections / 4).max(1)
 }
 
-/// The share no source address is held below, unless the proxy has fewer
-/// slots in all: a client's connection pool of this size is served whole.
+/// The share no source address of the outbound and inbound plaintext
+/// listeners is held below, unless the proxy has fewer slots in all: a
+/// client's connection pool of this size is served whole.
 const SHARE_FLOOR: usize = 16;
 
 /// See [`ConnectionLimits::share`].
@@ -56,28 +59,92 @@ fn share(max_connections: usize) -> usize {
     (max_connections / 4).max(max_connections.min(SHARE_FLOOR))
 }
 
-/// Connection slots held by each source address: an entry per address holding
-/// at least one, so at most as many entries as slots.
-#[derive(Default)]
-struct Shares(Mutex<HashMap<IpAddr, usize>>);
-
-/// One of a source address's share of the connection slots
-/// ([`ConnectionLimits::take_share`]), given back when dropped.
-pub(crate) struct SharePermit {
-    shares: Arc<Shares>,
-    addr: IpAddr,
+/// What one HBONE client address may hold of a budget: a quarter of it, at
+/// least one. One address (a client pod, a node) cannot take the whole budget;
+/// it takes four to.
+pub(crate) fn peer_share(budget: usize) -> usize {
+    (budget / 4).max(1)
 }
 
-impl Drop for SharePermit {
+/// The parts of a budget each client address holds, each at most `share`.
+/// Only addresses holding a part have an entry, so the map holds at most as
+/// many entries as the budget has permits.
+pub(crate) struct PeerShares {
+    /// The most one address may hold.
+    share: usize,
+    held: Mutex<HashMap<IpAddr, usize>>,
+}
+
+/// One part of an address's share ([`PeerShares::take`]), given back when dropped.
+pub(crate) struct PeerPart {
+    shares: Arc<PeerShares>,
+    peer: IpAddr,
+}
+
+impl PeerShares {
+    /// Shares of at most `share` parts per address.
+    pub(crate) fn new(share: usize) -> Arc<Self> {
+        Arc::new(Self {
+            share,
+            held: Mutex::new(HashMap::new()),
+        })
+    }
+
+    /// The most one address may hold.
+    pub(crate) fn share(&self) -> usize {
+        self.share
+    }
+
+    /// Takes one part of `peer`'s share; `None` when it holds its whole share.
+    pub(crate) fn take(self: &Arc<Self>, peer: IpAddr) -> Option<PeerPart> {
+        let mut held = self.held.lock().unwrap_or_else(|e| e.into_inner());
+        let parts = held.entry(peer).or_default();
+        if *parts >= self.share {
+            if *parts == 0 {
+                held.remove(&peer);
+            }
+            return None;
+        }
+        *parts += 1;
+        Some(PeerPart {
+            shares: self.clone(),
+            peer,
+        })
+    }
+
+    /// Parts `peer` holds now.
+    pub(crate) fn held(&self, peer: IpAddr) -> usize {
+        let held = self.held.lock().unwrap_or_else(|e| e.into_inner());
+        held.get(&peer).copied().unwrap_or(0)
+    }
+
+    /// Addresses holding a part now.
+    #[cfg(test)]
+    fn peers(&self) -> usize {
+        self.held.lock().unwrap().len()
+    }
+}
+
+impl Drop for PeerPart {
     fn drop(&mut self) {
-        let mut held = self.shares.0.lock().unwrap_or_else(|e| e.into_inner());
-        if let Some(n) = held.get_mut(&self.addr) {
-            *n -= 1;
-            if *n == 0 {
-                held.remove(&self.addr);
+        let mut held = self.shares.held.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(parts) = held.get_mut(&self.peer) {
+            *parts -= 1;
+            if *parts == 0 {
+                held.remove(&self.peer);
             }
         }
     }
+}
+
+/// Which of a client address's shares was full, for
+/// [`ConnectionLimits::refused_over_share`].
+#[derive(Clone, Copy)]
+pub(crate) enum Share {
+    /// Its share of the handshakes under way ([`ConnectionLimits::peer_handshakes`]).
+    Handshakes,
+    /// Its share of the connection slots ([`ConnectionLimits::peer_connections`]).
+    Connections,
 }
 
 /// The proxy's connection slots and handshake budget, its open listeners, and
@@ -101,9 +168,15 @@ pub struct ConnectionLimits {
     /// take no connection permit until their handshakes succeed, so that clients
     /// which never finish one cannot use up the connections of every listener.
     handshakes: Arc<Semaphore>,
-    /// Connection slots held by each source address of the outbound and inbound
-    /// plaintext listeners ([`ConnectionLimits::share`]).
-    shares: Arc<Shares>,
+    /// Each HBONE client address's share of `handshakes`
+    /// ([`ConnectionLimits::peer_handshakes`]).
+    peer_handshakes: Arc<PeerShares>,
+    /// Each HBONE client address's share of `connections`: its HBONE
+    /// connections and their streams ([`ConnectionLimits::peer_connections`]).
+    peer_connections: Arc<PeerShares>,
+    /// Each source address's share of `connections` on the outbound and
+    /// inbound plaintext listeners ([`ConnectionLimits::share`]).
+    shares: Arc<PeerShares>,
 }
 
 impl ConnectionLimits {
@@ -115,7 +188,9 @@ impl ConnectionLimits {
             listeners_open: AtomicUsize::new(0),
             connections: Arc::new(Semaphore::new(max_connections)),
             handshakes: Arc::new(Semaphore::new(max_handshakes(max_connections))),
-            shares: Arc::default(),
+            peer_handshakes: PeerShares::new(peer_share(max_handshakes(max_connections))),
+            peer_connections: PeerShares::new(peer_share(max_connections)),
+            shares: PeerShares::new(share(max_connections)),
         }
     }
 
@@ -166,8 +241,8 @@ impl ConnectionLimits {
     /// other addresses are served: one pod cannot take every slot, though four
     /// together can. An address, not a pod: a dual-stack pod has a share per
     /// address, and clients behind one address (a node's, after SNAT) share one.
-    /// Inbound HBONE connections come from other nodes' proxies, on behalf of
-    /// many pods, and take no share.
+    /// Inbound HBONE takes from its own shares
+    /// ([`ConnectionLimits::peer_connections`]).
     ///
     /// [`ProxyConfig::max_connections`]: super::ProxyConfig::max_connections
     pub fn share(&self) -> usize {
@@ -176,22 +251,13 @@ impl ConnectionLimits {
 
     /// Takes one of `addr`'s share of the connection slots ([`ConnectionLimits::share`]),
     /// until the permit is dropped; `None` when it holds its share.
-    pub(crate) fn take_share(&self, addr: IpAddr) -> Option<SharePermit> {
-        let mut held = self.shares.0.lock().unwrap_or_else(|e| e.into_inner());
-        if held.get(&addr).is_some_and(|&n| n >= self.share()) || self.share() == 0 {
-            return None;
-        }
-        *held.entry(addr).or_default() += 1;
-        Some(SharePermit {
-            shares: self.shares.clone(),
-            addr,
-        })
+    pub(crate) fn take_share(&self, addr: IpAddr) -> Option<PeerPart> {
+        self.shares.take(addr)
     }
 
     /// Connection slots `addr` holds now, of its share.
     pub fn held_by(&self, addr: IpAddr) -> usize {
-        let held = self.shares.0.lock().unwrap_or_else(|e| e.into_inner());
-        held.get(&addr).copied().unwrap_or(0)
+        self.shares.held(addr)
     }
 
     /// Counts a connection refused because its source address held its share
@@ -246,6 +312,80 @@ impl ConnectionLimits {
         });
     }
 
+    /// Inbound HBONE handshakes under way at once from one client address: a
+    /// quarter of [`ConnectionLimits::max_handshakes`], at least one. More are
+    /// refused (reset) while the budget still has room for other addresses.
+    pub fn peer_handshakes(&self) -> usize {
+        self.peer_handshakes.share()
+    }
+
+    /// Connection slots one inbound HBONE client address holds at once (its
+    /// HBONE connections once their handshakes succeeded, and their streams): a
+    /// quarter of [`ProxyConfig::max_connections`], at least one. Over it, a
+    /// connection is refused after its handshakes, a stream answered 503.
+    ///
+    /// [`ProxyConfig::max_connections`]: super::ProxyConfig::max_connections
+    pub fn peer_connections(&self) -> usize {
+        self.peer_connections.share()
+    }
+
+    /// Takes one of `peer`'s share of the handshakes under way; `None` when it
+    /// has its share under way.
+    pub(crate) fn peer_handshake(&self, peer: IpAddr) -> Option<PeerPart> {
+        self.peer_handshakes.take(peer)
+    }
+
+    /// Takes one of `peer`'s share of the connection slots (held beside the
+    /// slot itself); `None` when it holds its share.
+    pub(crate) fn peer_connection(&self, peer: IpAddr) -> Option<PeerPart> {
+        self.peer_connections.take(peer)
+    }
+
+    /// Connection slots `peer` holds on the HBONE listener now.
+    pub fn peer_connections_held(&self, peer: IpAddr) -> usize {
+        self.peer_connections.held(peer)
+    }
+
+    /// Counts a connection refused because its client address had its `share`
+    /// (in `metrics`, as a `handshake_limit` or `connection_limit` failure) and
+    /// warns of it through `log`, at its bounded rate.
+    pub(crate) fn refused_over_share(
+        &self,
+        metrics: &Metrics,
+        log: &RateLimited,
+        share: Share,
+        refusal: &Refusal,
+    ) {
+        let kind = match share {
+            Share::Handshakes => FailureKind::HandshakeLimit,
+            Share::Connections => FailureKind::ConnectionLimit,
+        };
+        metrics.failed(refusal.direction, kind);
+        let Refusal {
+            listener,
+            peer,
+            after_handshakes,
+            ..
+        } = refusal;
+        log.warn(|n| {
+            let limit = match share {
+                Share::Handshakes => {
+                    format!("{} handshakes under way", self.peer_handshakes())
+                }
+                Share::Connections => format!("{} connections", self.peer_connections()),
+            };
+            let when = if *after_handshakes {
+                " after its handshakes"
+            } else {
+                ""
+            };
+            format!(
+                "{listener} listener: {} is at its share of {limit}; refused {n} (from it and others){when}",
+                peer.ip()
+            )
+        });
+    }
+
     /// Takes a permit for an inbound HBONE handshake; `None` at the limit.
     pub(crate) fn start_handshake(&self) -> Option<OwnedSemaphorePermit> {
         self.handshakes.clone().try_acquire_owned().ok()
@@ -268,6 +408,60 @@ impl ConnectionLimits {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn ip(s: &str) -> IpAddr {
+        s.parse().unwrap()
+    }
+
+    /// An address takes up to its share; others take theirs meanwhile; a part
+    /// given back can be taken again; an address holding nothing leaves no entry.
+    #[test]
+    fn each_address_takes_at_most_its_share() {
+        let shares = PeerShares::new(2);
+        let (a, b) = (ip("10.0.0.1"), ip("fd00::1"));
+        let first = shares.take(a).unwrap();
+        let second = shares.take(a).unwrap();
+        assert!(shares.take(a).is_none(), "a third part over a share of 2");
+        assert_eq!(shares.held(a), 2);
+        let other = shares.take(b).expect("another address has its own share");
+        assert_eq!(shares.held(b), 1);
+        drop(first);
+        assert_eq!(shares.held(a), 1);
+        let again = shares.take(a).expect("a part given back is taken again");
+        drop((second, again, other));
+        assert_eq!((shares.held(a), shares.held(b)), (0, 0));
+        assert_eq!(shares.peers(), 0, "addresses holding nothing are forgotten");
+    }
+
+    /// Shares are a quarter of their budget, at least one; one address cannot
+    /// take the whole handshake budget or all connection slots, and its parts
+    /// are over and above the budget's own permits (both are taken).
+    #[test]
+    fn shares_are_a_quarter_of_the_budgets() {
+        assert_eq!(peer_share(0), 1);
+        assert_eq!(peer_share(3), 1);
+        assert_eq!(peer_share(8), 2);
+        assert_eq!(peer_share(1000), 250);
+        let limits = ConnectionLimits::new(1000);
+        assert_eq!(limits.max_handshakes(), 250);
+        assert_eq!(limits.peer_handshakes(), 62);
+        assert_eq!(limits.peer_connections(), 250);
+
+        let peer = ip("10.0.0.9");
+        let handshakes: Vec<_> = (0..62).map_while(|_| limits.peer_handshake(peer)).collect();
+        assert_eq!(handshakes.len(), 62);
+        assert!(limits.peer_handshake(peer).is_none());
+        assert!(limits.peer_handshake(ip("10.0.0.10")).is_some());
+        let slots: Vec<_> = (0..300)
+            .map_while(|_| limits.peer_connection(peer))
+            .collect();
+        assert_eq!(slots.len(), 250);
+        assert_eq!(limits.peer_connections_held(peer), 250);
+        drop(slots);
+        assert_eq!(limits.peer_connections_held(peer), 0);
+        // The shares take nothing of the budgets themselves.
+        assert_eq!(limits.open_connections(), 0);
+    }
 
     /// A quarter of the slots, at least 16, never more than all of them.
     #[test]
@@ -306,7 +500,7 @@ mod tests {
         drop(held);
         drop(other);
         assert_eq!((limits.held_by(a), limits.held_by(b)), (0, 0));
-        assert!(limits.shares.0.lock().unwrap().is_empty());
+        assert_eq!(limits.shares.peers(), 0);
     }
 
     /// Refusals at the share are counted as `share_limit`.

@@ -79,6 +79,10 @@ pub struct ProxyConfig {
     pub proxy_mark: u32,
     /// Time allowed for connecting upstream.
     pub connect_timeout: Duration,
+    /// An inbound HBONE connection with no stream for this long is closed
+    /// (GOAWAY), and so is a CONNECT stream that carried no byte either way in
+    /// this long after it opened.
+    pub hbone_idle_timeout: Duration,
     /// Connections (accepted, inbound HBONE ones once their handshakes succeed,
     /// plus inbound HBONE streams) handled at once; more are refused. Handshakes
     /// under way have their own budget ([`ConnectionLimits::max_handshakes`]);
@@ -569,6 +573,7 @@ mod tests {
             hbone_port: port + 7,
             proxy_mark: 0,
             connect_timeout: Duration::from_secs(1),
+            hbone_idle_timeout: Duration::from_secs(300),
             max_connections: 1,
             cluster_id: "Kubernetes".into(),
         }

@@ -3,6 +3,8 @@
 
 #![allow(dead_code, reason = "each test file uses some of the helpers")]
 
+pub mod frames;
+
 use std::{net::SocketAddr, path::Path, sync::Arc, time::Duration};
 
 use bytes::Bytes;
@@ -32,6 +34,25 @@ pub fn credentials(
     )
 }
 
+/// Opens TLS (ALPN `h2`, the client certificate `key`) from network namespace
+/// `netns` to `hbone` (pod:15008), for a client that writes its own HTTP/2.
+pub async fn tls_connect(
+    netns: &str,
+    hbone: SocketAddr,
+    key: Arc<CertifiedKey>,
+    roots: Arc<rustls::RootCertStore>,
+    server_id: SpiffeId,
+) -> Result<tokio_rustls::client::TlsStream<tokio::net::TcpStream>, String> {
+    let std = app::connect(netns, hbone, Duration::from_secs(5)).map_err(|e| e.to_string())?;
+    std.set_nonblocking(true).unwrap();
+    let tcp = tokio::net::TcpStream::from_std(std).unwrap();
+    let config = tls::client_config(key, roots, server_id).unwrap();
+    tokio_rustls::TlsConnector::from(Arc::new(config))
+        .connect(ServerName::IpAddress(hbone.ip().into()), tcp)
+        .await
+        .map_err(|e| e.to_string())
+}
+
 /// Opens TLS + HTTP/2 from network namespace `netns` to `hbone` (pod:15008).
 pub async fn hbone_connect(
     netns: &str,
@@ -40,14 +61,7 @@ pub async fn hbone_connect(
     roots: Arc<rustls::RootCertStore>,
     server_id: SpiffeId,
 ) -> Result<h2::client::SendRequest<Bytes>, String> {
-    let std = app::connect(netns, hbone, Duration::from_secs(5)).map_err(|e| e.to_string())?;
-    std.set_nonblocking(true).unwrap();
-    let tcp = tokio::net::TcpStream::from_std(std).unwrap();
-    let config = tls::client_config(key, roots, server_id).unwrap();
-    let tls = tokio_rustls::TlsConnector::from(Arc::new(config))
-        .connect(ServerName::IpAddress(hbone.ip().into()), tcp)
-        .await
-        .map_err(|e| e.to_string())?;
+    let tls = tls_connect(netns, hbone, key, roots, server_id).await?;
     let (sender, conn) = hbone::client_builder()
         .handshake(tls)
         .await
