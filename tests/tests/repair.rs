@@ -79,7 +79,7 @@ impl Bed {
             .wait_metrics(0, &format!("a repair for {reason}"), |m| {
                 m.sum("podlink_repairs_total", &[("reason", reason)]) > before
             })
-            .unwrap();
+            .unwrap_or_else(|e| panic!("{e:#}\nagent log:\n{}", self.c.agent_log(0)));
         self.c
             .wait_log_lines(
                 0,

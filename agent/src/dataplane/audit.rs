@@ -161,7 +161,8 @@ pub enum AttachmentFact {
 /// What the kernel has of one captured pod.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct PodFacts {
-    /// Whether an interface has the pod's host veth index (`if_indextoname(3)`).
+    /// Whether the pod's host veth index still names it (`if_indextoname(3)`
+    /// gives its name).
     pub veth_exists: bool,
     /// The pod's pods-map entry (`None`: there is none).
     pub entry: Option<PodInfo>,

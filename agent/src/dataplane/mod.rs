@@ -974,7 +974,7 @@ impl Dataplane {
     /// discrepancies ([`audit`]); [`Dataplane::repair`] repairs each.
     ///
     /// For each captured pod still `wanted` as it was: whether its host veth's
-    /// index still names an interface (`if_indextoname(3)`), its pods-map entry,
+    /// index still names it (`if_indextoname(3)`), its pods-map entry,
     /// and each program's attachment: a TCX link still attached to the host veth
     /// (`bpf_link_info`'s `tcx.ifindex`, [`crate::sys::tcx_link_target`]),
     /// running this agent's program, its pin present; or podlink's `cls_bpf`
@@ -1011,7 +1011,10 @@ impl Dataplane {
                 continue;
             };
             let pod = &attachment.pod;
-            let veth_exists = nix::net::if_::if_indextoname(ifindex).is_ok();
+            // The same interface: its index still names it (an index may name
+            // another interface later, or be looked up where it means another).
+            let veth_exists = nix::net::if_::if_indextoname(ifindex)
+                .is_ok_and(|name| name.to_str() == Ok(&*pod.ifname));
             match wanted_by_workload.get(&*pod.workload) {
                 // Leaving: the reconcile's.
                 None => continue,
@@ -1136,10 +1139,14 @@ impl Dataplane {
                         .map_err(Error::map("writing", MAP_PODS))?;
                 }
             }
-            Reason::LinkDetached
-            | Reason::LinkUnpinned
-            | Reason::FilterMissing
-            | Reason::ProgramReplaced => {
+            // Still attached: pinned again (the kernel refuses the same program
+            // twice on a device, EEXIST).
+            Reason::LinkUnpinned => {
+                if let Some(program) = finding.program {
+                    self.repin(ifindex, program)?;
+                }
+            }
+            Reason::LinkDetached | Reason::FilterMissing | Reason::ProgramReplaced => {
                 if let Some(program) = finding.program {
                     self.reattach(ifindex, program)?;
                 }
@@ -1173,6 +1180,41 @@ impl Dataplane {
             }
         }
         Ok(())
+    }
+
+    /// Pins again the TCX link of `program` of the pod captured on `ifindex`,
+    /// whose pin is gone while it is still attached. If pinning fails the link
+    /// is let go and the pod detached, to be captured anew by the next
+    /// reconcile.
+    fn repin(&mut self, ifindex: u32, program: Program) -> Result<()> {
+        let Some(a) = self.attached.get_mut(&ifindex) else {
+            return Ok(());
+        };
+        let Some(i) = a.links.iter().position(|l| l.program() == Some(program)) else {
+            return Ok(());
+        };
+        if !matches!(a.links[i], Link::Pinned { .. }) {
+            return Ok(());
+        }
+        let Link::Pinned { path, _fd } = a.links.remove(i) else {
+            return Ok(());
+        };
+        match _fd.pin(&path) {
+            Ok(pinned) => {
+                a.links.insert(
+                    i,
+                    Link::Pinned {
+                        path,
+                        _fd: FdLink::from(pinned),
+                    },
+                );
+                Ok(())
+            }
+            Err(error) => {
+                self.unenroll(ifindex);
+                Err(Error::PinLink { path, error })
+            }
+        }
     }
 
     /// Attaches `program` anew to the host veth of the pod captured on
