@@ -433,7 +433,9 @@ fn section(minutes: u64, samples: &[Sample], verdict: &Result<(), String>) -> St
     let _ = writeln!(md, "{HEADING}\n");
     let _ = writeln!(
         md,
-        "Written by `cargo xtask bench --soak --minutes {minutes} --markdown FILE`: {IDLE_CONNECTIONS} idle connections held through the mesh across the nodes, and {NEW_PER_SECOND} new connections per second (a {EXCHANGE_BYTES}-byte exchange each), for {minutes} min. The first minute is warm-up; the run passes with no failed connection and no later sample above an agent's VmRSS after warm-up by more than {:.0} % + {} MiB, nor its descriptors by more than {FD_SLACK}. Result: **{}**.\n",
+        "Written by `cargo xtask bench --soak --minutes {minutes} --markdown FILE`: {} idle connections held through the mesh across the nodes, and {} new connections per second (a {EXCHANGE_BYTES}-byte exchange each), for {minutes} min. The first minute is warm-up; the run passes with no failed connection and no later sample above an agent's VmRSS after warm-up by more than {:.0} % + {} MiB, nor its descriptors by more than {FD_SLACK}. Result: **{}**.\n",
+        thousands(IDLE_CONNECTIONS as u64),
+        thousands(NEW_PER_SECOND),
         RSS_GROWTH * 100.0,
         RSS_SLACK_KIB / 1024,
         match verdict {
@@ -441,7 +443,10 @@ fn section(minutes: u64, samples: &[Sample], verdict: &Result<(), String>) -> St
             Err(e) => e.clone(),
         }
     );
-    md.push_str("| at (s) | VmRSS node 1 / node 2 (MiB) | descriptors | TIME_WAIT node 1 / node 2 | new connections ok | failed | idle checked, failed |\n");
+    let _ = writeln!(
+        md,
+        "| at (s) | VmRSS node 1 / node 2 (MiB) | descriptors | TIME_WAIT node 1 / node 2 | new connections ok | failed | idle connections failed ({IDLE_CHECKED} checked, all at the end) |"
+    );
     md.push_str("| --- | --- | --- | --- | --- | --- | --- |\n");
     for s in samples {
         let mib: Vec<String> = s
@@ -462,6 +467,19 @@ fn section(minutes: u64, samples: &[Sample], verdict: &Result<(), String>) -> St
         );
     }
     md
+}
+
+/// `n` with a comma between thousands: `10,000`.
+fn thousands(n: u64) -> String {
+    let digits = n.to_string();
+    let mut out = String::new();
+    for (i, d) in digits.chars().enumerate() {
+        if i > 0 && (digits.len() - i) % 3 == 0 {
+            out.push(',');
+        }
+        out.push(d);
+    }
+    out
 }
 
 /// `page` with its `## Soak` section (to the next `## ` heading or the end)
@@ -509,6 +527,14 @@ mod tests {
             failed,
             idle_failed: 0,
         }
+    }
+
+    #[test]
+    fn thousands_are_separated() {
+        assert_eq!(thousands(1_000), "1,000");
+        assert_eq!(thousands(10_000), "10,000");
+        assert_eq!(thousands(999), "999");
+        assert_eq!(thousands(1_234_567), "1,234,567");
     }
 
     #[test]
