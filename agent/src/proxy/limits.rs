@@ -145,6 +145,9 @@ pub(crate) enum Share {
     Handshakes,
     /// Its share of the connection slots ([`ConnectionLimits::peer_connections`]).
     Connections,
+    /// A source address's share of the outbound and inbound plaintext
+    /// listeners' slots ([`ConnectionLimits::share`]).
+    Slots,
 }
 
 /// The proxy's connection slots and handshake budget, its open listeners, and
@@ -260,22 +263,6 @@ impl ConnectionLimits {
         self.shares.held(addr)
     }
 
-    /// Counts a connection refused because its source address held its share
-    /// (in `metrics`, as a `share_limit` failure) and warns of it through `log`,
-    /// at its bounded rate.
-    pub(crate) fn refused_at_share(&self, metrics: &Metrics, log: &RateLimited, refusal: &Refusal) {
-        metrics.failed(refusal.direction, FailureKind::ShareLimit);
-        let Refusal { listener, peer, .. } = refusal;
-        log.warn(|n| {
-            format!(
-                "{listener} listener: {} holds its share of {} connections (of {}); refused {n} from it and others over their share",
-                peer.ip(),
-                self.share(),
-                self.max_connections
-            )
-        });
-    }
-
     /// Counts a connection refused because `budget` had no permit left (in
     /// `metrics`, as a `connection_limit` or `handshake_limit` failure) and warns
     /// of it through `log`, at its bounded rate.
@@ -347,8 +334,9 @@ impl ConnectionLimits {
     }
 
     /// Counts a connection refused because its client address had its `share`
-    /// (in `metrics`, as a `handshake_limit` or `connection_limit` failure) and
-    /// warns of it through `log`, at its bounded rate.
+    /// (in `metrics`, as a `handshake_limit`, `connection_limit` or
+    /// `share_limit` failure) and warns of it through `log`, at its bounded
+    /// rate.
     pub(crate) fn refused_over_share(
         &self,
         metrics: &Metrics,
@@ -359,6 +347,7 @@ impl ConnectionLimits {
         let kind = match share {
             Share::Handshakes => FailureKind::HandshakeLimit,
             Share::Connections => FailureKind::ConnectionLimit,
+            Share::Slots => FailureKind::ShareLimit,
         };
         metrics.failed(refusal.direction, kind);
         let Refusal {
@@ -369,6 +358,14 @@ impl ConnectionLimits {
         } = refusal;
         log.warn(|n| {
             let limit = match share {
+                Share::Slots => {
+                    return format!(
+                        "{listener} listener: {} holds its share of {} connections (of {}); refused {n} from it and others over their share",
+                        peer.ip(),
+                        self.share(),
+                        self.max_connections
+                    );
+                }
                 Share::Handshakes => {
                     format!("{} handshakes under way", self.peer_handshakes())
                 }
@@ -514,7 +511,7 @@ mod tests {
             peer: "10.244.1.5:40000".parse().unwrap(),
             after_handshakes: false,
         };
-        limits.refused_at_share(&metrics, &RateLimited::default(), &refusal);
+        limits.refused_over_share(&metrics, &RateLimited::default(), Share::Slots, &refusal);
         assert_eq!(
             metrics.failures(Direction::Outbound, FailureKind::ShareLimit),
             1

@@ -47,7 +47,7 @@ use tokio::{
 
 #[doc(hidden)]
 pub use self::inbound::serve_without_tls;
-pub(crate) use self::limits::{Budget, Refusal};
+pub(crate) use self::limits::{Budget, Refusal, Share};
 pub use self::{carried::CarriedFlows, limits::ConnectionLimits};
 use crate::{
     authz::{self, Denial, DenialCounts, Request},
@@ -529,9 +529,12 @@ async fn accept_loop<F, Fut>(
                         peer,
                         after_handshakes: false,
                     };
-                    state
-                        .limits
-                        .refused_at_share(&state.metrics, &over_share, &refusal);
+                    state.limits.refused_over_share(
+                        &state.metrics,
+                        &over_share,
+                        Share::Slots,
+                        &refusal,
+                    );
                     socket::reset_on_close(&stream);
                     continue;
                 }
