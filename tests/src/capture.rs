@@ -57,7 +57,8 @@ impl Capture {
     }
 
     /// Stops the capture; returns the raw file contents and tcpdump's one-line
-    /// summaries, one line a packet.
+    /// summaries, one line a packet, without timestamps (`-t`): a time such as
+    /// `40.150084` would otherwise match a search for `.15008`.
     pub fn stop(mut self) -> Result<(Vec<u8>, Vec<String>)> {
         // A moment for the last packets to be written.
         std::thread::sleep(Duration::from_millis(200));
@@ -66,7 +67,7 @@ impl Capture {
         let _ = self.child.wait();
         netns::unregister(&Resource::Process(self.child.id()));
         let raw = fs::read(&self.file)?;
-        let out = run(Command::new("tcpdump").args(["-nn", "-r"]).arg(&self.file))?;
+        let out = run(Command::new("tcpdump").args(["-nn", "-t", "-r"]).arg(&self.file))?;
         let lines = String::from_utf8_lossy(&out.stdout)
             .lines()
             .map(str::to_string)
