@@ -186,7 +186,12 @@ struct AgentArgs {
     /// ztunnel does; this node's pods still come from the Kubernetes API (their
     /// enrollment, the CNI path). Uses the --ca-root-cert, --ca-token-file and
     /// --cluster-id of --ca-address.
-    #[arg(long, value_name = "URL", requires = "ca_address", conflicts_with = "manifests")]
+    #[arg(
+        long,
+        value_name = "URL",
+        requires = "ca_address",
+        conflicts_with = "manifests"
+    )]
     xds_address: Option<String>,
     /// With --xds-address: the agent's own pod name, namespace and address, which
     /// name it to istiod (node ID `ztunnel~<ip>~<pod>.<namespace>~…`).
@@ -407,7 +412,12 @@ pub fn main() -> Result<()> {
             }
             let runtime = runtime.enable_all().build()?;
             if args.xds_address.is_some() {
-                let _ = (&args.pod_name, &args.pod_namespace, &args.pod_ip, &args.network);
+                let _ = (
+                    &args.pod_name,
+                    &args.pod_namespace,
+                    &args.pod_ip,
+                    &args.network,
+                );
                 anyhow::bail!("--xds-address: the xDS source is not wired in yet");
             }
             runtime.block_on(agent::run(AgentConfig {
