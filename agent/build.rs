@@ -10,10 +10,24 @@
 //! executable's 37,000 relative relocations take a few kilobytes instead of 900 KB
 //! of `.rela.dyn`, which the dynamic loader reads whole at start and which then
 //! stays resident.
+//!
+//! The workload xDS protos under `proto/` (istiod's `Address` and `Authorization`
+//! resources, Envoy's delta ADS service) are compiled by `protox` (a protobuf
+//! compiler in Rust: no `protoc` binary needed) and turned into Rust, with the gRPC
+//! client and server, by `tonic-prost-build`; `src/xds/proto.rs` includes them.
 
 use std::{env, fs, path::PathBuf};
 
+/// The protos compiled, relative to `proto/`; their imports are found there too,
+/// and the `google/protobuf` well-known types are built into protox.
+const PROTOS: &[&str] = &[
+    "istio/workload/workload.proto",
+    "istio/security/authorization.proto",
+    "envoy/service/discovery/v3/discovery.proto",
+];
+
 fn main() {
+    compile_protos();
     if env::var("CARGO_CFG_TARGET_OS").as_deref() == Ok("linux")
         && env::var("CARGO_CFG_TARGET_ENV").as_deref() == Ok("gnu")
     {
@@ -37,4 +51,20 @@ fn main() {
             fs::write(&out, []).unwrap();
         }
     }
+}
+
+/// Generates the protos' Rust into `OUT_DIR`, one file per package
+/// (`istio.workload.rs`, …).
+fn compile_protos() {
+    let manifest_dir = PathBuf::from(env::var("CARGO_MANIFEST_DIR").unwrap());
+    let root = manifest_dir.join("proto");
+    println!("cargo:rerun-if-changed={}", root.display());
+    let descriptors = protox::compile(PROTOS, [&root])
+        .unwrap_or_else(|e| panic!("compiling the protos under {}: {e:?}", root.display()));
+    tonic_prost_build::configure()
+        .build_client(true)
+        .build_server(true)
+        .build_transport(false)
+        .compile_fds(descriptors)
+        .unwrap_or_else(|e| panic!("generating Rust from the protos: {e}"));
 }

@@ -20,3 +20,4 @@ pub mod state;
 pub mod sys;
 pub mod telemetry;
 pub mod uninstall;
+pub mod xds;
