@@ -503,6 +503,8 @@ impl Policy {
             selector: spec.selector.as_ref().map(|s| s.match_labels.clone()),
             targeted,
             notes: compiler.notes,
+            istiod_scope: None,
+            dry_run: false,
             rules,
         })
     }

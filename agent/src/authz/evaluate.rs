@@ -54,6 +54,9 @@ pub struct Destination<'a> {
     pub namespace: &'a str,
     /// Its labels, which policies' selectors match.
     pub labels: &'a BTreeMap<String, String>,
+    /// The policies istiod selected for it (`namespace/name`, workload xDS
+    /// `authorization_policies`); empty without istiod.
+    pub named: &'a [String],
 }
 
 /// The outcome of evaluating a request.
@@ -63,6 +66,9 @@ pub struct Decision {
     denial: Option<Denial>,
     /// AUDIT policies that matched (`namespace/name`).
     pub audited: Vec<String>,
+    /// Dry-run policies that apply, each with the decision it would have made
+    /// (`namespace/name would deny`, …): logged, not enforced.
+    pub dry_run: Vec<String>,
 }
 
 /// Why a request was denied.
@@ -235,13 +241,14 @@ impl PolicySet {
     /// more), which is denied as [`Denial::Unknown`].
     pub fn decide(&self, destination: Option<Destination<'_>>, req: &Request<'_>) -> Decision {
         match destination {
-            Some(d) => self.evaluate(d.namespace, d.labels, req),
+            Some(d) => self.evaluate(d.namespace, d.labels, d.named, req),
             None => Decision {
                 denial: Some(Denial::Unknown(format!(
                     "{} is not an enrolled pod of this node",
                     req.destination_ip
                 ))),
                 audited: Vec::new(),
+                dry_run: Vec::new(),
             },
         }
     }
@@ -252,22 +259,43 @@ impl PolicySet {
     /// AuthorizationPolicies are (AUDIT matches are still reported). Requests
     /// with a peer identity (HBONE, or between two pods of this node) are never
     /// refused for it.
+    ///
+    /// `named` are the policies istiod selected for the workload
+    /// ([`Destination::named`]). A dry-run policy does not change the outcome:
+    /// the decision it would make is reported in [`Decision::dry_run`] (a
+    /// matching DENY would deny; an ALLOW would allow when it matches, else
+    /// deny).
     pub fn evaluate(
         &self,
         namespace: &str,
         labels: &BTreeMap<String, String>,
+        named: &[String],
         req: &Request<'_>,
     ) -> Decision {
         if let Some(why) = self.unknown_for(namespace) {
             return Decision {
                 denial: Some(Denial::Unknown(why.to_string())),
                 audited: Vec::new(),
+                dry_run: Vec::new(),
             };
         }
-        let applicable = self
+        let (dry, applicable): (Vec<&Arc<Policy>>, Vec<&Arc<Policy>>) = self
             .policies
             .iter()
-            .filter(|p| p.applies_to(&self.root_namespace, namespace, labels));
+            .filter(|p| p.applies_to(&self.root_namespace, namespace, labels, named))
+            .partition(|p| p.dry_run);
+        let dry_run = dry
+            .into_iter()
+            .filter_map(|p| {
+                let would = match (p.action, p.matches(req)) {
+                    (Action::Deny, true) => "would deny",
+                    (Action::Allow, true) => "would allow",
+                    (Action::Allow, false) => "would deny (no rule matches)",
+                    _ => return None,
+                };
+                Some(format!("{p} {would}"))
+            })
+            .collect();
         let mut allow_policies = Vec::new();
         let mut allowed = false;
         let mut audited = Vec::new();
@@ -294,7 +322,11 @@ impl PolicySet {
         if denial.is_none() && !allow_policies.is_empty() && !allowed {
             denial = Some(Denial::NoAllowMatch(allow_policies));
         }
-        Decision { denial, audited }
+        Decision {
+            denial,
+            audited,
+            dry_run,
+        }
     }
 }
 

@@ -53,11 +53,14 @@ mod evaluate;
 mod mtls;
 mod policy;
 pub mod spec;
+mod xds;
+
+pub use xds::from_istiod;
 
 pub use error::{CompileError, FieldError, LabelProblem, SetWarning};
 pub use evaluate::{Decision, Denial, DenialCounts, Destination, PolicySet, Request};
 pub use mtls::{EffectiveMtls, MtlsError, MtlsMode, MtlsPolicies, MtlsPolicy, MtlsScope};
-pub use policy::{Action, Note, Policy, Scope};
+pub use policy::{Action, IstiodScope, Note, Policy, Scope};
 
 /// Istio's default root namespace: policies there apply mesh-wide.
 pub const DEFAULT_ROOT_NAMESPACE: &str = "istio-system";

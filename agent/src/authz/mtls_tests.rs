@@ -44,7 +44,7 @@ fn decide_in(set: &PolicySet, ns: &str, source: Option<&SpiffeId>, port: u16) ->
         destination_ip: "10.0.2.9".parse().unwrap(),
         destination_port: port,
     };
-    set.evaluate(ns, &web(), &req)
+    set.evaluate(ns, &web(), &[], &req)
         .denied_by()
         .map(|d| d.policy().to_string())
 }
@@ -182,7 +182,7 @@ fn port_level_permissive_inside_a_strict_namespace() {
     };
     let db = BTreeMap::from([("app".to_string(), "db".to_string())]);
     assert_eq!(
-        set.evaluate("shop", &db, &req).into_result(),
+        set.evaluate("shop", &db, &[], &req).into_result(),
         Err(Denial::MtlsStrict("shop/default".into()))
     );
 }
@@ -262,7 +262,7 @@ fn strict_comes_before_authorization_policies() {
         destination_ip: "10.0.2.9".parse().unwrap(),
         destination_port: 80,
     };
-    let decision = set.evaluate("shop", &web(), &req);
+    let decision = set.evaluate("shop", &web(), &[], &req);
     assert_eq!(
         decision.denied_by(),
         Some(&Denial::MtlsStrict("shop/default".into()))
@@ -276,7 +276,7 @@ fn strict_comes_before_authorization_policies() {
         ..req
     };
     assert_eq!(
-        set.evaluate("shop", &web(), &req).denied_by(),
+        set.evaluate("shop", &web(), &[], &req).denied_by(),
         Some(&Denial::Policy("shop/deny-all".into()))
     );
 }

@@ -38,6 +38,22 @@ pub enum Scope {
     Namespace(String),
     /// Attached to a gateway, waypoint or service (`targetRef`): no workload here.
     Targeted,
+    /// Chosen by istiod for the workloads that name it (workload xDS scope
+    /// `WORKLOAD_SELECTOR`: each selected workload lists it).
+    Named,
+}
+
+/// How istiod scoped a policy it sends (workload xDS `istio.security.Scope`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum IstiodScope {
+    /// `GLOBAL`: every workload of the mesh.
+    Global,
+    /// `NAMESPACE`: every workload of the policy's namespace.
+    Namespace,
+    /// `WORKLOAD_SELECTOR`: the workloads that list it in their
+    /// `authorization_policies`.
+    WorkloadSelector,
 }
 
 /// A string pattern: exact, `prefix*`, `*suffix`, or `*` (present).
@@ -129,6 +145,9 @@ pub(super) struct Rule {
     pub(super) from: Option<Vec<Vec<Check>>>,
     pub(super) to: Option<Vec<Vec<Check>>>,
     pub(super) when: Vec<Check>,
+    /// Further groups that must all match, each a list of alternatives (any)
+    /// of checks (all): istiod's clauses ([`super::from_istiod`]).
+    pub(super) also: Vec<Vec<Vec<Check>>>,
 }
 
 impl Rule {
@@ -139,7 +158,13 @@ impl Rule {
                     .any(|checks| checks.iter().all(|c| c.matches(req)))
             })
         };
-        any(&self.from) && any(&self.to) && self.when.iter().all(|c| c.matches(req))
+        any(&self.from)
+            && any(&self.to)
+            && self.when.iter().all(|c| c.matches(req))
+            && self.also.iter().all(|alts| {
+                alts.iter()
+                    .any(|checks| checks.iter().all(|c| c.matches(req)))
+            })
     }
 }
 
@@ -159,6 +184,14 @@ pub struct Policy {
     /// How the policy was adapted to layer 4 (fields that cannot be enforced, and
     /// what was done instead), for the log and the config dump.
     pub notes: Vec<Note>,
+    /// How istiod scoped it, for a policy from istiod (then `selector` and
+    /// `targeted` are not used); `None` for one compiled from an
+    /// AuthorizationPolicy object.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub istiod_scope: Option<IstiodScope>,
+    /// A dry-run policy (istiod's `dry_run`): the
+    /// decision it would make is logged, never enforced.
+    pub dry_run: bool,
     #[serde(skip)]
     pub(super) rules: Vec<Rule>,
 }
@@ -188,6 +221,17 @@ pub enum Note {
     Custom,
     /// `targetRef`/`targetRefs`: not enforced here.
     Targeted,
+    /// istiod sent a value podlink does not know (a newer Istio's): in a
+    /// string match, the entry is enforced on its other fields (DENY) or never
+    /// matches (ALLOW); as the action, the policy is enforced as DENY.
+    Unknown {
+        /// Where, a path inside the resource (`rules[0].clauses[1].matches[0].principals[2]`, `action`).
+        at: String,
+        /// What was not known.
+        what: String,
+        /// See [`Note::Unseen::widened`].
+        widened: bool,
+    },
 }
 
 impl fmt::Display for Note {
@@ -212,6 +256,22 @@ impl fmt::Display for Note {
             Note::Custom => f.write_str(
                 "action CUSTOM: no external authorizer is asked; enforced as DENY on the layer-4 fields",
             ),
+            Note::Unknown {
+                at,
+                what,
+                widened: true,
+            } => write!(
+                f,
+                "{at}: {what} is not known to podlink; enforced on the other fields alone (denies more)"
+            ),
+            Note::Unknown {
+                at,
+                what,
+                widened: false,
+            } => write!(
+                f,
+                "{at}: {what} is not known to podlink; this entry never matches (allows less)"
+            ),
             Note::Targeted => f.write_str(
                 "targetRef: attached to a gateway, waypoint or service, not to workloads; not enforced here",
             ),
@@ -228,6 +288,12 @@ impl Serialize for Note {
 impl Policy {
     /// The workloads the policy applies to, given the mesh's root namespace.
     pub fn scope(&self, root_namespace: &str) -> Scope {
+        match self.istiod_scope {
+            Some(IstiodScope::Global) => return Scope::Mesh,
+            Some(IstiodScope::Namespace) => return Scope::Namespace(self.namespace.clone()),
+            Some(IstiodScope::WorkloadSelector) => return Scope::Named,
+            None => {}
+        }
         let in_root = self.namespace == root_namespace;
         match &self.selector {
             _ if self.targeted => Scope::Targeted,
@@ -240,13 +306,26 @@ impl Policy {
         }
     }
 
-    /// Whether the policy applies to a workload in `namespace` with `labels`.
+    /// Whether the policy applies to a workload in `namespace` with `labels`,
+    /// for which istiod selected the policies `named` (`namespace/name`).
     pub fn applies_to(
         &self,
         root_namespace: &str,
         namespace: &str,
         labels: &BTreeMap<String, String>,
+        named: &[String],
     ) -> bool {
+        match self.istiod_scope {
+            Some(IstiodScope::Global) => return true,
+            Some(IstiodScope::Namespace) => return self.namespace == namespace,
+            Some(IstiodScope::WorkloadSelector) => {
+                return named.iter().any(|n| {
+                    n.split_once('/')
+                        .is_some_and(|(ns, name)| ns == self.namespace && name == self.name)
+                });
+            }
+            None => {}
+        }
         if self.targeted || (self.namespace != root_namespace && self.namespace != namespace) {
             return false;
         }

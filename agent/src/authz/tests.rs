@@ -61,7 +61,7 @@ fn decide(policies: &PolicySet, client: &Client, port: u16) -> Option<String> {
         destination_port: port,
     };
     policies
-        .evaluate("shop", &labels, &req)
+        .evaluate("shop", &labels, &[], &req)
         .denied_by()
         .map(|d| d.policy().to_string())
 }
@@ -1011,7 +1011,7 @@ fn unknown_policies_of_a_namespace_deny_its_workloads_only() {
     let req = |_: &Client| request;
     let mut policies = set(&[]);
     policies.deny_namespace_unknown("shop", "AuthorizationPolicy shop/x is refused".into());
-    let denied = policies.evaluate("shop", &labels, &req(&client));
+    let denied = policies.evaluate("shop", &labels, &[], &req(&client));
     assert_eq!(
         denied.denied_by(),
         Some(&Denial::Unknown(
@@ -1022,7 +1022,11 @@ fn unknown_policies_of_a_namespace_deny_its_workloads_only() {
         denied.denied_by().unwrap().to_string(),
         "authorization policies unknown: AuthorizationPolicy shop/x is refused"
     );
-    assert!(policies.evaluate("bank", &labels, &req(&client)).allowed());
+    assert!(
+        policies
+            .evaluate("bank", &labels, &[], &req(&client))
+            .allowed()
+    );
     assert_eq!(policies.unknown(), None);
     assert_eq!(policies.unknown_namespaces().len(), 1);
     // The root namespace's policies may apply anywhere.
@@ -1031,7 +1035,11 @@ fn unknown_policies_of_a_namespace_deny_its_workloads_only() {
         policies.unknown_for("bank"),
         Some("PeerAuthentication istio-system/m is refused")
     );
-    assert!(!policies.evaluate("bank", &labels, &req(&client)).allowed());
+    assert!(
+        !policies
+            .evaluate("bank", &labels, &[], &req(&client))
+            .allowed()
+    );
 }
 
 #[test]
@@ -1141,6 +1149,7 @@ fn a_destination_not_enrolled_here_is_denied() {
     let shop = Destination {
         namespace: "shop",
         labels: &labels,
+        named: &[],
     };
     assert_eq!(policies.decide(Some(shop), &req).into_result(), Ok(()));
 }

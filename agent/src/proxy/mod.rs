@@ -119,8 +119,20 @@ impl View {
         let destination = pod.map(|w| authz::Destination {
             namespace: &w.namespace,
             labels: &w.labels,
+            named: w.mesh.as_ref().map_or(&[][..], |m| &m.policies),
         });
         let decision = self.policies.decide(destination, req);
+        if let Some(pod) = pod.filter(|_| audit) {
+            for outcome in &decision.dry_run {
+                tracing::info!(
+                    source_ip = %req.source_ip,
+                    source = %req.source.map_or("(plaintext)".to_string(), ToString::to_string),
+                    destination = %pod.key(),
+                    destination_port = req.destination_port,
+                    "dry-run policy {outcome}; not enforced"
+                );
+            }
+        }
         if let Some(pod) = pod.filter(|_| audit) {
             for policy in &decision.audited {
                 tracing::info!(

@@ -9,6 +9,7 @@
 
 pub mod kube;
 pub mod manifests;
+pub mod xds;
 
 use std::{collections::HashSet, future::Future, io, path::PathBuf, sync::Arc, time::Duration};
 

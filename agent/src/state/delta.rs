@@ -65,6 +65,22 @@ pub struct Delta {
     /// holds back no removal: the Nodes, say, tell nothing of which pods are
     /// gone.
     pub unlisted: Vec<&'static str>,
+    /// What istiod pushed (workload xDS), whole, when any of it changed.
+    pub mesh: Option<Arc<Mesh>>,
+}
+
+/// What Istio's control plane says of the mesh (workload xDS), converted
+/// ([`crate::source::xds`]): laid over what the other source says (its pods
+/// keep their enrollment; see [`super::WorkloadIndex::lay_mesh`] and
+/// [`super::service::ServiceIndex::lay_mesh`]).
+#[derive(Debug, Default)]
+pub struct Mesh {
+    /// Every workload, by resource name.
+    pub workloads: BTreeMap<String, Arc<super::Workload>>,
+    /// Every service, by resource name.
+    pub services: BTreeMap<String, Arc<super::service::MeshService>>,
+    /// Every authorization policy, by resource name.
+    pub policies: BTreeMap<String, Arc<Policy>>,
 }
 
 impl Delta {
@@ -78,6 +94,7 @@ impl Delta {
             && self.changed_services.is_empty()
             && self.endpoint_slices.is_none()
             && self.changed_endpoint_slices.is_empty()
+            && self.mesh.is_none()
             && self.policies.is_none()
             && self.mtls_policies.is_none()
             && self.nodes.is_none()

@@ -26,13 +26,13 @@ use std::{
     sync::Arc,
 };
 
-pub use delta::{Completeness, Delta, PoliciesUnknown};
+pub use delta::{Completeness, Delta, Mesh, PoliciesUnknown};
 pub use ranges::ClusterRanges;
 pub use view::View;
 pub(crate) use workload::is_finished;
 pub use workload::{
-    DATAPLANE_MODE_AMBIENT, DATAPLANE_MODE_LABEL, DATAPLANE_MODE_NONE, Enrollment, Workload,
-    WorkloadIndex, enrollment,
+    DATAPLANE_MODE_AMBIENT, DATAPLANE_MODE_LABEL, DATAPLANE_MODE_NONE, Enrollment, MeshFacts,
+    Workload, WorkloadIndex, enrollment,
 };
 
 use self::{
@@ -86,6 +86,8 @@ pub struct State {
     policy_objects: Vec<Arc<Policy>>,
     mtls_policies: Vec<Arc<MtlsPolicy>>,
     nodes: Vec<Node>,
+    /// What istiod pushed, if it feeds this agent.
+    mesh: Arc<Mesh>,
     /// The cluster's address ranges: the configured ones, the Nodes' pod
     /// ranges and the ones learned from the ClusterIPs.
     ranges: Arc<ClusterRanges>,
@@ -128,6 +130,8 @@ struct Dirty {
     services: bool,
     policies: bool,
     nodes: bool,
+    /// istiod's view changed ([`Delta::mesh`]).
+    mesh: bool,
     enrollment_labels: bool,
     /// The completeness or whether policies are known changed.
     completeness: bool,
@@ -169,6 +173,7 @@ impl State {
             policy_objects: Vec::new(),
             mtls_policies: Vec::new(),
             nodes: Vec::new(),
+            mesh: Arc::new(Mesh::default()),
             zone: None,
             ranges: Arc::new(ClusterRanges::default()),
             completeness: Completeness::Incomplete,
@@ -236,6 +241,12 @@ impl State {
             self.dirty.policies = true;
         }
         self.unlisted = delta.unlisted;
+        if let Some(mesh) = delta.mesh
+            && !Arc::ptr_eq(&mesh, &self.mesh)
+        {
+            self.mesh = mesh;
+            self.dirty.mesh = true;
+        }
     }
 
     /// Makes the indexes again from what the deltas since the last refresh
@@ -249,9 +260,13 @@ impl State {
         let dirty = std::mem::take(&mut self.dirty);
         let first = !self.refreshed;
         self.refreshed = true;
-        let pods_changed = dirty.all_pods || !dirty.pods.is_empty() || !relayered.is_empty();
+        let pods_changed =
+            dirty.all_pods || dirty.mesh || !dirty.pods.is_empty() || !relayered.is_empty();
+        // istiod's workloads are laid over the pods whole: a pod changed one by
+        // one could lose what istiod says of it.
+        let has_mesh = !self.mesh.workloads.is_empty();
         if first || pods_changed {
-            if !first && !dirty.all_pods {
+            if !first && !dirty.all_pods && !has_mesh && !dirty.mesh {
                 let mut index = WorkloadIndex::clone(&self.workloads);
                 for key in dirty.pods.iter().chain(relayered.difference(&dirty.pods)) {
                     self.update_workload(&mut index, layer, key);
@@ -259,12 +274,13 @@ impl State {
                 self.workloads = Arc::new(index);
             } else {
                 let pods: Vec<Cow<'_, Pod>> = self.pods.iter().map(|p| layer.overlaid(p)).collect();
-                let (index, _) = self.workloads.rebuild(
+                let (mut index, _) = self.workloads.rebuild(
                     &self.node,
                     &self.trust_domain,
                     pods.iter().map(|p| &**p),
                     &self.namespaces,
                 );
+                index.lay_mesh(self.mesh.workloads.values());
                 self.workloads = Arc::new(index);
             }
             self.index_messages.log(
@@ -283,18 +299,19 @@ impl State {
             zone_changed = zone != self.zone;
             self.zone = zone;
         }
-        if first || dirty.services || zone_changed {
+        if first || dirty.services || zone_changed || (has_mesh && pods_changed) || dirty.mesh {
             let here = Locality {
                 node: &self.node,
                 zone: self.zone.as_deref(),
             };
-            let (services, warnings) =
+            let (mut services, mut warnings) =
                 ServiceIndex::build(self.services.iter(), self.endpoint_slices.iter(), here);
+            warnings.extend(services.lay_mesh(self.mesh.services.values(), &self.workloads, here));
             self.service_messages
                 .log(warnings.into_iter().map(|w| (Severity::Warn, w)).collect());
             self.service_index = Arc::new(services);
         }
-        if first || dirty.nodes || dirty.services {
+        if first || dirty.nodes || dirty.services || dirty.mesh {
             let ranges = self
                 .ranges
                 .with_nodes(&self.nodes)
@@ -303,7 +320,7 @@ impl State {
                 self.ranges = Arc::new(ranges);
             }
         }
-        if first || dirty.policies {
+        if first || dirty.policies || dirty.mesh {
             self.policies = Arc::new(self.policy_set());
         }
         if first || pods_changed || dirty.policies {
@@ -315,6 +332,7 @@ impl State {
                 || dirty.services
                 || dirty.policies
                 || dirty.nodes
+                || dirty.mesh
                 || dirty.completeness,
             enrollment_labels: first || dirty.enrollment_labels,
         }
@@ -364,7 +382,10 @@ impl State {
     fn policy_set(&mut self) -> PolicySet {
         let (mut set, warnings) = PolicySet::build(
             &self.root_namespace,
-            self.policy_objects.iter().cloned(),
+            self.policy_objects
+                .iter()
+                .chain(self.mesh.policies.values())
+                .cloned(),
             self.mtls_policies.iter().cloned(),
         );
         let mut messages: Vec<(Severity, String)> = warnings

@@ -41,6 +41,12 @@
 //! * Services without selectors work the same: their EndpointSlices are written
 //!   by hand with the service-name label.
 //!
+//! Services istiod sends (workload xDS, [`MeshService`]) are laid over the
+//! Kubernetes ones ([`ServiceIndex::lay_mesh`]): their endpoints are the
+//! workloads that name them in their `services`, and istiod's load balancing
+//! maps onto the same choices (see [`MeshBalancing`]). A ServiceEntry's CIDR
+//! address is looked up by longest prefix.
+//!
 //! What can be decided before a connection comes is decided when the index is
 //! built (made again when Services, EndpointSlices or this node's zone change):
 //! each port carries the endpoints new connections go to.
@@ -197,10 +203,76 @@ impl ServicePort {
     }
 }
 
+/// A service as istiod describes it (workload xDS `istio.workload.Service`,
+/// Istio's `pkg/workloadapi/workload.proto`).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct MeshService {
+    /// `namespace`.
+    pub namespace: String,
+    /// `name`.
+    pub name: String,
+    /// `hostname`: `<name>.<namespace>.svc.<cluster domain>` for a Kubernetes
+    /// Service, the host of a ServiceEntry. Workloads name the service by
+    /// `namespace/hostname`.
+    pub hostname: String,
+    /// `addresses`: single addresses (`/32`, `/128`) or a ServiceEntry's CIDRs.
+    pub vips: Vec<ipnet::IpNet>,
+    /// `ports`: (service port, target port); a target port 0 means each
+    /// workload's own (its `services` entry).
+    pub ports: Vec<(u16, u16)>,
+    /// `load_balancing`.
+    pub balancing: MeshBalancing,
+}
+
+impl MeshService {
+    /// `namespace/hostname`, as workloads name the service.
+    pub fn key(&self) -> String {
+        format!("{}/{}", self.namespace, self.hostname)
+    }
+}
+
+/// istiod's `LoadBalancing` of a service, as podlink applies it. podlink knows
+/// localities as this node and its zone: `REGION`, `ZONE` and `SUBZONE` all
+/// mean the zone; `CLUSTER` and `NETWORK` hold for every endpoint (one cluster,
+/// one network).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
+pub struct MeshBalancing {
+    /// `mode`.
+    pub mode: BalancingMode,
+    /// `routing_preference` names `NODE` first (before any zone scope).
+    pub node_first: bool,
+    /// `routing_preference` names `NODE`.
+    pub node: bool,
+    /// `routing_preference` names `REGION`, `ZONE` or `SUBZONE`.
+    pub zone: bool,
+    /// `health_policy: ALLOW_ALL`: unhealthy workloads get connections too.
+    pub allow_unhealthy: bool,
+}
+
+/// `LoadBalancing.Mode`.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum BalancingMode {
+    /// No preference (`UNSPECIFIED_MODE`, or no `load_balancing`).
+    #[default]
+    Any,
+    /// `FAILOVER`: the closest endpoints by the routing preference, others
+    /// when there are none (as `trafficDistribution`).
+    Failover,
+    /// `STRICT`: only endpoints that match every scope of the routing
+    /// preference; none means no endpoint.
+    Strict,
+    /// `PASSTHROUGH`: the original destination, no endpoint chosen.
+    Passthrough,
+}
+
 /// Service ports by virtual address.
 #[derive(Debug, Default)]
 pub struct ServiceIndex {
     by_vip: HashMap<SocketAddr, Arc<ServicePort>>,
+    /// Service ports on CIDR addresses (ServiceEntries from istiod), longest
+    /// prefix first.
+    by_cidr: Vec<(ipnet::IpNet, Arc<ServicePort>)>,
     /// The virtual addresses, whatever the port.
     vips: HashSet<IpAddr>,
     /// How many Services (`namespace/name`) have a port in the index.
@@ -373,9 +445,129 @@ impl ServiceIndex {
         (index, warnings)
     }
 
-    /// The Service port at `vip`, if a Service has that address and port.
+    /// The Service port at `vip`, if a Service has that address and port, or a
+    /// CIDR holding the address (the longest prefix) and that port.
     pub fn lookup(&self, vip: SocketAddr) -> Option<&Arc<ServicePort>> {
-        self.by_vip.get(&vip)
+        self.by_vip.get(&vip).or_else(|| {
+            self.by_cidr
+                .iter()
+                .find(|(net, port)| port.vip.port() == vip.port() && net.contains(&vip.ip()))
+                .map(|(_, port)| port)
+        })
+    }
+
+    /// Lays istiod's services over the Kubernetes ones: each port of each
+    /// virtual address, with the workloads of `workloads` that back it as
+    /// endpoints (those of the address's family); the node at `here` chooses
+    /// among them by the service's [`MeshBalancing`]. A `PASSTHROUGH` service
+    /// is not indexed (its connections go to their original destination). An
+    /// address and port a Kubernetes Service has keeps it. Returns warnings.
+    pub fn lay_mesh<'a>(
+        &mut self,
+        services: impl IntoIterator<Item = &'a Arc<MeshService>>,
+        workloads: &super::WorkloadIndex,
+        here: Locality<'_>,
+    ) -> Vec<String> {
+        let mut warnings = Vec::new();
+        let mut backing: HashMap<&str, Vec<&Arc<super::Workload>>> = HashMap::new();
+        for w in workloads.workloads() {
+            for key in w.mesh.iter().flat_map(|m| m.services.keys()) {
+                backing.entry(key.as_str()).or_default().push(w);
+            }
+        }
+        for service in services {
+            if service.balancing.mode == BalancingMode::Passthrough {
+                continue;
+            }
+            let key = service.key();
+            let backers = backing.get(key.as_str()).map_or(&[][..], Vec::as_slice);
+            let policy = Policy {
+                local_only: service.balancing.mode == BalancingMode::Strict
+                    && service.balancing.node,
+                traffic_distribution: match service.balancing {
+                    MeshBalancing {
+                        mode: BalancingMode::Failover,
+                        node_first: true,
+                        ..
+                    } => Some("PreferSameNode".to_string()),
+                    MeshBalancing {
+                        mode: BalancingMode::Failover,
+                        zone: true,
+                        ..
+                    } => Some("PreferClose".to_string()),
+                    _ => None,
+                },
+                affinity_seconds: None,
+            };
+            let strict_zone = service.balancing.mode == BalancingMode::Strict
+                && service.balancing.zone
+                && !service.balancing.node;
+            let mut counted = false;
+            for &(port, target) in &service.ports {
+                for net in &service.vips {
+                    let vip = SocketAddr::new(net.network(), port);
+                    let endpoints: Vec<Endpoint> = backers
+                        .iter()
+                        .filter_map(|w| {
+                            let facts = w.mesh.as_ref()?;
+                            let ip = *w.ips.iter().find(|ip| ip.is_ipv4() == vip.is_ipv4())?;
+                            let target = facts.target_port(&key, port, target)?;
+                            let ready = facts.healthy || service.balancing.allow_unhealthy;
+                            Some(Endpoint {
+                                addr: SocketAddr::new(ip, target),
+                                ready,
+                                serving: ready,
+                                terminating: w.terminating,
+                                node_name: w.node.clone(),
+                                zone: facts.zone.clone(),
+                            })
+                        })
+                        .filter(|e| {
+                            !strict_zone || (here.zone.is_some() && e.zone.as_deref() == here.zone)
+                        })
+                        .collect();
+                    let (choice, usable) = choose(&endpoints, &policy, here);
+                    let entry = Arc::new(ServicePort {
+                        namespace: service.namespace.clone(),
+                        name: service.name.clone(),
+                        vip,
+                        port_name: None,
+                        target_port: target.to_string(),
+                        endpoints,
+                        has_slices: true,
+                        local_only: policy.local_only,
+                        traffic_distribution: policy.traffic_distribution.clone(),
+                        affinity_seconds: None,
+                        choice,
+                        usable,
+                    });
+                    let single = net.prefix_len() == net.max_prefix_len();
+                    if single {
+                        if let Some(other) = self.by_vip.get(&vip) {
+                            warnings.push(format!(
+                                "services {} and {}/{} (from istiod) both claim {vip}; {} keeps it",
+                                other.key(),
+                                service.namespace,
+                                service.name,
+                                other.key()
+                            ));
+                            continue;
+                        }
+                        self.by_vip.insert(vip, entry);
+                        self.vips.insert(vip.ip());
+                    } else {
+                        self.by_cidr.push((net.trunc(), entry));
+                    }
+                    if !counted {
+                        counted = true;
+                        self.services += 1;
+                    }
+                }
+            }
+        }
+        self.by_cidr
+            .sort_by_key(|(net, _)| std::cmp::Reverse(net.prefix_len()));
+        warnings
     }
 
     /// Whether `ip` is some Service's virtual address.

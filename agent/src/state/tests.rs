@@ -269,7 +269,7 @@ fn peer_authentications_reach_the_policy_set() {
     let labels = BTreeMap::new();
     assert_eq!(
         s.policies()
-            .evaluate("a", &labels, &req)
+            .evaluate("a", &labels, &[], &req)
             .denied_by()
             .map(|d| d.policy().to_string()),
         Some("a/default".to_string())
@@ -279,7 +279,7 @@ fn peer_authentications_reach_the_policy_set() {
         ..Delta::default()
     }));
     assert!(s.refresh(&NoLayer, BTreeSet::new()).changed);
-    assert!(s.policies().evaluate("a", &labels, &req).allowed());
+    assert!(s.policies().evaluate("a", &labels, &[], &req).allowed());
 }
 
 /// The Services are chosen for this node's zone, from its Node object: made
@@ -445,4 +445,154 @@ endpoints:
     }));
     assert!(one_by_one.refresh(&NoLayer, BTreeSet::new()).changed);
     assert_eq!(ports(&one_by_one), ports(&whole)[..1].to_vec());
+}
+
+/// istiod's workloads, services and policies laid over the pods: a pod of this
+/// node keeps its enrollment and gets istiod's facts; a remote workload is a
+/// destination; a service's endpoints are the workloads that name it; a policy
+/// istiod selected for the pod applies to it.
+#[test]
+fn istiods_view_is_laid_over_the_pods() {
+    use crate::{
+        authz::{IstiodScope, from_istiod},
+        source::xds::convert,
+        xds::proto::{security, workload as xds},
+    };
+    let mut s = state();
+    s.apply(complete(Delta {
+        all_pods: Some(vec![pod("a", "web", "10.0.1.5", None)]),
+        namespaces: Some(vec![namespace("a", true)]),
+        ..Delta::default()
+    }));
+    s.refresh(&NoLayer, BTreeSet::new());
+    let before = s.workloads().get("a/web").unwrap().clone();
+    assert!(before.mesh.is_none());
+
+    let port = |p: u32, t: u32| xds::Port {
+        service_port: p,
+        target_port: t,
+        app_protocol: 0,
+    };
+    let backs = |ports| {
+        [(
+            "a/api.a.svc.cluster.local".to_string(),
+            xds::PortList { ports },
+        )]
+        .into()
+    };
+    let local = xds::Workload {
+        name: "web".into(),
+        namespace: "a".into(),
+        addresses: vec![vec![10, 0, 1, 5]],
+        tunnel_protocol: xds::TunnelProtocol::Hbone as i32,
+        node: "n1".into(),
+        authorization_policies: vec!["a/only-b".into()],
+        ..Default::default()
+    };
+    let remote = xds::Workload {
+        name: "api-0".into(),
+        namespace: "a".into(),
+        addresses: vec![vec![10, 0, 2, 7]],
+        tunnel_protocol: xds::TunnelProtocol::Hbone as i32,
+        node: "n2".into(),
+        services: backs(vec![port(80, 9090)]),
+        ..Default::default()
+    };
+    let service = xds::Service {
+        name: "api".into(),
+        namespace: "a".into(),
+        hostname: "api.a.svc.cluster.local".into(),
+        addresses: vec![xds::NetworkAddress {
+            network: String::new(),
+            address: vec![10, 96, 0, 20],
+            length: None,
+        }],
+        ports: vec![port(80, 8080)],
+        ..Default::default()
+    };
+    let policy = security::Authorization {
+        name: "only-b".into(),
+        namespace: "a".into(),
+        scope: security::Scope::WorkloadSelector as i32,
+        action: security::Action::Allow as i32,
+        rules: vec![security::Rule {
+            clauses: vec![security::Clause {
+                matches: vec![security::Match {
+                    namespaces: vec![security::StringMatch {
+                        match_type: Some(security::string_match::MatchType::Exact("b".into())),
+                    }],
+                    ..Default::default()
+                }],
+            }],
+        }],
+        ..Default::default()
+    };
+    let mut mesh = Mesh::default();
+    for (name, w) in [("local", &local), ("remote", &remote)] {
+        mesh.workloads.insert(
+            name.to_string(),
+            convert::workload(w, "cluster.local").unwrap(),
+        );
+    }
+    mesh.services
+        .insert("svc".into(), convert::service(&service).unwrap());
+    let compiled = from_istiod(&policy).unwrap();
+    assert_eq!(compiled.istiod_scope, Some(IstiodScope::WorkloadSelector));
+    mesh.policies.insert("p".into(), Arc::new(compiled));
+    s.apply(complete(Delta {
+        mesh: Some(Arc::new(mesh)),
+        ..Delta::default()
+    }));
+    assert!(s.refresh(&NoLayer, BTreeSet::new()).changed);
+
+    let web = s.workloads().get("a/web").unwrap();
+    assert_eq!(web.enrollment, before.enrollment, "the pod decides");
+    assert_eq!(web.mesh.as_ref().unwrap().policies, ["a/only-b"]);
+    let api = s.workloads().by_ip("10.0.2.7".parse().unwrap()).unwrap();
+    assert_eq!(api.key(), "a/api-0");
+    assert!(api.enrollment.is_enrolled());
+    let vip = s
+        .services()
+        .lookup("10.96.0.20:80".parse().unwrap())
+        .unwrap();
+    assert_eq!(vip.usable(), ["10.0.2.7:9090".parse().unwrap()]);
+    // The selected ALLOW applies to the pod istiod named it for.
+    let b = crate::identity::SpiffeId::new("cluster.local", "b", "x");
+    let c = crate::identity::SpiffeId::new("cluster.local", "c", "x");
+    let req = |source| crate::authz::Request {
+        source_ip: "10.0.3.1".parse().unwrap(),
+        source: Some(source),
+        destination_ip: "10.0.1.5".parse().unwrap(),
+        destination_port: 80,
+    };
+    let named = &web.mesh.as_ref().unwrap().policies;
+    assert!(
+        s.policies()
+            .evaluate("a", &web.labels, named, &req(&b))
+            .allowed()
+    );
+    assert!(
+        !s.policies()
+            .evaluate("a", &web.labels, named, &req(&c))
+            .allowed()
+    );
+    assert!(
+        s.policies()
+            .evaluate("a", &web.labels, &[], &req(&c))
+            .allowed()
+    );
+
+    // istiod removes everything: the pod is as before.
+    s.apply(complete(Delta {
+        mesh: Some(Arc::new(Mesh::default())),
+        ..Delta::default()
+    }));
+    s.refresh(&NoLayer, BTreeSet::new());
+    assert_eq!(s.workloads().get("a/web").unwrap(), &before);
+    assert!(s.workloads().by_ip("10.0.2.7".parse().unwrap()).is_none());
+    assert!(
+        s.services()
+            .lookup("10.96.0.20:80".parse().unwrap())
+            .is_none()
+    );
 }

@@ -269,6 +269,44 @@ pub struct Workload {
     /// workload.
     #[serde(skip)]
     pub(crate) host_network: bool,
+    /// What Istio's control plane says of the workload beyond what a pod says
+    /// (workload xDS); `None` for a workload made from a pod alone.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub mesh: Option<Arc<MeshFacts>>,
+}
+
+/// What istiod says of a workload that a Pod object does not (workload xDS
+/// `istio.workload.Workload`, Istio's `pkg/workloadapi/workload.proto`).
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize)]
+pub struct MeshFacts {
+    /// The resource's name (`uid`: `<cluster>//Pod/<namespace>/<name>` for a pod).
+    pub uid: String,
+    /// The authorization policies istiod selected for it by their selectors
+    /// (`authorization_policies`, `namespace/name`); namespace and mesh-wide
+    /// ones are not listed (they apply by scope).
+    pub policies: Vec<String>,
+    /// The services it backs (`services`): `namespace/hostname` → its ports,
+    /// each (service port, target port); a target port 0 is the service's own.
+    pub services: BTreeMap<String, Vec<(u16, u16)>>,
+    /// `status` is `HEALTHY`: it gets new connections.
+    pub healthy: bool,
+    /// `network` (empty: the default network).
+    pub network: String,
+    /// `locality.zone`, if set.
+    pub zone: Option<String>,
+}
+
+impl MeshFacts {
+    /// The target port of this workload for port `service_port` of service
+    /// `service` (`namespace/hostname`): its own if it names one, else
+    /// `default` (the service's). `None` if it does not back that service.
+    pub fn target_port(&self, service: &str, service_port: u16, default: u16) -> Option<u16> {
+        let ports = self.services.get(service)?;
+        match ports.iter().find(|(p, _)| *p == service_port) {
+            Some((_, 0)) | None => Some(default),
+            Some((_, target)) => Some(*target),
+        }
+    }
 }
 
 fn serialize_display<S: serde::Serializer>(
@@ -300,6 +338,7 @@ impl Workload {
     ) -> bool {
         let spec = pod.spec.as_ref();
         self.enrollment == enrollment
+            && self.mesh.is_none()
             && self.host_network == spec.and_then(|s| s.host_network).unwrap_or(false)
             && self.service_account == service_account
             && self.identity.trust_domain() == trust_domain
@@ -449,6 +488,7 @@ fn workload_of(
                 namespace: pod_namespace.to_string(),
                 name: pod.metadata.name.clone().unwrap_or_default(),
                 service_account: service_account.to_string(),
+                mesh: None,
             })
         }
     }
@@ -556,6 +596,39 @@ impl WorkloadIndex {
             }
             _ => {
                 self.duplicated.remove(key);
+            }
+        }
+    }
+
+    /// Lays istiod's workloads (workload xDS, [`Workload::mesh`] set) over the
+    /// pods of this index: a workload whose `namespace/name` is a pod's keeps
+    /// the pod's fields (its enrollment decided from the Kubernetes API, as the
+    /// CNI path needs) and gets istiod's [`MeshFacts`]; any other is added as
+    /// istiod describes it, except that one on this node without a pod object
+    /// is not captured (capture waits for the pod from the Kubernetes API).
+    pub fn lay_mesh<'a>(&mut self, mesh: impl IntoIterator<Item = &'a Arc<Workload>>) {
+        for workload in mesh {
+            match self.workloads.get(&workload.key).cloned() {
+                Some(pod) => {
+                    if pod.mesh == workload.mesh {
+                        continue;
+                    }
+                    let merged = Arc::new(Workload {
+                        mesh: workload.mesh.clone(),
+                        ..Workload::clone(&pod)
+                    });
+                    self.remove(&pod);
+                    self.insert(merged);
+                }
+                None if self.is_local(workload) && workload.enrollment.is_enrolled() => {
+                    self.insert(Arc::new(Workload {
+                        enrollment: Enrollment::NotEnrolled(
+                            "istiod knows it, the Kubernetes API has no pod of that name on this node yet",
+                        ),
+                        ..Workload::clone(workload)
+                    }));
+                }
+                None => self.insert(workload.clone()),
             }
         }
     }
