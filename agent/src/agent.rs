@@ -279,7 +279,7 @@ pub async fn run(cfg: AgentConfig) -> Result<()> {
     // run loop rather than finding no agent.
     let (cni_socket, mut cni_requests) =
         cni::socket::listen(&cfg.cni.socket).context("serving the podlink-cni plugin's socket")?;
-    let mut source = source::open(&cfg.source, &cfg.node).await?;
+    let mut source = source::open(&cfg.source, &cfg.node, &state.metrics.xds).await?;
     let first = source
         .deltas
         .recv()

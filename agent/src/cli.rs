@@ -20,6 +20,7 @@ use crate::{
         server::DEFAULT_READINESS_ADDRESS,
     },
     uninstall::{self, UninstallConfig},
+    xds::{Backoff, NodeIdentity, XdsConfig},
 };
 use anyhow::Result;
 use clap::{Args, Parser, Subcommand};
@@ -411,23 +412,49 @@ pub fn main() -> Result<()> {
                 runtime.worker_threads(args.worker_threads);
             }
             let runtime = runtime.enable_all().build()?;
-            if args.xds_address.is_some() {
-                let _ = (
-                    &args.pod_name,
-                    &args.pod_namespace,
-                    &args.pod_ip,
-                    &args.network,
-                );
-                anyhow::bail!("--xds-address: the xDS source is not wired in yet");
-            }
+            let source = match (args.manifests, args.xds_address) {
+                (Some(dir), _) => WorkloadSourceConfig::Manifests(dir),
+                (None, None) => WorkloadSourceConfig::Kubernetes {
+                    kubeconfig: args.kubeconfig,
+                },
+                (None, Some(address)) => {
+                    let missing = |what: &str, env: &str| {
+                        anyhow::anyhow!(
+                            "--xds-address needs --{what} (or {env}): it names the agent to istiod"
+                        )
+                    };
+                    WorkloadSourceConfig::Istiod {
+                        kubeconfig: args.kubeconfig,
+                        xds: XdsConfig {
+                            address,
+                            root_cert: args
+                                .ca_root_cert
+                                .clone()
+                                .expect("clap requires --ca-root-cert with --ca-address"),
+                            token_file: args.ca_token_file.clone(),
+                            cluster_id: args.cluster_id.clone(),
+                            node: NodeIdentity {
+                                ip: args
+                                    .pod_ip
+                                    .ok_or_else(|| missing("pod-ip", "INSTANCE_IP"))?,
+                                pod_name: args
+                                    .pod_name
+                                    .ok_or_else(|| missing("pod-name", "POD_NAME"))?,
+                                namespace: args
+                                    .pod_namespace
+                                    .ok_or_else(|| missing("pod-namespace", "POD_NAMESPACE"))?,
+                                node_name: args.node.clone(),
+                                network: args.network,
+                            },
+                            backoff: Backoff::default(),
+                        },
+                        trust_domain: args.trust_domain.clone(),
+                    }
+                }
+            };
             runtime.block_on(agent::run(AgentConfig {
                 node: args.node,
-                source: match args.manifests {
-                    Some(dir) => WorkloadSourceConfig::Manifests(dir),
-                    None => WorkloadSourceConfig::Kubernetes {
-                        kubeconfig: args.kubeconfig,
-                    },
-                },
+                source,
                 cni: CniConfig {
                     socket: args.cni_socket,
                     install: args.install_cni.then_some(cni::Install {

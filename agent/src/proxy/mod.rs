@@ -31,6 +31,7 @@ mod outbound;
 pub mod pool;
 pub mod socket;
 mod telemetry;
+mod waypoint;
 
 use std::{
     io,

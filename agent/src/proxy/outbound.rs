@@ -10,6 +10,7 @@ use super::{
     pool::{HboneError, PoolKey},
     socket,
     telemetry::meta,
+    waypoint,
 };
 use crate::{
     authz::Request,
@@ -28,6 +29,9 @@ enum Route {
     Local,
     /// Outside the mesh: plain TCP.
     Passthrough,
+    /// Through the destination's waypoint: HBONE to it, the original
+    /// destination in the CONNECT.
+    Waypoint(waypoint::Via),
 }
 
 impl Route {
@@ -36,6 +40,7 @@ impl Route {
             Route::Hbone(_) => "hbone",
             Route::Local => "local",
             Route::Passthrough => "passthrough",
+            Route::Waypoint(_) => "waypoint",
         }
     }
 }
@@ -74,7 +79,33 @@ pub async fn handle(
     // connects to it (HBONE when it is an enrolled pod elsewhere), as ztunnel does;
     // the original destination stays the one logged.
     let service = view.services.lookup(dst).cloned();
+    // A waypoint the destination names gets the connection (it chooses the
+    // endpoint), unless this is the waypoint's own connection.
+    let via = match waypoint::choose(
+        &view,
+        &state.endpoints,
+        service.as_deref(),
+        dst,
+        src.ip(),
+        fastrand::f64(),
+    ) {
+        Ok(via) => via.filter(|v| v.workload.key() != source.key()),
+        Err(why) => {
+            state.service_log.warn(|n| {
+                format!(
+                    "outbound connection from {src} ({}) to {dst}: {why}; reset ({n} such)",
+                    source.key()
+                )
+            });
+            state
+                .metrics
+                .failed(Direction::Outbound, FailureKind::NoWaypoint);
+            socket::reset_on_close(&tcp);
+            return;
+        }
+    };
     let endpoint = match &service {
+        _ if via.is_some() => None,
         None => None,
         Some(svc) => match state.endpoints.pick(svc, src.ip()) {
             Some(endpoint) => Some(endpoint),
@@ -96,6 +127,7 @@ pub async fn handle(
         .by_ip(upstream.ip())
         .filter(|w| w.enrollment.is_enrolled())
     {
+        _ if via.is_some() => Route::Waypoint(via.expect("checked")),
         Some(_) if view.local_pod(upstream.ip()).is_some() => Route::Local,
         Some(w) if index.is_local(w) => {
             // A workload that says it is here but has no host veth here: not
@@ -116,12 +148,13 @@ pub async fn handle(
     // A destination outside the mesh may still be a known pod (its labels name
     // it), but has no identity here.
     let dst_workload = index.by_ip(upstream.ip()).cloned();
-    let dst_identity = match route {
+    let dst_identity = match &route {
         Route::Passthrough => None,
         Route::Hbone(_) | Route::Local => dst_workload.as_ref().map(|w| w.identity.clone()),
+        Route::Waypoint(via) => Some(via.workload.identity.clone()),
     };
     let (reporters, security): (&[Reporter], _) = match route {
-        Route::Hbone(_) => (&[Reporter::Source], SecurityPolicy::MutualTls),
+        Route::Hbone(_) | Route::Waypoint(_) => (&[Reporter::Source], SecurityPolicy::MutualTls),
         // No inbound hop reports it: this proxy is both sides.
         Route::Local => (
             &[Reporter::Source, Reporter::Destination],
@@ -231,13 +264,21 @@ async fn proxy(
 ) -> Result<(), Failure> {
     let mark = state.config.proxy_mark;
     let copy_failed = |e: std::io::Error| Failure::new(FailureKind::Io, e);
-    match route {
-        Route::Hbone(dst_workload) => {
+    let hbone = match &route {
+        Route::Hbone(dst_workload) => Some((
+            dst_workload.identity.clone(),
+            SocketAddr::new(dst.ip(), state.config.hbone_port),
+        )),
+        Route::Waypoint(via) => Some((via.workload.identity.clone(), via.addr)),
+        Route::Local | Route::Passthrough => None,
+    };
+    match hbone {
+        Some((dst_id, peer)) => {
             let key = PoolKey {
                 src_id: source.identity.clone(),
                 src_ip: src.ip(),
-                dst_id: dst_workload.identity.clone(),
-                dst: SocketAddr::new(dst.ip(), state.config.hbone_port),
+                dst_id,
+                dst: peer,
             };
             let stream = tokio::time::timeout(
                 state.config.connect_timeout,
@@ -263,7 +304,7 @@ async fn proxy(
                 )),
             }
         }
-        Route::Local | Route::Passthrough => {
+        None => {
             let connect = tokio::time::timeout(
                 state.config.connect_timeout,
                 socket::connect(Some(src.ip()), dst, mark),

@@ -69,6 +69,12 @@ pub enum Error {
         /// kube-rs's error.
         error: InClusterError,
     },
+    /// The xDS client cannot be made (its address is not `https://host:port`).
+    #[error("{}", Chain(error))]
+    Xds {
+        /// The client's error.
+        error: crate::xds::XdsError,
+    },
     /// The Kubernetes client cannot be made from the configuration (its TLS
     /// settings, its authentication).
     #[error("making the Kubernetes client: {}", Chain(error))]
@@ -90,6 +96,16 @@ pub enum WorkloadSourceConfig {
     Kubernetes {
         /// The kubeconfig to use; `None`: the in-cluster configuration.
         kubeconfig: Option<PathBuf>,
+    },
+    /// Istiod's workload xDS for workloads, services and policies, beside the
+    /// Kubernetes API for the pods ([`xds::IstiodSource`]).
+    Istiod {
+        /// The kubeconfig to use; `None`: the in-cluster configuration.
+        kubeconfig: Option<PathBuf>,
+        /// How to reach istiod.
+        xds: crate::xds::XdsConfig,
+        /// The trust domain of workloads that name none.
+        trust_domain: String,
     },
 }
 
@@ -175,12 +191,18 @@ pub fn spawn(mut source: impl Source) -> Opened {
     }
 }
 
-/// Opens the source `config` names, for node `node`, and starts it.
+/// Opens the source `config` names, for node `node`, and starts it; an
+/// istiod source counts in `xds_metrics`.
 ///
 /// # Errors
 /// A manifests directory that cannot be read or watched; a Kubernetes
-/// configuration that cannot be loaded ([`Error`]).
-pub async fn open(config: &WorkloadSourceConfig, node: &str) -> Result<Opened, Error> {
+/// configuration that cannot be loaded; an istiod address that is not
+/// `https://host:port` ([`Error`]).
+pub async fn open(
+    config: &WorkloadSourceConfig,
+    node: &str,
+    xds_metrics: &crate::xds::XdsMetrics,
+) -> Result<Opened, Error> {
     match config {
         WorkloadSourceConfig::Manifests(path) => {
             let source = manifests::ManifestSource::open(path)?;
@@ -189,6 +211,16 @@ pub async fn open(config: &WorkloadSourceConfig, node: &str) -> Result<Opened, E
         WorkloadSourceConfig::Kubernetes { kubeconfig } => {
             let source = kube::KubeSource::start(kubeconfig.as_deref(), node).await?;
             Ok(spawn(source))
+        }
+        WorkloadSourceConfig::Istiod {
+            kubeconfig,
+            xds,
+            trust_domain,
+        } => {
+            let client = crate::xds::XdsClient::new(xds.clone(), xds_metrics.clone())
+                .map_err(|error| Error::Xds { error })?;
+            let kube = spawn(kube::KubeSource::start(kubeconfig.as_deref(), node).await?);
+            Ok(spawn(xds::IstiodSource::start(kube, client, trust_domain)))
         }
     }
 }
@@ -207,7 +239,7 @@ mod tests {
         )
         .unwrap();
         let config = WorkloadSourceConfig::Manifests(dir.path().to_path_buf());
-        let mut opened = open(&config, "node-1").await.unwrap();
+        let mut opened = open(&config, "node-1", &Default::default()).await.unwrap();
         assert!(!opened.lists_every_namespace);
         let first = opened.deltas.recv().await.unwrap();
         let names: Vec<_> = first
@@ -226,7 +258,7 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("missing");
         let config = WorkloadSourceConfig::Manifests(path.clone());
-        let Err(error) = open(&config, "node-1").await else {
+        let Err(error) = open(&config, "node-1", &Default::default()).await else {
             panic!("a missing directory was opened");
         };
         assert!(
@@ -255,7 +287,7 @@ mod tests {
         let config = WorkloadSourceConfig::Kubernetes {
             kubeconfig: Some(path.clone()),
         };
-        let Err(error) = open(&config, "node-1").await else {
+        let Err(error) = open(&config, "node-1", &Default::default()).await else {
             panic!("a missing kubeconfig was used");
         };
         assert!(matches!(error, Error::ReadKubeconfig { .. }), "{error:?}");
@@ -278,7 +310,7 @@ mod tests {
         let config = WorkloadSourceConfig::Kubernetes {
             kubeconfig: Some(path.clone()),
         };
-        let Err(error) = open(&config, "node-1").await else {
+        let Err(error) = open(&config, "node-1", &Default::default()).await else {
             panic!("a kubeconfig without a context was used");
         };
         assert!(matches!(error, Error::UseKubeconfig { .. }), "{error:?}");

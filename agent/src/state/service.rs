@@ -166,6 +166,9 @@ pub struct ServicePort {
     pub choice: Choice,
     /// Those endpoints, sorted, each once (empty for [`Choice::None`]).
     pub usable: Vec<SocketAddr>,
+    /// The waypoints its connections go through, with their weights (a
+    /// service from istiod, [`MeshService::waypoints`]); empty: none.
+    pub waypoints: Vec<(super::workload::Waypoint, u32)>,
 }
 
 impl ServicePort {
@@ -222,6 +225,10 @@ pub struct MeshService {
     pub ports: Vec<(u16, u16)>,
     /// `load_balancing`.
     pub balancing: MeshBalancing,
+    /// `waypoint`, or `weighted_waypoints` with their weights (a single
+    /// waypoint has weight 1): connections to the service go through one,
+    /// picked by weight per connection.
+    pub waypoints: Vec<(super::workload::Waypoint, u32)>,
 }
 
 impl MeshService {
@@ -273,6 +280,9 @@ pub struct ServiceIndex {
     /// Service ports on CIDR addresses (ServiceEntries from istiod), longest
     /// prefix first.
     by_cidr: Vec<(ipnet::IpNet, Arc<ServicePort>)>,
+    /// Services from istiod by `namespace/hostname`: their single virtual
+    /// addresses (how a waypoint named by hostname is found).
+    by_host: HashMap<String, Vec<IpAddr>>,
     /// The virtual addresses, whatever the port.
     vips: HashSet<IpAddr>,
     /// How many Services (`namespace/name`) have a port in the index.
@@ -424,6 +434,7 @@ impl ServiceIndex {
                         affinity_seconds: policy.affinity_seconds,
                         choice,
                         usable,
+                        waypoints: Vec::new(),
                     };
                     if let Some(other) = index.by_vip.get(&vip) {
                         warnings.push(format!(
@@ -454,6 +465,11 @@ impl ServiceIndex {
                 .find(|(net, port)| port.vip.port() == vip.port() && net.contains(&vip.ip()))
                 .map(|(_, port)| port)
         })
+    }
+
+    /// The virtual addresses of istiod's service `namespace/hostname`.
+    pub fn host(&self, key: &str) -> &[IpAddr] {
+        self.by_host.get(key).map_or(&[], Vec::as_slice)
     }
 
     /// Lays istiod's services over the Kubernetes ones: each port of each
@@ -540,6 +556,7 @@ impl ServiceIndex {
                         affinity_seconds: None,
                         choice,
                         usable,
+                        waypoints: service.waypoints.clone(),
                     });
                     let single = net.prefix_len() == net.max_prefix_len();
                     if single {
@@ -555,6 +572,10 @@ impl ServiceIndex {
                         }
                         self.by_vip.insert(vip, entry);
                         self.vips.insert(vip.ip());
+                        let addrs = self.by_host.entry(key.clone()).or_default();
+                        if !addrs.contains(&vip.ip()) {
+                            addrs.push(vip.ip());
+                        }
                     } else {
                         self.by_cidr.push((net.trunc(), entry));
                     }

@@ -294,6 +294,28 @@ pub struct MeshFacts {
     pub network: String,
     /// `locality.zone`, if set.
     pub zone: Option<String>,
+    /// `waypoint`: connections to it go through this waypoint.
+    pub waypoint: Option<Waypoint>,
+}
+
+/// A waypoint (an L7 proxy reached over HBONE) that connections to a workload
+/// or service go through (workload xDS `GatewayAddress`).
+#[derive(Clone, Debug, PartialEq, Eq, Hash, Serialize)]
+pub struct Waypoint {
+    /// Where it is.
+    pub target: WaypointTarget,
+    /// Its HBONE port (`hbone_mtls_port`; 15008 when 0).
+    pub port: u16,
+}
+
+/// Where a waypoint is.
+#[derive(Clone, Debug, PartialEq, Eq, Hash, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum WaypointTarget {
+    /// An address: a waypoint workload's, or its service's virtual address.
+    Address(std::net::IpAddr),
+    /// A service, by `namespace/hostname`.
+    Service(String),
 }
 
 impl MeshFacts {

@@ -178,11 +178,14 @@ pub enum FailureKind {
     Revoked,
     /// A connection to a Service with no ready endpoint (or no EndpointSlice).
     NoEndpoint,
+    /// The destination names a waypoint the agent does not know, or one with
+    /// no ready endpoint: refused rather than sent around it.
+    NoWaypoint,
 }
 
 impl FailureKind {
     /// Every kind, in a fixed order.
-    pub const ALL: [FailureKind; 13] = [
+    pub const ALL: [FailureKind; 14] = [
         FailureKind::NotEnrolled,
         FailureKind::ConnectTimeout,
         FailureKind::ConnectFailed,
@@ -196,11 +199,13 @@ impl FailureKind {
         FailureKind::Io,
         FailureKind::Revoked,
         FailureKind::NoEndpoint,
+        FailureKind::NoWaypoint,
     ];
 
     /// The label value: `not_enrolled`, `connect_timeout`, `connect_failed`,
     /// `hbone`, `identity`, `handshake`, `bad_request`, `connection_limit`,
-    /// `handshake_limit`, `share_limit`, `io`, `revoked`, `no_endpoint`.
+    /// `handshake_limit`, `share_limit`, `io`, `revoked`, `no_endpoint`,
+    /// `no_waypoint`.
     pub fn as_str(self) -> &'static str {
         match self {
             FailureKind::NotEnrolled => "not_enrolled",
@@ -216,6 +221,7 @@ impl FailureKind {
             FailureKind::Io => "io",
             FailureKind::Revoked => "revoked",
             FailureKind::NoEndpoint => "no_endpoint",
+            FailureKind::NoWaypoint => "no_waypoint",
         }
     }
 

@@ -13,7 +13,7 @@ use crate::{
     state::{
         Enrollment, Workload,
         service::{BalancingMode, MeshBalancing, MeshService},
-        workload::MeshFacts,
+        workload::{MeshFacts, Waypoint, WaypointTarget},
     },
     xds::proto::workload::{self as xds, load_balancing},
 };
@@ -90,6 +90,11 @@ pub fn workload(w: &xds::Workload, default_trust_domain: &str) -> Result<Arc<Wor
     } else {
         w.workload_name.clone()
     };
+    let waypoint = w
+        .waypoint
+        .as_ref()
+        .map(|g| waypoint(g).map_err(|e| format!("waypoint: {e}")))
+        .transpose()?;
     let zone = w
         .locality
         .as_ref()
@@ -126,6 +131,7 @@ pub fn workload(w: &xds::Workload, default_trust_domain: &str) -> Result<Arc<Wor
             healthy: w.status == xds::WorkloadStatus::Healthy as i32,
             network: w.network.clone(),
             zone,
+            waypoint,
         })),
     }))
 }
@@ -172,6 +178,23 @@ pub fn service(s: &xds::Service) -> Result<Arc<MeshService>, String> {
         None => MeshBalancing::default(),
         Some(lb) => balancing(lb).map_err(|e| format!("load_balancing: {e}"))?,
     };
+    let mut waypoints = Vec::new();
+    if let Some(g) = &s.waypoint {
+        waypoints.push((waypoint(g).map_err(|e| format!("waypoint: {e}"))?, 1));
+    }
+    for (i, weighted) in s.weighted_waypoints.iter().enumerate() {
+        let g = weighted
+            .destination
+            .as_ref()
+            .ok_or_else(|| format!("weighted_waypoints[{i}]: no destination"))?;
+        let w = waypoint(g).map_err(|e| format!("weighted_waypoints[{i}]: {e}"))?;
+        if weighted.weight > 0 {
+            waypoints.push((w, weighted.weight));
+        }
+    }
+    if !s.weighted_waypoints.is_empty() && waypoints.is_empty() {
+        return Err("weighted_waypoints: every weight is 0".to_string());
+    }
     Ok(Arc::new(MeshService {
         namespace: s.namespace.clone(),
         name: s.name.clone(),
@@ -179,6 +202,7 @@ pub fn service(s: &xds::Service) -> Result<Arc<MeshService>, String> {
         vips,
         ports,
         balancing,
+        waypoints,
     }))
 }
 
@@ -223,6 +247,24 @@ fn balancing(lb: &xds::LoadBalancing) -> Result<MeshBalancing, String> {
         }
     }
     Ok(b)
+}
+
+/// The waypoint a `GatewayAddress` names.
+fn waypoint(g: &xds::GatewayAddress) -> Result<Waypoint, String> {
+    use xds::gateway_address::Destination;
+    let target = match &g.destination {
+        Some(Destination::Address(a)) => WaypointTarget::Address(ip(&a.address)?),
+        Some(Destination::Hostname(h)) if !h.hostname.is_empty() => {
+            WaypointTarget::Service(format!("{}/{}", h.namespace, h.hostname))
+        }
+        Some(Destination::Hostname(_)) => return Err("an empty hostname".to_string()),
+        None => return Err("neither an address nor a hostname".to_string()),
+    };
+    let port = match port(g.hbone_mtls_port)? {
+        0 => 15008,
+        p => p,
+    };
+    Ok(Waypoint { target, port })
 }
 
 /// An address of 4 or 16 bytes.
@@ -376,6 +418,68 @@ mod tests {
         assert_eq!(s.ports, [(80, 8080)]);
         assert_eq!(s.balancing.mode, BalancingMode::Failover);
         assert!(s.balancing.node_first && s.balancing.zone);
+    }
+
+    #[test]
+    fn waypoints_are_read_from_workloads_and_services() {
+        use xds::{
+            GatewayAddress, NamespacedHostname, WeightedWaypoint, gateway_address::Destination,
+        };
+        let by_name = |hostname: &str| GatewayAddress {
+            destination: Some(Destination::Hostname(NamespacedHostname {
+                namespace: "shop".to_string(),
+                hostname: hostname.to_string(),
+            })),
+            hbone_mtls_port: 0,
+        };
+        let mut w = pod("web-0", [10, 0, 0, 1], "n");
+        w.waypoint = Some(GatewayAddress {
+            destination: Some(Destination::Address(NetworkAddress {
+                network: String::new(),
+                address: vec![10, 0, 0, 50],
+                length: None,
+            })),
+            hbone_mtls_port: 15009,
+        });
+        let w = workload(&w, "cluster.local").unwrap();
+        assert_eq!(
+            w.mesh.as_ref().unwrap().waypoint,
+            Some(Waypoint {
+                target: WaypointTarget::Address("10.0.0.50".parse().unwrap()),
+                port: 15009
+            })
+        );
+        let mut s = svc();
+        s.weighted_waypoints = vec![
+            WeightedWaypoint {
+                destination: Some(by_name("wp-a.shop.svc.cluster.local")),
+                weight: 3,
+            },
+            WeightedWaypoint {
+                destination: Some(by_name("wp-b.shop.svc.cluster.local")),
+                weight: 0,
+            },
+        ];
+        let s = service(&s).unwrap();
+        assert_eq!(
+            s.waypoints,
+            [(
+                Waypoint {
+                    target: WaypointTarget::Service("shop/wp-a.shop.svc.cluster.local".to_string()),
+                    port: 15008
+                },
+                3
+            )]
+        );
+        let mut bad = svc();
+        bad.waypoint = Some(GatewayAddress {
+            destination: None,
+            hbone_mtls_port: 0,
+        });
+        assert_eq!(
+            service(&bad).unwrap_err(),
+            "waypoint: neither an address nor a hostname"
+        );
     }
 
     #[test]
