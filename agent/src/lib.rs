@@ -12,6 +12,7 @@ pub mod cni;
 pub mod dataplane;
 pub mod error;
 pub mod identity;
+pub mod istiod;
 pub mod k8s;
 pub mod proxy;
 pub mod reconcile;

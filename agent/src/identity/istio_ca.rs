@@ -27,10 +27,11 @@ use rustls_pki_types::{
     CertificateDer, PrivateKeyDer, PrivatePkcs8KeyDer, UnixTime, pem::PemObject,
 };
 use thiserror::Error;
-use tonic::transport::{Certificate, Channel, ClientTlsConfig, Endpoint};
+use tonic::transport::Channel;
 use x509_parser::prelude::{FromDer, X509Certificate};
 
 use super::{SpiffeId, ca::WorkloadCertificate, ca::spiffe_id_of, tls};
+use crate::istiod;
 
 /// The messages of `istio.v1.auth` (istio/api `security/v1alpha1/ca.proto`), with
 /// the proto's field numbers.
@@ -68,8 +69,6 @@ pub mod proto {
 pub const DEFAULT_TOKEN_FILE: &str = "/var/run/secrets/tokens/istio-token";
 /// Default cluster ID (Istio's default).
 pub const DEFAULT_CLUSTER_ID: &str = "Kubernetes";
-/// Time allowed to connect to the CA.
-const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
 /// Time allowed for one `CreateCertificate` call.
 const REQUEST_TIMEOUT: Duration = Duration::from_secs(10);
 
@@ -169,26 +168,10 @@ impl IstioCaClient {
     /// # Errors
     /// [`IstioCaError::Address`] unless the address is `https://host:port`.
     pub fn new(config: IstioCaConfig) -> Result<Self, IstioCaError> {
-        let bad = |what: &str| IstioCaError::Address {
+        let host = istiod::host_of(&config.address).map_err(|what| IstioCaError::Address {
             address: config.address.clone(),
-            what: what.into(),
-        };
-        let uri: http::Uri = config
-            .address
-            .parse()
-            .map_err(|e| bad(&format!("not a URL: {e}")))?;
-        if uri.scheme_str() != Some("https") {
-            return Err(bad("the scheme must be https"));
-        }
-        if uri.port_u16().is_none() {
-            return Err(bad("a port is required (istiod serves the CA on 15012)"));
-        }
-        let host = uri
-            .host()
-            .ok_or_else(|| bad("no host"))?
-            .trim_start_matches('[')
-            .trim_end_matches(']')
-            .to_string();
+            what,
+        })?;
         Ok(Self {
             config,
             host,
@@ -212,14 +195,8 @@ impl IstioCaClient {
             address: self.config.address.clone(),
             what,
         };
-        let tls = ClientTlsConfig::new()
-            .ca_certificate(Certificate::from_pem(roots_pem))
-            .domain_name(self.host.clone());
-        let channel = Endpoint::from_shared(self.config.address.clone())
-            .map_err(|e| bad(e.to_string()))?
-            .tls_config(tls)
-            .map_err(|e| bad(format!("TLS settings: {e}")))?
-            .connect_timeout(CONNECT_TIMEOUT)
+        let channel = istiod::endpoint(&self.config.address, &self.host, roots_pem)
+            .map_err(bad)?
             .timeout(REQUEST_TIMEOUT)
             .connect_lazy();
         *cached = Some((roots_pem.to_vec(), channel.clone()));
@@ -249,12 +226,7 @@ impl IstioCaClient {
             path: self.config.token_file.clone(),
             what,
         };
-        let token = std::fs::read_to_string(&self.config.token_file)
-            .map_err(|e| token_err(e.to_string()))?;
-        let token = token.trim();
-        if token.is_empty() {
-            return Err(token_err("the file is empty".into()));
-        }
+        let token = istiod::read_token(&self.config.token_file).map_err(token_err)?;
         let rpc_err = |status: tonic::Status| IstioCaError::Rpc {
             address: address.clone(),
             id: id.to_string(),
@@ -266,26 +238,20 @@ impl IstioCaClient {
             validity_duration: lifetime.as_secs().try_into().unwrap_or(i64::MAX),
             metadata: Some(impersonation(id)),
         });
-        let headers = request.metadata_mut();
-        headers.insert(
-            "authorization",
-            format!("Bearer {token}")
-                .parse()
-                .map_err(|_| token_err("the token is not a valid header value".into()))?,
-        );
-        headers.insert(
-            "clusterid",
-            self.config.cluster_id.parse().map_err(|_| {
-                rpc_err(tonic::Status::invalid_argument(
+        istiod::insert_credentials(request.metadata_mut(), &token, &self.config.cluster_id)
+            .map_err(|e| match e {
+                istiod::MetadataError::Token => {
+                    token_err("the token is not a valid header value".into())
+                }
+                istiod::MetadataError::ClusterId => rpc_err(tonic::Status::invalid_argument(
                     "the cluster ID is not a valid header value",
-                ))
-            })?,
-        );
+                )),
+            })?;
         let mut grpc = tonic::client::Grpc::new(self.channel(roots_pem)?);
         grpc.ready().await.map_err(|e| {
             rpc_err(tonic::Status::unavailable(format!(
                 "connecting: {}",
-                error_chain(&e)
+                istiod::error_chain(&e)
             )))
         })?;
         let path = http::uri::PathAndQuery::from_static(proto::CREATE_CERTIFICATE);
@@ -297,11 +263,10 @@ impl IstioCaClient {
             .unary(request, path, codec)
             .await
             .map_err(|status| {
-                let mut status_text = status.message().to_string();
-                if let Some(source) = std::error::Error::source(&status) {
-                    status_text = format!("{status_text}: {}", error_chain(source));
-                }
-                rpc_err(tonic::Status::new(status.code(), status_text))
+                rpc_err(tonic::Status::new(
+                    status.code(),
+                    istiod::status_text(&status),
+                ))
             })?
             .into_inner();
         let (chain, not_after) =
@@ -319,17 +284,6 @@ impl IstioCaClient {
             not_after,
         })
     }
-}
-
-/// An error with its sources, `a: b: c`.
-fn error_chain(e: &(dyn std::error::Error + 'static)) -> String {
-    let mut text = e.to_string();
-    let mut source = e.source();
-    while let Some(s) = source {
-        text = format!("{text}: {s}");
-        source = s.source();
-    }
-    text
 }
 
 /// `metadata` with `ImpersonatedIdentity` = `id` (a string value).

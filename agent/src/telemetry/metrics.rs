@@ -45,6 +45,7 @@
 //! | `podlink_authorization_denials_total` | counter | `policy` (`namespace/name` of an AuthorizationPolicy, or of a PeerAuthentication refusing plaintext; `allow-policies`, `unknown-policies`) | connections denied, by the policy that denied them |
 //! | `podlink_connection_failures_total` | counter | `direction` (`outbound`, `inbound`), `kind` ([`FailureKind`]) | connections that failed, by kind |
 //! | `podlink_repairs_total` | counter | `reason` ([`Reason`]) | discrepancies between the kernel and the agent's attachments that the self-audit found and repaired |
+//! | `podlink_xds_*` | | | istiod's workload xDS stream: see [`crate::xds::XdsMetrics`] |
 //!
 //! The `podlink_*` metrics but the failures and repairs are read at scrape time
 //! ([`super::scrape`]); the map-based ones from the dataplane's maps (a scrape
@@ -60,7 +61,7 @@ use prometheus_client::{
     registry::Registry,
 };
 
-use crate::{dataplane::audit::Reason, identity::SpiffeId};
+use crate::{dataplane::audit::Reason, identity::SpiffeId, xds::XdsMetrics};
 
 /// The default address of the metrics endpoint (all addresses of the node's
 /// network namespace, port 15020 as ztunnel).
@@ -409,6 +410,8 @@ pub struct Metrics {
     pub received_bytes: Family<TcpLabels, Counter>,
     failures: Family<FailureLabels, Counter>,
     repairs: Family<RepairLabels, Counter>,
+    /// The workload xDS client's (`podlink_xds_*`).
+    pub xds: XdsMetrics,
     cluster_id: String,
 }
 
@@ -452,6 +455,8 @@ impl Metrics {
             "Discrepancies between the kernel and the agent's attachments found by the self-audit and repaired, by reason",
             repairs.clone(),
         );
+        let xds = XdsMetrics::default();
+        xds.register(&mut registry);
         // Every kind and reason is present from the start, so that rates need no
         // absent series.
         for reason in Reason::ALL {
@@ -470,6 +475,7 @@ impl Metrics {
             received_bytes,
             failures,
             repairs,
+            xds,
             cluster_id: cluster_id.to_string(),
         }
     }
