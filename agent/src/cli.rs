@@ -1,6 +1,6 @@
 //! The command line of `podlink`: the node agent and its operator commands
 //! (clap). It lives in the library so that tests can parse argument lists the
-//! deployment manifests give (`deploy/daemonset.yaml`).
+//! deployment manifests give (`deploy/base/daemonset.yaml`).
 
 use std::{path::PathBuf, time::Duration};
 
@@ -461,7 +461,7 @@ pub fn main() -> Result<()> {
 
 #[cfg(test)]
 mod tests {
-    //! The deployment's arguments (`deploy/daemonset.yaml`, and the uninstall pod)
+    //! The deployment's arguments (`deploy/base/daemonset.yaml`, and the uninstall pod)
     //! parsed by the agent's own command line, as the kubelet would pass them.
 
     use std::{collections::HashMap, path::Path};
@@ -497,9 +497,9 @@ mod tests {
 
     /// The container's environment as the kubelet would set it: literal values,
     /// the downward API's fields as placeholders, ConfigMap keys from
-    /// deploy/configmap.yaml.
+    /// deploy/base/configmap.yaml.
     fn container_env(container: &Value) -> HashMap<String, String> {
-        let configmap = deploy_file("configmap.yaml");
+        let configmap = deploy_file("base/configmap.yaml");
         let configmap_name = str_of(&configmap["metadata"]["name"], "ConfigMap name");
         let mut env = HashMap::new();
         for var in container["env"].as_sequence().into_iter().flatten() {
@@ -590,7 +590,7 @@ mod tests {
 
     #[test]
     fn daemonset_arguments_parse_as_the_agent_on_kubernetes() {
-        let daemonset = deploy_file("daemonset.yaml");
+        let daemonset = deploy_file("base/daemonset.yaml");
         let pod_spec = &daemonset["spec"]["template"]["spec"];
         let container = container(pod_spec, "podlink");
         let argv = argv(container);
@@ -691,7 +691,7 @@ mod tests {
             );
         }
 
-        let daemonset = deploy_file("daemonset.yaml");
+        let daemonset = deploy_file("base/daemonset.yaml");
         let agent_argv = argv(container(&daemonset["spec"]["template"]["spec"], "podlink"));
         let Command::Agent(agent) = Cli::try_parse_from(&agent_argv).expect("parses").command
         else {
