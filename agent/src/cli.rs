@@ -1,6 +1,7 @@
 //! The command line of `podlink`: the node agent and its operator commands
 //! (clap). It lives in the library so that tests can parse argument lists the
-//! deployment manifests give (`deploy/daemonset.yaml`).
+//! deployment manifests give (`deploy/base/daemonset.yaml`, and as
+//! `deploy/istio` patches it).
 
 use std::{path::PathBuf, time::Duration};
 
@@ -498,8 +499,9 @@ pub fn main() -> Result<()> {
 
 #[cfg(test)]
 mod tests {
-    //! The deployment's arguments (`deploy/daemonset.yaml`, and the uninstall pod)
-    //! parsed by the agent's own command line, as the kubelet would pass them.
+    //! The deployment's arguments (`deploy/base/daemonset.yaml`, as is and as
+    //! `deploy/istio` patches it, and the uninstall pod) parsed by the agent's
+    //! own command line, as the kubelet would pass them.
 
     use std::{collections::HashMap, path::Path};
 
@@ -515,6 +517,36 @@ mod tests {
         let text = std::fs::read_to_string(&path)
             .unwrap_or_else(|e| panic!("reading {}: {e}", path.display()));
         serde_yaml_ng::from_str(&text).unwrap_or_else(|e| panic!("parsing {}: {e}", path.display()))
+    }
+
+    /// The object `kind`/`name` of `deploy/base` (file `file`) with the JSON
+    /// patches of `deploy/<variant>/kustomization.yaml` that target it applied,
+    /// as kustomize does (`cargo xtask validate-deploy` checks that every patch
+    /// there is a JSON patch matching one object).
+    fn patched(variant: &str, file: &str, kind: &str, name: &str) -> Value {
+        let mut object: serde_json::Value =
+            serde_yaml_ng::from_value(deploy_file(&format!("base/{file}"))).unwrap();
+        assert_eq!(
+            (object["kind"].as_str(), object["metadata"]["name"].as_str()),
+            (Some(kind), Some(name))
+        );
+        let kustomization = deploy_file(&format!("{variant}/kustomization.yaml"));
+        let mut applied = 0;
+        for entry in kustomization["patches"].as_sequence().into_iter().flatten() {
+            let target = &entry["target"];
+            if target["kind"].as_str() != Some(kind) || target["name"].as_str() != Some(name) {
+                continue;
+            }
+            let text = str_of(&entry["patch"], "an inline patch");
+            let operations: json_patch::Patch = serde_yaml_ng::from_str(text).unwrap_or_else(|e| {
+                panic!("{variant}: a patch of {kind} {name} is no JSON patch: {e}")
+            });
+            json_patch::patch(&mut object, &operations)
+                .unwrap_or_else(|e| panic!("{variant}: patching {kind} {name}: {e}"));
+            applied += 1;
+        }
+        assert!(applied > 0, "{variant} does not patch {kind} {name}");
+        serde_yaml_ng::to_value(object).unwrap()
     }
 
     fn str_of<'a>(v: &'a Value, what: &str) -> &'a str {
@@ -533,10 +565,8 @@ mod tests {
     }
 
     /// The container's environment as the kubelet would set it: literal values,
-    /// the downward API's fields as placeholders, ConfigMap keys from
-    /// deploy/configmap.yaml.
-    fn container_env(container: &Value) -> HashMap<String, String> {
-        let configmap = deploy_file("configmap.yaml");
+    /// the downward API's fields as placeholders, keys of `configmap`.
+    fn container_env(container: &Value, configmap: &Value) -> HashMap<String, String> {
         let configmap_name = str_of(&configmap["metadata"]["name"], "ConfigMap name");
         let mut env = HashMap::new();
         for var in container["env"].as_sequence().into_iter().flatten() {
@@ -604,9 +634,9 @@ mod tests {
         out
     }
 
-    /// The container's command and args, expanded.
-    fn argv(container: &Value) -> Vec<String> {
-        let env = container_env(container);
+    /// The container's command and args, expanded with `configmap`'s keys.
+    fn argv(container: &Value, configmap: &Value) -> Vec<String> {
+        let env = container_env(container, configmap);
         container["command"]
             .as_sequence()
             .expect("the container names its command")
@@ -627,10 +657,10 @@ mod tests {
 
     #[test]
     fn daemonset_arguments_parse_as_the_agent_on_kubernetes() {
-        let daemonset = deploy_file("daemonset.yaml");
+        let daemonset = deploy_file("base/daemonset.yaml");
         let pod_spec = &daemonset["spec"]["template"]["spec"];
         let container = container(pod_spec, "podlink");
-        let argv = argv(container);
+        let argv = argv(container, &deploy_file("base/configmap.yaml"));
         assert_eq!(argv[0], "/usr/local/bin/podlink");
 
         let cli = Cli::try_parse_from(&argv)
@@ -639,9 +669,11 @@ mod tests {
             panic!("the DaemonSet does not run `podlink agent`");
         };
         assert_eq!(args.node, "node-1", "--node from the downward API");
-        // No --manifests and no --kubeconfig: the Kubernetes API, in-cluster.
+        // No --manifests and no --kubeconfig: the Kubernetes API, in-cluster;
+        // no istiod xDS (deploy/istio adds it).
         assert!(args.manifests.is_none());
         assert!(args.kubeconfig.is_none());
+        assert!(args.xds_address.is_none());
         assert!(args.install_cni, "--install-cni");
         // The Istio CA, with its root certificate and token from volumes.
         assert!(args.ca_dir.is_none());
@@ -699,11 +731,113 @@ mod tests {
         assert!(Cli::try_parse_from(&unexpanded).is_err());
     }
 
+    /// Whether every volume mount of the container names a volume of the pod.
+    fn mounts_name_volumes(pod_spec: &Value, container: &Value) -> Result<(), String> {
+        let volumes: Vec<&str> = pod_spec["volumes"]
+            .as_sequence()
+            .into_iter()
+            .flatten()
+            .map(|v| str_of(&v["name"], "volume name"))
+            .collect();
+        for mount in container["volumeMounts"]
+            .as_sequence()
+            .into_iter()
+            .flatten()
+        {
+            let name = str_of(&mount["name"], "volumeMount name");
+            if !volumes.contains(&name) {
+                return Err(format!(
+                    "the volume mount {name} names no volume of the pod"
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    /// deploy/istio's DaemonSet, as its patches make it: the agent beside
+    /// istiod, with workload xDS from the CA's istiod and its own pod's name,
+    /// namespace and address from the downward API, on the nodes labelled
+    /// podlink.io/node-proxy=podlink.
+    #[test]
+    fn istio_daemonset_arguments_parse_as_the_agent_beside_istiod() {
+        let daemonset = patched("istio", "daemonset.yaml", "DaemonSet", "podlink");
+        let configmap = patched("istio", "configmap.yaml", "ConfigMap", "podlink");
+        let pod_spec = &daemonset["spec"]["template"]["spec"];
+        let container = container(pod_spec, "podlink");
+        let argv = argv(container, &configmap);
+        let cli = Cli::try_parse_from(&argv)
+            .unwrap_or_else(|e| panic!("deploy/istio's arguments {argv:?} do not parse:\n{e}"));
+        let Command::Agent(args) = cli.command else {
+            panic!("deploy/istio does not run `podlink agent`");
+        };
+        assert_eq!(args.node, "node-1");
+        assert!(args.manifests.is_none() && args.kubeconfig.is_none());
+        // xDS from the istiod that is the CA (clap requires --ca-address).
+        let xds_address = args.xds_address.as_deref().expect("--xds-address");
+        assert!(xds_address.starts_with("https://"), "{xds_address}");
+        assert_eq!(Some(xds_address), args.ca_address.as_deref());
+        // The pod identity, each from its downward API field.
+        assert_eq!(
+            args.pod_name.as_deref(),
+            Some("podlink-x7k2p"),
+            "metadata.name"
+        );
+        assert_eq!(
+            args.pod_namespace.as_deref(),
+            Some("podlink"),
+            "metadata.namespace"
+        );
+        assert_eq!(
+            args.pod_ip,
+            Some("10.0.0.11".parse().unwrap()),
+            "status.podIP"
+        );
+        assert_eq!(args.network, "", "the ConfigMap's network: the default one");
+        // Every path the agent is given is mounted, from a volume of the pod.
+        let root_cert = args.ca_root_cert.as_deref().expect("--ca-root-cert");
+        for path in [
+            root_cert,
+            &args.ca_token_file,
+            &args.cni_socket,
+            &args.cni_bin_dir,
+            &args.cni_conf_dir,
+            &args.pin_dir,
+            &args.state_dir,
+        ] {
+            assert!(
+                mounted(container, path),
+                "{} is on no volume mount of the container",
+                path.display()
+            );
+        }
+        mounts_name_volumes(pod_spec, container).unwrap();
+        // Only the nodes moved to podlink.
+        assert_eq!(
+            pod_spec["nodeSelector"]["podlink.io/node-proxy"].as_str(),
+            Some("podlink")
+        );
+        // The rest is the base's: the same arguments but the added ones.
+        let base = deploy_file("base/daemonset.yaml");
+        let base_argv = self::argv(
+            self::container(&base["spec"]["template"]["spec"], "podlink"),
+            &deploy_file("base/configmap.yaml"),
+        );
+        assert_eq!(argv[..base_argv.len()], base_argv[..]);
+
+        // The test sees a broken patch: without the downward API's variable the
+        // argument stays unexpanded, which the test refuses.
+        let mut container = container.clone();
+        let env = container["env"].as_sequence_mut().unwrap();
+        env.retain(|v| v["name"].as_str() != Some("POD_NAME"));
+        let broken = std::panic::catch_unwind(|| self::argv(&container, &configmap));
+        assert!(broken.is_err(), "an argument naming an undefined variable");
+    }
+
     #[test]
     fn uninstall_pod_arguments_parse_and_match_the_daemonset() {
         let pod = deploy_file("uninstall/uninstall-pod.yaml");
         let uninstall = container(&pod["spec"], "uninstall");
-        let uninstall_argv = argv(uninstall);
+        let uninstall_argv = argv(uninstall, &deploy_file("base/configmap.yaml"));
         let cli = Cli::try_parse_from(&uninstall_argv).unwrap_or_else(|e| {
             panic!("the uninstall pod's arguments {uninstall_argv:?} do not parse:\n{e}")
         });
@@ -728,8 +862,11 @@ mod tests {
             );
         }
 
-        let daemonset = deploy_file("daemonset.yaml");
-        let agent_argv = argv(container(&daemonset["spec"]["template"]["spec"], "podlink"));
+        let daemonset = deploy_file("base/daemonset.yaml");
+        let agent_argv = argv(
+            container(&daemonset["spec"]["template"]["spec"], "podlink"),
+            &deploy_file("base/configmap.yaml"),
+        );
         let Command::Agent(agent) = Cli::try_parse_from(&agent_argv).expect("parses").command
         else {
             panic!("not the agent");

@@ -41,8 +41,8 @@ enum Cmd {
     Build,
     /// Build a two-node cluster of network namespaces and show podlink at work.
     Demo,
-    /// Validate the Kubernetes manifests of deploy/ (their schemas, and that
-    /// kustomization.yaml lists them all).
+    /// Validate the Kubernetes manifests of deploy/: their schemas, the
+    /// kustomizations' resources, and the variants they build (deploy/istio).
     ValidateDeploy,
     /// Validate deploy/, run unit tests, then the end-to-end tests (root) on the
     /// network-namespace test bed, on this machine's kernel and then in QEMU

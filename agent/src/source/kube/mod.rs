@@ -121,9 +121,9 @@ const PEER_AUTHENTICATIONS: Watched = Watched {
 /// Every resource the Kubernetes source lists and watches (an Istio kind in
 /// both its versions is one resource for RBAC). The watched types of
 /// [`kinds`] take their API group and plural name from these, and
-/// `deploy/clusterrole.yaml` grants `get`, `list` and `watch` on exactly these,
-/// and `patch` on pods for [`REDIRECTION_ANNOTATION`] (unit tests hold the
-/// watches, this list and the ClusterRole together).
+/// `deploy/base/clusterrole.yaml` grants `get`, `list` and `watch` on exactly
+/// these, and `patch` on pods for [`REDIRECTION_ANNOTATION`] (unit tests hold
+/// the watches, this list and the ClusterRole together).
 pub const WATCHED: [Watched; 7] = [
     PODS,
     NAMESPACES,
@@ -1188,14 +1188,14 @@ mod tests {
         assert!(pending.services.listed);
     }
 
-    /// `deploy/clusterrole.yaml` grants `get`, `list` and `watch` on every
+    /// `deploy/base/clusterrole.yaml` grants `get`, `list` and `watch` on every
     /// resource of [`WATCHED`], `patch` on pods (the redirection annotation,
     /// [`RedirectionAnnotator`]), and nothing else.
     #[test]
     fn the_cluster_role_grants_exactly_what_is_watched() {
         let role: serde_json::Value = serde_yaml_ng::from_str(include_str!(concat!(
             env!("CARGO_MANIFEST_DIR"),
-            "/../deploy/clusterrole.yaml"
+            "/../deploy/base/clusterrole.yaml"
         )))
         .unwrap();
         assert_eq!(role["kind"], "ClusterRole");
