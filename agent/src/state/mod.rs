@@ -88,6 +88,9 @@ pub struct State {
     nodes: Vec<Node>,
     /// What istiod pushed, if it feeds this agent.
     mesh: Arc<Mesh>,
+    /// Whether istiod feeds this agent (a delta carried [`Delta::mesh`]): it
+    /// then decides which of this node's pods are mesh workloads.
+    istiod: bool,
     /// The cluster's address ranges: the configured ones, the Nodes' pod
     /// ranges and the ones learned from the ClusterIPs.
     ranges: Arc<ClusterRanges>,
@@ -174,6 +177,7 @@ impl State {
             mtls_policies: Vec::new(),
             nodes: Vec::new(),
             mesh: Arc::new(Mesh::default()),
+            istiod: false,
             zone: None,
             ranges: Arc::new(ClusterRanges::default()),
             completeness: Completeness::Incomplete,
@@ -242,8 +246,9 @@ impl State {
         }
         self.unlisted = delta.unlisted;
         if let Some(mesh) = delta.mesh
-            && !Arc::ptr_eq(&mesh, &self.mesh)
+            && (!self.istiod || !Arc::ptr_eq(&mesh, &self.mesh))
         {
+            self.istiod = true;
             self.mesh = mesh;
             self.dirty.mesh = true;
         }
@@ -264,7 +269,7 @@ impl State {
             dirty.all_pods || dirty.mesh || !dirty.pods.is_empty() || !relayered.is_empty();
         // istiod's workloads are laid over the pods whole: a pod changed one by
         // one could lose what istiod says of it.
-        let has_mesh = !self.mesh.workloads.is_empty();
+        let has_mesh = self.istiod;
         if first || pods_changed {
             if !first && !dirty.all_pods && !has_mesh && !dirty.mesh {
                 let mut index = WorkloadIndex::clone(&self.workloads);
@@ -280,7 +285,9 @@ impl State {
                     pods.iter().map(|p| &**p),
                     &self.namespaces,
                 );
-                index.lay_mesh(self.mesh.workloads.values());
+                if self.istiod {
+                    index.lay_mesh(self.mesh.workloads.values());
+                }
                 self.workloads = Arc::new(index);
             }
             self.index_messages.log(

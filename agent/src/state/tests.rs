@@ -582,13 +582,19 @@ fn istiods_view_is_laid_over_the_pods() {
             .allowed()
     );
 
-    // istiod removes everything: the pod is as before.
+    // istiod removes everything: the pod is no longer a mesh workload.
     s.apply(complete(Delta {
         mesh: Some(Arc::new(Mesh::default())),
         ..Delta::default()
     }));
     s.refresh(&NoLayer, BTreeSet::new());
-    assert_eq!(s.workloads().get("a/web").unwrap(), &before);
+    let web = s.workloads().get("a/web").unwrap();
+    assert!(web.mesh.is_none());
+    assert_eq!(
+        web.enrollment,
+        Enrollment::NotEnrolled("istiod does not list it as a mesh workload")
+    );
+    assert_eq!(s.workloads().captured().count(), 0);
     assert!(s.workloads().by_ip("10.0.2.7".parse().unwrap()).is_none());
     assert!(
         s.services()

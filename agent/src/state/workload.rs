@@ -15,7 +15,7 @@
 //! revision ([`canonical_service`], [`canonical_revision`]).
 
 use std::{
-    collections::{BTreeMap, BTreeSet, HashMap, hash_map::Entry},
+    collections::{BTreeMap, BTreeSet, HashMap, HashSet, hash_map::Entry},
     net::IpAddr,
     sync::Arc,
 };
@@ -628,15 +628,28 @@ impl WorkloadIndex {
     /// CNI path needs) and gets istiod's [`MeshFacts`]; any other is added as
     /// istiod describes it, except that one on this node without a pod object
     /// is not captured (capture waits for the pod from the Kubernetes API).
+    /// An enrolled pod of this node that istiod does not list (or says is
+    /// reached without a tunnel) is not captured either: istiod decides which
+    /// workloads are in the mesh, as it does for ztunnel.
     pub fn lay_mesh<'a>(&mut self, mesh: impl IntoIterator<Item = &'a Arc<Workload>>) {
+        let mut listed = HashSet::new();
         for workload in mesh {
+            listed.insert(workload.key.clone());
             match self.workloads.get(&workload.key).cloned() {
                 Some(pod) => {
-                    if pod.mesh == workload.mesh {
+                    if pod.mesh == workload.mesh
+                        && (workload.enrollment.is_enrolled() || !pod.enrollment.is_enrolled())
+                    {
                         continue;
                     }
+                    let enrollment = if workload.enrollment.is_enrolled() {
+                        pod.enrollment
+                    } else {
+                        workload.enrollment
+                    };
                     let merged = Arc::new(Workload {
                         mesh: workload.mesh.clone(),
+                        enrollment,
                         ..Workload::clone(&pod)
                     });
                     self.remove(&pod);
@@ -652,6 +665,19 @@ impl WorkloadIndex {
                 }
                 None => self.insert(workload.clone()),
             }
+        }
+        let unlisted: Vec<Arc<Workload>> = self
+            .workloads
+            .values()
+            .filter(|w| w.enrollment.is_enrolled() && self.is_local(w) && !listed.contains(&w.key))
+            .cloned()
+            .collect();
+        for pod in unlisted {
+            self.remove(&pod);
+            self.insert(Arc::new(Workload {
+                enrollment: Enrollment::NotEnrolled("istiod does not list it as a mesh workload"),
+                ..Workload::clone(&pod)
+            }));
         }
     }
 

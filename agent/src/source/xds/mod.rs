@@ -13,8 +13,9 @@
 //! the latest [`Mesh`] when it changed, and the policies istiod sent that
 //! podlink refused (their namespace is denied meanwhile, as a refused
 //! AuthorizationPolicy object's). Until istiod's first responses of both
-//! types were acknowledged, `istiod` is listed as unlisted: the agent is not
-//! ready.
+//! types were acknowledged, `istiod` is listed as unlisted (the agent is not
+//! ready) and the view is incomplete (no pod is taken as gone). An enrolled
+//! pod of this node is captured once istiod lists it as a mesh workload.
 
 pub mod convert;
 
@@ -28,7 +29,7 @@ use tokio::{sync::watch, task::JoinHandle};
 use super::{CaptureReporter, Opened, Source};
 use crate::{
     authz,
-    state::{Delta, Mesh, PoliciesUnknown},
+    state::{Completeness, Delta, Mesh, PoliciesUnknown},
     xds::{
         ConnectionState, Handler, Refused, XdsClient,
         proto::{security::Authorization, workload::Address, workload::address::Type},
@@ -255,8 +256,12 @@ impl IstiodSource {
                 .entry(namespace)
                 .or_insert(unknown);
         }
-        if !*self.ready.borrow_and_update() && !delta.unlisted.contains(&UNLISTED) {
-            delta.unlisted.push(UNLISTED);
+        if !*self.ready.borrow_and_update() {
+            // Which pods istiod lists is not known yet: none is taken as gone.
+            delta.completeness = Completeness::Incomplete;
+            if !delta.unlisted.contains(&UNLISTED) {
+                delta.unlisted.push(UNLISTED);
+            }
         }
         delta
     }
