@@ -426,7 +426,7 @@ pub fn main() -> Result<()> {
                     };
                     WorkloadSourceConfig::Istiod {
                         kubeconfig: args.kubeconfig,
-                        xds: XdsConfig {
+                        xds: Box::new(XdsConfig {
                             address,
                             root_cert: args
                                 .ca_root_cert
@@ -448,7 +448,7 @@ pub fn main() -> Result<()> {
                                 network: args.network,
                             },
                             backoff: Backoff::default(),
-                        },
+                        }),
                         trust_domain: args.trust_domain.clone(),
                     }
                 }

@@ -103,7 +103,7 @@ pub enum WorkloadSourceConfig {
         /// The kubeconfig to use; `None`: the in-cluster configuration.
         kubeconfig: Option<PathBuf>,
         /// How to reach istiod.
-        xds: crate::xds::XdsConfig,
+        xds: Box<crate::xds::XdsConfig>,
         /// The trust domain of workloads that name none.
         trust_domain: String,
     },
@@ -217,7 +217,7 @@ pub async fn open(
             xds,
             trust_domain,
         } => {
-            let client = crate::xds::XdsClient::new(xds.clone(), xds_metrics.clone())
+            let client = crate::xds::XdsClient::new(crate::xds::XdsConfig::clone(xds), xds_metrics.clone())
                 .map_err(|error| Error::Xds { error })?;
             let kube = spawn(kube::KubeSource::start(kubeconfig.as_deref(), node).await?);
             Ok(spawn(xds::IstiodSource::start(kube, client, trust_domain)))
