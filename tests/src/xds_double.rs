@@ -377,7 +377,8 @@ impl XdsDouble {
                 // Every stream ends with UNAVAILABLE, as when istiod goes away.
                 let streams = std::mem::take(&mut shared.lock().unwrap().streams);
                 for s in streams {
-                    let _ = s.tx.send(Err(Status::unavailable("the xDS double stopped")));
+                    let _ =
+                        s.tx.send(Err(Status::unavailable("the xDS double stopped")));
                 }
                 tokio::time::sleep(Duration::from_millis(50)).await;
             });
@@ -432,11 +433,7 @@ impl XdsDouble {
 
     /// Sets the `Authorization` resource `name`.
     pub fn set_authorization(&self, name: &str, policy: &proto::security::Authorization) {
-        self.set_raw(
-            proto::AUTHORIZATION_TYPE_URL,
-            name,
-            policy.encode_to_vec(),
-        );
+        self.set_raw(proto::AUTHORIZATION_TYPE_URL, name, policy.encode_to_vec());
     }
 
     /// Removes resource `name` of `type_url`; sent on the next push.
