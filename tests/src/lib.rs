@@ -33,6 +33,7 @@ pub mod ca_double;
 mod capture;
 pub mod cni_runtime;
 pub mod netns;
+pub mod xds_double;
 
 pub use capture::{Capture, any_from, contains_bytes, syns_to};
 
