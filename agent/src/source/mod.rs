@@ -217,8 +217,9 @@ pub async fn open(
             xds,
             trust_domain,
         } => {
-            let client = crate::xds::XdsClient::new(crate::xds::XdsConfig::clone(xds), xds_metrics.clone())
-                .map_err(|error| Error::Xds { error })?;
+            let client =
+                crate::xds::XdsClient::new(crate::xds::XdsConfig::clone(xds), xds_metrics.clone())
+                    .map_err(|error| Error::Xds { error })?;
             let kube = spawn(kube::KubeSource::start(kubeconfig.as_deref(), node).await?);
             Ok(spawn(xds::IstiodSource::start(kube, client, trust_domain)))
         }

@@ -1,0 +1,221 @@
+//! Agents fed by istiod (here the delta ADS double of
+//! `podlink_tests::xds_double` and the CA double, on the underlay as istiod
+//! would be), this node's pods from the Kubernetes API double: the workloads,
+//! services and policies istiod pushes are captured, resolved, tunnelled and
+//! enforced; a policy removed stops being enforced; a workload istiod no
+//! longer lists stops being captured.
+
+use std::{
+    fs,
+    net::{IpAddr, Ipv4Addr, SocketAddr},
+    time::{Duration, Instant},
+};
+
+use podlink_agent::xds::proto::{
+    self,
+    security::{Action, Authorization, Clause, Match, Rule, Scope},
+    workload::{
+        Address, NetworkAddress, Port, PortList, Service, TunnelProtocol, Workload, address,
+    },
+};
+use podlink_tests::{
+    Cluster, Pod, PodSpec, Source, app, ca_double::CaDouble, xds_double::XdsDouble,
+};
+
+const TOKEN: &str = "node-agent-token";
+const CLUSTER_ID: &str = "test-cluster";
+/// How long a push may take to be applied (generous: the machine is shared).
+const LIMIT: Duration = Duration::from_secs(30);
+/// The service only istiod knows (no Service object in the API double).
+const VIP: Ipv4Addr = Ipv4Addr::new(10, 96, 0, 77);
+
+fn workload(pod: &Pod, node: &str, services: &[(&str, u32, u32)]) -> Address {
+    Address {
+        r#type: Some(address::Type::Workload(Workload {
+            uid: format!("{CLUSTER_ID}//Pod/{}/{}", pod.namespace, pod.name),
+            name: pod.name.clone(),
+            namespace: pod.namespace.clone(),
+            addresses: vec![pod.ip.octets().to_vec()],
+            tunnel_protocol: TunnelProtocol::Hbone as i32,
+            service_account: pod.service_account.clone(),
+            node: node.to_string(),
+            canonical_name: pod.name.clone(),
+            services: services
+                .iter()
+                .map(|(host, port, target)| {
+                    (
+                        (*host).to_string(),
+                        PortList {
+                            ports: vec![Port {
+                                service_port: *port,
+                                target_port: *target,
+                                app_protocol: 0,
+                            }],
+                        },
+                    )
+                })
+                .collect(),
+            ..Default::default()
+        })),
+    }
+}
+
+/// `mesh/api`, at [`VIP`] port 80, to its workloads' port 8080.
+fn service() -> Address {
+    Address {
+        r#type: Some(address::Type::Service(Service {
+            name: "api".to_string(),
+            namespace: "mesh".to_string(),
+            hostname: "api.mesh.svc.cluster.local".to_string(),
+            addresses: vec![NetworkAddress {
+                network: String::new(),
+                address: VIP.octets().to_vec(),
+                length: None,
+            }],
+            ports: vec![Port {
+                service_port: 80,
+                target_port: 8080,
+                app_protocol: 0,
+            }],
+            ..Default::default()
+        })),
+    }
+}
+
+/// DENY to port 9090 of namespace `mesh`'s workloads.
+fn deny_9090() -> Authorization {
+    Authorization {
+        name: "no-9090".to_string(),
+        namespace: "mesh".to_string(),
+        scope: Scope::Namespace as i32,
+        action: Action::Deny as i32,
+        rules: vec![Rule {
+            clauses: vec![Clause {
+                matches: vec![Match {
+                    destination_ports: vec![9090],
+                    ..Default::default()
+                }],
+            }],
+        }],
+        ..Default::default()
+    }
+}
+
+fn wait_until(what: &str, c: &Cluster, mut done: impl FnMut() -> bool) {
+    let deadline = Instant::now() + LIMIT;
+    while !done() {
+        assert!(
+            Instant::now() < deadline,
+            "{what} within {LIMIT:?}\n{}",
+            c.agent_logs()
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    }
+}
+
+#[test]
+fn istiods_workloads_services_and_policies_are_captured_resolved_and_enforced() {
+    let mut c = Cluster::with_namespaces_from(2, &[("mesh", true)], Source::Kubernetes).unwrap();
+    let client = c
+        .add_pod(PodSpec::new("client", "mesh", 0).service_account("client"))
+        .unwrap();
+    let server = c
+        .add_pod(PodSpec::new("server", "mesh", 1).service_account("server"))
+        .unwrap();
+    let ca_ip = c.add_underlay_host(254).unwrap();
+    let ca = CaDouble::start(&c.underlay, SocketAddr::from((ca_ip, 15012)), TOKEN).unwrap();
+    let xds_ip = c.add_underlay_host(253).unwrap();
+    let xds =
+        XdsDouble::start(Some(&c.underlay), SocketAddr::from((xds_ip, 15012)), TOKEN).unwrap();
+    let (n1, n2) = (c.nodes[0].name.clone(), c.nodes[1].name.clone());
+    xds.set_address("client", &workload(&client, &n1, &[]));
+    xds.set_address(
+        "server",
+        &workload(
+            &server,
+            &n2,
+            &[("mesh/api.mesh.svc.cluster.local", 80, 8080)],
+        ),
+    );
+    xds.set_address("api", &service());
+    xds.set_authorization("no-9090", &deny_9090());
+    let roots = c.dir.join("mesh-roots.pem");
+    fs::write(&roots, format!("{}{}", ca.root_pem, xds.root_pem)).unwrap();
+    let token = c.dir.join("istio-token");
+    fs::write(&token, TOKEN).unwrap();
+    let roots_arg = roots.to_string_lossy().into_owned();
+    let token_arg = token.to_string_lossy().into_owned();
+    for n in 0..2 {
+        let pod_name = format!("podlink-{n}");
+        let node_ip = c.nodes[n].ip.to_string();
+        let args = [
+            "--ca-address",
+            &ca.address,
+            "--ca-root-cert",
+            &roots_arg,
+            "--ca-token-file",
+            &token_arg,
+            "--cluster-id",
+            CLUSTER_ID,
+            "--xds-address",
+            &xds.address,
+            "--pod-name",
+            &pod_name,
+            "--pod-namespace",
+            "podlink",
+            "--pod-ip",
+            &node_ip,
+        ];
+        c.start_agent_with(n, &args).unwrap();
+    }
+    c.wait_all_captured(&[&client, &server]).unwrap();
+    wait_until("both agents ready", &c, || {
+        (0..2).all(|n| c.readiness(n).ok() == Some(200))
+    });
+    for n in 0..2 {
+        let m = c.metrics(n).unwrap();
+        assert_eq!(m.sum("podlink_xds_connected", &[]), 1.0);
+    }
+
+    // A pod istiod lists, over HBONE, the client's address kept.
+    let _echo = app::EchoServer::start(&server.netns, server.addr(8080)).unwrap();
+    let _echo9090 = app::EchoServer::start(&server.netns, server.addr(9090)).unwrap();
+    let ex = app::exchange(&client.netns, server.addr(8080), b"to the pod")
+        .unwrap_or_else(|e| panic!("{e}\n{}", c.agent_logs()));
+    assert_eq!(ex.echoed, b"to the pod");
+    assert_eq!(ex.peer_seen.ip(), IpAddr::from(client.ip));
+    // A service only istiod knows: resolved to its workload's target port.
+    let ex = app::exchange(
+        &client.netns,
+        SocketAddr::from((VIP, 80)),
+        b"to the service",
+    )
+    .unwrap_or_else(|e| panic!("{e}\n{}", c.agent_logs()));
+    assert_eq!(ex.echoed, b"to the service");
+    assert_eq!(ex.peer_seen.ip(), IpAddr::from(client.ip));
+    // istiod's DENY on port 9090, enforced by the server's agent.
+    assert!(
+        app::exchange(&client.netns, server.addr(9090), b"denied").is_err(),
+        "port 9090 is denied by istiod's policy"
+    );
+    assert!(
+        c.agent_log(1).contains("mesh/no-9090"),
+        "{}",
+        c.agent_log(1)
+    );
+
+    // The policy removed: allowed.
+    xds.remove(proto::AUTHORIZATION_TYPE_URL, "no-9090");
+    xds.push();
+    wait_until("port 9090 allowed once the policy is removed", &c, || {
+        app::exchange(&client.netns, server.addr(9090), b"allowed").is_ok()
+    });
+
+    // The server no longer listed by istiod: its node stops capturing it.
+    xds.remove(proto::ADDRESS_TYPE_URL, "server");
+    xds.push();
+    wait_until("the server no longer captured", &c, || {
+        let shown = c.inspect(1).unwrap();
+        !shown.to_string().contains(&server.ip.to_string())
+    });
+}
