@@ -91,7 +91,7 @@ fn workload(uid: &str, ip: [u8; 4], sa: &str) -> Address {
             uid: uid.into(),
             name: uid.rsplit('/').next().unwrap().into(),
             namespace: "shop".into(),
-            addresses: vec![ip.to_vec().into()],
+            addresses: vec![ip.to_vec()],
             service_account: sa.into(),
             node: "node-1".into(),
             ..Default::default()
@@ -107,7 +107,7 @@ fn service(name: &str, vip: [u8; 4]) -> Address {
             hostname: format!("{name}.shop.svc.cluster.local"),
             addresses: vec![NetworkAddress {
                 network: String::new(),
-                address: vip.to_vec().into(),
+                address: vip.to_vec(),
                 length: None,
             }],
             ..Default::default()

@@ -318,3 +318,21 @@ fn authorizations_go_to_their_handler() {
     assert_eq!(held.versions(ResourceType::Authorization)["shop/deny"], "7");
     assert!(held.versions(ResourceType::Address).is_empty());
 }
+
+#[test]
+fn metrics_are_named_as_documented() {
+    let metrics = XdsMetrics::default();
+    let mut registry = prometheus_client::registry::Registry::default();
+    metrics.register(&mut registry);
+    let mut page = String::new();
+    prometheus_client::encoding::text::encode(&mut page, &registry).unwrap();
+    for line in [
+        "podlink_xds_connected 0",
+        "podlink_xds_pushes_total{type=\"address\"} 0",
+        "podlink_xds_nacks_total{type=\"authorization\"} 0",
+        "podlink_xds_resources{type=\"address\"} 0",
+        "podlink_xds_reconnects_total 0",
+    ] {
+        assert!(page.lines().any(|l| l == line), "{line}:\n{page}");
+    }
+}
