@@ -128,7 +128,7 @@ impl Bed {
         .await?;
         let (status, stream) = request(
             &mut h2,
-            hbone::connect_request(self.server.addr(9000), self.friend.ip.into()),
+            hbone::connect_request(self.server.addr(9000), self.friend.ip.into(), None),
         )
         .await;
         let mut stream = stream.ok_or(format!("CONNECT answered {status}"))?;
@@ -534,7 +534,7 @@ fn hbone_one_address_takes_its_share_of_connections() {
         for i in 0..3 {
             let (status, stream) = request(
                 &mut h2,
-                hbone::connect_request(sink, bed.attacker.ip.into()),
+                hbone::connect_request(sink, bed.attacker.ip.into(), None),
             )
             .await;
             assert_eq!(status, StatusCode::OK, "stream {i} within the share");
@@ -542,7 +542,7 @@ fn hbone_one_address_takes_its_share_of_connections() {
         }
         let (status, _) = request(
             &mut h2,
-            hbone::connect_request(sink, bed.attacker.ip.into()),
+            hbone::connect_request(sink, bed.attacker.ip.into(), None),
         )
         .await;
         assert_eq!(
@@ -604,7 +604,7 @@ fn hbone_idle_and_unread_tunnels_are_bounded() {
         .unwrap();
         let (status, stream) = request(
             &mut h2,
-            hbone::connect_request(silent, bed.attacker.ip.into()),
+            hbone::connect_request(silent, bed.attacker.ip.into(), None),
         )
         .await;
         assert_eq!(status, StatusCode::OK);

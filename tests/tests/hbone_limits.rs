@@ -192,8 +192,11 @@ fn a_tunnel_ends_with_its_hbone_connection() {
         let mut h2 = hbone_connect(&client.netns, server.addr(15008), key, roots, server_id)
             .await
             .unwrap();
-        let (status, stream) =
-            request(&mut h2, hbone::connect_request(sink_addr, client.ip.into())).await;
+        let (status, stream) = request(
+            &mut h2,
+            hbone::connect_request(sink_addr, client.ip.into(), None),
+        )
+        .await;
         assert_eq!(status, StatusCode::OK);
         let mut stream = stream.unwrap();
         // More than the pod will ever read: the proxy's copy blocks on it.

@@ -60,7 +60,7 @@ fn the_hbone_endpoint_refuses_everything_but_its_own_pod() {
         // kept because the certificate is the attacker pod's own identity.
         let (status, stream) = request(
             &mut h2,
-            hbone::connect_request(server.addr(9000), attacker.ip.into()),
+            hbone::connect_request(server.addr(9000), attacker.ip.into(), None),
         )
         .await;
         assert_eq!(status, StatusCode::OK);
@@ -88,8 +88,11 @@ fn the_hbone_endpoint_refuses_everything_but_its_own_pod() {
             ),
         ];
         for (target, what) in refused {
-            let (status, _) =
-                request(&mut h2, hbone::connect_request(target, attacker.ip.into())).await;
+            let (status, _) = request(
+                &mut h2,
+                hbone::connect_request(target, attacker.ip.into(), None),
+            )
+            .await;
             assert_eq!(
                 status,
                 StatusCode::BAD_REQUEST,
@@ -110,7 +113,7 @@ fn the_hbone_endpoint_refuses_everything_but_its_own_pod() {
         // Nothing listening on the destination port: 503.
         let (status, _) = request(
             &mut h2,
-            hbone::connect_request(server.addr(9999), attacker.ip.into()),
+            hbone::connect_request(server.addr(9999), attacker.ip.into(), None),
         )
         .await;
         assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE);
@@ -123,7 +126,7 @@ fn the_hbone_endpoint_refuses_everything_but_its_own_pod() {
             .unwrap();
         let (status, stream) = request(
             &mut h2,
-            hbone::connect_request(server.addr(9000), attacker.ip.into()),
+            hbone::connect_request(server.addr(9000), attacker.ip.into(), None),
         )
         .await;
         assert_eq!(status, StatusCode::OK);

@@ -4,7 +4,9 @@
 //!
 //! A request is `:method CONNECT`, `:authority <destination ip>:<port>` (an IPv6
 //! address in brackets, `[fd00::2]:8080`, RFC 3986 §3.2.2) and a
-//! `forwarded: for=<client ip>` header (RFC 7239). The server answers 200 and then
+//! `forwarded: for=<client ip>` header (RFC 7239) and a `baggage` header naming
+//! the client's workload ([`Baggage`]). The server answers 200 (with its
+//! workload's `baggage`) and then
 //! both DATA streams carry the connection's bytes; END_STREAM is a half-close.
 //! Errors, as ztunnel returns them: 400 (not CONNECT, malformed authority, or a
 //! destination this server does not serve), 401 (denied by policy), 503 (the
@@ -95,6 +97,125 @@ pub const MAX_SEND_BUFFER_SIZE: usize = 400 * 1024;
 
 /// The `forwarded` header.
 pub const FORWARDED: &str = "forwarded";
+
+/// The `baggage` header (W3C Baggage): the workload on the other side, for
+/// the metrics' peer labels when its address names no workload known here.
+pub const BAGGAGE: &str = "baggage";
+
+/// A workload as the `baggage` header names it, with the OpenTelemetry keys
+/// ztunnel sends and reads (its `src/baggage.rs`): `k8s.cluster.name`,
+/// `k8s.namespace.name`, `k8s.<kind>.name` (`deployment`, `cronjob`, `pod`,
+/// `job`), `service.name` (the canonical service), `service.version` (the
+/// canonical revision). Values are the names as they are (Kubernetes names
+/// need no percent-encoding, W3C Baggage §3.2.1.1).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Baggage {
+    /// `k8s.cluster.name`.
+    pub cluster: String,
+    /// `k8s.namespace.name`.
+    pub namespace: String,
+    /// `k8s.<kind>.name`.
+    pub workload: String,
+    /// `service.name`.
+    pub service: String,
+    /// `service.version`.
+    pub revision: String,
+}
+
+impl Baggage {
+    /// The header naming workload `w` of cluster `cluster` ([`Baggage::header`]).
+    pub fn of(cluster: &str, w: &crate::state::Workload) -> Option<HeaderValue> {
+        Baggage {
+            cluster: cluster.to_string(),
+            namespace: w.namespace.clone(),
+            workload: w.workload_name.clone(),
+            service: w.canonical_service.clone(),
+            revision: w.canonical_revision.clone(),
+        }
+        .header(&w.workload_kind)
+    }
+
+    /// The header's value, `kind` (the workload's: `Deployment`, `CronJob`,
+    /// `Job`, `Pod`) naming the workload key; a kind ztunnel does not read
+    /// (`StatefulSet`, …) is sent as `k8s.deployment.name`, which it reads.
+    /// `None` if a value cannot be in a header.
+    pub fn header(&self, kind: &str) -> Option<HeaderValue> {
+        let kind = match kind {
+            "CronJob" => "cronjob",
+            "Job" => "job",
+            "Pod" => "pod",
+            _ => "deployment",
+        };
+        let pairs = [
+            ("k8s.cluster.name", &self.cluster),
+            ("k8s.namespace.name", &self.namespace),
+            (&*format!("k8s.{kind}.name"), &self.workload),
+            ("service.name", &self.service),
+            ("service.version", &self.revision),
+        ]
+        .iter()
+        .filter(|(_, v)| !v.is_empty())
+        .map(|(k, v)| format!("{k}={v}"))
+        .collect::<Vec<_>>()
+        .join(",");
+        HeaderValue::from_str(&pairs).ok()
+    }
+
+    /// Reads every `baggage` value of `headers`; members podlink does not know,
+    /// and malformed ones, are ignored. `None` when nothing is known.
+    pub fn parse(headers: &http::HeaderMap) -> Option<Self> {
+        let mut b = Baggage::default();
+        for value in headers.get_all(BAGGAGE) {
+            let Ok(text) = value.to_str() else { continue };
+            for member in text.split(',') {
+                // Properties (`;…`) are not read.
+                let member = member.split(';').next().unwrap_or_default();
+                let Some((key, value)) = member.split_once('=') else {
+                    continue;
+                };
+                let value = value.trim().to_string();
+                match key.trim() {
+                    "k8s.cluster.name" => b.cluster = value,
+                    "k8s.namespace.name" => b.namespace = value,
+                    "k8s.deployment.name"
+                    | "k8s.cronjob.name"
+                    | "k8s.pod.name"
+                    | "k8s.job.name" => b.workload = value,
+                    "service.name" => b.service = value,
+                    "service.version" => b.revision = value,
+                    _ => {}
+                }
+            }
+        }
+        (b != Baggage::default()).then_some(b)
+    }
+}
+
+impl crate::telemetry::metrics::WorkloadMeta for Baggage {
+    fn name(&self) -> &str {
+        &self.workload
+    }
+
+    fn namespace(&self) -> &str {
+        &self.namespace
+    }
+
+    fn workload_name(&self) -> &str {
+        &self.workload
+    }
+
+    fn canonical_service(&self) -> &str {
+        &self.service
+    }
+
+    fn canonical_revision(&self) -> &str {
+        &self.revision
+    }
+
+    fn label(&self, _key: &str) -> Option<&str> {
+        None
+    }
+}
 
 /// Counts a stream in a shared count while it lives (one more at
 /// [`ActiveStream::new`], one less at drop).
@@ -298,14 +419,18 @@ pub fn authority(dst: SocketAddr) -> String {
     }
 }
 
-/// Builds a CONNECT request for `dst` from client `src`.
-pub fn connect_request(dst: SocketAddr, src: IpAddr) -> Request<()> {
+/// Builds a CONNECT request for `dst` from client `src`, with the client
+/// workload's `baggage` if given.
+pub fn connect_request(dst: SocketAddr, src: IpAddr, baggage: Option<&HeaderValue>) -> Request<()> {
     let mut req = Request::new(());
     *req.method_mut() = Method::CONNECT;
     *req.uri_mut() = authority(dst)
         .parse()
         .expect("a socket address is a valid authority");
     req.headers_mut().insert(FORWARDED, forwarded_for(src));
+    if let Some(baggage) = baggage {
+        req.headers_mut().insert(BAGGAGE, baggage.clone());
+    }
     req
 }
 
@@ -453,6 +578,51 @@ mod tests {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
     use super::*;
+
+    /// The baggage ztunnel sends is read back; podlink's reads the same.
+    #[test]
+    fn baggage_round_trips_and_reads_ztunnels() {
+        let b = Baggage {
+            cluster: "K1".to_string(),
+            namespace: "shop".to_string(),
+            workload: "web".to_string(),
+            service: "web".to_string(),
+            revision: "v1".to_string(),
+        };
+        let value = b.header("StatefulSet").unwrap();
+        assert_eq!(
+            value,
+            "k8s.cluster.name=K1,k8s.namespace.name=shop,k8s.deployment.name=web,service.name=web,service.version=v1"
+        );
+        let mut headers = http::HeaderMap::new();
+        headers.append(BAGGAGE, value);
+        assert_eq!(Baggage::parse(&headers), Some(b));
+        // ztunnel's test header, split over two values, with a property and an
+        // unknown member.
+        let mut headers = http::HeaderMap::new();
+        headers.append(
+            BAGGAGE,
+            HeaderValue::from_static("k8s.cluster.name=K1,k8s.namespace.name=NS1;p=1"),
+        );
+        headers.append(
+            BAGGAGE,
+            HeaderValue::from_static(
+                "k8s.pod.name=N1,other=x,service.name=N2,service.version=V1,bad",
+            ),
+        );
+        let read = Baggage::parse(&headers).unwrap();
+        assert_eq!(
+            (
+                read.cluster.as_str(),
+                read.namespace.as_str(),
+                read.workload.as_str(),
+                read.service.as_str(),
+                read.revision.as_str()
+            ),
+            ("K1", "NS1", "N1", "N2", "V1")
+        );
+        assert_eq!(Baggage::parse(&http::HeaderMap::new()), None);
+    }
 
     /// The client address a `forwarded` header names ([`forwarded_for`]'s forms, RFC
     /// 7239 §4: `for=10.1.2.3`, `for="[fd00::1]"`, also quoted IPv4 and an IPv6 node
@@ -629,7 +799,7 @@ mod tests {
     #[test]
     fn ipv6_connect_requests_parse_back() {
         let dst: SocketAddr = "[fd00:10:244::5]:8080".parse().unwrap();
-        let req = connect_request(dst, "fd00:10:244::9".parse().unwrap());
+        let req = connect_request(dst, "fd00:10:244::9".parse().unwrap(), None);
         assert_eq!(req.uri().authority().unwrap(), "[fd00:10:244::5]:8080");
         assert_eq!(parse_connect(&req).unwrap(), dst);
         assert_eq!(
@@ -651,7 +821,7 @@ mod tests {
     #[test]
     fn connect_requests_parse_back() {
         let dst: SocketAddr = "10.1.2.3:8080".parse().unwrap();
-        let req = connect_request(dst, "10.0.0.1".parse().unwrap());
+        let req = connect_request(dst, "10.0.0.1".parse().unwrap(), None);
         assert_eq!(parse_connect(&req).unwrap(), dst);
 
         let mut get = Request::new(());
@@ -697,7 +867,10 @@ mod tests {
         let dst: SocketAddr = "10.9.9.9:443".parse().unwrap();
         sender = sender.ready().await.unwrap();
         let (resp, send) = sender
-            .send_request(connect_request(dst, "10.0.0.7".parse().unwrap()), false)
+            .send_request(
+                connect_request(dst, "10.0.0.7".parse().unwrap(), None),
+                false,
+            )
             .unwrap();
         let resp = resp.await.unwrap();
         assert_eq!(resp.status(), StatusCode::OK);
@@ -757,7 +930,11 @@ mod tests {
         let mut sender = sender.ready().await.unwrap();
         let (resp, send) = sender
             .send_request(
-                connect_request("10.9.9.9:443".parse().unwrap(), "10.0.0.7".parse().unwrap()),
+                connect_request(
+                    "10.9.9.9:443".parse().unwrap(),
+                    "10.0.0.7".parse().unwrap(),
+                    None,
+                ),
                 false,
             )
             .unwrap();

@@ -411,8 +411,21 @@ async fn serve_stream(
         }
     }
     let source = kept.source();
-    let source_workload = source.and_then(|ip| index.by_ip(ip)).cloned();
+    // The client's workload: the one its address names here, else the one
+    // its `baggage` names (a workload of another cluster or network).
+    let source_workload = source
+        .and_then(|ip| index.by_ip(ip))
+        .cloned()
+        .map(meta)
+        .or_else(|| {
+            hbone::Baggage::parse(req.headers())
+                .map(|b| Arc::new(b) as Arc<dyn crate::telemetry::metrics::WorkloadMeta>)
+        });
     let destination = view.local_pod(target.ip()).cloned();
+    // The 200 names the destination's workload, as ztunnel's does.
+    let answer_baggage = destination
+        .as_ref()
+        .and_then(|w| hbone::Baggage::of(&state.config.cluster_id, w));
     let record = ConnectionRecord::open(
         &state.metrics,
         Direction::Inbound,
@@ -422,7 +435,7 @@ async fn serve_stream(
             route: "inbound_hbone",
             src: peer,
             dst: target,
-            src_workload: source_workload.map(meta),
+            src_workload: source_workload,
             dst_workload: destination.map(meta),
             src_identity: Some(client.clone()),
             dst_identity: Some(pod_id.clone()),
@@ -508,7 +521,11 @@ async fn serve_stream(
             )));
         }
     };
-    let send = match respond.send_response(Response::new(()), false) {
+    let mut ok = Response::new(());
+    if let Some(baggage) = answer_baggage {
+        ok.headers_mut().insert(hbone::BAGGAGE, baggage);
+    }
+    let send = match respond.send_response(ok, false) {
         Ok(send) => send,
         Err(e) => {
             tracing::debug!(%peer, "client went away before the tunnel opened: {e}");
@@ -661,7 +678,12 @@ mod tests {
             let connect = |target: &str| {
                 let target: SocketAddr = target.parse().unwrap();
                 let (state, key) = (state.clone(), key.clone());
-                async move { state.pool.connect(&key, target, &state.certs, 0).await }
+                async move {
+                    state
+                        .pool
+                        .connect(&key, target, None, &state.certs, 0)
+                        .await
+                }
             };
             let mut stream = connect("[fd00:2::2]:8080").await.unwrap();
             stream.write_all(b"hello").await.unwrap();

@@ -6,6 +6,7 @@ use tokio::{net::TcpStream, sync::OwnedSemaphorePermit};
 
 use super::{
     ProxyState, copy,
+    hbone::Baggage,
     learning::{self, Awaited, LEARN_WAIT},
     pool::{HboneError, PoolKey},
     socket,
@@ -274,6 +275,7 @@ async fn proxy(
     };
     match hbone {
         Some((dst_id, peer)) => {
+            let baggage = Baggage::of(&state.config.cluster_id, source);
             let key = PoolKey {
                 src_id: source.identity.clone(),
                 src_ip: src.ip(),
@@ -282,7 +284,9 @@ async fn proxy(
             };
             let stream = tokio::time::timeout(
                 state.config.connect_timeout,
-                state.pool.connect(&key, dst, &state.certs, mark),
+                state
+                    .pool
+                    .connect(&key, dst, baggage.as_ref(), &state.certs, mark),
             )
             .await;
             match stream {

@@ -28,7 +28,7 @@ use std::{
 
 use bytes::Bytes;
 use h2::client::SendRequest;
-use http::StatusCode;
+use http::{HeaderValue, StatusCode};
 use rustls::pki_types::ServerName;
 use tokio_rustls::TlsConnector;
 
@@ -199,7 +199,8 @@ impl Pool {
     }
 
     /// Opens a CONNECT stream to `target` over the pooled connection for `key`,
-    /// making the connection if there is none (or it closed).
+    /// making the connection if there is none (or it closed); the request
+    /// carries the client workload's `baggage` if given.
     ///
     /// # Errors
     /// [`HboneError`] for connection, TLS, HTTP/2 failures and non-200 answers.
@@ -207,6 +208,7 @@ impl Pool {
         &self,
         key: &PoolKey,
         target: SocketAddr,
+        baggage: Option<&HeaderValue>,
         certs: &CertManager,
         mark: u32,
     ) -> Result<H2Stream, HboneError> {
@@ -264,7 +266,8 @@ impl Pool {
                 }
                 Err(e) => return Err(h2_err(e)),
             };
-            let sent = sender.send_request(hbone::connect_request(target, key.src_ip), false);
+            let sent =
+                sender.send_request(hbone::connect_request(target, key.src_ip, baggage), false);
             let (response, send) = match sent {
                 Ok(sent) => sent,
                 Err(e) if attempts > 0 && retryable(&e) => {

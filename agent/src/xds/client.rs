@@ -217,7 +217,7 @@ impl XdsClient {
         })
     }
 
-    /// Becomes `true` once a response of each type was ACKed, and stays so (what
+    /// Becomes `true` once a response of each type was answered (ACKed or NACKed), and stays so (what
     /// was received stays applied while istiod is unreachable).
     pub fn ready(&self) -> watch::Receiver<bool> {
         self.ready.subscribe()
@@ -368,10 +368,13 @@ impl XdsClient {
             if let Some(t) = answer.resource_type {
                 self.metrics
                     .pushed(t, !answer.is_ack(), self.held.versions(t).len());
-                if answer.is_ack() && !self.acked[t.index()] {
+                // A response answered (ACK, or NACK of some of its resources,
+                // the others applied) counts: one bad resource must not keep
+                // the agent unready.
+                if !self.acked[t.index()] {
                     self.acked[t.index()] = true;
                     if self.acked.iter().all(|a| *a) {
-                        info!("workload xDS: both types received and acknowledged: ready");
+                        info!("workload xDS: both types received and answered: ready");
                         self.ready.send_replace(true);
                     }
                 }

@@ -21,8 +21,10 @@
 //!   `error_detail` when some resource was refused (one that does not decode, or
 //!   that the [`Handler`] refused). The others are applied all the same, as
 //!   ztunnel does; a refused resource keeps the version held before, if any.
-//! * Ready once a response of each type was ACKed ([`XdsClient::ready`]), as
-//!   ztunnel's readiness waits for.
+//! * Ready once a response of each type was answered, ACKed or NACKed (its
+//!   other resources applied) ([`XdsClient::ready`]): ztunnel waits for an
+//!   ACK of each, but one resource podlink refuses must not keep the agent
+//!   unready.
 //! * A lost stream is opened again after a bounded, jittered exponential backoff
 //!   ([`Backoff`]); what was received stays applied meanwhile.
 

@@ -98,7 +98,7 @@ pub async fn attempt(
     let sender = hbone_connect(netns, hbone, key, roots, server_id).await?;
     let mut sender = sender.ready().await.map_err(|e| e.to_string())?;
     let (response, _send) = sender
-        .send_request(hbone::connect_request(target, hbone.ip()), false)
+        .send_request(hbone::connect_request(target, hbone.ip(), None), false)
         .map_err(|e| e.to_string())?;
     let response = response.await.map_err(|e| e.to_string())?;
     Ok(response.status())

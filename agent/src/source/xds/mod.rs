@@ -13,7 +13,7 @@
 //! the latest [`Mesh`] when it changed, and the policies istiod sent that
 //! podlink refused (their namespace is denied meanwhile, as a refused
 //! AuthorizationPolicy object's). Until istiod's first responses of both
-//! types were acknowledged, `istiod` is listed as unlisted (the agent is not
+//! types were answered, `istiod` is listed as unlisted (the agent is not
 //! ready) and the view is incomplete (no pod is taken as gone). An enrolled
 //! pod of this node is captured once istiod lists it as a mesh workload.
 
