@@ -98,6 +98,7 @@ const ROOT_PACKAGES: &[&str] = &[
     "containernetworking-plugins",
     "tcpdump",
     "iperf3",
+    "dnsmasq-base",
     "kmod",
     "procps",
 ];
