@@ -19,6 +19,8 @@ use hickory_proto::{
 
 use crate::netns::{self, Resource};
 
+pub use hickory_proto::rr::RecordType as QueryType;
+
 /// The dnsmasq binary (package `dnsmasq-base`, which starts no system service).
 pub const DNSMASQ: &str = "/usr/sbin/dnsmasq";
 
@@ -34,14 +36,17 @@ pub struct Resolver {
 
 impl Resolver {
     /// Starts dnsmasq in `netns` on `addr` (an address of that namespace),
-    /// with no upstream, answering `records`: `(name, A address)` pairs, and
-    /// `txt` TXT records (`(name, strings)`, e.g. large ones for truncation).
-    /// Fails loudly when dnsmasq is not installed.
+    /// with no upstream, answering `records`: `(name, A address)` pairs (the
+    /// name's subdomains too), and `txt` TXT records (`(name, strings)`, e.g.
+    /// large ones for truncation); logging each query when `log_queries`
+    /// ([`Resolver::queries`] reads them). Fails loudly when dnsmasq is not
+    /// installed.
     pub fn start(
         netns_name: &str,
         addr: IpAddr,
         records: &[(&str, &str)],
         txt: &[(&str, Vec<String>)],
+        log_queries: bool,
     ) -> Result<Self> {
         if !std::path::Path::new(DNSMASQ).exists() {
             bail!("{DNSMASQ} is missing: install Debian's dnsmasq-base (cargo xtask test installs it)");
@@ -62,12 +67,14 @@ impl Resolver {
             "--bind-interfaces",
             "--user=root",
             "--cache-size=0",
-            "--log-queries",
             "--port=53",
         ])
         .arg(format!("--listen-address={addr}"))
         .arg(format!("--log-facility={}", log.display()))
         .arg(format!("--pid-file={}", dir.join("pid").display()));
+        if log_queries {
+            cmd.arg("--log-queries");
+        }
         for (name, a) in records {
             cmd.arg(format!("--address=/{name}/{a}"));
         }

@@ -89,6 +89,7 @@ fn bed(extra_agent_args: &[&str]) -> (Cluster, Pod, Pod, Resolver) {
         IpAddr::V4(resolver_pod.ip),
         &[(EXTERNAL, EXTERNAL_IP)],
         &[(BIG, big)],
+        true,
     )
     .unwrap();
     c.start_agent_with(0, extra_agent_args).unwrap();
