@@ -252,3 +252,44 @@ fn dns_capture_off_and_the_agent_stopped() {
     assert_eq!(ips(&m), [EXTERNAL_IP]);
     assert_eq!(resolver.queries(EXTERNAL, Some(IpAddr::V4(client.ip))), 1);
 }
+
+/// Over IPv6: the pod asks the resolver's IPv6 address; the agent answers a
+/// Service's IPv6 ClusterIP from that address, and forwards another name.
+#[test]
+fn dns_over_ipv6() {
+    podlink_tests::require_root();
+    let mut c = Cluster::dual_stack(1, &[("app", true), ("dns", false), ("shop", false)]).unwrap();
+    c.write_manifest(
+        "services.yaml",
+        "apiVersion: v1\nkind: Service\nmetadata: {name: web, namespace: shop}\nspec:\n  clusterIPs: [10.96.0.10, \"fd00:96::10\"]\n  ports:\n  - {port: 80}\n",
+    )
+    .unwrap();
+    let client = c.add_pod(PodSpec::new("client", "app", 0)).unwrap();
+    let resolver_pod = c.add_pod(PodSpec::new("resolver", "dns", 0)).unwrap();
+    let resolver = Resolver::start(
+        &resolver_pod.netns,
+        resolver_pod.ip_of(podlink_tests::Family::V6),
+        &[(EXTERNAL, EXTERNAL_IP)],
+        &[],
+        true,
+    )
+    .unwrap();
+    c.start_agents().unwrap();
+    c.wait_all_captured(&[&client]).unwrap();
+    let server = SocketAddr::new(resolver.addr, 53);
+
+    let m = udp(&client, server, "web.shop.svc.cluster.local.", RecordType::AAAA, WAIT)
+        .expect("an answer over IPv6");
+    assert!(m.metadata.authoritative);
+    assert_eq!(ips(&m), ["fd00:96::10"]);
+    let m = tcp(&client, server, "web.shop.svc.cluster.local.", RecordType::A);
+    assert_eq!(ips(&m), ["10.96.0.10"]);
+    let m = udp(&client, server, &format!("{EXTERNAL}."), RecordType::A, WAIT).expect("forwarded");
+    assert_eq!(ips(&m), [EXTERNAL_IP]);
+    assert_eq!(resolver.queries("web.shop.svc.cluster.local", None), 0);
+    assert_eq!(
+        resolver.queries(EXTERNAL, Some(client.ip_of(podlink_tests::Family::V6))),
+        0
+    );
+    assert!(resolver.queries(EXTERNAL, None) >= 1, "{}", resolver.log());
+}
