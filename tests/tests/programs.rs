@@ -989,7 +989,8 @@ fn dns_queries_and_answers() {
         assert_eq!(verdict, PASS);
         assert_eq!(u16::from_be_bytes([out[34], out[35]]), 53);
         assert_eq!(udp4_checksum(&out), 0, "the checksum follows the port");
-        assert_eq!(out[36..], answer[36..]);
+        assert_eq!(out[36..40], answer[36..40]);
+        assert_eq!(out[42..], answer[42..]);
         // Without the mark, or from another port: untouched.
         for (packet, mark) in [(answer.clone(), 0), (udp4(PEER, POD, 5353, 40000), PROXY_MARK)] {
             let (verdict, out) = p.run_out("to_pod", &packet, mark);
