@@ -25,8 +25,8 @@ use std::{path::PathBuf, sync::Arc, time::Duration};
 
 use anyhow::{Context, Result};
 use podlink_common::{
-    CONFIG_FAIL_OPEN, Config, DNS_PORT, HBONE_PORT, INBOUND_PLAINTEXT_PORT, OUTBOUND_PORT, PROXY_MARK,
-    REDIRECT_MARK, REDIRECT_MARK_MASK, ROUTE_TABLE, RULE_PRIORITY,
+    CONFIG_FAIL_OPEN, Config, DNS_PORT, HBONE_PORT, INBOUND_PLAINTEXT_PORT, OUTBOUND_PORT,
+    PROXY_MARK, REDIRECT_MARK, REDIRECT_MARK_MASK, ROUTE_TABLE, RULE_PRIORITY,
 };
 use tokio::signal::unix::{SignalKind, signal};
 

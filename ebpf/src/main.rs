@@ -471,7 +471,13 @@ fn to_pod_tcp<P: Tcp>(
 /// asked, but from its own port. Anything else passes, uncounted when it is
 /// the proxy's.
 #[inline(always)]
-fn to_pod_udp<P: Udp>(ctx: &TcContext, cfg: &Config, ifindex: u32, proxy_own: bool, pkt: &P) -> i32 {
+fn to_pod_udp<P: Udp>(
+    ctx: &TcContext,
+    cfg: &Config,
+    ifindex: u32,
+    proxy_own: bool,
+    pkt: &P,
+) -> i32 {
     if proxy_own {
         if cfg.dns_port != 0 && pkt.sport() == cfg.dns_port {
             // The UDP checksum covers the port (RFC 768): replaced with it.
@@ -485,7 +491,9 @@ fn to_pod_udp<P: Udp>(ctx: &TcContext, cfg: &Config, ifindex: u32, proxy_own: bo
             if ctx
                 .l4_csum_replace(csum, from, to, BPF_F_MARK_MANGLED_0 as u64 | 2)
                 .is_err()
-                || ctx.store(pkt.l4() as usize, &DNS_SERVICE_PORT.to_be(), 0).is_err()
+                || ctx
+                    .store(pkt.l4() as usize, &DNS_SERVICE_PORT.to_be(), 0)
+                    .is_err()
             {
                 return DROP;
             }

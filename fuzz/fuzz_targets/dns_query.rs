@@ -32,7 +32,11 @@ fuzz_target!(|data: &[u8]| {
             Decision::Answer(bytes) => {
                 assert!(data.len() >= 12);
                 if transport == Transport::Udp {
-                    assert!(bytes.len() <= usize::from(UDP_MAX_PAYLOAD), "{}", bytes.len());
+                    assert!(
+                        bytes.len() <= usize::from(UDP_MAX_PAYLOAD),
+                        "{}",
+                        bytes.len()
+                    );
                 }
             }
             Decision::Refuse(bytes, _) => assert!(bytes.len() >= 12 || bytes.is_empty()),

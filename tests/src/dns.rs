@@ -49,7 +49,9 @@ impl Resolver {
         log_queries: bool,
     ) -> Result<Self> {
         if !std::path::Path::new(DNSMASQ).exists() {
-            bail!("{DNSMASQ} is missing: install Debian's dnsmasq-base (cargo xtask test installs it)");
+            bail!(
+                "{DNSMASQ} is missing: install Debian's dnsmasq-base (cargo xtask test installs it)"
+            );
         }
         let dir = std::env::temp_dir().join(format!(
             "podlink-dnsmasq-{}-{}",
@@ -165,7 +167,9 @@ pub fn ask_udp(query: &[u8], server: SocketAddr, wait: Duration) -> Option<Vec<u
     let mut buf = vec![0u8; 65535];
     loop {
         let left = deadline.checked_duration_since(Instant::now())?;
-        socket.set_read_timeout(Some(left.max(Duration::from_millis(1)))).ok()?;
+        socket
+            .set_read_timeout(Some(left.max(Duration::from_millis(1))))
+            .ok()?;
         let n = socket.recv(&mut buf).ok()?;
         if n >= 2 && query.len() >= 2 && buf[..2] == query[..2] {
             return Some(buf[..n].to_vec());

@@ -1809,7 +1809,10 @@ fn cni_result_ips(result: &Value) -> Vec<IpAddr> {
 
 /// A Pod manifest; `ips` are its `status.podIPs` (the first is `podIP`); without
 /// any, `Pending` with no address.
-#[allow(clippy::too_many_arguments, reason = "the fields of a Pod manifest, each named at the call")]
+#[allow(
+    clippy::too_many_arguments,
+    reason = "the fields of a Pod manifest, each named at the call"
+)]
 fn pod_manifest(
     name: &str,
     ns: &str,
@@ -1925,7 +1928,16 @@ mod tests {
             "10.244.1.2".parse().unwrap(),
             "fd00:10:244:1::2".parse().unwrap(),
         ];
-        let text = pod_manifest("p", "ns", &BTreeMap::new(), &BTreeMap::new(), "node1", "default", None, &ips);
+        let text = pod_manifest(
+            "p",
+            "ns",
+            &BTreeMap::new(),
+            &BTreeMap::new(),
+            "node1",
+            "default",
+            None,
+            &ips,
+        );
         let objects = yaml_objects(&text).unwrap();
         let status = &objects[0]["status"];
         assert_eq!(status["phase"], "Running");
@@ -1935,7 +1947,16 @@ mod tests {
             serde_json::json!([{"ip": "10.244.1.2"}, {"ip": "fd00:10:244:1::2"}])
         );
 
-        let pending = pod_manifest("p", "ns", &BTreeMap::new(), &BTreeMap::new(), "node1", "default", None, &[]);
+        let pending = pod_manifest(
+            "p",
+            "ns",
+            &BTreeMap::new(),
+            &BTreeMap::new(),
+            "node1",
+            "default",
+            None,
+            &[],
+        );
         let status = &yaml_objects(&pending).unwrap()[0]["status"];
         assert_eq!(status["phase"], "Pending");
         assert!(status.get("podIPs").is_none());

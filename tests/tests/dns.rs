@@ -75,12 +75,14 @@ const NO_ANSWER: Duration = Duration::from_secs(1);
 /// A cluster of one node with an enrolled client, an opted-out pod in the same
 /// namespace and the resolver pod outside the mesh.
 fn bed(extra_agent_args: &[&str]) -> (Cluster, Pod, Pod, Resolver) {
-    let mut c = Cluster::with_namespaces(1, &[("app", true), ("dns", false), ("shop", false)])
-        .unwrap();
+    let mut c =
+        Cluster::with_namespaces(1, &[("app", true), ("dns", false), ("shop", false)]).unwrap();
     c.write_manifest("services.yaml", SERVICES).unwrap();
     let client = c.add_pod(PodSpec::new("client", "app", 0)).unwrap();
     let optout = c
-        .add_pod(PodSpec::new("optout", "app", 0).annotation("ambient.istio.io/dns-capture", "false"))
+        .add_pod(
+            PodSpec::new("optout", "app", 0).annotation("ambient.istio.io/dns-capture", "false"),
+        )
         .unwrap();
     let resolver_pod = c.add_pod(PodSpec::new("resolver", "dns", 0)).unwrap();
     let big: Vec<String> = (0..4).map(|i| format!("{i}{}", "x".repeat(199))).collect();
@@ -98,7 +100,13 @@ fn bed(extra_agent_args: &[&str]) -> (Cluster, Pod, Pod, Resolver) {
 }
 
 /// Asks `name` of type `qtype` over UDP from `pod` to `server`.
-fn udp(pod: &Pod, server: SocketAddr, name: &str, qtype: RecordType, wait: Duration) -> Option<Message> {
+fn udp(
+    pod: &Pod,
+    server: SocketAddr,
+    name: &str,
+    qtype: RecordType,
+    wait: Duration,
+) -> Option<Message> {
     let query = query_bytes(name, qtype, false);
     udp_raw(pod, server, query, wait).map(|a| Message::from_vec(&a).expect("a DNS message"))
 }
@@ -128,30 +136,73 @@ fn dns_names_are_answered_by_the_agent_or_forwarded() {
     let before = c.counters(&client).unwrap();
 
     // A Service: answered by the agent, authoritative, from the address asked.
-    let m = udp(&client, server, "web.shop.svc.cluster.local.", RecordType::A, WAIT)
-        .expect("an answer for the Service");
+    let m = udp(
+        &client,
+        server,
+        "web.shop.svc.cluster.local.",
+        RecordType::A,
+        WAIT,
+    )
+    .expect("an answer for the Service");
     assert_eq!(m.metadata.response_code, ResponseCode::NoError);
     assert!(m.metadata.authoritative, "the agent's own answer");
     assert_eq!(ips(&m), ["10.96.0.10"]);
     // The name the pod's search path makes of `web.shop`.
-    let m = udp(&client, server, "web.shop.app.svc.cluster.local.", RecordType::A, WAIT).unwrap();
+    let m = udp(
+        &client,
+        server,
+        "web.shop.app.svc.cluster.local.",
+        RecordType::A,
+        WAIT,
+    )
+    .unwrap();
     assert_eq!(ips(&m), ["10.96.0.10"]);
     // No IPv6 address: no record, no error.
-    let m = udp(&client, server, "web.shop.svc.cluster.local.", RecordType::AAAA, WAIT).unwrap();
+    let m = udp(
+        &client,
+        server,
+        "web.shop.svc.cluster.local.",
+        RecordType::AAAA,
+        WAIT,
+    )
+    .unwrap();
     assert_eq!(m.metadata.response_code, ResponseCode::NoError);
     assert!(m.answers.is_empty());
     // A headless Service: its ready endpoints.
-    let m = udp(&client, server, "db.shop.svc.cluster.local.", RecordType::A, WAIT).unwrap();
+    let m = udp(
+        &client,
+        server,
+        "db.shop.svc.cluster.local.",
+        RecordType::A,
+        WAIT,
+    )
+    .unwrap();
     assert_eq!(ips(&m), ["10.244.9.1", "10.244.9.2"]);
     // Over TCP too.
-    let m = tcp(&client, server, "web.shop.svc.cluster.local.", RecordType::A);
+    let m = tcp(
+        &client,
+        server,
+        "web.shop.svc.cluster.local.",
+        RecordType::A,
+    );
     assert_eq!(ips(&m), ["10.96.0.10"]);
-    assert_eq!(resolver.queries("web.shop.svc.cluster.local", None), 0, "{}", resolver.log());
+    assert_eq!(
+        resolver.queries("web.shop.svc.cluster.local", None),
+        0,
+        "{}",
+        resolver.log()
+    );
     assert_eq!(resolver.queries("db.shop.svc.cluster.local", None), 0);
 
     // Another name: forwarded; the resolver sees the agent, not the pod.
-    let m = udp(&client, server, &format!("{EXTERNAL}."), RecordType::A, WAIT)
-        .expect("a forwarded answer");
+    let m = udp(
+        &client,
+        server,
+        &format!("{EXTERNAL}."),
+        RecordType::A,
+        WAIT,
+    )
+    .expect("a forwarded answer");
     assert!(!m.metadata.authoritative || ips(&m) == [EXTERNAL_IP]);
     assert_eq!(ips(&m), [EXTERNAL_IP]);
     let m = tcp(&client, server, &format!("{EXTERNAL}."), RecordType::A);
@@ -184,7 +235,14 @@ fn dns_names_are_answered_by_the_agent_or_forwarded() {
     let cut = cut[..cut.len() - 3].to_vec();
     let formerr = udp_raw(&client, server, cut, WAIT).expect("FORMERR");
     assert_eq!(formerr[3] & 0x0f, 1, "FORMERR");
-    let m = udp(&client, server, "web.shop.svc.cluster.local.", RecordType::A, WAIT).unwrap();
+    let m = udp(
+        &client,
+        server,
+        "web.shop.svc.cluster.local.",
+        RecordType::A,
+        WAIT,
+    )
+    .unwrap();
     assert_eq!(ips(&m), ["10.96.0.10"]);
 
     // Counted per pod (UDP queries and TCP connections, as captured outbound).
@@ -197,19 +255,35 @@ fn dns_names_are_answered_by_the_agent_or_forwarded() {
         .wait_metrics(0, "the DNS requests", |m| {
             m.sum(
                 "istio_dns_requests_total",
-                &[("source_workload_namespace", "app"), ("request_protocol", "udp")],
+                &[
+                    ("source_workload_namespace", "app"),
+                    ("request_protocol", "udp"),
+                ],
             ) >= 8.0
                 && m.sum("istio_dns_requests_total", &[("request_protocol", "tcp")]) >= 3.0
         })
         .unwrap();
-    assert!(metrics.sum("istio_dns_upstream_requests_total", &[]) >= 2.0, "{}", metrics.text);
+    assert!(
+        metrics.sum("istio_dns_upstream_requests_total", &[]) >= 2.0,
+        "{}",
+        metrics.text
+    );
     assert!(metrics.has("istio_dns_upstream_request_duration_seconds_count", &[]));
 
     // The opted-out pod asks the resolver itself, Service names too.
-    let m = udp(&optout, server, "web.shop.svc.cluster.local.", RecordType::A, WAIT)
-        .expect("the resolver's answer");
+    let m = udp(
+        &optout,
+        server,
+        "web.shop.svc.cluster.local.",
+        RecordType::A,
+        WAIT,
+    )
+    .expect("the resolver's answer");
     assert!(!m.metadata.authoritative || m.answers.is_empty());
-    assert!(addresses(&m).is_empty(), "the resolver does not know the Service");
+    assert!(
+        addresses(&m).is_empty(),
+        "the resolver does not know the Service"
+    );
     assert_eq!(
         resolver.queries("web.shop.svc.cluster.local", Some(IpAddr::V4(optout.ip))),
         1,
@@ -224,8 +298,14 @@ fn dns_capture_off_and_the_agent_stopped() {
     // Off: every pod asks the resolver itself.
     let (mut c, client, _optout, resolver) = bed(&["--dns-capture=false"]);
     let server = SocketAddr::new(resolver.addr, 53);
-    let m = udp(&client, server, "web.shop.svc.cluster.local.", RecordType::A, WAIT)
-        .expect("the resolver's answer");
+    let m = udp(
+        &client,
+        server,
+        "web.shop.svc.cluster.local.",
+        RecordType::A,
+        WAIT,
+    )
+    .expect("the resolver's answer");
     assert!(addresses(&m).is_empty());
     assert_eq!(
         resolver.queries("web.shop.svc.cluster.local", Some(IpAddr::V4(client.ip))),
@@ -235,11 +315,25 @@ fn dns_capture_off_and_the_agent_stopped() {
     // Captured, and the agent stopped: fail closed, the query is dropped.
     c.stop_agent(0).unwrap();
     c.start_agent(0).unwrap();
-    let m = udp(&client, server, "web.shop.svc.cluster.local.", RecordType::A, WAIT).unwrap();
+    let m = udp(
+        &client,
+        server,
+        "web.shop.svc.cluster.local.",
+        RecordType::A,
+        WAIT,
+    )
+    .unwrap();
     assert_eq!(ips(&m), ["10.96.0.10"]);
     c.stop_agent(0).unwrap();
     assert!(
-        udp(&client, server, &format!("{EXTERNAL}."), RecordType::A, NO_ANSWER).is_none(),
+        udp(
+            &client,
+            server,
+            &format!("{EXTERNAL}."),
+            RecordType::A,
+            NO_ANSWER
+        )
+        .is_none(),
         "fail closed: no answer while the agent is away"
     );
     assert_eq!(resolver.queries(EXTERNAL, None), 0);
@@ -247,8 +341,14 @@ fn dns_capture_off_and_the_agent_stopped() {
     // `--fail-open`: with the agent stopped the pod reaches the resolver.
     c.start_agent_with(0, &["--fail-open"]).unwrap();
     c.stop_agent(0).unwrap();
-    let m = udp(&client, server, &format!("{EXTERNAL}."), RecordType::A, WAIT)
-        .expect("fail open: the resolver answers");
+    let m = udp(
+        &client,
+        server,
+        &format!("{EXTERNAL}."),
+        RecordType::A,
+        WAIT,
+    )
+    .expect("fail open: the resolver answers");
     assert_eq!(ips(&m), [EXTERNAL_IP]);
     assert_eq!(resolver.queries(EXTERNAL, Some(IpAddr::V4(client.ip))), 1);
 }
@@ -278,13 +378,31 @@ fn dns_over_ipv6() {
     c.wait_all_captured(&[&client]).unwrap();
     let server = SocketAddr::new(resolver.addr, 53);
 
-    let m = udp(&client, server, "web.shop.svc.cluster.local.", RecordType::AAAA, WAIT)
-        .expect("an answer over IPv6");
+    let m = udp(
+        &client,
+        server,
+        "web.shop.svc.cluster.local.",
+        RecordType::AAAA,
+        WAIT,
+    )
+    .expect("an answer over IPv6");
     assert!(m.metadata.authoritative);
     assert_eq!(ips(&m), ["fd00:96::10"]);
-    let m = tcp(&client, server, "web.shop.svc.cluster.local.", RecordType::A);
+    let m = tcp(
+        &client,
+        server,
+        "web.shop.svc.cluster.local.",
+        RecordType::A,
+    );
     assert_eq!(ips(&m), ["10.96.0.10"]);
-    let m = udp(&client, server, &format!("{EXTERNAL}."), RecordType::A, WAIT).expect("forwarded");
+    let m = udp(
+        &client,
+        server,
+        &format!("{EXTERNAL}."),
+        RecordType::A,
+        WAIT,
+    )
+    .expect("forwarded");
     assert_eq!(ips(&m), [EXTERNAL_IP]);
     assert_eq!(resolver.queries("web.shop.svc.cluster.local", None), 0);
     assert_eq!(

@@ -16,10 +16,9 @@ use aya::{
     programs::{SchedClassifier, TestRun, TestRunOptions},
 };
 use podlink_common::{
-    CONFIG_DRAINING, CONFIG_FAIL_OPEN, Config, FlowKey, MAP_CAPTURED_FLOWS, MAP_CONFIG,
-    DNS_PORT, MAP_COUNTERS, MAP_EXCLUDED_CIDRS, MAP_EXCLUDED_PORTS, MAP_PODS, OUTBOUND_PORT,
-    POD_DNS_CAPTURE, POD_ENROLLED,
-    POD_HAS_IPV4, POD_HAS_IPV6, PROXY_MARK, PodCounters, PodInfo, ipv4_mapped,
+    CONFIG_DRAINING, CONFIG_FAIL_OPEN, Config, DNS_PORT, FlowKey, MAP_CAPTURED_FLOWS, MAP_CONFIG,
+    MAP_COUNTERS, MAP_EXCLUDED_CIDRS, MAP_EXCLUDED_PORTS, MAP_PODS, OUTBOUND_PORT, POD_DNS_CAPTURE,
+    POD_ENROLLED, POD_HAS_IPV4, POD_HAS_IPV6, PROXY_MARK, PodCounters, PodInfo, ipv4_mapped,
 };
 use podlink_tests::netns;
 
@@ -973,8 +972,15 @@ fn dns_queries_and_answers() {
         assert_eq!(p.run("from_pod", &query, 0), PASS);
         p.set_pod_flags(POD_ENROLLED | POD_HAS_IPV4 | POD_HAS_IPV6 | POD_DNS_CAPTURE);
         let before = p.counters();
-        assert_eq!(p.run("from_pod", &query, 0), DROP, "no DNS socket: fail closed");
-        assert_eq!(p.counters().dropped_no_listener, before.dropped_no_listener + 1);
+        assert_eq!(
+            p.run("from_pod", &query, 0),
+            DROP,
+            "no DNS socket: fail closed"
+        );
+        assert_eq!(
+            p.counters().dropped_no_listener,
+            before.dropped_no_listener + 1
+        );
         // Another port passes.
         assert_eq!(p.run("from_pod", &udp4(POD, PEER, 40000, 54), 0), PASS);
         // From another address: spoofed.
@@ -992,7 +998,10 @@ fn dns_queries_and_answers() {
         assert_eq!(out[36..40], answer[36..40]);
         assert_eq!(out[42..], answer[42..]);
         // Without the mark, or from another port: untouched.
-        for (packet, mark) in [(answer.clone(), 0), (udp4(PEER, POD, 5353, 40000), PROXY_MARK)] {
+        for (packet, mark) in [
+            (answer.clone(), 0),
+            (udp4(PEER, POD, 5353, 40000), PROXY_MARK),
+        ] {
             let (verdict, out) = p.run_out("to_pod", &packet, mark);
             assert_eq!(verdict, PASS);
             assert_eq!(out, packet);

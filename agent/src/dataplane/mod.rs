@@ -82,7 +82,8 @@ use nix::fcntl::Flock;
 use podlink_common::{
     CONFIG_DRAINING, Config, FlowKey, LAYOUT_VERSION, LINKS_DIR, MAP_CAPTURED_FLOWS, MAP_CONFIG,
     MAP_COUNTERS, MAP_EXCLUDED_CIDRS, MAP_EXCLUDED_PORTS, MAP_NAMES, MAP_PODS, MAX_NODE_ADDRS,
-    POD_DNS_CAPTURE, POD_DRAINING, POD_ENROLLED, POD_HAS_IPV4, POD_HAS_IPV6, PodCounters, PodInfo, ipv4_mapped,
+    POD_DNS_CAPTURE, POD_DRAINING, POD_ENROLLED, POD_HAS_IPV4, POD_HAS_IPV6, PodCounters, PodInfo,
+    ipv4_mapped,
 };
 
 /// The pin directory by default (on the host's bpffs).

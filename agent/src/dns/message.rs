@@ -197,7 +197,9 @@ fn answer(asked: &Asked, addrs: &[IpAddr], transport: Transport) -> Vec<u8> {
 pub fn fit(m: &Message, asked: &Asked, transport: Transport) -> Vec<u8> {
     let bytes = encode(m);
     let limit = match transport {
-        Transport::Udp => asked.udp_payload.min(usize::from(UDP_MAX_PAYLOAD).max(UDP_MIN_PAYLOAD)),
+        Transport::Udp => asked
+            .udp_payload
+            .min(usize::from(UDP_MAX_PAYLOAD).max(UDP_MIN_PAYLOAD)),
         Transport::Tcp => TCP_MAX_MESSAGE,
     };
     if bytes.len() <= limit {
@@ -225,9 +227,7 @@ mod tests {
             "metadata: {name: web, namespace: shop}\nspec: {clusterIPs: [10.96.0.10, 'fd00::10']}",
         )
         .unwrap();
-        let many: Vec<IpAddr> = (0..200u8)
-            .map(|i| IpAddr::from([10, 1, 0, i]))
-            .collect();
+        let many: Vec<IpAddr> = (0..200u8).map(|i| IpAddr::from([10, 1, 0, i])).collect();
         NameTable::build(
             "cluster.local",
             [&web],
@@ -258,7 +258,10 @@ mod tests {
 
     #[test]
     fn a_service_is_answered_in_its_family() {
-        for (qtype, want) in [(RecordType::A, "10.96.0.10"), (RecordType::AAAA, "fd00::10")] {
+        for (qtype, want) in [
+            (RecordType::A, "10.96.0.10"),
+            (RecordType::AAAA, "fd00::10"),
+        ] {
             let q = query("Web.Shop.svc.cluster.local.", qtype, None);
             let Decision::Answer(bytes) = decide(&q, &names(), None, Transport::Udp) else {
                 panic!("not answered");
@@ -336,11 +339,17 @@ mod tests {
     fn malformed_queries_are_refused_or_dropped() {
         let names = names();
         // Shorter than a header: dropped.
-        assert!(matches!(decide(&[1, 2, 3], &names, None, Transport::Udp), Decision::Drop));
+        assert!(matches!(
+            decide(&[1, 2, 3], &names, None, Transport::Udp),
+            Decision::Drop
+        ));
         // A response: dropped.
         let mut response = query("a.b.", RecordType::A, None);
         response[2] |= 0x80;
-        assert!(matches!(decide(&response, &names, None, Transport::Udp), Decision::Drop));
+        assert!(matches!(
+            decide(&response, &names, None, Transport::Udp),
+            Decision::Drop
+        ));
         // A question cut short: FORMERR, with the ID.
         let q = query("web.shop.svc.cluster.local.", RecordType::A, None);
         let Decision::Refuse(bytes, ResponseCode::FormErr) =

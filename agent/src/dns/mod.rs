@@ -145,12 +145,10 @@ impl DnsSockets {
                 error,
             })?);
             tcp.push(
-                socket::transparent_listener(addr, config.mark).map_err(|error| {
-                    DnsBindError {
-                        protocol: "TCP",
-                        addr,
-                        error,
-                    }
+                socket::transparent_listener(addr, config.mark).map_err(|error| DnsBindError {
+                    protocol: "TCP",
+                    addr,
+                    error,
                 })?,
             );
         }
@@ -206,11 +204,11 @@ impl Upstream {
     /// The cached answer to `asked` from `resolver`, fitted to `transport`.
     fn cached(&self, asked: &Asked, resolver: SocketAddr, transport: Transport) -> Option<Vec<u8>> {
         let key = Key::of(asked, resolver);
-        let hit = self
-            .cache
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .get(&key, asked.id(), Instant::now())?;
+        let hit = self.cache.lock().unwrap_or_else(|e| e.into_inner()).get(
+            &key,
+            asked.id(),
+            Instant::now(),
+        )?;
         Some(fit(&hit, asked, transport))
     }
 
@@ -231,7 +229,10 @@ impl Upstream {
         let metrics = &state.metrics.dns;
         let Ok(_slot) = self.slots.clone().try_acquire_owned() else {
             metrics.upstream_failures.get_or_create(&labels).inc();
-            return (asked.error(ResponseCode::ServFail), "servfail (too many upstream queries)");
+            return (
+                asked.error(ResponseCode::ServFail),
+                "servfail (too many upstream queries)",
+            );
         };
         metrics.upstream_requests.get_or_create(&labels).inc();
         let start = Instant::now();
@@ -246,7 +247,10 @@ impl Upstream {
             Ok(Ok(bytes)) => bytes,
             Ok(Err(_)) | Err(_) => {
                 metrics.upstream_failures.get_or_create(&labels).inc();
-                return (asked.error(ResponseCode::ServFail), "servfail (no upstream answer)");
+                return (
+                    asked.error(ResponseCode::ServFail),
+                    "servfail (no upstream answer)",
+                );
             }
         };
         metrics
@@ -258,15 +262,18 @@ impl Upstream {
             return (bytes, "forwarded");
         };
         let fitted = match transport {
-            Transport::Udp if bytes.len() > asked.udp_payload.min(message::UDP_MAX_PAYLOAD.into()) => {
+            Transport::Udp
+                if bytes.len() > asked.udp_payload.min(message::UDP_MAX_PAYLOAD.into()) =>
+            {
                 fit(&answer, asked, transport)
             }
             _ => bytes,
         };
-        self.cache
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .put(Key::of(asked, resolver), answer, Instant::now());
+        self.cache.lock().unwrap_or_else(|e| e.into_inner()).put(
+            Key::of(asked, resolver),
+            answer,
+            Instant::now(),
+        );
         (fitted, "forwarded")
     }
 }
@@ -353,7 +360,12 @@ impl DnsServer {
     fn decide(&self, query: &[u8], peer: SocketAddr, transport: Transport) -> Decision {
         let view = self.state.view();
         let pod = view.workloads.by_ip(peer.ip());
-        let decision = decide(query, &view.names, pod.map(|w| w.namespace.as_str()), transport);
+        let decision = decide(
+            query,
+            &view.names,
+            pod.map(|w| w.namespace.as_str()),
+            transport,
+        );
         let qtype = match &decision {
             Decision::Drop => return decision,
             Decision::Answer(_) | Decision::Refuse(..) => query_type_of(query),
@@ -439,7 +451,10 @@ fn recv_query(socket: &UdpSocket, buf: &mut [u8]) -> io::Result<Received> {
         .and_then(|a| {
             a.as_sockaddr_in()
                 .map(|v4| SocketAddr::V4(SocketAddrV4::from(*v4)))
-                .or_else(|| a.as_sockaddr_in6().map(|v6| SocketAddr::V6(SocketAddrV6::from(*v6))))
+                .or_else(|| {
+                    a.as_sockaddr_in6()
+                        .map(|v6| SocketAddr::V6(SocketAddrV6::from(*v6)))
+                })
         })
         .ok_or_else(|| io::Error::new(io::ErrorKind::InvalidData, "a datagram without a source"))?;
     let mut original = None;
@@ -569,7 +584,13 @@ async fn serve_udp(server: Arc<DnsServer>, socket: Arc<UdpSocket>) {
                 Decision::Drop => "dropped",
                 Decision::Forward(_) => "forwarding",
             };
-            log(Transport::Udp, peer, resolver, &describe(&decision), outcome);
+            log(
+                Transport::Udp,
+                peer,
+                resolver,
+                &describe(&decision),
+                outcome,
+            );
         }
         match decision {
             Decision::Answer(bytes) | Decision::Refuse(bytes, _) => {
@@ -641,7 +662,13 @@ async fn serve_connection(
                 bytes
             }
             Decision::Refuse(bytes, rcode) => {
-                log(Transport::Tcp, peer, resolver, &rcode.to_string(), "refused");
+                log(
+                    Transport::Tcp,
+                    peer,
+                    resolver,
+                    &rcode.to_string(),
+                    "refused",
+                );
                 bytes
             }
             Decision::Drop => return Ok(()),

@@ -79,7 +79,10 @@ impl NameTable {
                 if endpoint.conditions.as_ref().and_then(|c| c.ready) == Some(false) {
                     continue;
                 }
-                let addrs = endpoint.addresses.iter().filter_map(|a| a.parse::<IpAddr>().ok());
+                let addrs = endpoint
+                    .addresses
+                    .iter()
+                    .filter_map(|a| a.parse::<IpAddr>().ok());
                 ready.entry(key.clone()).or_default().extend(addrs);
             }
         }
@@ -188,7 +191,9 @@ mod tests {
 
     fn table() -> NameTable {
         let services = [
-            service("metadata: {name: web, namespace: shop}\nspec: {clusterIPs: [10.96.0.10, 'fd00::10']}"),
+            service(
+                "metadata: {name: web, namespace: shop}\nspec: {clusterIPs: [10.96.0.10, 'fd00::10']}",
+            ),
             service("metadata: {name: db, namespace: shop}\nspec: {clusterIP: None}"),
             service("metadata: {name: ext, namespace: shop}\nspec: {type: ExternalName}"),
         ];
@@ -237,7 +242,10 @@ mod tests {
         for (asked, ns) in [
             ("web.shop.app.svc.cluster.local", Some("app")),
             ("web.shop.svc.app.svc.cluster.local", Some("app")),
-            ("web.shop.svc.cluster.local.app.svc.cluster.local", Some("app")),
+            (
+                "web.shop.svc.cluster.local.app.svc.cluster.local",
+                Some("app"),
+            ),
             ("web.shop.svc.svc.cluster.local", None),
             ("web.shop.svc.cluster.local.cluster.local", None),
             ("web.shop.svc.cluster.local", Some("shop")),
@@ -245,7 +253,10 @@ mod tests {
             assert_eq!(ips(t.lookup(asked, ns)).len(), 2, "{asked}");
         }
         // Another namespace's search path does not make `web.shop` of it.
-        assert!(t.lookup("web.shop.app.svc.cluster.local", Some("other")).is_none());
+        assert!(
+            t.lookup("web.shop.app.svc.cluster.local", Some("other"))
+                .is_none()
+        );
         assert!(t.lookup("web.app.svc.cluster.local", Some("app")).is_none());
     }
 }

@@ -95,7 +95,10 @@ pub(super) fn own_names_rate(client: &Pod, resolver: IpAddr, seconds: f64) -> Re
         let _ = t.join();
     }
     if failed.load(Ordering::Relaxed) {
-        bail!("a query for {SERVICE_NAME} from {} got no answer", client.name);
+        bail!(
+            "a query for {SERVICE_NAME} from {} got no answer",
+            client.name
+        );
     }
     Ok(answered.load(Ordering::Relaxed) as f64 / start.elapsed().as_secs_f64())
 }
@@ -108,10 +111,17 @@ pub(super) fn forwarded_latency(client: &Pod, resolver: IpAddr, n: usize) -> Res
     let times = netns::in_netns(&client.netns, move || {
         let mut times = Vec::with_capacity(n);
         for i in 0..n + 100 {
-            let query = query_bytes(&format!("q{i}-{nonce}.{FORWARDED_ZONE}."), RecordType::A, false);
+            let query = query_bytes(
+                &format!("q{i}-{nonce}.{FORWARDED_ZONE}."),
+                RecordType::A,
+                false,
+            );
             let t = Instant::now();
             ask_udp(&query, server, ANSWER_TIMEOUT).ok_or_else(|| {
-                std::io::Error::new(std::io::ErrorKind::TimedOut, format!("no answer to query {i}"))
+                std::io::Error::new(
+                    std::io::ErrorKind::TimedOut,
+                    format!("no answer to query {i}"),
+                )
             })?;
             if i >= 100 {
                 times.push(t.elapsed().as_secs_f64() * 1e6);
