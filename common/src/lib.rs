@@ -244,7 +244,8 @@ impl FlowKey {
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct PodCounters {
-    /// SYNs from the pod assigned to the outbound listener.
+    /// SYNs from the pod assigned to the outbound listener, and its DNS
+    /// captured for the agent's DNS server: TCP SYNs and UDP queries to port 53.
     pub captured_outbound: u64,
     /// SYNs to the pod's HBONE port assigned to the HBONE listener.
     pub captured_inbound_hbone: u64,

@@ -67,7 +67,9 @@ impl Capture {
         let _ = self.child.wait();
         netns::unregister(&Resource::Process(self.child.id()));
         let raw = fs::read(&self.file)?;
-        let out = run(Command::new("tcpdump").args(["-nn", "-t", "-r"]).arg(&self.file))?;
+        let out = run(Command::new("tcpdump")
+            .args(["-nn", "-t", "-r"])
+            .arg(&self.file))?;
         let lines = String::from_utf8_lossy(&out.stdout)
             .lines()
             .map(str::to_string)

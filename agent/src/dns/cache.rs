@@ -190,7 +190,7 @@ mod tests {
         ) else {
             panic!()
         };
-        asked
+        *asked
     }
 
     fn answer(name: &str, ttl: u32) -> Message {

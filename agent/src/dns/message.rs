@@ -108,8 +108,8 @@ pub enum Decision {
     /// answer pointing the client to TCP).
     Answer(Vec<u8>),
     /// Not a name of the table, or not an address question: ask the resolver
-    /// the pod asked.
-    Forward(Asked),
+    /// the pod asked (boxed: the other decisions are a few words).
+    Forward(Box<Asked>),
     /// Refuse with these bytes: FORMERR (malformed, or not one question) or
     /// NOTIMP (not a standard query).
     Refuse(Vec<u8>, ResponseCode),
@@ -154,12 +154,12 @@ pub fn decide(
         .as_ref()
         .map_or(UDP_MIN_PAYLOAD, |e| usize::from(e.max_payload()))
         .max(UDP_MIN_PAYLOAD);
-    let asked = Asked {
+    let asked = Box::new(Asked {
         message,
         query,
         name,
         udp_payload,
-    };
+    });
     let qtype = asked.qtype();
     if asked.query.query_class() != DNSClass::IN
         || !matches!(qtype, RecordType::A | RecordType::AAAA)
