@@ -825,7 +825,9 @@ mod tests {
             &binaries,
             None,
         );
-        assert!(all.contains("'/t/programs-1' 'decisions_on_crafted_packets' || status=1"));
+        assert!(all.contains(
+            "'/t/programs-1' 'decisions_on_crafted_packets' 'dns_queries_and_answers' || status=1"
+        ));
         assert!(all.contains("'/t/restart-1' || status=1"));
         let some = init_script(
             Path::new("/p"),

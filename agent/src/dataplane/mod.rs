@@ -1513,7 +1513,7 @@ mod tests {
             ifname: "veth5".into(),
             ifindex: 5,
             draining: false,
-            dns_capture: true,
+            dns_capture: false,
         };
         let info = pod.info();
         assert_eq!(info.flags, POD_ENROLLED | POD_HAS_IPV4);
@@ -1523,6 +1523,12 @@ mod tests {
         pod.ipv6 = Some(v6);
         let info = pod.info();
         assert_eq!(info.flags, POD_ENROLLED | POD_HAS_IPV4 | POD_HAS_IPV6);
+        pod.dns_capture = true;
+        assert_eq!(
+            pod.info().flags,
+            POD_ENROLLED | POD_HAS_IPV4 | POD_HAS_IPV6 | POD_DNS_CAPTURE
+        );
+        pod.dns_capture = false;
         assert_eq!(info.ipv6, v6.octets());
         assert_eq!(info.workload_id, 3);
         assert_eq!(pod.addrs_text(), "10.244.1.5,fd00:10:244:1::5");
