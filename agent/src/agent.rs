@@ -25,8 +25,8 @@ use std::{path::PathBuf, sync::Arc, time::Duration};
 
 use anyhow::{Context, Result};
 use podlink_common::{
-    CONFIG_FAIL_OPEN, Config, HBONE_PORT, INBOUND_PLAINTEXT_PORT, OUTBOUND_PORT, PROXY_MARK,
-    REDIRECT_MARK, REDIRECT_MARK_MASK, ROUTE_TABLE, RULE_PRIORITY,
+    CONFIG_FAIL_OPEN, Config, DNS_PORT, HBONE_PORT, INBOUND_PLAINTEXT_PORT, OUTBOUND_PORT,
+    PROXY_MARK, REDIRECT_MARK, REDIRECT_MARK_MASK, ROUTE_TABLE, RULE_PRIORITY,
 };
 use tokio::signal::unix::{SignalKind, signal};
 
@@ -34,6 +34,7 @@ use crate::{
     admin,
     cni::{self, enroller::Enroller},
     dataplane::{AttachMode, Dataplane, DataplaneConfig, net, netlink::Netlink},
+    dns::{self, DnsConfig, DnsServer, DnsSockets},
     identity::{
         CertManager, CertSource,
         istio_ca::{IstioCaClient, IstioCaConfig},
@@ -80,6 +81,12 @@ pub struct AgentConfig {
     pub cert_lifetime: Duration,
     /// Let enrolled pods' outbound connections pass uncaptured while no proxy listens.
     pub fail_open: bool,
+    /// Capture enrolled pods' DNS into the agent's DNS server ([`crate::dns`]).
+    pub dns_capture: bool,
+    /// The cluster's DNS domain (`cluster.local`).
+    pub cluster_domain: String,
+    /// Time a resolver has to answer a forwarded query.
+    pub dns_upstream_timeout: Duration,
     /// Attach TCX links with expedited RCU grace periods
     /// ([`crate::dataplane::rcu`]).
     pub expedite_attach: bool,
@@ -205,6 +212,13 @@ pub async fn run(cfg: AgentConfig) -> Result<()> {
         tracing::info!(ranges = %ranges.join(","), "cluster ranges");
     }
     let listeners = Listeners::bind(&proxy_config)?;
+    let dns_config = DnsConfig::new(ipv6, PROXY_MARK, cfg.dns_upstream_timeout);
+    let dns_sockets = if cfg.dns_capture {
+        Some(DnsSockets::bind(&dns_config)?)
+    } else {
+        tracing::info!("DNS capture is off (--dns-capture=false)");
+        None
+    };
     let admin_listener = admin::bind(cfg.admin_address)
         .await
         .with_context(|| format!("binding the admin endpoint {}", cfg.admin_address))?;
@@ -231,7 +245,11 @@ pub async fn run(cfg: AgentConfig) -> Result<()> {
     let dataplane = Dataplane::load(&DataplaneConfig {
         pin_dir: cfg.pin_dir.clone(),
         state_dir: cfg.state_dir.clone(),
-        config: Config::with_defaults(if cfg.fail_open { CONFIG_FAIL_OPEN } else { 0 }),
+        config: Config {
+            // No DNS port: the programs capture no pod's DNS.
+            dns_port: if cfg.dns_capture { DNS_PORT } else { 0 },
+            ..Config::with_defaults(if cfg.fail_open { CONFIG_FAIL_OPEN } else { 0 })
+        },
         node_addrs: network.addrs.clone(),
         excluded_cidrs: cfg.excluded_cidrs.clone(),
         excluded_ports: cfg.excluded_ports.clone(),
@@ -287,7 +305,8 @@ pub async fn run(cfg: AgentConfig) -> Result<()> {
         .context("the workload source stopped before its first view")?;
     let reconciler = Reconciler::new(
         State::new(&cfg.node, &cfg.trust_domain, &cfg.root_namespace)
-            .with_cluster_cidrs(&cfg.cluster_cidrs),
+            .with_cluster_cidrs(&cfg.cluster_cidrs)
+            .with_cluster_domain(&cfg.cluster_domain),
         dataplane,
         Enroller::new(&cfg.node, &cfg.cni.socket),
         source.reporter.take(),
@@ -304,6 +323,10 @@ pub async fn run(cfg: AgentConfig) -> Result<()> {
     let mut reconcile = reconcile::run::Loop::new(reconciler, netlink, network, state.clone());
     reconcile.start(first);
     let proxy = tokio::spawn(proxy::serve(state.clone(), listeners));
+    let dns = dns_sockets.map(|sockets| {
+        let server = Arc::new(DnsServer::new(&dns_config, state.clone()));
+        tokio::spawn(dns::serve(server, sockets))
+    });
     let admin = tokio::spawn(admin::serve(
         admin_listener,
         state.clone(),
@@ -366,6 +389,9 @@ pub async fn run(cfg: AgentConfig) -> Result<()> {
         "stopping; links and maps stay pinned, enrolled pods fail closed until an agent is back"
     );
     proxy.abort();
+    if let Some(dns) = dns {
+        dns.abort();
+    }
     admin.abort();
     metrics_server.abort();
     readiness_server.abort();

@@ -266,9 +266,25 @@ struct AgentArgs {
     #[arg(long, default_value = "5m", value_parser = parse_idle_timeout)]
     hbone_idle_timeout: Duration,
     /// When no proxy listens, let enrolled pods' new outbound connections pass
-    /// uncaptured instead of dropping them (default: fail closed).
+    /// uncaptured instead of dropping them (default: fail closed). Enrolled pods'
+    /// DNS queries follow it too while the agent's DNS server is away.
     #[arg(long)]
     fail_open: bool,
+    /// Capture enrolled pods' DNS queries (UDP and TCP to port 53, any address)
+    /// into the agent's DNS server, which answers the cluster's Service names
+    /// and forwards the rest to the resolver the pod asked. A pod annotated
+    /// ambient.istio.io/dns-capture: "false" is left alone; false leaves every
+    /// pod alone.
+    #[arg(long, default_value_t = true, action = clap::ArgAction::Set, value_name = "BOOL")]
+    dns_capture: bool,
+    /// The cluster's DNS domain: Services are named
+    /// <name>.<namespace>.svc.<domain>.
+    #[arg(long, default_value = crate::dns::names::DEFAULT_CLUSTER_DOMAIN)]
+    cluster_domain: String,
+    /// Time a resolver has to answer a query the DNS server forwarded before the
+    /// pod gets SERVFAIL, e.g. 2s; from 100ms to 30s.
+    #[arg(long, default_value = "2s", value_parser = parse_dns_timeout)]
+    dns_upstream_timeout: Duration,
     /// Set /sys/kernel/rcu_expedited to 1 for the moment of a pod's TCX
     /// attachments (about 0.05 ms per link instead of a normal RCU grace period
     /// each). Node-wide: every RCU grace period on the node is expedited meanwhile
@@ -316,6 +332,14 @@ const CERT_LIFETIME_RANGE: (Duration, Duration) = (
 
 fn parse_cluster_cidr(s: &str) -> Result<ipnet::IpNet, String> {
     crate::state::ranges::parse_cidr(s).map_err(|e| e.to_string())
+}
+
+fn parse_dns_timeout(s: &str) -> Result<Duration, String> {
+    let d = humantime::parse_duration(s).map_err(|e| e.to_string())?;
+    if !(Duration::from_millis(100)..=Duration::from_secs(30)).contains(&d) {
+        return Err(format!("{s} is not within 100ms to 30s"));
+    }
+    Ok(d)
 }
 
 fn parse_idle_timeout(s: &str) -> Result<Duration, String> {
@@ -478,6 +502,9 @@ pub fn main() -> Result<()> {
                 admin_address: args.admin_address,
                 cert_lifetime: args.cert_lifetime,
                 fail_open: args.fail_open,
+                dns_capture: args.dns_capture,
+                cluster_domain: args.cluster_domain,
+                dns_upstream_timeout: args.dns_upstream_timeout,
                 expedite_attach: args.expedite_attach,
                 attach_mode: args.attach_mode,
                 excluded_cidrs: args.excluded_cidrs,

@@ -10,6 +10,7 @@ pub mod authz;
 pub mod cli;
 pub mod cni;
 pub mod dataplane;
+pub mod dns;
 pub mod error;
 pub mod identity;
 pub mod istiod;

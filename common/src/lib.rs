@@ -17,6 +17,12 @@ pub const OUTBOUND_PORT: u16 = 15001;
 pub const INBOUND_PLAINTEXT_PORT: u16 = 15006;
 /// HBONE (HTTP/2 CONNECT over mutual TLS) listener for traffic entering an enrolled pod.
 pub const HBONE_PORT: u16 = 15008;
+/// The agent's DNS server (UDP and TCP): enrolled pods' queries to port 53 are
+/// steered to it (ztunnel's DNS port).
+pub const DNS_PORT: u16 = 15053;
+/// The DNS port (RFC 1035, 4.2): queries to it, UDP or TCP, at any address, are
+/// captured.
+pub const DNS_SERVICE_PORT: u16 = 53;
 
 /// `SO_MARK` of every socket the proxy opens; the programs let such packets pass.
 /// Same value and mask as ztunnel's own sockets.
@@ -114,6 +120,11 @@ pub const POD_HAS_IPV6: u32 = 1 << 2;
 /// are not captured. The agent detaches the pod once the proxy carries none of
 /// its flows, or its drain bound passed.
 pub const POD_DRAINING: u32 = 1 << 3;
+/// [`PodInfo::flags`]: the pod's DNS queries (UDP and TCP to port 53, any
+/// address) go to the agent's DNS server ([`Config::dns_port`]). Unset for a pod
+/// annotated `ambient.istio.io/dns-capture: "false"`, and for every pod when the
+/// agent runs with `--dns-capture=false`.
+pub const POD_DNS_CAPTURE: u32 = 1 << 4;
 
 /// Value of the pods map: one enrolled pod, keyed by its host veth's ifindex.
 #[repr(C)]
@@ -158,8 +169,10 @@ pub struct Config {
     pub inbound_plaintext_port: u16,
     /// HBONE listener port, host byte order.
     pub hbone_port: u16,
-    /// Padding, zero.
-    pub _pad: u16,
+    /// The agent's DNS server port (UDP and TCP), host byte order; zero: DNS is
+    /// not captured. (Padding, zero, in the agents before DNS capture: the
+    /// layout is the same.)
+    pub dns_port: u16,
     /// `CONFIG_*` flags.
     pub flags: u32,
     /// Number of valid entries in `node_addrs`.
@@ -180,7 +193,7 @@ impl Config {
             outbound_port: OUTBOUND_PORT,
             inbound_plaintext_port: INBOUND_PLAINTEXT_PORT,
             hbone_port: HBONE_PORT,
-            _pad: 0,
+            dns_port: DNS_PORT,
             flags,
             node_addr_count: 0,
             node_addrs: [[0; 16]; MAX_NODE_ADDRS],
@@ -231,7 +244,8 @@ impl FlowKey {
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct PodCounters {
-    /// SYNs from the pod assigned to the outbound listener.
+    /// SYNs from the pod assigned to the outbound listener, and its DNS
+    /// captured for the agent's DNS server: TCP SYNs and UDP queries to port 53.
     pub captured_outbound: u64,
     /// SYNs to the pod's HBONE port assigned to the HBONE listener.
     pub captured_inbound_hbone: u64,

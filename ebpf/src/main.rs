@@ -3,10 +3,12 @@
 //! * [`from_pod`] runs at TC ingress (packets leaving the pod, and packets that
 //!   [`to_pod`] bounced back in). It assigns a packet with `bpf_sk_assign` to the
 //!   proxy socket of its flow, or a new connection to a transparent listener.
+//!   DNS queries (UDP and TCP to port 53) go to the agent's DNS server.
 //! * [`to_pod`] runs at TC egress (packets entering the pod). It lets the proxy's and
 //!   the node's own packets through and bounces new connections and packets of proxy
 //!   flows into the same device's ingress, where `from_pod` can assign them
-//!   (`bpf_sk_assign` only works at ingress).
+//!   (`bpf_sk_assign` only works at ingress). The DNS server's UDP answers get
+//!   port 53 back as their source port.
 //!
 //! The kernel facts they rely on are listed in docs/architecture.md ("Kernel facts
 //! the data path depends on"). Entry points are thin; the work is in [`parse`], [`socket`]
@@ -18,18 +20,25 @@ mod maps;
 mod parse;
 mod socket;
 mod tcp;
+mod udp;
 
 use aya_ebpf::{
-    bindings::BPF_F_INGRESS, helpers::generated::bpf_redirect, macros::classifier,
+    bindings::{BPF_F_INGRESS, BPF_F_MARK_MANGLED_0},
+    helpers::generated::bpf_redirect,
+    macros::classifier,
     programs::TcContext,
 };
-use podlink_common::{CONFIG_DRAINING, CONFIG_FAIL_OPEN, Config, POD_DRAINING, PodInfo};
+use podlink_common::{
+    CONFIG_DRAINING, CONFIG_FAIL_OPEN, Config, DNS_SERVICE_PORT, POD_DNS_CAPTURE, POD_DRAINING,
+    PodInfo,
+};
 
 use crate::{
     maps::{count, is_excluded},
     parse::Packet,
     socket::Lookup,
     tcp::Tcp,
+    udp::Udp,
 };
 
 // Verdicts, from include/uapi/linux/pkt_cls.h (TCX reads them as TCX_NEXT,
@@ -42,8 +51,8 @@ const OK: i32 = 0;
 /// `TC_ACT_SHOT`: drop.
 const DROP: i32 = 2;
 
-/// Counts and returns the verdict for a packet of an enrolled pod that is not
-/// readable TCP.
+/// Counts and returns the verdict for a packet of an enrolled pod that is
+/// neither readable TCP nor a DNS query.
 #[inline(always)]
 fn not_tcp(packet: Packet, ifindex: u32) -> i32 {
     match packet {
@@ -61,7 +70,10 @@ fn not_tcp(packet: Packet, ifindex: u32) -> i32 {
             count(ifindex, |c| &mut c.dropped_unparsable);
             DROP
         }
-        Packet::Tcp4(_) | Packet::Tcp6(_) => PASS,
+        Packet::Tcp4(_) | Packet::Tcp6(_) | Packet::Udp4(_) | Packet::Udp6(_) => {
+            count(ifindex, |c| &mut c.passed);
+            PASS
+        }
     }
 }
 
@@ -77,6 +89,8 @@ pub fn from_pod(ctx: TcContext) -> i32 {
     match parse::parse(&ctx) {
         Packet::Tcp4(pkt) => from_pod_tcp(&ctx, cfg, ifindex, &pkt),
         Packet::Tcp6(pkt) => from_pod_tcp(&ctx, cfg, ifindex, &pkt),
+        Packet::Udp4(pkt) => from_pod_udp(&ctx, cfg, ifindex, &pkt),
+        Packet::Udp6(pkt) => from_pod_udp(&ctx, cfg, ifindex, &pkt),
         // What leaves an enrolled pod carries its own address (see
         // `Tcp::is_spoofed`). IPv6 also passes link-local and unspecified sources
         // (neighbour discovery, MLD), for a pod without an IPv6 address too; any
@@ -110,6 +124,49 @@ pub fn from_pod(ctx: TcContext) -> i32 {
                 return PASS;
             }
             not_tcp(other, ifindex)
+        }
+    }
+}
+
+/// A UDP datagram at the host veth's ingress (only ever from the pod: `to_pod`
+/// bounces no UDP). A DNS query (to port 53, at any address) of a pod whose DNS
+/// is captured goes to the agent's DNS socket, which answers from the address
+/// asked; without that socket it is dropped (fail closed) or passed (fail open).
+/// Anything else passes. Written once for both families (see [`udp`]).
+#[inline(always)]
+fn from_pod_udp<P: Udp>(ctx: &TcContext, cfg: &Config, ifindex: u32, pkt: &P) -> i32 {
+    let Some(pod) = maps::pod(ifindex) else {
+        return PASS;
+    };
+    if !pkt.is_from_pod(pod) {
+        return spoofed(ifindex);
+    }
+    if pkt.dport() != DNS_SERVICE_PORT
+        || pod.flags & POD_DNS_CAPTURE == 0
+        || pod.flags & POD_DRAINING != 0
+        || cfg.dns_port == 0
+    {
+        count(ifindex, |c| &mut c.passed);
+        return PASS;
+    }
+    // Unlike the TCP listeners, the DNS socket answers to the end, draining or
+    // not: a datagram has no handshake to finish, and the socket closes at once.
+    let Some(sk) = socket::lookup_dns_socket(ctx, pkt, cfg.dns_port) else {
+        if cfg.flags & CONFIG_FAIL_OPEN != 0 {
+            count(ifindex, |c| &mut c.passed);
+            return PASS;
+        }
+        count(ifindex, |c| &mut c.dropped_no_listener);
+        return DROP;
+    };
+    match socket::assign(ctx, sk, cfg) {
+        Ok(()) => {
+            count(ifindex, |c| &mut c.captured_outbound);
+            OK
+        }
+        Err(()) => {
+            count(ifindex, |c| &mut c.dropped_assign_failed);
+            DROP
         }
     }
 }
@@ -240,6 +297,10 @@ fn from_pod_slow<P: Tcp>(
         } else {
             cfg.inbound_plaintext_port
         }
+    } else if dport == DNS_SERVICE_PORT && pod.flags & POD_DNS_CAPTURE != 0 && cfg.dns_port != 0 {
+        // DNS over TCP, to any address: the agent's DNS server (exclusions do
+        // not apply, as they do not to DNS over UDP).
+        cfg.dns_port
     } else {
         if is_excluded(pkt) {
             // An earlier captured flow of the same 4-tuple must not steer this one.
@@ -315,6 +376,8 @@ pub fn to_pod(ctx: TcContext) -> i32 {
     match packet {
         Packet::Tcp4(pkt) => to_pod_tcp(&ctx, cfg, ifindex, proxy_own, &pkt),
         Packet::Tcp6(pkt) => to_pod_tcp(&ctx, cfg, ifindex, proxy_own, &pkt),
+        Packet::Udp4(pkt) => to_pod_udp(&ctx, cfg, ifindex, proxy_own, &pkt),
+        Packet::Udp6(pkt) => to_pod_udp(&ctx, cfg, ifindex, proxy_own, &pkt),
         other => {
             if proxy_own || maps::pod(ifindex).is_none() {
                 return PASS;
@@ -401,6 +464,51 @@ fn to_pod_tcp<P: Tcp>(
     count(ifindex, |c| &mut c.bounced);
     redirect_to_ingress(ifindex)
 }
+
+/// A UDP datagram at the host veth's egress (entering the pod). An answer of the
+/// agent's DNS server (the proxy's mark, from the DNS port) gets the DNS port
+/// (53) back as its source port: the server sent it from the address the pod
+/// asked, but from its own port. Anything else passes, uncounted when it is
+/// the proxy's.
+#[inline(always)]
+fn to_pod_udp<P: Udp>(
+    ctx: &TcContext,
+    cfg: &Config,
+    ifindex: u32,
+    proxy_own: bool,
+    pkt: &P,
+) -> i32 {
+    if proxy_own {
+        if cfg.dns_port != 0 && pkt.sport() == cfg.dns_port {
+            // The UDP checksum covers the port (RFC 768): replaced with it.
+            // `BPF_F_MARK_MANGLED_0`: an IPv4 checksum of zero (none) stays zero,
+            // one computed as zero is written 0xffff. A checksum left to the
+            // device (CHECKSUM_PARTIAL) holds the pseudo-header's sum only, which
+            // the kernel leaves alone for a port.
+            let from = cfg.dns_port.to_be() as u64;
+            let to = DNS_SERVICE_PORT.to_be() as u64;
+            let csum = pkt.l4() as usize + UDP_CHECK_OFFSET;
+            if ctx
+                .l4_csum_replace(csum, from, to, BPF_F_MARK_MANGLED_0 as u64 | 2)
+                .is_err()
+                || ctx
+                    .store(pkt.l4() as usize, &DNS_SERVICE_PORT.to_be(), 0)
+                    .is_err()
+            {
+                return DROP;
+            }
+        }
+        return PASS;
+    }
+    if maps::pod(ifindex).is_none() {
+        return PASS;
+    }
+    count(ifindex, |c| &mut c.passed);
+    PASS
+}
+
+/// Offset of the checksum in the UDP header (RFC 768).
+const UDP_CHECK_OFFSET: usize = 6;
 
 /// Bounces the packet into the ingress of host veth `ifindex`, where `from_pod`
 /// assigns it (`bpf_redirect` with `BPF_F_INGRESS`).

@@ -1,5 +1,5 @@
-//! Packet parsing with direct packet access: Ethernet → IPv4 → TCP, and Ethernet →
-//! IPv6 → (extension headers) → TCP.
+//! Packet parsing with direct packet access: Ethernet → IPv4 → TCP or UDP, and
+//! Ethernet → IPv6 → (extension headers) → TCP or UDP.
 //!
 //! Headers outside the linear part of the skb are pulled in with
 //! `bpf_skb_pull_data` once; TCP that still cannot be read is reported, never
@@ -14,6 +14,9 @@ const ETH_HLEN: usize = 14;
 const ETH_P_IP: u16 = 0x0800;
 const ETH_P_IPV6: u16 = 0x86dd;
 const IPPROTO_TCP: u8 = 6;
+const IPPROTO_UDP: u8 = 17;
+/// UDP header: source and destination ports, length, checksum (RFC 768).
+const UDP_HLEN: usize = 8;
 const IPPROTO_HOPOPTS: u8 = 0;
 const IPPROTO_ROUTING: u8 = 43;
 const IPPROTO_FRAGMENT: u8 = 44;
@@ -89,20 +92,44 @@ pub struct Tcp6 {
     pub flags: u8,
 }
 
+/// The fields of a UDP datagram the programs decide on (IPv4, unfragmented).
+/// The source address in network order, ports in host order; `l4` is the offset of the UDP
+/// header from the start of the packet (its checksum is at `l4 + 6`).
+pub struct Udp4 {
+    pub saddr: u32,
+    pub sport: u16,
+    pub dport: u16,
+    pub l4: u32,
+}
+
+/// The fields of an IPv6 UDP datagram the programs decide on (after any
+/// hop-by-hop, routing and destination options headers); as [`Udp4`].
+pub struct Udp6 {
+    pub saddr: Ip6,
+    pub sport: u16,
+    pub dport: u16,
+    pub l4: u32,
+}
+
 /// What a packet is, as far as capture is concerned.
 pub enum Packet {
     /// IPv4 TCP with readable headers.
     Tcp4(Tcp4),
     /// IPv6 TCP with readable headers.
     Tcp6(Tcp6),
+    /// Unfragmented IPv4 UDP with a readable header (DNS is captured).
+    Udp4(Udp4),
+    /// IPv6 UDP with a readable header (DNS is captured).
+    Udp6(Udp6),
     /// Not IP and never captured: ARP, anything else.
     Other,
-    /// IPv4 but not TCP (UDP, ICMP, …): never captured; the source address (network
-    /// order) is kept for the anti-spoofing check.
+    /// IPv4 but neither TCP nor readable UDP (ICMP, UDP fragments, …): never
+    /// captured; the source address (network order) is kept for the
+    /// anti-spoofing check.
     Ipv4Other { saddr: u32 },
-    /// IPv6 but not TCP (UDP, ICMPv6, no next header, …, also behind extension
-    /// headers, and fragments of them): never captured; the source address is kept
-    /// for the anti-spoofing check.
+    /// IPv6 but neither TCP nor UDP (ICMPv6, no next header, …, also behind
+    /// extension headers, and fragments of them, UDP's too): never captured; the
+    /// source address is kept for the anti-spoofing check.
     Ipv6Other { saddr: Ip6 },
     /// A TCP fragment (IPv4), or an IPv6 fragment of TCP or of extension headers
     /// that may hide TCP.
@@ -174,6 +201,26 @@ fn parse_linear(ctx: &TcContext) -> Result<Linear, Short> {
                         flags,
                     })))
                 }
+                IPPROTO_UDP => {
+                    let udp = ip + IPV6_HLEN;
+                    if udp + UDP_HLEN > end {
+                        return Err(Short);
+                    }
+                    // SAFETY: the fixed IPv6 header and the UDP header are within
+                    // bounds (checked above).
+                    let (sport, dport) = unsafe {
+                        (
+                            u16::from_be(*(udp as *const u16)),
+                            u16::from_be(*((udp + 2) as *const u16)),
+                        )
+                    };
+                    Ok(Linear::Packet(Packet::Udp6(Udp6 {
+                        saddr,
+                        sport,
+                        dport,
+                        l4: (ETH_HLEN + IPV6_HLEN) as u32,
+                    })))
+                }
                 IPPROTO_HOPOPTS | IPPROTO_ROUTING | IPPROTO_DSTOPTS | IPPROTO_FRAGMENT => {
                     // SAFETY: the fixed IPv6 header is within bounds.
                     let daddr = unsafe { Ip6(*((ip + 24) as *const [u32; 4])) };
@@ -199,6 +246,31 @@ fn parse_linear(ctx: &TcContext) -> Result<Linear, Short> {
     };
     if vihl >> 4 != 4 {
         return Ok(Linear::Packet(Packet::Unparsable));
+    }
+    if proto == IPPROTO_UDP {
+        // A fragment's ports are in its first fragment only: UDP fragments pass
+        // as other IPv4 does (a DNS query fits one datagram).
+        let ihl = ((vihl & 0x0f) as usize) * 4;
+        if frag & IP_MF_OFFSET != 0 || ihl < IPV4_MIN_HLEN {
+            return Ok(Linear::Packet(Packet::Ipv4Other { saddr }));
+        }
+        let udp = ip + ihl;
+        if udp + UDP_HLEN > end {
+            return Err(Short);
+        }
+        // SAFETY: the UDP header is within bounds (checked above).
+        let (sport, dport) = unsafe {
+            (
+                u16::from_be(*(udp as *const u16)),
+                u16::from_be(*((udp + 2) as *const u16)),
+            )
+        };
+        return Ok(Linear::Packet(Packet::Udp4(Udp4 {
+            saddr,
+            sport,
+            dport,
+            l4: (ETH_HLEN + ihl) as u32,
+        })));
     }
     if proto != IPPROTO_TCP {
         return Ok(Linear::Packet(Packet::Ipv4Other { saddr }));
@@ -259,6 +331,17 @@ fn parse_ipv6_ext(ctx: &TcContext, mut next: u8, saddr: Ip6, daddr: Ip6) -> Pack
                 sport: u16::from_be_bytes([tcp[0], tcp[1]]),
                 dport: u16::from_be_bytes([tcp[2], tcp[3]]),
                 flags: tcp[13],
+            })
+        }
+        IPPROTO_UDP => {
+            let Ok(udp) = ctx.load::<[u8; 4]>(off) else {
+                return Packet::Ipv6Other { saddr };
+            };
+            Packet::Udp6(Udp6 {
+                saddr,
+                sport: u16::from_be_bytes([udp[0], udp[1]]),
+                dport: u16::from_be_bytes([udp[2], udp[3]]),
+                l4: off as u32,
             })
         }
         IPPROTO_FRAGMENT => {

@@ -1,15 +1,16 @@
-//! Socket lookups and assignment (`bpf_skc_lookup_tcp`, `bpf_sk_assign`).
+//! Socket lookups and assignment (`bpf_skc_lookup_tcp`, `bpf_sk_lookup_udp`,
+//! `bpf_sk_assign`).
 //!
 //! Every socket returned by a lookup is released on every path.
 
 use aya_ebpf::{
     bindings::{BPF_F_CURRENT_NETNS, BPF_TCP_LISTEN, BPF_TCP_TIME_WAIT, bpf_sock, bpf_sock_tuple},
-    helpers::generated::{bpf_sk_assign, bpf_sk_release, bpf_skc_lookup_tcp},
+    helpers::generated::{bpf_sk_assign, bpf_sk_lookup_udp, bpf_sk_release, bpf_skc_lookup_tcp},
     programs::TcContext,
 };
 use podlink_common::Config;
 
-use crate::tcp::Tcp;
+use crate::{tcp::Tcp, udp::Udp};
 
 /// Linux `PACKET_HOST`.
 const PACKET_HOST: u32 = 0;
@@ -89,6 +90,25 @@ pub fn lookup_listener<P: Tcp>(ctx: &TcContext, pkt: &P, port: u16) -> Option<*m
         return None;
     }
     Some(sk)
+}
+
+/// Finds the agent's DNS socket on `port` (UDP, bound to 127.0.0.1 for IPv4,
+/// `[::1]` for IPv6) with `bpf_sk_lookup_udp`.
+#[inline(always)]
+pub fn lookup_dns_socket<P: Udp>(ctx: &TcContext, pkt: &P, port: u16) -> Option<*mut bpf_sock> {
+    let mut t = pkt.listener_tuple(port);
+    // SAFETY: helper call with the context and a stack tuple whose `P` part is
+    // written, of that part's size.
+    let sk = unsafe {
+        bpf_sk_lookup_udp(
+            ctx.skb.skb.cast(),
+            &mut t,
+            P::TUPLE_LEN,
+            BPF_F_CURRENT_NETNS as u64,
+            0,
+        )
+    };
+    if sk.is_null() { None } else { Some(sk) }
 }
 
 /// Assigns the packet to `sk` (consuming the lookup reference), then marks it for

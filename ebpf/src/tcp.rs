@@ -19,7 +19,7 @@ use crate::{
 
 /// 127.0.0.1 in network order: the proxy's IPv4 listeners are bound to loopback,
 /// so only packets steered by these programs reach them.
-const LOOPBACK4: u32 = u32::from_ne_bytes([127, 0, 0, 1]);
+pub const LOOPBACK4: u32 = u32::from_ne_bytes([127, 0, 0, 1]);
 
 /// A captured-flows key built on the stack, as the map reads it.
 pub trait FlowKeyBytes {
@@ -194,7 +194,7 @@ impl Tcp for Tcp6 {
 }
 
 #[inline(always)]
-fn tuple4(saddr: u32, daddr: u32, sport: u16, dport: u16) -> bpf_sock_tuple {
+pub fn tuple4(saddr: u32, daddr: u32, sport: u16, dport: u16) -> bpf_sock_tuple {
     bpf_sock_tuple {
         __bindgen_anon_1: bpf_sock_tuple__bindgen_ty_1 {
             ipv4: bpf_sock_tuple__bindgen_ty_1__bindgen_ty_1 {
@@ -208,7 +208,7 @@ fn tuple4(saddr: u32, daddr: u32, sport: u16, dport: u16) -> bpf_sock_tuple {
 }
 
 #[inline(always)]
-fn tuple6(saddr: &Ip6, daddr: &Ip6, sport: u16, dport: u16) -> bpf_sock_tuple {
+pub fn tuple6(saddr: &Ip6, daddr: &Ip6, sport: u16, dport: u16) -> bpf_sock_tuple {
     bpf_sock_tuple {
         __bindgen_anon_1: bpf_sock_tuple__bindgen_ty_1 {
             ipv6: bpf_sock_tuple__bindgen_ty_1__bindgen_ty_2 {

@@ -32,6 +32,7 @@ pub mod app;
 pub mod ca_double;
 mod capture;
 pub mod cni_runtime;
+pub mod dns;
 pub mod netns;
 pub mod xds_double;
 
@@ -316,6 +317,8 @@ pub struct Pod {
     /// The host side of its veth pair, in the node namespace.
     pub host_veth: String,
     pub labels: BTreeMap<String, String>,
+    /// `metadata.annotations`.
+    pub annotations: BTreeMap<String, String>,
     pub service_account: String,
     /// Its controller (`ownerReferences` with `controller: true`): kind and
     /// name, e.g. `ReplicaSet` `web-5d8f9c7b6`.
@@ -376,6 +379,7 @@ pub struct PodSpec {
     pub namespace: String,
     pub node: usize,
     pub labels: BTreeMap<String, String>,
+    pub annotations: BTreeMap<String, String>,
     pub service_account: Option<String>,
     pub owner: Option<(String, String)>,
 }
@@ -392,6 +396,11 @@ impl PodSpec {
 
     pub fn label(mut self, key: &str, value: &str) -> Self {
         self.labels.insert(key.into(), value.into());
+        self
+    }
+
+    pub fn annotation(mut self, key: &str, value: &str) -> Self {
+        self.annotations.insert(key.into(), value.into());
         self
     }
 
@@ -539,6 +548,15 @@ fn yaml_labels(labels: &BTreeMap<String, String>) -> String {
         return "{}".into();
     }
     let items: Vec<String> = labels.iter().map(|(k, v)| format!("{k}: {v}")).collect();
+    format!("{{{}}}", items.join(", "))
+}
+
+/// Annotations as a flow mapping, values quoted (`"false"` stays a string).
+fn yaml_annotations(annotations: &BTreeMap<String, String>) -> String {
+    let items: Vec<String> = annotations
+        .iter()
+        .map(|(k, v)| format!("{k}: {v:?}"))
+        .collect();
     format!("{{{}}}", items.join(", "))
 }
 
@@ -1059,6 +1077,7 @@ impl Cluster {
             ipv6,
             host_veth,
             labels: spec.labels.clone(),
+            annotations: spec.annotations.clone(),
             service_account: spec
                 .service_account
                 .clone()
@@ -1084,6 +1103,7 @@ impl Cluster {
             &spec.name,
             &spec.namespace,
             &spec.labels,
+            &spec.annotations,
             &self.nodes[spec.node].name,
             spec.service_account.as_deref().unwrap_or("default"),
             spec.owner.as_ref(),
@@ -1103,6 +1123,7 @@ impl Cluster {
             &pod.name,
             &pod.namespace,
             &pod.labels,
+            &pod.annotations,
             &self.nodes[pod.node].name,
             &pod.service_account,
             pod.owner.as_ref(),
@@ -1789,10 +1810,15 @@ fn cni_result_ips(result: &Value) -> Vec<IpAddr> {
 
 /// A Pod manifest; `ips` are its `status.podIPs` (the first is `podIP`); without
 /// any, `Pending` with no address.
+#[allow(
+    clippy::too_many_arguments,
+    reason = "the fields of a Pod manifest, each named at the call"
+)]
 fn pod_manifest(
     name: &str,
     ns: &str,
     labels: &BTreeMap<String, String>,
+    annotations: &BTreeMap<String, String>,
     node: &str,
     sa: &str,
     owner: Option<&(String, String)>,
@@ -1819,6 +1845,7 @@ metadata:
   name: {name}
   namespace: {ns}
   labels: {labels}
+  annotations: {annotations}
 {owner}spec:
   nodeName: {node}
   serviceAccountName: {sa}
@@ -1828,6 +1855,7 @@ metadata:
 status:
 {status}",
         labels = yaml_labels(labels),
+        annotations = yaml_annotations(annotations),
     )
 }
 
@@ -1901,7 +1929,16 @@ mod tests {
             "10.244.1.2".parse().unwrap(),
             "fd00:10:244:1::2".parse().unwrap(),
         ];
-        let text = pod_manifest("p", "ns", &BTreeMap::new(), "node1", "default", None, &ips);
+        let text = pod_manifest(
+            "p",
+            "ns",
+            &BTreeMap::new(),
+            &BTreeMap::new(),
+            "node1",
+            "default",
+            None,
+            &ips,
+        );
         let objects = yaml_objects(&text).unwrap();
         let status = &objects[0]["status"];
         assert_eq!(status["phase"], "Running");
@@ -1911,7 +1948,16 @@ mod tests {
             serde_json::json!([{"ip": "10.244.1.2"}, {"ip": "fd00:10:244:1::2"}])
         );
 
-        let pending = pod_manifest("p", "ns", &BTreeMap::new(), "node1", "default", None, &[]);
+        let pending = pod_manifest(
+            "p",
+            "ns",
+            &BTreeMap::new(),
+            &BTreeMap::new(),
+            "node1",
+            "default",
+            None,
+            &[],
+        );
         let status = &yaml_objects(&pending).unwrap()[0]["status"];
         assert_eq!(status["phase"], "Pending");
         assert!(status.get("podIPs").is_none());
@@ -1928,6 +1974,7 @@ mod tests {
             ipv6: Some("fd00:10:244:1::2".parse().unwrap()),
             host_veth: "veth0".into(),
             labels: BTreeMap::new(),
+            annotations: BTreeMap::new(),
             service_account: "default".into(),
             owner: None,
             container_id: "c".into(),

@@ -126,6 +126,7 @@ fn pod_of(result: &Value, name: &str, namespace: &str, netns: &str, sandbox: &Sa
         ipv6: None,
         host_veth,
         labels: Default::default(),
+        annotations: Default::default(),
         service_account: "default".into(),
         owner: None,
         container_id: sandbox.container_id.clone(),

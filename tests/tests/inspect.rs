@@ -100,7 +100,10 @@ fn inspect_shows(mode: AttachMode) {
         let ifindex = c.host_ifindex(pod).unwrap();
         assert_eq!(entry["ifindex"], ifindex);
         assert_eq!(entry["ipv4"], pod.ip.to_string());
-        assert_eq!(entry["flags"], serde_json::json!(["enrolled", "has_ipv4"]));
+        assert_eq!(
+            entry["flags"],
+            serde_json::json!(["enrolled", "has_ipv4", "dns_capture"])
+        );
         if !tcx {
             // podlink's filters, running its programs; no link.
             assert_eq!(

@@ -16,9 +16,9 @@ use aya::{
     programs::{SchedClassifier, TestRun, TestRunOptions},
 };
 use podlink_common::{
-    CONFIG_DRAINING, CONFIG_FAIL_OPEN, Config, FlowKey, MAP_CAPTURED_FLOWS, MAP_CONFIG,
-    MAP_COUNTERS, MAP_EXCLUDED_CIDRS, MAP_EXCLUDED_PORTS, MAP_PODS, OUTBOUND_PORT, POD_ENROLLED,
-    POD_HAS_IPV4, POD_HAS_IPV6, PROXY_MARK, PodCounters, PodInfo, ipv4_mapped,
+    CONFIG_DRAINING, CONFIG_FAIL_OPEN, Config, DNS_PORT, FlowKey, MAP_CAPTURED_FLOWS, MAP_CONFIG,
+    MAP_COUNTERS, MAP_EXCLUDED_CIDRS, MAP_EXCLUDED_PORTS, MAP_PODS, OUTBOUND_PORT, POD_DNS_CAPTURE,
+    POD_ENROLLED, POD_HAS_IPV4, POD_HAS_IPV6, PROXY_MARK, PodCounters, PodInfo, ipv4_mapped,
 };
 use podlink_tests::netns;
 
@@ -243,6 +243,32 @@ impl Programs {
         p.test_run(opts)
             .unwrap_or_else(|e| panic!("BPF_PROG_TEST_RUN {packet:02x?}: {e}"))
             .return_value
+    }
+
+    /// Runs `program` on `packet`; the verdict and the packet as it left.
+    fn run_out(&mut self, program: &str, packet: &[u8], mark: u32) -> (u32, Vec<u8>) {
+        let ctx_in = ctx(mark);
+        let mut out = vec![0u8; packet.len() + 64];
+        let p: &mut SchedClassifier = self.ebpf.program_mut(program).unwrap().try_into().unwrap();
+        let mut opts = TestRunOptions::new();
+        opts.data_in = Some(packet);
+        opts.ctx_in = Some(&ctx_in);
+        opts.data_out = Some(&mut out);
+        let verdict = p
+            .test_run(opts)
+            .unwrap_or_else(|e| panic!("BPF_PROG_TEST_RUN {packet:02x?}: {e}"))
+            .return_value;
+        out.truncate(packet.len());
+        (verdict, out)
+    }
+
+    /// Sets the flags of the pod's entry.
+    fn set_pod_flags(&mut self, flags: u32) {
+        let mut pods: HashMap<&mut MapData, u32, PodInfo> =
+            HashMap::try_from(self.ebpf.map_mut(MAP_PODS).unwrap()).unwrap();
+        let mut info = pods.get(&IFINDEX, 0).unwrap();
+        info.flags = flags;
+        pods.insert(IFINDEX, info, 0).unwrap();
     }
 
     fn flows(&mut self) -> HashMap<&mut MapData, FlowKey, u32> {
@@ -892,6 +918,97 @@ fn ipv6_decisions_on_crafted_packets() {
 /// `bpf_stats`), for profiling; ignored by default, run with
 /// `cargo test --release -p podlink-tests --test programs -- --ignored --nocapture`.
 /// Each path's verdict is checked; the times are printed, not judged.
+/// Ethernet + IPv4 + UDP with the given addresses and ports, 4 bytes of
+/// payload, and a valid UDP checksum (RFC 768).
+fn udp4(src: Ipv4Addr, dst: Ipv4Addr, sport: u16, dport: u16) -> Vec<u8> {
+    let mut p = vec![0u8; 14 + 20 + 12];
+    p[12..14].copy_from_slice(&0x0800u16.to_be_bytes());
+    let ip = &mut p[14..34];
+    ip[0] = 0x45;
+    ip[2..4].copy_from_slice(&32u16.to_be_bytes());
+    ip[8] = 64;
+    ip[9] = 17;
+    ip[12..16].copy_from_slice(&src.octets());
+    ip[16..20].copy_from_slice(&dst.octets());
+    let udp = &mut p[34..46];
+    udp[0..2].copy_from_slice(&sport.to_be_bytes());
+    udp[2..4].copy_from_slice(&dport.to_be_bytes());
+    udp[4..6].copy_from_slice(&12u16.to_be_bytes());
+    udp[8..12].copy_from_slice(b"dns!");
+    let sum = udp4_checksum(&p);
+    p[40..42].copy_from_slice(&sum.to_be_bytes());
+    p
+}
+
+/// The one's complement sum (RFC 1071) of the IPv4 pseudo-header and the UDP
+/// datagram of `packet` (an `udp4` frame), complemented: 0 when the checksum
+/// in it is right.
+fn udp4_checksum(packet: &[u8]) -> u16 {
+    let udp = &packet[34..];
+    let mut words: Vec<u8> = packet[26..34].to_vec();
+    words.extend_from_slice(&[0, 17]);
+    words.extend_from_slice(&(udp.len() as u16).to_be_bytes());
+    words.extend_from_slice(udp);
+    let mut sum: u32 = words
+        .chunks(2)
+        .map(|w| u32::from(u16::from_be_bytes([w[0], *w.get(1).unwrap_or(&0)])))
+        .sum();
+    while sum > 0xffff {
+        sum = (sum & 0xffff) + (sum >> 16);
+    }
+    !(sum as u16)
+}
+
+/// DNS capture: a pod's query to port 53 without the agent's DNS socket is
+/// dropped (fail closed) or passed (fail open), and only when the pod's DNS is
+/// captured; the DNS server's answer gets port 53 back as its source port,
+/// its checksum still right; other UDP passes untouched.
+#[test]
+fn dns_queries_and_answers() {
+    in_fresh_netns(|| {
+        let mut p = Programs::load();
+        let query = udp4(POD, PEER, 40000, 53);
+        // Not captured without the pod's flag.
+        assert_eq!(p.run("from_pod", &query, 0), PASS);
+        p.set_pod_flags(POD_ENROLLED | POD_HAS_IPV4 | POD_HAS_IPV6 | POD_DNS_CAPTURE);
+        let before = p.counters();
+        assert_eq!(
+            p.run("from_pod", &query, 0),
+            DROP,
+            "no DNS socket: fail closed"
+        );
+        assert_eq!(
+            p.counters().dropped_no_listener,
+            before.dropped_no_listener + 1
+        );
+        // Another port passes.
+        assert_eq!(p.run("from_pod", &udp4(POD, PEER, 40000, 54), 0), PASS);
+        // From another address: spoofed.
+        assert_eq!(p.run("from_pod", &udp4(NODE, PEER, 40000, 53), 0), DROP);
+        p.set_flag(CONFIG_FAIL_OPEN, true);
+        assert_eq!(p.run("from_pod", &query, 0), PASS, "fail open");
+        p.set_flag(CONFIG_FAIL_OPEN, false);
+
+        // The answer, from the DNS port with the proxy's mark.
+        let answer = udp4(PEER, POD, DNS_PORT, 40000);
+        let (verdict, out) = p.run_out("to_pod", &answer, PROXY_MARK);
+        assert_eq!(verdict, PASS);
+        assert_eq!(u16::from_be_bytes([out[34], out[35]]), 53);
+        assert_eq!(udp4_checksum(&out), 0, "the checksum follows the port");
+        assert_eq!(out[36..40], answer[36..40]);
+        assert_eq!(out[42..], answer[42..]);
+        // Without the mark, or from another port: untouched.
+        for (packet, mark) in [
+            (answer.clone(), 0),
+            (udp4(PEER, POD, 5353, 40000), PROXY_MARK),
+        ] {
+            let (verdict, out) = p.run_out("to_pod", &packet, mark);
+            assert_eq!(verdict, PASS);
+            assert_eq!(out, packet);
+        }
+    });
+}
+
 #[test]
 #[ignore]
 fn cost_per_path() {

@@ -57,6 +57,12 @@
 //!   renamed into place) until both TCX link pins of its host veth exist (polled every 100 µs; the agent writes
 //!   the pods map entry before it attaches), and one dump of the pods map at the
 //!   end confirms every entry. p50, p99 and max over the first 200 pods.
+//! * DNS ([`dns`]): queries per second answered from the agent's own names (a
+//!   Service name, 4 client threads, one UDP query after the other, for the
+//!   connection runs' seconds), and the p50 of forwarded queries (each a name
+//!   never asked before, one after the other: a round trip through the agent
+//!   to the resolver), each against the pod asking the resolver (dnsmasq in a
+//!   pod outside the mesh on node 2) itself.
 //! * Agent CPU: for every podlink run, the change of both agents' utime + stime
 //!   over the run, summed; the table shows its median and range per figure.
 //!
@@ -102,6 +108,7 @@ mod agents;
 mod api_watch;
 mod bed;
 mod connections;
+mod dns;
 mod ebpf;
 mod enrollment;
 mod full;

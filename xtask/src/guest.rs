@@ -67,14 +67,19 @@ impl Kernel {
 
 /// The test binaries (of the `podlink-tests` package) run in each guest, and the
 /// name filters passed to each (all of its tests when empty): programs load and
-/// pass the verifier, capture and HBONE, fail closed, restart, uninstall, and
-/// other programs on the same host veth.
+/// pass the verifier, capture and HBONE, DNS capture (UDP `bpf_sk_assign`, the
+/// answers' port rewrite), fail closed, restart, uninstall, and other programs
+/// on the same host veth.
 const GUEST_TESTS: &[(&str, &[&str])] = &[
-    ("programs", &["decisions_on_crafted_packets"]),
+    (
+        "programs",
+        &["decisions_on_crafted_packets", "dns_queries_and_answers"],
+    ),
     (
         "cross_node",
         &["cross_node_traffic_is_tunnelled_with_the_client_address"],
     ),
+    ("dns", &[]),
     ("fail_closed", &[]),
     ("restart", &[]),
     ("uninstall", &[]),
@@ -98,6 +103,7 @@ const ROOT_PACKAGES: &[&str] = &[
     "containernetworking-plugins",
     "tcpdump",
     "iperf3",
+    "dnsmasq-base",
     "kmod",
     "procps",
 ];
@@ -819,7 +825,9 @@ mod tests {
             &binaries,
             None,
         );
-        assert!(all.contains("'/t/programs-1' 'decisions_on_crafted_packets' || status=1"));
+        assert!(all.contains(
+            "'/t/programs-1' 'decisions_on_crafted_packets' 'dns_queries_and_answers' || status=1"
+        ));
         assert!(all.contains("'/t/restart-1' || status=1"));
         let some = init_script(
             Path::new("/p"),

@@ -107,8 +107,9 @@ enum Cmd {
         /// cost per podlink run (the probes of one pod pair).
         #[arg(long, requires = "probe")]
         ebpf: bool,
-        /// Pod pairs (--probe scaling, default 100, at most 120) or pods (--probe
-        /// enrollment, default 200, at most 2,000).
+        /// Pod pairs (--probe scaling, default 100, at most 120), pods (--probe
+        /// enrollment, default 200, at most 2,000) or queries (--probe
+        /// dns-forwarded, default 2,000).
         #[arg(long, requires = "probe")]
         count: Option<usize>,
         /// A shell command to start before the probe's runs, with the agents'

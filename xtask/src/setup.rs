@@ -24,6 +24,9 @@ const PACKAGES: &[(&str, &str)] = &[
     ("containernetworking-plugins", "/usr/lib/cni/ptp"),
     ("iperf3", "/usr/bin/iperf3"),
     ("tcpdump", "/usr/bin/tcpdump"),
+    // The upstream resolver of the DNS tests and bench rows; the -base package
+    // starts no system service.
+    ("dnsmasq-base", "/usr/sbin/dnsmasq"),
     // `python3 -m venv` of Debian's python3 (for kubernetes-validate).
     ("python3-venv", "/usr/share/doc/python3-venv"),
 ];

@@ -409,6 +409,7 @@ mod tests {
             ifname: "veth9".into(),
             ifindex: 9,
             draining: false,
+            dns_capture: true,
         }
     }
 

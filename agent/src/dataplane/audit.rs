@@ -325,6 +325,7 @@ mod tests {
             ifname: "veth5".into(),
             ifindex: 5,
             draining: false,
+            dns_capture: true,
         }
     }
 

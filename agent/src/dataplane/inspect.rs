@@ -26,8 +26,8 @@ use aya::{
     },
 };
 use podlink_common::{
-    LAYOUT_VERSION, LINKS_DIR, MAP_COUNTERS, MAP_PODS, POD_DRAINING, POD_ENROLLED, POD_HAS_IPV4,
-    POD_HAS_IPV6, PodCounters, PodInfo,
+    LAYOUT_VERSION, LINKS_DIR, MAP_COUNTERS, MAP_PODS, POD_DNS_CAPTURE, POD_DRAINING, POD_ENROLLED,
+    POD_HAS_IPV4, POD_HAS_IPV6, PodCounters, PodInfo,
 };
 use serde::Serialize;
 
@@ -150,6 +150,7 @@ fn flag_names(flags: u32) -> Vec<String> {
         (POD_HAS_IPV4, "has_ipv4"),
         (POD_HAS_IPV6, "has_ipv6"),
         (POD_DRAINING, "draining"),
+        (POD_DNS_CAPTURE, "dns_capture"),
     ] {
         if flags & bit != 0 {
             names.push(name.to_string());

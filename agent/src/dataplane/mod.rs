@@ -82,7 +82,8 @@ use nix::fcntl::Flock;
 use podlink_common::{
     CONFIG_DRAINING, Config, FlowKey, LAYOUT_VERSION, LINKS_DIR, MAP_CAPTURED_FLOWS, MAP_CONFIG,
     MAP_COUNTERS, MAP_EXCLUDED_CIDRS, MAP_EXCLUDED_PORTS, MAP_NAMES, MAP_PODS, MAX_NODE_ADDRS,
-    POD_DRAINING, POD_ENROLLED, POD_HAS_IPV4, POD_HAS_IPV6, PodCounters, PodInfo, ipv4_mapped,
+    POD_DNS_CAPTURE, POD_DRAINING, POD_ENROLLED, POD_HAS_IPV4, POD_HAS_IPV6, PodCounters, PodInfo,
+    ipv4_mapped,
 };
 
 /// The pin directory by default (on the host's bpffs).
@@ -217,6 +218,9 @@ pub struct CapturedPod {
     /// The pod left the mesh and drains ([`POD_DRAINING`]): the flows the
     /// proxy carries go on through it, new ones are not captured.
     pub draining: bool,
+    /// Its DNS queries go to the agent's DNS server ([`POD_DNS_CAPTURE`]; the
+    /// programs capture them only when the config map names a DNS port).
+    pub dns_capture: bool,
 }
 
 impl CapturedPod {
@@ -243,7 +247,8 @@ impl CapturedPod {
             flags: POD_ENROLLED
                 | if self.ipv4.is_some() { POD_HAS_IPV4 } else { 0 }
                 | if self.ipv6.is_some() { POD_HAS_IPV6 } else { 0 }
-                | if self.draining { POD_DRAINING } else { 0 },
+                | if self.draining { POD_DRAINING } else { 0 }
+                | if self.dns_capture { POD_DNS_CAPTURE } else { 0 },
             workload_id: self.workload_id,
         }
     }
@@ -1508,6 +1513,7 @@ mod tests {
             ifname: "veth5".into(),
             ifindex: 5,
             draining: false,
+            dns_capture: false,
         };
         let info = pod.info();
         assert_eq!(info.flags, POD_ENROLLED | POD_HAS_IPV4);
@@ -1517,6 +1523,12 @@ mod tests {
         pod.ipv6 = Some(v6);
         let info = pod.info();
         assert_eq!(info.flags, POD_ENROLLED | POD_HAS_IPV4 | POD_HAS_IPV6);
+        pod.dns_capture = true;
+        assert_eq!(
+            pod.info().flags,
+            POD_ENROLLED | POD_HAS_IPV4 | POD_HAS_IPV6 | POD_DNS_CAPTURE
+        );
+        pod.dns_capture = false;
         assert_eq!(info.ipv6, v6.octets());
         assert_eq!(info.workload_id, 3);
         assert_eq!(pod.addrs_text(), "10.244.1.5,fd00:10:244:1::5");

@@ -105,6 +105,20 @@ const HELPERS: &[HelperInfo] = &[
         purpose: "to read IPv6 extension headers",
         since: (4, 5),
     },
+    // 608cd71a9c7c ("tc: bpf: generalize pedit action").
+    HelperInfo {
+        helper: BpfHelper::BPF_FUNC_skb_store_bytes,
+        name: "bpf_skb_store_bytes",
+        purpose: "to give DNS answers their port 53 back",
+        since: (4, 1),
+    },
+    // 91bc4822c3d6 ("tc: bpf: add checksum helpers").
+    HelperInfo {
+        helper: BpfHelper::BPF_FUNC_l4_csum_replace,
+        name: "bpf_l4_csum_replace",
+        purpose: "to update DNS answers' UDP checksum",
+        since: (4, 1),
+    },
     // d2485c4242a8 ("bpf: add bpf_skb_change_type helper").
     HelperInfo {
         helper: BpfHelper::BPF_FUNC_skb_change_type,
@@ -127,6 +141,12 @@ const HELPERS: &[HelperInfo] = &[
         purpose: "to release the sockets it looked up",
         since: (4, 20),
     },
+    HelperInfo {
+        helper: BpfHelper::BPF_FUNC_sk_lookup_udp,
+        name: "bpf_sk_lookup_udp",
+        purpose: "to find the agent's DNS socket",
+        since: (4, 20),
+    },
     // edbf8c01de5a ("bpf: add skc_lookup_tcp helper").
     HelperInfo {
         helper: BpfHelper::BPF_FUNC_skc_lookup_tcp,
@@ -134,7 +154,9 @@ const HELPERS: &[HelperInfo] = &[
         purpose: "to find the proxy's listeners and sockets",
         since: (5, 2),
     },
-    // cf7fbe660f2d ("bpf: Add socket assign support"), merged for 5.7.
+    // cf7fbe660f2d ("bpf: Add socket assign support"), merged for 5.7, for TCP
+    // and UDP sockets alike (not `SO_REUSEPORT` ones until 6.5: the agent's
+    // sockets are not).
     HelperInfo {
         helper: BpfHelper::BPF_FUNC_sk_assign,
         name: "bpf_sk_assign",

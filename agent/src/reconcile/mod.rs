@@ -279,7 +279,7 @@ impl<C: Capture> Reconciler<C> {
     }
 
     /// Hands the proxy the workloads, the policies, the Services, the cluster's
-    /// ranges and the planned pods' addresses (before anything is attached: a pod's first
+    /// ranges, the DNS names and the planned pods' addresses (before anything is attached: a pod's first
     /// connection finds the proxy knowing it), and the certificates it needs.
     pub fn publish(&self, proxy: &ProxyState) {
         let addrs = |draining: bool| -> HashSet<IpAddr> {
@@ -298,6 +298,7 @@ impl<C: Capture> Reconciler<C> {
             || *view.captured != captured
             || *view.draining != draining
             || !Arc::ptr_eq(&view.ranges, self.state.ranges())
+            || !Arc::ptr_eq(&view.names, self.state.names())
         {
             proxy.update(View {
                 workloads: index.clone(),
@@ -306,6 +307,7 @@ impl<C: Capture> Reconciler<C> {
                 policies: self.state.policies().clone(),
                 services: self.state.services().clone(),
                 ranges: self.state.ranges().clone(),
+                names: self.state.names().clone(),
             });
             // Certificates are only needed for this node's enrolled workloads
             // (often many pods to one identity: each is copied once).
@@ -520,6 +522,7 @@ impl<C: Capture> Reconciler<C> {
                 ifname: ifname.clone(),
                 ifindex,
                 draining: false,
+                dns_capture: workload.dns_capture,
             });
         }
         self.drain_leaving(network, &mut wanted);

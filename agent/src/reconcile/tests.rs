@@ -204,6 +204,7 @@ fn captured(name: &str, ip: &str, ifindex: u32) -> CapturedPod {
         ifname: Arc::from(format!("veth{ifindex}")),
         ifindex,
         draining: false,
+        dns_capture: true,
     }
 }
 

@@ -41,6 +41,7 @@ use self::{
 };
 use crate::{
     authz::{MtlsPolicy, Policy, PolicySet},
+    dns::names::{DEFAULT_CLUSTER_DOMAIN, DnsHost, NameTable},
     k8s::{EndpointSlice, Namespace, Node, Pod, Service, ZONE_LABEL},
     telemetry::logging::{HeldMessages, Severity},
 };
@@ -113,6 +114,12 @@ pub struct State {
     workloads: Arc<WorkloadIndex>,
     service_index: Arc<ServiceIndex>,
     policies: Arc<PolicySet>,
+    /// The cluster domain (`--cluster-domain`) of the Services' DNS names.
+    cluster_domain: String,
+    /// Hosts the DNS server answers beside the Services ([`State::set_dns_hosts`]).
+    dns_hosts: Vec<DnsHost>,
+    /// The names the DNS server answers, made with the Service index.
+    names: Arc<NameTable>,
     /// The workload index's warnings (address conflicts), the Service index's
     /// and the policies' (with their notes), and PeerAuthentications that
     /// select the same pods of this node, each logged once while it holds.
@@ -190,6 +197,9 @@ impl State {
             workloads: Arc::new(WorkloadIndex::default()),
             service_index: Arc::new(ServiceIndex::default()),
             policies: Arc::new(PolicySet::default()),
+            cluster_domain: DEFAULT_CLUSTER_DOMAIN.to_string(),
+            dns_hosts: Vec::new(),
+            names: Arc::new(NameTable::default()),
             index_messages: HeldMessages::default(),
             service_messages: HeldMessages::default(),
             policy_messages: HeldMessages::default(),
@@ -203,6 +213,25 @@ impl State {
     pub fn with_cluster_cidrs(mut self, cidrs: &[ipnet::IpNet]) -> Self {
         self.ranges = Arc::new(ClusterRanges::configured(cidrs));
         self
+    }
+
+    /// This state with the Services' DNS names under `domain` (`cluster.local`,
+    /// `--cluster-domain`).
+    #[must_use]
+    pub fn with_cluster_domain(mut self, domain: &str) -> Self {
+        self.cluster_domain = domain.to_string();
+        self
+    }
+
+    /// Replaces the hosts the DNS server answers beside the Services: the hook
+    /// for istiod's ServiceEntry hosts and their addresses (each with the
+    /// addresses istiod allocated or the entry lists). The next
+    /// [`State::refresh`] makes the name table again and reports a change.
+    pub fn set_dns_hosts(&mut self, hosts: Vec<DnsHost>) {
+        if hosts != self.dns_hosts {
+            self.dns_hosts = hosts;
+            self.dirty.services = true;
+        }
     }
 
     /// Takes in a source's delta. The indexes are made again by the next
@@ -249,6 +278,23 @@ impl State {
             && (!self.istiod || !Arc::ptr_eq(&mesh, &self.mesh))
         {
             self.istiod = true;
+            // istiod's services (Kubernetes Services and ServiceEntries) are
+            // answered by their host names.
+            let hosts = mesh
+                .services
+                .values()
+                .map(|s| DnsHost {
+                    name: s.hostname.clone(),
+                    addrs: s
+                        .vips
+                        .iter()
+                        .filter(|v| v.prefix_len() == v.max_prefix_len())
+                        .map(ipnet::IpNet::addr)
+                        .collect(),
+                })
+                .filter(|h| !h.addrs.is_empty())
+                .collect();
+            self.set_dns_hosts(hosts);
             self.mesh = mesh;
             self.dirty.mesh = true;
         }
@@ -317,6 +363,17 @@ impl State {
             self.service_messages
                 .log(warnings.into_iter().map(|w| (Severity::Warn, w)).collect());
             self.service_index = Arc::new(services);
+        }
+        if first || dirty.services {
+            let names = NameTable::build(
+                &self.cluster_domain,
+                self.services.iter(),
+                self.endpoint_slices.iter(),
+                &self.dns_hosts,
+            );
+            if names != *self.names {
+                self.names = Arc::new(names);
+            }
         }
         if first || dirty.nodes || dirty.services || dirty.mesh {
             let ranges = self
@@ -480,6 +537,11 @@ impl State {
     /// The Services as last refreshed.
     pub fn services(&self) -> &Arc<ServiceIndex> {
         &self.service_index
+    }
+
+    /// The names the DNS server answers, as last refreshed.
+    pub fn names(&self) -> &Arc<NameTable> {
+        &self.names
     }
 
     /// The authorization policies as last refreshed.

@@ -1,11 +1,11 @@
 //! The proxy's view of the node: the workloads, the addresses of the pods this
 //! node captures, the authorization policies, the Services and the cluster's
-//! address ranges, replaced as a whole each time the agent's state changes.
+//! address ranges and the DNS names, replaced as a whole each time the agent's state changes.
 
 use std::{collections::HashSet, net::IpAddr, sync::Arc};
 
 use super::{Workload, WorkloadIndex, ranges::ClusterRanges, service::ServiceIndex};
-use crate::{authz::PolicySet, identity::SpiffeId};
+use crate::{authz::PolicySet, dns::names::NameTable, identity::SpiffeId};
 
 /// The proxy's view of the node: the workloads, and the addresses of the pods this
 /// node captures (their host veth found and attached, or being attached).
@@ -26,6 +26,8 @@ pub struct View {
     /// learned from the Nodes and Services): an address in them that is not
     /// known yet is waited for briefly.
     pub ranges: Arc<ClusterRanges>,
+    /// The names the DNS server answers ([`NameTable`]).
+    pub names: Arc<NameTable>,
 }
 
 impl View {

@@ -31,6 +31,19 @@ pub const DATAPLANE_MODE_LABEL: &str = "istio.io/dataplane-mode";
 pub const DATAPLANE_MODE_AMBIENT: &str = "ambient";
 /// [`DATAPLANE_MODE_LABEL`] value that opts a pod out.
 pub const DATAPLANE_MODE_NONE: &str = "none";
+/// Pod annotation: `"false"` leaves the pod's DNS uncaptured (Istio ambient's
+/// opt-out; any other value, or none, captures it when the agent captures DNS).
+pub const DNS_CAPTURE_ANNOTATION: &str = "ambient.istio.io/dns-capture";
+
+/// Whether `pod`'s DNS is captured, as far as the pod says
+/// ([`DNS_CAPTURE_ANNOTATION`]).
+pub fn dns_capture(pod: &Pod) -> bool {
+    pod.metadata
+        .annotations
+        .as_ref()
+        .and_then(|a| a.get(DNS_CAPTURE_ANNOTATION))
+        .is_none_or(|v| v != "false")
+}
 
 /// Pod label naming the workload the pod belongs to, over what its controller
 /// gives (Istio's `service.istio.io/workload-name`).
@@ -269,6 +282,9 @@ pub struct Workload {
     /// workload.
     #[serde(skip)]
     pub(crate) host_network: bool,
+    /// Whether its DNS queries are captured when the agent captures DNS: not when
+    /// annotated [`DNS_CAPTURE_ANNOTATION`] `"false"`.
+    pub dns_capture: bool,
     /// What Istio's control plane says of the workload beyond what a pod says
     /// (workload xDS); `None` for a workload made from a pod alone.
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -372,6 +388,7 @@ impl Workload {
                 .as_ref()
                 .map_or(self.labels.is_empty(), |l| *l == self.labels)
             && pod_ips_are(pod, &self.ips)
+            && self.dns_capture == dns_capture(pod)
             // The canonical names follow from the labels and the workload's name.
             && owning_workload(pod)
                 == OwningWorkload {
@@ -507,6 +524,7 @@ fn workload_of(
                 labels,
                 ips: pod_ips(pod),
                 host_network: spec.and_then(|s| s.host_network).unwrap_or(false),
+                dns_capture: dns_capture(pod),
                 namespace: pod_namespace.to_string(),
                 name: pod.metadata.name.clone().unwrap_or_default(),
                 service_account: service_account.to_string(),

@@ -32,6 +32,15 @@
 //! `destination_service*` name the Service of a connection to a ClusterIP, else
 //! `unknown`.
 //!
+//! The DNS server's metrics, named as ztunnel's ([`DnsMetrics`]):
+//!
+//! | metric | type | labels | value |
+//! |---|---|---|---|
+//! | `istio_dns_requests_total` | counter | `request_query_type` (`A`, `AAAA`, …, `other`), `request_protocol` (`udp`, `tcp`), `source_workload`, `source_workload_namespace` | queries from enrolled pods, answered or not |
+//! | `istio_dns_upstream_requests_total` | counter | `request_protocol` | queries forwarded to the resolver the pod asked (cache misses) |
+//! | `istio_dns_upstream_failures_total` | counter | `request_protocol` | forwarded queries that got no answer in time, or were refused for want of an upstream slot: the pod got SERVFAIL |
+//! | `istio_dns_upstream_request_duration_seconds` | histogram | `request_protocol` | time the resolver took to answer a forwarded query |
+//!
 //! podlink's own metrics:
 //!
 //! | metric | type | labels | value |
@@ -57,7 +66,7 @@ use std::fmt::{self, Write as _};
 
 use prometheus_client::{
     encoding::{EncodeLabelSet, EncodeLabelValue, LabelValueEncoder, text},
-    metrics::{counter::Counter, family::Family},
+    metrics::{counter::Counter, family::Family, histogram::Histogram},
     registry::Registry,
 };
 
@@ -395,6 +404,80 @@ struct FailureLabels {
     kind: FailureKind,
 }
 
+/// The labels of `istio_dns_requests_total`.
+#[derive(Clone, Debug, PartialEq, Eq, Hash, EncodeLabelSet)]
+pub struct DnsRequestLabels {
+    /// The question's type (`A`, `AAAA`, …), `other` for types without a
+    /// name (so that the series stay few).
+    pub request_query_type: &'static str,
+    /// `udp` or `tcp`.
+    pub request_protocol: &'static str,
+    /// The asking pod's workload ([`crate::state::Workload::workload_name`]),
+    /// `unknown` when the agent does not know the pod.
+    pub source_workload: String,
+    /// The asking pod's namespace, `unknown` when not known.
+    pub source_workload_namespace: String,
+}
+
+/// The labels of the upstream DNS metrics.
+#[derive(Clone, Debug, PartialEq, Eq, Hash, EncodeLabelSet)]
+pub struct DnsUpstreamLabels {
+    /// `udp` or `tcp`.
+    pub request_protocol: &'static str,
+}
+
+/// The DNS server's metrics (`istio_dns_*`, as ztunnel names them).
+#[derive(Debug)]
+pub struct DnsMetrics {
+    /// `istio_dns_requests_total`.
+    pub requests: Family<DnsRequestLabels, Counter>,
+    /// `istio_dns_upstream_requests_total`.
+    pub upstream_requests: Family<DnsUpstreamLabels, Counter>,
+    /// `istio_dns_upstream_failures_total`.
+    pub upstream_failures: Family<DnsUpstreamLabels, Counter>,
+    /// `istio_dns_upstream_request_duration_seconds`.
+    pub upstream_duration: Family<DnsUpstreamLabels, Histogram, fn() -> Histogram>,
+}
+
+/// Buckets of `istio_dns_upstream_request_duration_seconds`, in seconds.
+const DNS_DURATION_BUCKETS: [f64; 9] = [0.0005, 0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0];
+
+fn dns_duration_histogram() -> Histogram {
+    Histogram::new(DNS_DURATION_BUCKETS)
+}
+
+impl DnsMetrics {
+    fn new(registry: &mut Registry) -> Self {
+        let m = DnsMetrics {
+            requests: Family::default(),
+            upstream_requests: Family::default(),
+            upstream_failures: Family::default(),
+            upstream_duration: Family::new_with_constructor(dns_duration_histogram),
+        };
+        registry.register(
+            "istio_dns_requests",
+            "Total number of DNS requests",
+            m.requests.clone(),
+        );
+        registry.register(
+            "istio_dns_upstream_requests",
+            "Total number of DNS requests forwarded to upstream",
+            m.upstream_requests.clone(),
+        );
+        registry.register(
+            "istio_dns_upstream_failures",
+            "Total number of DNS requests forwarded to upstream that failed",
+            m.upstream_failures.clone(),
+        );
+        registry.register(
+            "istio_dns_upstream_request_duration_seconds",
+            "Time the upstream took to answer a forwarded DNS request",
+            m.upstream_duration.clone(),
+        );
+        m
+    }
+}
+
 /// The proxy's live metrics: the `istio_tcp_*` families and the failure counts.
 /// Cloning a family shares its series.
 #[derive(Debug)]
@@ -412,6 +495,8 @@ pub struct Metrics {
     repairs: Family<RepairLabels, Counter>,
     /// The workload xDS client's (`podlink_xds_*`).
     pub xds: XdsMetrics,
+    /// The DNS server's `istio_dns_*`.
+    pub dns: DnsMetrics,
     cluster_id: String,
 }
 
@@ -457,6 +542,7 @@ impl Metrics {
         );
         let xds = XdsMetrics::default();
         xds.register(&mut registry);
+        let dns = DnsMetrics::new(&mut registry);
         // Every kind and reason is present from the start, so that rates need no
         // absent series.
         for reason in Reason::ALL {
@@ -476,6 +562,7 @@ impl Metrics {
             failures,
             repairs,
             xds,
+            dns,
             cluster_id: cluster_id.to_string(),
         }
     }

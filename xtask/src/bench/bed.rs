@@ -11,7 +11,7 @@ use std::{
 };
 
 use anyhow::{Context, Result, bail};
-use podlink_tests::{Cluster, Pod, PodSpec, app, netns};
+use podlink_tests::{Cluster, Pod, PodSpec, app, dns::Resolver, netns};
 
 use super::{
     ECHO_PORT, ENROLL_TIMEOUT, ENROLLED_ON_NODE1, IPERF_PORT, NODE1_EXTRA_RANGE, PROGRAMS, Path2,
@@ -53,6 +53,8 @@ impl Drop for Servers {
 pub(super) struct Bed {
     // Dropped first: the servers stop before the cluster goes.
     pub(super) servers: Servers,
+    /// The DNS rows' resolver pod and its dnsmasq ([`super::dns`]).
+    pub(super) resolver: (Pod, Resolver),
     pub(super) cluster: Cluster,
     /// The pairs (client on node 1, server on node 2) of the main figures, by
     /// path.
@@ -64,6 +66,11 @@ pub(super) struct Bed {
 impl Bed {
     pub(super) fn pair(&self, path: Path2) -> &(Pod, Pod) {
         &self.pairs[path as usize]
+    }
+
+    /// The address of the DNS rows' resolver.
+    pub(super) fn resolver_ip(&self) -> std::net::IpAddr {
+        self.resolver.1.addr
     }
 }
 
@@ -128,8 +135,10 @@ pub(super) fn build_bed() -> Result<Bed> {
         tune_client(client)?;
         servers.serve(server)?;
     }
+    let resolver = super::dns::start_resolver(&mut c)?;
     Ok(Bed {
         servers,
+        resolver,
         cluster: c,
         pairs,
         churn_pairs,

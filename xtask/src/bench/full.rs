@@ -16,6 +16,7 @@ use super::{
     api_watch::api_watch,
     bed::build_bed,
     connections::{Churn, OneClientPhases, Phases, run_clients},
+    dns,
     ebpf::{BpfStatsOn, EbpfByWorkload, counters_delta, program_counters},
     enrollment::enrollment,
     machine::{load_average, machine},
@@ -54,6 +55,9 @@ pub(super) fn bench(s: Settings, json: Option<&Path>, markdown: Option<&Path>) -
     let mut one_client_phases: [Vec<Phases>; 2] = Default::default();
     let mut c1 = Series::default();
     let mut c16 = Series::default();
+    let mut dns_own = Series::default();
+    let mut dns_forwarded = Series::default();
+    let dns_queries = s.round_trips / 5;
     for rep in 0..s.repetitions {
         eprintln!("bench: repetition {}/{}", rep + 1, s.repetitions);
         let order = Path2::order(rep);
@@ -124,6 +128,15 @@ pub(super) fn bench(s: Settings, json: Option<&Path>, markdown: Option<&Path>) -
                 }
             }
         }
+        for path in order {
+            let client = &bed.pair(path).0;
+            let cpu = agents_cpu(&bed.cluster);
+            let v = dns::own_names_rate(client, bed.resolver_ip(), s.connect_seconds)?;
+            dns_own.push(path, v, agents_cpu(&bed.cluster) - cpu);
+            let cpu = agents_cpu(&bed.cluster);
+            let v = dns::forwarded_latency(client, bed.resolver_ip(), dns_queries)?;
+            dns_forwarded.push(path, v, agents_cpu(&bed.cluster) - cpu);
+        }
     }
 
     eprintln!(
@@ -176,7 +189,7 @@ pub(super) fn bench(s: Settings, json: Option<&Path>, markdown: Option<&Path>) -
         idle_kib,
         throughput_max_kib,
     };
-    let rows = main_rows(
+    let mut rows = main_rows(
         &s,
         [&t1, &t1v6, &t4],
         &rr,
@@ -186,6 +199,12 @@ pub(super) fn bench(s: Settings, json: Option<&Path>, markdown: Option<&Path>) -
         &ebpf,
         &enrollment,
     );
+    rows.extend(dns::rows(
+        &dns_own,
+        &dns_forwarded,
+        s.connect_seconds,
+        dns_queries,
+    ));
 
     eprintln!("bench: removing the test bed");
     let t = Instant::now();

@@ -34,6 +34,7 @@ use super::{
     agents::{agent_pids, agents_cpu},
     bed::{Bed, build_bed},
     connections::run_clients,
+    dns,
     ebpf::{BpfStatsOn, EbpfByWorkload},
     enrollment::enrollment,
     round_trips::latency,
@@ -65,6 +66,12 @@ pub enum Row {
     /// `--count` pods (default 200, at most [`MAX_ENROLLMENT_PODS`]) enrolled
     /// one at a time (p50, p99, max ms); made once, so `--repeat` is 1.
     Enrollment,
+    /// DNS queries per second answered from the agent's own names (a Service
+    /// name), 4 clients, 3 s runs; direct: the resolver answers it.
+    DnsOwnNames,
+    /// DNS queries forwarded to the resolver, each a new name, one after the
+    /// other (p50 µs of `--count`, default 2,000).
+    DnsForwarded,
     /// One agent watching the Kubernetes API server double at cluster scale
     /// (its own one-node bed): change-to-view times (p50, p99, max ms) and
     /// VmRSS ([`super::api_watch`]); `--repeat` is 1.
@@ -86,9 +93,9 @@ impl Row {
             Row::SingleStream | Row::SingleStreamIpv6 | Row::FourStreams => {
                 Some(THROUGHPUT_SECONDS)
             }
-            Row::OneClient | Row::SixteenClients => Some(CONNECT_SECONDS as u32),
+            Row::OneClient | Row::SixteenClients | Row::DnsOwnNames => Some(CONNECT_SECONDS as u32),
             Row::Scaling => Some(SCALING_THROUGHPUT_SECONDS),
-            Row::RoundTrips | Row::Enrollment | Row::ApiWatch => None,
+            Row::RoundTrips | Row::Enrollment | Row::ApiWatch | Row::DnsForwarded => None,
         }
     }
 
@@ -112,7 +119,8 @@ impl Row {
     fn unit(self) -> &'static str {
         match self {
             Row::SingleStream | Row::SingleStreamIpv6 | Row::FourStreams | Row::Scaling => "Gbit/s",
-            Row::RoundTrips => "µs p50",
+            Row::RoundTrips | Row::DnsForwarded => "µs p50",
+            Row::DnsOwnNames => "queries/s",
             Row::OneClient | Row::SixteenClients => "connections/s",
             Row::Enrollment | Row::ApiWatch => "ms",
         }
@@ -129,7 +137,7 @@ pub struct Options {
     pub seconds: Option<u32>,
     pub podlink_only: bool,
     pub ebpf: bool,
-    /// Pod pairs (`scaling`) or pods (`enrollment`).
+    /// Pod pairs (`scaling`), pods (`enrollment`) or queries (`dns-forwarded`).
     pub count: Option<usize>,
     pub hook: Option<String>,
 }
@@ -154,15 +162,19 @@ impl Options {
             );
         }
         match (row, self.count) {
-            (Row::Scaling | Row::Enrollment, Some(0)) => bail!("--count must be at least 1"),
+            (Row::Scaling | Row::Enrollment | Row::DnsForwarded, Some(0)) => {
+                bail!("--count must be at least 1")
+            }
             (Row::Scaling, Some(n)) if n > MAX_SCALING_PAIRS => bail!(
                 "--count {n}: the scaling probe makes at most {MAX_SCALING_PAIRS} pairs (node 2's pods share one /24)"
             ),
             (Row::Enrollment, Some(n)) if n > MAX_ENROLLMENT_PODS => bail!(
                 "--count {n}: the enrollment probe makes at most {MAX_ENROLLMENT_PODS} pods (node 1's pod addresses)"
             ),
-            (Row::Scaling | Row::Enrollment, _) | (_, None) => {}
-            (_, Some(_)) => bail!("--count is for the scaling and enrollment probes only"),
+            (Row::Scaling | Row::Enrollment | Row::DnsForwarded, _) | (_, None) => {}
+            (_, Some(_)) => {
+                bail!("--count is for the scaling, enrollment and dns-forwarded probes only")
+            }
         }
         if row == Row::ApiWatch
             && (self.repeat != 1 || self.podlink_only || self.ebpf || self.hook.is_some())
@@ -321,6 +333,7 @@ fn run_rows(bed: &mut Bed, o: &Options) -> Result<()> {
             let (client, server) = bed.pair(path);
             let secs = o.seconds();
             let echo = server.addr(ECHO_PORT);
+            let resolver = bed.resolver_ip();
             let measure = || match o.row {
                 Row::SingleStream => throughput(client, server.ip.into(), secs, 1),
                 Row::SingleStreamIpv6 => {
@@ -331,6 +344,10 @@ fn run_rows(bed: &mut Bed, o: &Options) -> Result<()> {
                 Row::OneClient => Ok(run_clients(&[(client, echo)], 1, secs as f64, true)?.rate()),
                 Row::SixteenClients => {
                     Ok(run_clients(&[(client, echo)], MANY_CLIENTS, secs as f64, false)?.rate())
+                }
+                Row::DnsOwnNames => dns::own_names_rate(client, resolver, secs as f64),
+                Row::DnsForwarded => {
+                    dns::forwarded_latency(client, resolver, o.count.unwrap_or(dns::DNS_FORWARDED))
                 }
                 Row::Scaling | Row::Enrollment | Row::ApiWatch => unreachable!("handled above"),
             };
@@ -355,7 +372,11 @@ fn run_rows(bed: &mut Bed, o: &Options) -> Result<()> {
             values[path as usize].push(v);
         }
     }
-    summarize(&name, &values, o.row == Row::RoundTrips);
+    summarize(
+        &name,
+        &values,
+        matches!(o.row, Row::RoundTrips | Row::DnsForwarded),
+    );
     Ok(())
 }
 
@@ -455,7 +476,7 @@ mod tests {
             (
                 Row::SingleStream,
                 |o| o.count = Some(3),
-                "--count is for the scaling and enrollment probes",
+                "--count is for the scaling, enrollment and dns-forwarded probes",
             ),
             (
                 Row::Scaling,

@@ -19,7 +19,7 @@ use super::{
     AUTHORIZATION_POLICIES, ENDPOINT_SLICES, NAMESPACES, NODES, PEER_AUTHENTICATIONS, PODS,
     REDIRECTION_ANNOTATION, SERVICES,
 };
-use crate::k8s;
+use crate::{k8s, state::workload::DNS_CAPTURE_ANNOTATION};
 
 /// Implements [`Resource`] for a partial type, with the API group and plural
 /// name of `$watched`, an entry of [`super::WATCHED`].
@@ -222,7 +222,7 @@ impl Projection for ApiNode {
 }
 
 /// Keeps of an object's metadata what podlink reads: of the annotations only
-/// [`REDIRECTION_ANNOTATION`], of the owner references only the controller's
+/// [`REDIRECTION_ANNOTATION`] and [`DNS_CAPTURE_ANNOTATION`], of the owner references only the controller's
 /// (`controller: true`, at most one per object); no managed fields, no
 /// finalizers.
 pub(super) fn trim(meta: &mut ApiObjectMeta) {
@@ -235,7 +235,7 @@ pub(super) fn trim(meta: &mut ApiObjectMeta) {
         }
     }
     if let Some(annotations) = meta.annotations.as_mut() {
-        annotations.retain(|k, _| k == REDIRECTION_ANNOTATION);
+        annotations.retain(|k, _| k == REDIRECTION_ANNOTATION || k == DNS_CAPTURE_ANNOTATION);
         if annotations.is_empty() {
             meta.annotations = None;
         }

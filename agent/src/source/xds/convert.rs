@@ -124,6 +124,7 @@ pub fn workload(w: &xds::Workload, default_trust_domain: &str) -> Result<Arc<Wor
         workload_name,
         workload_kind: kind.to_string(),
         host_network: w.network_mode == xds::NetworkMode::HostNetwork as i32,
+        dns_capture: true,
         mesh: Some(Arc::new(MeshFacts {
             uid: w.uid.clone(),
             policies: w.authorization_policies.clone(),
