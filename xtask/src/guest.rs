@@ -550,6 +550,25 @@ fn run_archive(
         .filter(|p| p.is_file())
         .collect();
     files.extend([podlink.clone(), cni, object.clone()]);
+    // The test binaries without their debug information (about a tenth of
+    // their size): the initramfs unpacks into the guest's memory.
+    let stripped_dir = dir.join("bin");
+    fs::create_dir_all(&stripped_dir)?;
+    let mut stripped = Vec::with_capacity(binaries.len());
+    for b in binaries {
+        let path = stripped_dir.join(&b.name);
+        run(Command::new("strip")
+            .arg("--strip-debug")
+            .arg("-o")
+            .arg(&path)
+            .arg(&b.path))
+        .with_context(|| format!("stripping {}", b.path.display()))?;
+        stripped.push(TestBinary {
+            name: b.name.clone(),
+            path: fs::canonicalize(&path)?,
+        });
+    }
+    let binaries = &stripped;
     files.extend(binaries.iter().map(|b| b.path.clone()));
     let host_list = with_ancestors(&files)?;
     let host = dir.join("host.cpio");

@@ -24,6 +24,9 @@ const PACKAGES: &[(&str, &str)] = &[
     ("containernetworking-plugins", "/usr/lib/cni/ptp"),
     ("iperf3", "/usr/bin/iperf3"),
     ("tcpdump", "/usr/bin/tcpdump"),
+    // `strip`: the guest tests' binaries go into the initramfs without debug
+    // information.
+    ("binutils", "/usr/bin/strip"),
     // The upstream resolver of the DNS tests and bench rows; the -base package
     // starts no system service.
     ("dnsmasq-base", "/usr/sbin/dnsmasq"),
