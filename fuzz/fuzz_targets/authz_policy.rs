@@ -40,6 +40,7 @@ fuzz_target!(|data: &str| {
                 let destination = Destination {
                     namespace,
                     labels: &labels,
+                    named: &[],
                 };
                 let _ = set.decide(Some(destination), &request).into_result();
             }
