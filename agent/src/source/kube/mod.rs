@@ -118,6 +118,15 @@ const PEER_AUTHENTICATIONS: Watched = Watched {
     resource: "peerauthentications",
 };
 
+/// The kinds istiod sends as its own services and policies: beside istiod
+/// ([`super::xds::IstiodSource`]) these are not read from the Kubernetes API.
+pub(crate) const REPLACED_BY_ISTIOD: [Watched; 4] = [
+    SERVICES,
+    ENDPOINT_SLICES,
+    AUTHORIZATION_POLICIES,
+    PEER_AUTHENTICATIONS,
+];
+
 /// Every resource the Kubernetes source lists and watches (an Istio kind in
 /// both its versions is one resource for RBAC). The watched types of
 /// [`kinds`] take their API group and plural name from these, and

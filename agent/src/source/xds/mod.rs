@@ -231,10 +231,9 @@ impl IstiodSource {
         delta.policies_unknown = None;
         delta.policies_unknown_in.clear();
         delta.unlisted.retain(|u| {
-            !matches!(
-                *u,
-                "services" | "endpointslices" | "authorizationpolicies" | "peerauthentications"
-            )
+            !super::kube::REPLACED_BY_ISTIOD
+                .iter()
+                .any(|k| k.resource == *u)
         });
         delta
     }
