@@ -58,12 +58,15 @@ pub const PROG_TO_POD: &str = "to_pod";
 ///   no lookup of the pod.
 /// * 3: [`PodCounters`] lost `dropped_ipv6` (IPv6 TCP is captured), so
 ///   [`MAP_COUNTERS`]' value is 13 counters where it was 14.
-pub const LAYOUT_VERSION: u32 = 3;
+/// * 4: [`PodCounters`] gained `captured_dns` (DNS queries, counted in
+///   `captured_outbound` before), last: 14 counters again, but not version 2's.
+pub const LAYOUT_VERSION: u32 = 4;
 /// The layout version before [`LAYOUT_VERSION`], which agents migrate from: the
-/// same maps and pin paths but for [`MAP_COUNTERS`]' value (14 counters, with
-/// `dropped_ipv6` 12th). Version 1 (also migrated) differs from it in
-/// [`MAP_CAPTURED_FLOWS`]' value too (`u8`).
-pub const PREVIOUS_LAYOUT_VERSION: u32 = 2;
+/// same maps and pin paths but for [`MAP_COUNTERS`]' value (13 counters, without
+/// `captured_dns`). Versions 2 and 1 (also migrated) differ from it in that
+/// value too (14 counters, with `dropped_ipv6` 12th), and version 1 in
+/// [`MAP_CAPTURED_FLOWS`]' value (`u8`).
+pub const PREVIOUS_LAYOUT_VERSION: u32 = 3;
 /// The oldest layout version agents migrate from.
 pub const OLDEST_LAYOUT_VERSION: u32 = 1;
 /// Directory, under the versioned pin directory, of the TCX link pins
@@ -244,8 +247,8 @@ impl FlowKey {
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct PodCounters {
-    /// SYNs from the pod assigned to the outbound listener, and its DNS
-    /// captured for the agent's DNS server: TCP SYNs and UDP queries to port 53.
+    /// SYNs from the pod assigned to the outbound listener (its DNS over TCP is
+    /// counted in `captured_dns`).
     pub captured_outbound: u64,
     /// SYNs to the pod's HBONE port assigned to the HBONE listener.
     pub captured_inbound_hbone: u64,
@@ -283,6 +286,9 @@ pub struct PodCounters {
     /// discovery, MLD), but IPv6 TCP from a link-local address only to a
     /// link-local one, and never from the unspecified address.
     pub dropped_spoofed: u64,
+    /// The pod's DNS assigned to the agent's DNS server: UDP queries and TCP
+    /// SYNs to port 53.
+    pub captured_dns: u64,
 }
 
 impl PodCounters {
@@ -303,6 +309,7 @@ impl PodCounters {
             dropped_unparsable,
             dropped_flow_gone,
             dropped_spoofed,
+            captured_dns,
         } = *other;
         self.captured_outbound += captured_outbound;
         self.captured_inbound_hbone += captured_inbound_hbone;
@@ -317,11 +324,12 @@ impl PodCounters {
         self.dropped_unparsable += dropped_unparsable;
         self.dropped_flow_gone += dropped_flow_gone;
         self.dropped_spoofed += dropped_spoofed;
+        self.captured_dns += captured_dns;
     }
 
     /// Every counter with its field name (as `bpftool` prints it from BTF), in
     /// declaration order. Adding a field without naming it here fails to compile.
-    pub const fn named(&self) -> [(&'static str, u64); 13] {
+    pub const fn named(&self) -> [(&'static str, u64); 14] {
         let PodCounters {
             captured_outbound,
             captured_inbound_hbone,
@@ -336,6 +344,7 @@ impl PodCounters {
             dropped_unparsable,
             dropped_flow_gone,
             dropped_spoofed,
+            captured_dns,
         } = *self;
         [
             ("captured_outbound", captured_outbound),
@@ -351,6 +360,7 @@ impl PodCounters {
             ("dropped_unparsable", dropped_unparsable),
             ("dropped_flow_gone", dropped_flow_gone),
             ("dropped_spoofed", dropped_spoofed),
+            ("captured_dns", captured_dns),
         ]
     }
 }
@@ -382,7 +392,7 @@ mod tests {
         assert_eq!(core::mem::size_of::<PodInfo>(), 40);
         assert_eq!(core::mem::size_of::<CidrKey>(), 20);
         assert_eq!(core::mem::size_of::<Config>(), 32 + 16 * MAX_NODE_ADDRS);
-        assert_eq!(core::mem::size_of::<PodCounters>(), 13 * 8);
+        assert_eq!(core::mem::size_of::<PodCounters>(), 14 * 8);
         assert_eq!(core::mem::size_of::<FlowKey>(), 36);
     }
 

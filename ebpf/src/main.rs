@@ -161,7 +161,7 @@ fn from_pod_udp<P: Udp>(ctx: &TcContext, cfg: &Config, ifindex: u32, pkt: &P) ->
     };
     match socket::assign(ctx, sk, cfg) {
         Ok(()) => {
-            count(ifindex, |c| &mut c.captured_outbound);
+            count(ifindex, |c| &mut c.captured_dns);
             OK
         }
         Err(()) => {
@@ -337,12 +337,16 @@ fn from_pod_slow<P: Tcp>(
             if !remembered_here {
                 maps::remember_flow(pkt, ifindex);
             }
-            if !bounced {
+            if bounced {
+                if listener_port == cfg.hbone_port {
+                    count(ifindex, |c| &mut c.captured_inbound_hbone);
+                } else {
+                    count(ifindex, |c| &mut c.captured_inbound_plaintext);
+                }
+            } else if listener_port == cfg.outbound_port {
                 count(ifindex, |c| &mut c.captured_outbound);
-            } else if listener_port == cfg.hbone_port {
-                count(ifindex, |c| &mut c.captured_inbound_hbone);
             } else {
-                count(ifindex, |c| &mut c.captured_inbound_plaintext);
+                count(ifindex, |c| &mut c.captured_dns);
             }
             OK
         }

@@ -1,7 +1,7 @@
-//! The pin layout carries its version (`<pin-dir>/v3/`): an agent finding an
+//! The pin layout carries its version (`<pin-dir>/v4/`): an agent finding an
 //! earlier layout (the unversioned one of the first agents, version 1, whose
-//! captured flows had no host veth, or version 2, whose counters had
-//! `dropped_ipv6`) moves its pins over without detaching anything (same links,
+//! captured flows had no host veth, version 2, whose counters had
+//! `dropped_ipv6`, or version 3, whose counters had no `captured_dns`) moves its pins over without detaching anything (same links,
 //! same maps with their entries), copies the maps whose layout changed (captured
 //! flows with their pods' host veths, counters field by field), and one finding a
 //! newer layout refuses to start, naming it.
@@ -40,7 +40,7 @@ fn flows<V: aya::Pod>(path: &Path) -> Vec<(FlowKey, V)> {
 }
 
 /// The maps whose objects a migration from layout `version` keeps: all but the
-/// counters (changed in version 3) and, from version 1, the captured flows.
+/// counters (changed in versions 3 and 4) and, from version 1, the captured flows.
 fn kept_maps(version: u32) -> impl Iterator<Item = &'static str> {
     MAP_NAMES
         .into_iter()
@@ -67,10 +67,11 @@ fn counters(path: &Path) -> Counters {
 /// Turns the stopped agent's pins into those of an earlier layout `version`, in
 /// `into` (the pin directory itself for the unversioned layout, `v<N>/`
 /// otherwise): the maps and links are moved; the counters are written into a map
-/// of versions 1 and 2's layout (14 counters, `dropped_ipv6` 12th, set to 1000
-/// here), and for version 1 the captured flows into a map of its layout (value
-/// `u8`, 1), as their agents made them. Returns the flows with the host veths the
-/// current layout had for them, and the counters.
+/// of that version's layout (versions 1 and 2: 14 counters, `dropped_ipv6` 12th,
+/// set to 1000 here, no `captured_dns`; version 3: 13 counters, no
+/// `captured_dns`), and for version 1 the captured flows into a map of its layout
+/// (value `u8`, 1), as their agents made them. Returns the flows with the host
+/// veths the current layout had for them, and the counters.
 fn make_previous_layout(pins: &Path, into: &Path, version: u32) -> (Vec<(FlowKey, u32)>, Counters) {
     let current = flows::<u32>(&pins.join(MAP_CAPTURED_FLOWS));
     assert!(!current.is_empty(), "no captured flows to carry");
@@ -80,31 +81,35 @@ fn make_previous_layout(pins: &Path, into: &Path, version: u32) -> (Vec<(FlowKey
     }
     let counters_before = counters(&pins.join(MAP_COUNTERS));
     let old_counters = into.join(MAP_COUNTERS);
+    // The fields in that version's order.
+    let old_fields = |sum: &PodCounters| -> Vec<u64> {
+        let mut fields: Vec<u64> = sum
+            .named()
+            .iter()
+            .filter(|(name, _)| *name != "captured_dns")
+            .map(|(_, v)| *v)
+            .collect();
+        if version < 3 {
+            fields.insert(11, 1000);
+        }
+        fields
+    };
+    let size = if version < 3 { 14 } else { 13 };
     netns::run(
         Command::new("bpftool")
             .args(["map", "create"])
             .arg(&old_counters)
             .args(["type", "percpu_hash", "key", "4", "value"])
-            .arg((14 * 8).to_string())
+            .arg((size * 8).to_string())
             .args(["entries"])
             .arg(MAX_PODS.to_string())
             .args(["name", MAP_COUNTERS]),
     )
     .unwrap();
-    {
-        let mut old: PerCpuHashMap<MapData, u32, [u64; 14]> = PerCpuHashMap::try_from(
-            Map::PerCpuHashMap(MapData::from_pin(&old_counters).unwrap()),
-        )
-        .unwrap();
-        let cpus = aya::util::nr_cpus().unwrap();
-        for (ifindex, sum) in &counters_before {
-            let mut fields: Vec<u64> = sum.named().iter().map(|(_, v)| *v).collect();
-            fields.insert(11, 1000);
-            let mut values = vec![[0u64; 14]; cpus];
-            values[0] = fields.try_into().unwrap();
-            old.insert(ifindex, PerCpuValues::try_from(values).unwrap(), 0)
-                .unwrap();
-        }
+    if version < 3 {
+        write_counters::<14>(&old_counters, &counters_before, old_fields);
+    } else {
+        write_counters::<13>(&old_counters, &counters_before, old_fields);
     }
     fs::remove_file(pins.join(MAP_COUNTERS)).unwrap();
     if version > 1 {
@@ -131,6 +136,24 @@ fn make_previous_layout(pins: &Path, into: &Path, version: u32) -> (Vec<(FlowKey
     fs::remove_file(pins.join(MAP_CAPTURED_FLOWS)).unwrap();
     fs::remove_dir(pins).unwrap();
     (current, counters_before)
+}
+
+/// Writes `counters` into the `pod_counters` map of an earlier layout pinned at
+/// `path` (`N` counters a value), each as `fields` gives them, on the first CPU.
+fn write_counters<const N: usize>(
+    path: &Path,
+    counters: &Counters,
+    fields: impl Fn(&PodCounters) -> Vec<u64>,
+) {
+    let mut old: PerCpuHashMap<MapData, u32, [u64; N]> =
+        PerCpuHashMap::try_from(Map::PerCpuHashMap(MapData::from_pin(path).unwrap())).unwrap();
+    let cpus = aya::util::nr_cpus().unwrap();
+    for (ifindex, sum) in counters {
+        let mut values = vec![[0u64; N]; cpus];
+        values[0] = fields(sum).try_into().unwrap();
+        old.insert(ifindex, PerCpuValues::try_from(values).unwrap(), 0)
+            .unwrap();
+    }
 }
 
 /// Captures two pods, stops the agent, puts its pins in an earlier layout (see
@@ -196,7 +219,8 @@ fn migrates_from(layout: &str, version: u32, logged: &str, interrupted: bool) {
         assert!(log.contains("captured flows carried over"), "{log}");
     }
     assert!(log.contains("counters carried over"), "{log}");
-    // The counters went on from where they were, but for `dropped_ipv6`.
+    // The counters went on from where they were, but for `dropped_ipv6`;
+    // `captured_dns` starts at zero.
     let carried = counters(&pins.join(MAP_COUNTERS));
     for (ifindex, before) in &counters_before {
         let (_, now) = carried
@@ -209,6 +233,7 @@ fn migrates_from(layout: &str, version: u32, logged: &str, interrupted: bool) {
         // Its neighbours did not take `dropped_ipv6`'s 1000.
         assert!(now.dropped_unparsable < 1000, "{now:?}");
         assert!(now.dropped_flow_gone < 1000, "{now:?}");
+        assert_eq!(now.captured_dns, 0, "{now:?}");
     }
     // Everything moved: only the current layout is left, holding the very same
     // maps and links.
@@ -272,6 +297,11 @@ fn layout_version_1_is_migrated_with_its_links_maps_and_flows() {
 
 #[test]
 fn layout_version_2_is_migrated_with_its_links_maps_and_counters() {
+    migrates_from("v2", 2, "pin layout version 2", false);
+}
+
+#[test]
+fn layout_version_3_is_migrated_with_its_links_maps_and_counters() {
     migrates_from(
         &format!("v{PREVIOUS_LAYOUT_VERSION}"),
         PREVIOUS_LAYOUT_VERSION,
@@ -291,7 +321,7 @@ fn a_migration_stopped_after_its_renames_is_finished() {
 }
 
 #[test]
-fn a_migration_from_version_2_stopped_after_its_renames_is_finished() {
+fn a_migration_from_version_3_stopped_after_its_renames_is_finished() {
     migrates_from(
         &format!("v{PREVIOUS_LAYOUT_VERSION}"),
         PREVIOUS_LAYOUT_VERSION,

@@ -280,17 +280,7 @@ impl Programs {
             PerCpuHashMap::try_from(self.ebpf.map(MAP_COUNTERS).unwrap()).unwrap();
         let values = counters.get(&IFINDEX, 0).unwrap();
         values.iter().fold(PodCounters::default(), |mut sum, c| {
-            sum.captured_outbound += c.captured_outbound;
-            sum.assigned_established += c.assigned_established;
-            sum.passed += c.passed;
-            sum.bounced += c.bounced;
-            sum.dropped_no_listener += c.dropped_no_listener;
-            sum.dropped_bounce_miss += c.dropped_bounce_miss;
-            sum.dropped_assign_failed += c.dropped_assign_failed;
-            sum.dropped_fragment += c.dropped_fragment;
-            sum.dropped_unparsable += c.dropped_unparsable;
-            sum.dropped_flow_gone += c.dropped_flow_gone;
-            sum.dropped_spoofed += c.dropped_spoofed;
+            sum.add(c);
             sum
         })
     }

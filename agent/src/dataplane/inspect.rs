@@ -34,7 +34,7 @@ use serde::Serialize;
 use super::{
     Program,
     error::{Error, Result},
-    layout::{OldCounters, check_pinned_layouts, counters_from_old, read_counters, same_layout},
+    layout::{check_pinned_layouts, read_counters_of},
     net,
     netlink::Netlink,
     pins::{self, parse_link_pin_name},
@@ -285,13 +285,9 @@ pub fn inspect(pin_dir: &Path) -> Result<Inspection> {
     }
     let counters_pin = dir.join(MAP_COUNTERS);
     if counters_pin.exists() {
-        // An earlier layout's counters (versions 1 and 2 had `dropped_ipv6`) are
-        // shown as the agent will carry them over.
-        let per_cpu = if same_layout(MAP_COUNTERS, version) {
-            read_counters::<PodCounters>(&counters_pin, |c| *c)?
-        } else {
-            read_counters::<OldCounters>(&counters_pin, counters_from_old)?
-        };
+        // An earlier layout's counters are shown as the agent will carry them
+        // over.
+        let per_cpu = read_counters_of(&counters_pin, version)?;
         for (ifindex, values) in per_cpu {
             if let Some(pod) = pods.get_mut(&ifindex) {
                 pod.counters = Some(summed(&values));

@@ -16,33 +16,74 @@ use podlink_common::{
 
 use super::error::{Error, Result};
 
-/// The layout of map `name` in layout `version` (1 to 3): type, key size, value
-/// size, capacity; `None` for another map or version.
-fn expected_layout(name: &str, version: u32) -> Option<(MapType, usize, usize, u32)> {
-    // Version 2 made the captured flows' value the host veth's ifindex; version 3
-    // took `dropped_ipv6` out of the counters.
-    let (flow_value, counters) = match version {
-        1 => (1, size_of::<OldCounters>()),
-        2 => (size_of::<u32>(), size_of::<OldCounters>()),
-        3 => (size_of::<u32>(), size_of::<PodCounters>()),
-        _ => return None,
-    };
+/// What `pod_counters` held in a layout version: the counters' layouts differ
+/// in order and meaning where their sizes may not (versions 2 and 4 both hold 14).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum CountersLayout {
+    /// Versions 1 and 2: [`OldCounters`], with `dropped_ipv6`.
+    WithDroppedIpv6,
+    /// Version 3: [`V3Counters`], this layout's but `captured_dns`.
+    WithoutDns,
+    /// Version 4: [`PodCounters`].
+    Current,
+}
+
+impl CountersLayout {
+    /// The counters layout of pin layout `version`.
+    pub(super) fn of(version: u32) -> Option<Self> {
+        match version {
+            1 | 2 => Some(Self::WithDroppedIpv6),
+            3 => Some(Self::WithoutDns),
+            4 => Some(Self::Current),
+            _ => None,
+        }
+    }
+
+    /// The size of one CPU's value, in bytes.
+    fn value_size(self) -> usize {
+        match self {
+            Self::WithDroppedIpv6 => size_of::<OldCounters>(),
+            Self::WithoutDns => size_of::<V3Counters>(),
+            Self::Current => size_of::<PodCounters>(),
+        }
+    }
+}
+
+/// The layout of map `name` in layout `version` (1 to 4): type, key size, value
+/// size, capacity, and for the counters what their value holds; `None` for
+/// another map or version.
+fn expected_layout(
+    name: &str,
+    version: u32,
+) -> Option<(MapType, usize, usize, u32, Option<CountersLayout>)> {
+    // Version 2 made the captured flows' value the host veth's ifindex; versions
+    // 3 and 4 changed the counters.
+    let flow_value = if version == 1 { 1 } else { size_of::<u32>() };
+    let counters = CountersLayout::of(version)?;
     Some(match name {
-        MAP_PODS => (MapType::Hash, 4, size_of::<PodInfo>(), MAX_PODS),
-        MAP_CONFIG => (MapType::Array, 4, size_of::<Config>(), 1),
+        MAP_PODS => (MapType::Hash, 4, size_of::<PodInfo>(), MAX_PODS, None),
+        MAP_CONFIG => (MapType::Array, 4, size_of::<Config>(), 1, None),
         MAP_EXCLUDED_CIDRS => (
             MapType::LpmTrie,
             size_of::<CidrKey>(),
             1,
             MAX_EXCLUDED_CIDRS,
+            None,
         ),
-        MAP_EXCLUDED_PORTS => (MapType::Hash, 2, 1, MAX_EXCLUDED_PORTS),
-        MAP_COUNTERS => (MapType::PerCpuHash, 4, counters, MAX_PODS),
+        MAP_EXCLUDED_PORTS => (MapType::Hash, 2, 1, MAX_EXCLUDED_PORTS, None),
+        MAP_COUNTERS => (
+            MapType::PerCpuHash,
+            4,
+            counters.value_size(),
+            MAX_PODS,
+            Some(counters),
+        ),
         MAP_CAPTURED_FLOWS => (
             MapType::LruHash,
             size_of::<FlowKey>(),
             flow_value,
             MAX_CAPTURED_FLOWS,
+            None,
         ),
         _ => return None,
     })
@@ -57,24 +98,43 @@ pub(super) fn same_layout(name: &str, version: u32) -> bool {
 
 /// The value of `pod_counters` in layouts 1 and 2: [`PodCounters`]' fields in
 /// their order, with `dropped_ipv6` (IPv6 TCP, dropped before it was captured)
-/// 12th, between `dropped_unparsable` and `dropped_flow_gone`.
+/// 12th, between `dropped_unparsable` and `dropped_flow_gone`, and without
+/// `captured_dns`.
 pub(super) type OldCounters = [u64; 14];
+
+/// The value of `pod_counters` in layout 3: [`PodCounters`]' fields in their
+/// order but the last, `captured_dns` (DNS counted in `captured_outbound`).
+pub(super) type V3Counters = [u64; 13];
 
 /// Where `dropped_ipv6` was in [`OldCounters`].
 const OLD_DROPPED_IPV6: usize = 11;
 
-/// The counters of layout 1 or 2, field by field, without `dropped_ipv6` (whose
-/// packets are captured now: no counter of this layout stands for them).
-pub(super) fn counters_from_old(old: &OldCounters) -> PodCounters {
+/// The counters of layout 3, field by field, `captured_dns` zero (the DNS
+/// captured before stays in `captured_outbound`).
+pub(super) fn counters_from_v3(v3: &V3Counters) -> PodCounters {
     let mut fields = [0u64; size_of::<PodCounters>() / 8];
+    fields[..v3.len()].copy_from_slice(v3);
+    counters_of(fields)
+}
+
+/// The counters of layout 1 or 2, field by field, without `dropped_ipv6` (whose
+/// packets are captured now: no counter of this layout stands for them) and
+/// with `captured_dns` zero.
+pub(super) fn counters_from_old(old: &OldCounters) -> PodCounters {
+    let mut v3 = [0u64; size_of::<V3Counters>() / 8];
     let kept = old
         .iter()
         .enumerate()
         .filter(|(i, _)| *i != OLD_DROPPED_IPV6)
         .map(|(_, v)| *v);
-    for (field, value) in fields.iter_mut().zip(kept) {
+    for (field, value) in v3.iter_mut().zip(kept) {
         *field = value;
     }
+    counters_from_v3(&v3)
+}
+
+/// [`PodCounters`] from its fields in declaration order.
+fn counters_of(fields: [u64; size_of::<PodCounters>() / 8]) -> PodCounters {
     let [
         captured_outbound,
         captured_inbound_hbone,
@@ -89,6 +149,7 @@ pub(super) fn counters_from_old(old: &OldCounters) -> PodCounters {
         dropped_unparsable,
         dropped_flow_gone,
         dropped_spoofed,
+        captured_dns,
     ] = fields;
     PodCounters {
         captured_outbound,
@@ -104,6 +165,20 @@ pub(super) fn counters_from_old(old: &OldCounters) -> PodCounters {
         dropped_unparsable,
         dropped_flow_gone,
         dropped_spoofed,
+        captured_dns,
+    }
+}
+
+/// The per-CPU counters of the `pod_counters` map of layout `version` pinned
+/// at `pin`, as this layout's, by host veth ifindex.
+///
+/// # Errors
+/// An unknown version, or a map that cannot be opened or read.
+pub(super) fn read_counters_of(pin: &Path, version: u32) -> Result<Vec<(u32, Vec<PodCounters>)>> {
+    match CountersLayout::of(version).ok_or(Error::NoMapLayout { version })? {
+        CountersLayout::WithDroppedIpv6 => read_counters::<OldCounters>(pin, counters_from_old),
+        CountersLayout::WithoutDns => read_counters::<V3Counters>(pin, counters_from_v3),
+        CountersLayout::Current => read_counters::<PodCounters>(pin, |c| *c),
     }
 }
 
@@ -127,19 +202,20 @@ pub(super) fn read_counters<V: aya::Pod>(
         .collect()
 }
 
-/// Copies the per-CPU counters of a `pod_counters` map of layout 1 or 2 (pinned
-/// at `old`, [`OldCounters`] values) into `counters`, this layout's map, field by
-/// field ([`counters_from_old`]), for every host veth that has no entry there yet
-/// (an earlier, newer layout's was copied first). Returns the entries copied.
+/// Copies the per-CPU counters of a `pod_counters` map of an earlier layout
+/// `version` (pinned at `old`) into `counters`, this layout's map, field by field
+/// ([`read_counters_of`]), for every host veth that has no entry there yet (an
+/// earlier, newer layout's was copied first). Returns the entries copied.
 ///
 /// # Errors
 /// When the old map cannot be opened or read, or an insert fails.
 pub(super) fn carry_counters(
     old: &Path,
+    version: u32,
     counters: &mut PerCpuHashMap<MapData, u32, PodCounters>,
 ) -> Result<usize> {
     let mut copied = 0;
-    for (ifindex, values) in read_counters::<OldCounters>(old, counters_from_old)? {
+    for (ifindex, values) in read_counters_of(old, version)? {
         if counters.get(&ifindex, 0).is_ok() {
             continue;
         }
@@ -179,10 +255,10 @@ pub(super) fn check_pinned_layouts(pin_dir: &Path, version: u32) -> Result<()> {
             info.value_size() as usize,
             info.max_entries(),
         );
-        let Some(expected) = expected_layout(name, version) else {
+        let Some((kind, key, value, entries, _)) = expected_layout(name, version) else {
             return Err(Error::NoMapLayout { version });
         };
-        let (kind, key, value, entries) = expected;
+        let expected = (kind, key, value, entries);
         if found != (Some(kind), key, value, entries) {
             return Err(Error::IncompatibleMap {
                 path,
@@ -293,15 +369,27 @@ mod tests {
         let new = counters_from_old(&old);
         let named = new.named();
         // Every field before `dropped_ipv6` where it was, every one after it one
-        // place earlier, `dropped_ipv6` (12) nowhere.
-        for (i, (name, value)) in named.iter().enumerate() {
+        // place earlier, `dropped_ipv6` (12) nowhere; `captured_dns`, last, zero.
+        for (i, (name, value)) in named[..old.len() - 1].iter().enumerate() {
             let was = if i < OLD_DROPPED_IPV6 { i } else { i + 1 };
             assert_eq!(*value, old[was], "{name}");
         }
         assert_eq!(named[OLD_DROPPED_IPV6], ("dropped_flow_gone", 13));
         assert_eq!(new.dropped_unparsable, 11);
         assert_eq!(new.dropped_spoofed, 14);
+        assert_eq!(new.captured_dns, 0);
         assert!(named.iter().all(|(_, v)| *v != 12));
+    }
+
+    #[test]
+    fn v3_counters_are_carried_field_by_field_with_no_dns_yet() {
+        let v3: V3Counters = core::array::from_fn(|i| i as u64 + 1);
+        let new = counters_from_v3(&v3);
+        let named = new.named();
+        for (i, was) in v3.iter().enumerate() {
+            assert_eq!(named[i].1, *was, "{}", named[i].0);
+        }
+        assert_eq!(named[v3.len()], ("captured_dns", 0));
     }
 
     #[test]
@@ -318,9 +406,15 @@ mod tests {
             changed(OLDEST_LAYOUT_VERSION),
             [MAP_COUNTERS, MAP_CAPTURED_FLOWS]
         );
+        assert_eq!(changed(2), [MAP_COUNTERS]);
         assert_eq!(
             expected_layout(MAP_COUNTERS, PREVIOUS_LAYOUT_VERSION).map(|l| l.2),
-            Some(14 * 8)
+            Some(13 * 8)
+        );
+        // Version 2's counters are as large as this layout's, not the same.
+        assert_eq!(
+            expected_layout(MAP_COUNTERS, 2).map(|l| l.2),
+            expected_layout(MAP_COUNTERS, LAYOUT_VERSION).map(|l| l.2),
         );
     }
 }

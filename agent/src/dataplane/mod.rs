@@ -445,8 +445,8 @@ impl Dataplane {
             .map_err(Error::map("opening", MAP_COUNTERS))?;
         if prepared.migrated {
             // Counters lost only restart from zero (pods get entries at enrollment).
-            for old in &prepared.old_counters {
-                match layout::carry_counters(old, &mut counters) {
+            for (old, version) in &prepared.old_counters {
+                match layout::carry_counters(old, *version, &mut counters) {
                     Ok(copied) => tracing::info!(
                         from = %old.display(),
                         copied,
@@ -461,8 +461,8 @@ impl Dataplane {
             let old: Vec<PathBuf> = prepared
                 .old_flows
                 .iter()
-                .chain(&prepared.old_counters)
                 .cloned()
+                .chain(prepared.old_counters.iter().map(|(pin, _)| pin.clone()))
                 .collect();
             pins::finish_migration(&cfg.pin_dir, &old)?;
         }

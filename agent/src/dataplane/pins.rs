@@ -14,10 +14,14 @@
 //!   under `<pin-dir>`;
 //! * version 1 ([`OLDEST_LAYOUT_VERSION`]) differs from version 2 in the value of
 //!   `captured_flows` (a `u8`, since the host veth's ifindex);
-//! * version 2 ([`podlink_common::PREVIOUS_LAYOUT_VERSION`]) differs from version 3 in the value of
-//!   `pod_counters` (14 counters, since 13: `dropped_ipv6` went when IPv6 TCP was
-//!   captured). Its counters are copied field by field, so that the counters
-//!   `podlink inspect` and the metrics show go on from where they were.
+//! * version 2 differs from version 3 in the value of `pod_counters` (14
+//!   counters, since 13: `dropped_ipv6` went when IPv6 TCP was captured);
+//! * version 3 ([`podlink_common::PREVIOUS_LAYOUT_VERSION`]) differs from
+//!   version 4 in the value of `pod_counters` (13 counters, since 14:
+//!   `captured_dns` came last, when DNS got a counter of its own).
+//!
+//! Old counters are copied field by field, so that the counters `podlink
+//! inspect` and the metrics show go on from where they were.
 //!
 //! Each step is idempotent: an agent stopped halfway finishes the move on its next
 //! start. A `v<M>` of any other version makes the agent refuse to start: it cannot
@@ -185,10 +189,10 @@ pub(super) struct Prepared {
     /// layout's), whose flows are to be copied into this layout's map once the
     /// programs are loaded, before [`finish_migration`] removes them.
     pub old_flows: Vec<PathBuf>,
-    /// The `pod_counters` maps of earlier layouts (versions 1 and 2, the
-    /// unversioned layout), newest first, whose counters are to be copied into
-    /// this layout's map, likewise.
-    pub old_counters: Vec<PathBuf>,
+    /// The `pod_counters` maps of earlier layouts (versions 1 to 3, the
+    /// unversioned layout) with their layout versions, newest first, whose
+    /// counters are to be copied into this layout's map, likewise.
+    pub old_counters: Vec<(PathBuf, u32)>,
 }
 
 /// Makes `<pin_dir>/v<N>/links` ready for this agent: refuses unknown versions and
@@ -219,15 +223,12 @@ pub(super) fn prepare(pin_dir: &Path) -> Result<Prepared> {
     let (mut old_flows, mut old_counters) = (Vec::new(), Vec::new());
     for layout in &earlier {
         migrate(layout, &dir)?;
-        for (name, old) in [
-            (MAP_CAPTURED_FLOWS, &mut old_flows),
-            (MAP_COUNTERS, &mut old_counters),
-        ] {
+        let changed = |name| {
             let path = layout.dir.join(name);
-            if !same_layout(name, layout.version) && path.exists() {
-                old.push(path);
-            }
-        }
+            (!same_layout(name, layout.version) && path.exists()).then_some(path)
+        };
+        old_flows.extend(changed(MAP_CAPTURED_FLOWS));
+        old_counters.extend(changed(MAP_COUNTERS).map(|path| (path, layout.version)));
     }
     Ok(Prepared {
         dir,

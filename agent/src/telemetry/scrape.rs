@@ -233,6 +233,7 @@ pub fn encode(proxy: &impl ScrapeSource, maps: Option<&Mutex<DataplaneMaps>>) ->
                 ("outbound", totals.captured_outbound),
                 ("inbound_hbone", totals.captured_inbound_hbone),
                 ("inbound_plaintext", totals.captured_inbound_plaintext),
+                ("dns", totals.captured_dns),
             ] {
                 captured
                     .get_or_create(&CaptureLabels {
