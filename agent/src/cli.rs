@@ -525,7 +525,7 @@ pub fn main() -> Result<()> {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     //! The deployment's arguments (`deploy/base/daemonset.yaml`, as is and as
     //! `deploy/istio` patches it, and the uninstall pod) parsed by the agent's
     //! own command line, as the kubelet would pass them.
@@ -550,7 +550,7 @@ mod tests {
     /// patches of `deploy/<variant>/kustomization.yaml` that target it applied,
     /// as kustomize does (`cargo xtask validate-deploy` checks that every patch
     /// there is a JSON patch matching one object).
-    fn patched(variant: &str, file: &str, kind: &str, name: &str) -> Value {
+    pub(crate) fn patched(variant: &str, file: &str, kind: &str, name: &str) -> Value {
         let mut object: serde_json::Value =
             serde_yaml_ng::from_value(deploy_file(&format!("base/{file}"))).unwrap();
         assert_eq!(

@@ -209,7 +209,8 @@ pub async fn open(
             Ok(spawn(source))
         }
         WorkloadSourceConfig::Kubernetes { kubeconfig } => {
-            let source = kube::KubeSource::start(kubeconfig.as_deref(), node).await?;
+            let source =
+                kube::KubeSource::start(kubeconfig.as_deref(), node, kube::Scope::Cluster).await?;
             Ok(spawn(source))
         }
         WorkloadSourceConfig::Istiod {
@@ -220,7 +221,9 @@ pub async fn open(
             let client =
                 crate::xds::XdsClient::new(crate::xds::XdsConfig::clone(xds), xds_metrics.clone())
                     .map_err(|error| Error::Xds { error })?;
-            let kube = spawn(kube::KubeSource::start(kubeconfig.as_deref(), node).await?);
+            let kube = spawn(
+                kube::KubeSource::start(kubeconfig.as_deref(), node, kube::Scope::Node).await?,
+            );
             Ok(spawn(xds::IstiodSource::start(kube, client, trust_domain)))
         }
     }

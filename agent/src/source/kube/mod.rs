@@ -3,7 +3,9 @@
 //! (capture), the namespaces (enrollment labels), the Services and
 //! EndpointSlices (outbound), the Nodes (zones, pod ranges), and Istio's
 //! AuthorizationPolicies and PeerAuthentications in both `security.istio.io`
-//! versions, the `v1` store read while `v1` is served ([`policies`]).
+//! versions, the `v1` store read while `v1` is served ([`policies`]). Beside
+//! istiod ([`Scope::Node`]) only this node's pods, the namespaces and the
+//! Nodes are watched.
 //!
 //! The watchers list, then watch from the list's `resourceVersion`, and start
 //! over with a new list when the API server answers `410 Gone` (Kubernetes API
@@ -127,6 +129,19 @@ pub(crate) const REPLACED_BY_ISTIOD: [Watched; 4] = [
     PEER_AUTHENTICATIONS,
 ];
 
+/// What the Kubernetes source watches.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Scope {
+    /// Everything of [`WATCHED`]: the Kubernetes API is the only source.
+    Cluster,
+    /// Beside istiod ([`super::xds::IstiodSource`]): only what capture needs,
+    /// this node's pods (the CNI path, the annotations), the namespaces
+    /// (enrollment labels) and the Nodes; istiod sends every workload,
+    /// service and policy. Neither the cluster's pods nor
+    /// [`REPLACED_BY_ISTIOD`] are listed or watched.
+    Node,
+}
+
 /// Every resource the Kubernetes source lists and watches (an Istio kind in
 /// both its versions is one resource for RBAC). The watched types of
 /// [`kinds`] take their API group and plural name from these, and
@@ -142,6 +157,10 @@ pub const WATCHED: [Watched; 7] = [
     AUTHORIZATION_POLICIES,
     PEER_AUTHENTICATIONS,
 ];
+
+/// The resources [`Scope::Node`] lists and watches, of [`WATCHED`];
+/// `deploy/istio` grants only these.
+pub const WATCHED_BESIDE_ISTIOD: [Watched; 3] = [PODS, NAMESPACES, NODES];
 
 /// kube-runtime's default backoff (0.8 s doubling to 30 s, with jitter), started
 /// over only once a watch has delivered something since the last failure. The
@@ -326,6 +345,22 @@ struct Watch<K: Resource<DynamicType = ()> + Clone + 'static> {
 }
 
 impl<K: Resource<DynamicType = ()> + Clone + 'static> Watch<K> {
+    /// A watch left out of this [`Scope`]: never listed from the API, always
+    /// empty, and counted as listed.
+    fn unwatched(what: &'static str, record: fn(&mut Pending, Seen)) -> Self {
+        let (store, _) = reflector::store();
+        Watch {
+            store,
+            flags: WatchFlags {
+                what,
+                ready: Arc::new(AtomicBool::new(true)),
+                absent: Arc::new(AtomicBool::new(true)),
+                record,
+            },
+            task: tokio::spawn(async {}),
+        }
+    }
+
     /// Whether listed, and served now.
     fn served(&self) -> bool {
         self.flags.served()
@@ -576,14 +611,15 @@ pub struct KubeSource {
 impl KubeSource {
     /// Connects with `kubeconfig`, or the in-cluster configuration (the service
     /// account's token and CA, `KUBERNETES_SERVICE_HOST`/`_PORT`) when `None`, and
-    /// starts the watchers. Does not wait for the first lists ([`Self::wait_ready`]).
+    /// starts the watchers of `scope`. Does not wait for the first lists
+    /// ([`Self::wait_ready`]).
     ///
     /// # Errors
     /// A kubeconfig that cannot be read ([`Error::ReadKubeconfig`]) or used
     /// ([`Error::UseKubeconfig`]), no in-cluster configuration
     /// ([`Error::NoInClusterConfig`]), or a configuration kube-rs cannot make
     /// a client of ([`Error::Client`]).
-    pub async fn start(kubeconfig: Option<&Path>, node: &str) -> Result<Self, Error> {
+    pub async fn start(kubeconfig: Option<&Path>, node: &str, scope: Scope) -> Result<Self, Error> {
         let mut config = match kubeconfig {
             Some(path) => {
                 let kubeconfig = kube::config::Kubeconfig::read_from(path).map_err(|error| {
@@ -611,7 +647,7 @@ impl KubeSource {
         }
         let cluster = config.cluster_url.to_string();
         let client = Client::try_from(config).map_err(|error| Error::Client { error })?;
-        tracing::info!(api = %cluster, node, "watching the Kubernetes API");
+        tracing::info!(api = %cluster, node, ?scope, "watching the Kubernetes API");
         let pending = Arc::new(Mutex::new(Pending::default()));
         let changes = Arc::new(Notify::new());
         let c = &client;
@@ -620,28 +656,38 @@ impl KubeSource {
                 watch($spec, pending.clone(), changes.clone())
             };
         }
-        let all_pods = start!(WatchSpec::all("pods (all)", c, record_pod));
+        // What the cluster scope alone watches.
+        macro_rules! cluster {
+            ($spec:expr) => {{
+                let spec = $spec;
+                match scope {
+                    Scope::Cluster => start!(spec),
+                    Scope::Node => Watch::unwatched(spec.what, spec.record),
+                }
+            }};
+        }
+        let all_pods = cluster!(WatchSpec::all("pods (all)", c, record_pod));
         let local_pods = start!(WatchSpec {
             config: watcher::Config::default().fields(&format!("spec.nodeName={node}")),
             ..WatchSpec::all("pods (this node)", c, record_pod)
         });
         let namespaces = start!(WatchSpec::all("namespaces", c, record_namespace));
-        let services = start!(WatchSpec::all("services", c, record_service));
-        let endpoint_slices = start!(WatchSpec::all("endpointslices", c, record_endpoint_slice));
+        let services = cluster!(WatchSpec::all("services", c, record_service));
+        let endpoint_slices = cluster!(WatchSpec::all("endpointslices", c, record_endpoint_slice));
         let nodes = start!(WatchSpec::all("nodes", c, record_node));
-        let policies_v1 = start!(
+        let policies_v1 = cluster!(
             WatchSpec::all("authorizationpolicies (v1)", c, record_policy)
                 .crd("authorizationpolicies.security.istio.io/v1")
         );
-        let policies_v1beta1 = start!(
+        let policies_v1beta1 = cluster!(
             WatchSpec::all("authorizationpolicies (v1beta1)", c, record_policy)
                 .crd("authorizationpolicies.security.istio.io/v1beta1")
         );
-        let mtls_v1 = start!(
+        let mtls_v1 = cluster!(
             WatchSpec::all("peerauthentications (v1)", c, record_mtls_policy)
                 .crd("peerauthentications.security.istio.io/v1")
         );
-        let mtls_v1beta1 = start!(
+        let mtls_v1beta1 = cluster!(
             WatchSpec::all("peerauthentications (v1beta1)", c, record_mtls_policy)
                 .crd("peerauthentications.security.istio.io/v1beta1")
         );
@@ -1197,16 +1243,8 @@ mod tests {
         assert!(pending.services.listed);
     }
 
-    /// `deploy/base/clusterrole.yaml` grants `get`, `list` and `watch` on every
-    /// resource of [`WATCHED`], `patch` on pods (the redirection annotation,
-    /// [`RedirectionAnnotator`]), and nothing else.
-    #[test]
-    fn the_cluster_role_grants_exactly_what_is_watched() {
-        let role: serde_json::Value = serde_yaml_ng::from_str(include_str!(concat!(
-            env!("CARGO_MANIFEST_DIR"),
-            "/../deploy/base/clusterrole.yaml"
-        )))
-        .unwrap();
+    /// What the ClusterRole `role` grants: verbs by API group and resource.
+    fn granted(role: &serde_json::Value) -> BTreeMap<(String, String), BTreeSet<String>> {
         assert_eq!(role["kind"], "ClusterRole");
         let strings = |v: &serde_json::Value| -> Vec<String> {
             v.as_array()
@@ -1230,8 +1268,14 @@ mod tests {
                 }
             }
         }
+        granted
+    }
+
+    /// `get`, `list` and `watch` on every resource of `watched`, and `patch`
+    /// on pods (the redirection annotation, [`RedirectionAnnotator`]).
+    fn needed(watched: &[Watched]) -> BTreeMap<(String, String), BTreeSet<String>> {
         let read = BTreeSet::from(["get", "list", "watch"].map(String::from));
-        let mut wanted: BTreeMap<(String, String), BTreeSet<String>> = WATCHED
+        let mut wanted: BTreeMap<(String, String), BTreeSet<String>> = watched
             .iter()
             .map(|w| ((w.group.into(), w.resource.into()), read.clone()))
             .collect();
@@ -1239,7 +1283,23 @@ mod tests {
             .get_mut(&(PODS.group.into(), PODS.resource.into()))
             .unwrap()
             .insert("patch".into());
-        assert_eq!(granted, wanted);
+        wanted
+    }
+
+    /// `deploy/base/clusterrole.yaml` grants what [`WATCHED`] needs, and
+    /// nothing else; `deploy/istio`'s, what [`WATCHED_BESIDE_ISTIOD`] needs.
+    #[test]
+    fn the_cluster_role_grants_exactly_what_is_watched() {
+        let role: serde_json::Value = serde_yaml_ng::from_str(include_str!(concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/../deploy/base/clusterrole.yaml"
+        )))
+        .unwrap();
+        assert_eq!(granted(&role), needed(&WATCHED));
+        let istio =
+            crate::cli::tests::patched("istio", "clusterrole.yaml", "ClusterRole", "podlink");
+        let istio: serde_json::Value = serde_yaml_ng::from_value(istio).unwrap();
+        assert_eq!(granted(&istio), needed(&WATCHED_BESIDE_ISTIOD));
     }
 
     /// The watches the source starts are of exactly the resources of
@@ -1263,7 +1323,9 @@ current-context: x
 ",
         )
         .unwrap();
-        let source = KubeSource::start(Some(&kubeconfig), "node1").await.unwrap();
+        let source = KubeSource::start(Some(&kubeconfig), "node1", Scope::Cluster)
+            .await
+            .unwrap();
         let watched: BTreeSet<(String, String)> = WATCHED
             .iter()
             .map(|w| (w.group.into(), w.resource.into()))
@@ -1323,6 +1385,44 @@ current-context: x
         list(&source.policies_v1beta1.flags);
         assert!(source.unlisted().is_empty());
         assert!(source.all_listed());
+    }
+
+    /// Beside istiod only this node's pods, the namespaces and the Nodes are
+    /// listed: the rest counts as listed, and empty, from the start.
+    #[tokio::test]
+    async fn beside_istiod_only_what_capture_needs_is_watched() {
+        let dir = tempfile::tempdir().unwrap();
+        let kubeconfig = dir.path().join("kubeconfig");
+        std::fs::write(
+            &kubeconfig,
+            "apiVersion: v1
+kind: Config
+clusters: [{name: c, cluster: {server: \"http://127.0.0.1:9\"}}]
+users: [{name: u, user: {token: t}}]
+contexts: [{name: x, context: {cluster: c, user: u}}]
+current-context: x
+",
+        )
+        .unwrap();
+        let source = KubeSource::start(Some(&kubeconfig), "node1", Scope::Node)
+            .await
+            .unwrap();
+        let unlisted = source.unlisted();
+        assert_eq!(unlisted, ["pods (this node)", "namespaces", "nodes"]);
+        assert_eq!(source.completeness(&unlisted), Completeness::Incomplete);
+        for w in [
+            &source.local_pods.flags,
+            &source.namespaces.flags,
+            &source.nodes.flags,
+        ] {
+            w.ready.store(true, Ordering::Relaxed);
+        }
+        let unlisted = source.unlisted();
+        assert!(unlisted.is_empty(), "{unlisted:?}");
+        assert_eq!(source.completeness(&unlisted), Completeness::Complete);
+        assert!(source.read_services().is_empty());
+        assert!(source.all_pods.objects().is_empty());
+        assert!(!source.policy_lists().listed || !source.policies_v1.served());
     }
 
     /// A 404 of an Istio kind is retried within `NOT_INSTALLED_RETRY`,
