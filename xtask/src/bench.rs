@@ -124,6 +124,7 @@ mod scaling;
 mod soak;
 mod stats;
 mod throughput;
+mod xds_watch;
 
 use ebpf::restore_bpf_stats;
 use full::bench;
