@@ -11,8 +11,12 @@
 //! path's median [min-max] and their comparison (the ratio, or for round trips
 //! the µs podlink adds).
 //!
+//! `api-watch` and `xds-watch` instead run their cluster-scale part once on
+//! its own one-node bed and print its figures.
+//!
 //! `--hook CMD` runs `sh -c CMD` in a process group of its own once the bed is
-//! up, before the first run, with the agents' process ids in `$AGENTS`
+//! up, before the first run (for `xds-watch`: once the agent settled, before
+//! the changes), with the agents' process ids in `$AGENTS`
 //! (comma-separated), for `perf record -g -p $AGENTS` or `strace -c -f -p
 //! $AGENTS` (with `--podlink-only`, or it records the direct path's runs too).
 //! After the runs, or on Ctrl-C, SIGTERM or SIGHUP, the group gets SIGINT, and
@@ -510,7 +514,7 @@ mod tests {
     #[test]
     fn flags_that_do_not_apply_are_refused() {
         type Set = fn(&mut Options);
-        let refusals: [(Row, Set, &str); 11] = [
+        let refusals: [(Row, Set, &str); 13] = [
             (
                 Row::SingleStream,
                 |o| o.count = Some(3),
@@ -554,6 +558,8 @@ mod tests {
                 |o| o.repeat = 0,
                 "--repeat must be at least 1",
             ),
+            (Row::XdsWatch, |o| o.repeat = 2, "runs once on its own bed"),
+            (Row::XdsWatch, |o| o.ebpf = true, "runs once on its own bed"),
         ];
         for (row, set, what) in refusals {
             let mut o = options(row);
@@ -564,6 +570,13 @@ mod tests {
         for row in [Row::SingleStream, Row::Scaling, Row::Enrollment] {
             options(row).validate().unwrap();
         }
+        // The xds-watch probe takes a hook (over its changes).
+        Options {
+            hook: Some("true".into()),
+            ..options(Row::XdsWatch)
+        }
+        .validate()
+        .unwrap();
         // The limits themselves are taken.
         for (row, most) in [
             (Row::Scaling, MAX_SCALING_PAIRS),
@@ -582,6 +595,7 @@ mod tests {
     fn rows_are_named_as_the_flag_takes_them() {
         assert_eq!(Row::SixteenClients.name(), "sixteen-clients");
         assert_eq!(Row::RoundTrips.name(), "round-trips");
+        assert_eq!(Row::XdsWatch.name(), "xds-watch");
     }
 
     #[test]

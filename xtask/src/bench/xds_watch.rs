@@ -61,10 +61,6 @@ const POLL: Duration = Duration::from_millis(2);
 const CHANGE_TIMEOUT: Duration = Duration::from_secs(10);
 /// How long the agent may take to be ready.
 const READY_TIMEOUT: Duration = Duration::from_secs(60);
-/// The aims (issue 35 sets none of its own: the Kubernetes source's, p99 of
-/// the change times in ms and VmRSS in MiB).
-pub(super) const AIM_P99_MS: f64 = super::api_watch::AIM_P99_MS;
-pub(super) const AIM_RSS_MIB: f64 = super::api_watch::AIM_RSS_MIB;
 const TOKEN: &str = "node-agent-token";
 const CLUSTER_ID: &str = "bench-cluster";
 
@@ -261,10 +257,9 @@ fn ack_ms(xds: &XdsDouble, pushed: Instant) -> Result<f64> {
         .last()
         .map(|r| r.nonce.clone())
         .context("the double sent no response")?;
-    let requests =
-        xds.wait_requests(CHANGE_TIMEOUT, |rs| {
-            rs.iter().any(|r| r.request.response_nonce == nonce)
-        })?;
+    let requests = xds.wait_requests(CHANGE_TIMEOUT, |rs| {
+        rs.iter().any(|r| r.request.response_nonce == nonce)
+    })?;
     let answer = requests
         .iter()
         .find(|r| r.request.response_nonce == nonce)
