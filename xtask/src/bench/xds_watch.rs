@@ -4,8 +4,10 @@
 //! (`podlink_tests::xds_double`) as istiod, holding [`WORKLOADS`] workloads
 //! (this node's [`LOCAL_PODS`] of them real pods made through the CNI
 //! plugins, the rest of other nodes), [`SERVICES`] services (a VIP each;
-//! every workload backs one of them, so each has `WORKLOADS / SERVICES`
-//! endpoints) and [`POLICIES`] namespace-scoped ALLOW policies.
+//! every workload backs one of them, so each has [`ENDPOINTS_PER_SERVICE`]
+//! endpoints) and [`POLICIES`] namespace-scoped ALLOW policies. The local
+//! pods are as many as [`super::api_watch`] makes (the whole part takes about
+//! half a minute).
 //!
 //! Measured as [`super::api_watch`] measures the Kubernetes source: the time
 //! from the agent's start to its readiness (istiod's first responses of both
@@ -49,6 +51,8 @@ pub(super) const WORKLOADS: usize = 5_000;
 pub(super) const LOCAL_PODS: usize = 100;
 /// Services, each with one VIP and port.
 pub(super) const SERVICES: usize = 1_000;
+/// Endpoints of each service: the workloads backing it.
+const ENDPOINTS_PER_SERVICE: usize = WORKLOADS / SERVICES;
 /// Authorization policies.
 pub(super) const POLICIES: usize = 500;
 /// Namespaces the objects of other nodes are spread over.
@@ -168,14 +172,15 @@ fn workload(name: &str, namespace: &str, ip: Ipv4Addr, node: &str, backs: usize)
     }
 }
 
-/// Workload `i` of the other nodes (49 of them).
+/// Workload `i` of the other nodes (49 of them); it backs a service after
+/// those the local pods back, in turn.
 fn remote_workload(i: usize) -> Address {
     workload(
         &format!("r{i}"),
         &namespace(i),
         remote_ip(i),
         &format!("remote{}", i % 49 + 2),
-        i % SERVICES,
+        (LOCAL_PODS + i) % SERVICES,
     )
 }
 
@@ -291,7 +296,8 @@ pub(super) fn xds_watch(hook: Option<&str>) -> Result<XdsWatch> {
         "bench: xds-watch: istiod's view: {WORKLOADS} workloads ({remote} of other nodes), {SERVICES} services, {POLICIES} policies"
     );
     let node = c.nodes[0].name.clone();
-    // This node's pods back the first services, the others' all of them.
+    // This node's pods back the first services, the others' the rest in
+    // turn: each service has ENDPOINTS_PER_SERVICE.
     for (i, pod) in local.iter().enumerate() {
         xds.set_address(
             &format!("local/{}", pod.name),
@@ -358,6 +364,12 @@ pub(super) fn xds_watch(hook: Option<&str>) -> Result<XdsWatch> {
                 "the agent's view holds {n} {kind}, not istiod's {want}:\n{}",
                 c.agent_log(0)
             );
+        }
+    }
+    for j in [0, SERVICES - 1] {
+        let n = c.service_endpoints(0, &namespace(j), &format!("svc{j}"));
+        if n != ENDPOINTS_PER_SERVICE {
+            bail!("the agent knows {n} endpoints of svc{j}, not {ENDPOINTS_PER_SERVICE}");
         }
     }
     std::thread::sleep(Duration::from_secs(2));
