@@ -59,6 +59,8 @@ pub struct XdsRequest {
     pub stream: u64,
     /// The request.
     pub request: DeltaDiscoveryRequest,
+    /// When the double read it off the stream.
+    pub received: Instant,
 }
 
 impl XdsRequest {
@@ -250,10 +252,12 @@ impl AggregatedDiscoveryService for Service {
         let shared = self.shared.clone();
         tokio::spawn(async move {
             while let Ok(Some(request)) = inbound.message().await {
+                let received = Instant::now();
                 let mut shared = shared.lock().unwrap();
                 shared.requests.push(XdsRequest {
                     stream: id,
                     request: request.clone(),
+                    received,
                 });
                 if request.response_nonce.is_empty() {
                     // A subscription: what the client holds is what it says.

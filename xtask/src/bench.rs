@@ -87,6 +87,13 @@
 //! time from a change at the API to the agent's view holding it, and the
 //! agent's memory ([`api_watch`]).
 //!
+//! # istiod at cluster scale
+//!
+//! Then, on a bed of its own again: one agent in istiod mode fed by the delta
+//! ADS double with 5,000 workloads (100 of them pods on its node), 1,000
+//! services and 500 policies; the time from a push to the agent's view
+//! holding it and to its ACK, and the agent's memory ([`xds_watch`]).
+//!
 //! # Flags
 //!
 //! `--repeat N` (default 5), `--json FILE` (the same data, and every raw sample),
@@ -96,7 +103,8 @@
 //! churn compared over 3 s windows, 50 pods for the enrollment row, 1 and 10 pairs
 //! and 10 and 100 pods for scaling): for development, never to judge the targets.
 //! `--probe ROW` and its flags measure one figure on its own bed instead
-//! ([`probe`]). `--soak [--minutes N]` runs the soak instead ([`soak`]).
+//! ([`probe`]; `--probe api-watch` and `--probe xds-watch` run one of the
+//! cluster-scale parts alone). `--soak [--minutes N]` runs the soak instead ([`soak`]).
 
 use std::{path::Path, time::Duration};
 
@@ -124,6 +132,7 @@ mod scaling;
 mod soak;
 mod stats;
 mod throughput;
+mod xds_watch;
 
 use ebpf::restore_bpf_stats;
 use full::bench;

@@ -93,7 +93,8 @@ enum Cmd {
         #[arg(long)]
         quick: bool,
         /// Measure only this, on its own bed, and print each run (see
-        /// xtask/src/bench/probe.rs); --repeat defaults to 3 (1 for enrollment).
+        /// xtask/src/bench/probe.rs); --repeat defaults to 3 (1 for enrollment,
+        /// api-watch and xds-watch).
         #[arg(long, value_enum, conflicts_with_all = ["json", "markdown", "quick"])]
         probe: Option<bench::ProbeRow>,
         /// The length of each probe run, in seconds (of the iperf3 runs for
@@ -112,9 +113,10 @@ enum Cmd {
         /// dns-forwarded, default 2,000).
         #[arg(long, requires = "probe")]
         count: Option<usize>,
-        /// A shell command to start before the probe's runs, with the agents'
-        /// process ids in $AGENTS (comma-separated); after the runs its process
-        /// group gets SIGINT, and the probe waits for it.
+        /// A shell command to start before the probe's runs (for xds-watch:
+        /// before its changes), with the agents' process ids in $AGENTS
+        /// (comma-separated); after the runs its process group gets SIGINT, and
+        /// the probe waits for it.
         #[arg(long, requires = "probe")]
         hook: Option<String>,
         /// Run the soak instead (xtask/src/bench/soak.rs): 10,000 idle

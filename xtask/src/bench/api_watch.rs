@@ -74,7 +74,7 @@ pub(super) struct ApiWatch {
 }
 
 /// The p50 of each step of the `reconciled` lines of `log` (µs).
-fn reconcile_steps(log: &str) -> [f64; 4] {
+pub(super) fn reconcile_steps(log: &str) -> [f64; 4] {
     let mut steps: [Vec<f64>; 4] = Default::default();
     for line in log.lines().filter(|l| l.contains("reconciled")) {
         for (i, key) in ["read_us=", "network_us=", "plan_us=", "apply_us="]

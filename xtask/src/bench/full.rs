@@ -1,5 +1,7 @@
 //! The full bench: the bed, the main table's repetitions, the churn, the
-//! scaling table and the enrollment, in that order, then the report.
+//! scaling table and the enrollment, in that order, then on beds of their own
+//! the agent at cluster scale fed by the Kubernetes API and by istiod, then
+//! the report.
 
 use std::{
     fs,
@@ -28,6 +30,7 @@ use super::{
     round_trips::latency,
     scaling::{Scaling, scaling},
     throughput::throughput,
+    xds_watch::xds_watch,
 };
 
 pub(super) fn bench(s: Settings, json: Option<&Path>, markdown: Option<&Path>) -> Result<()> {
@@ -217,6 +220,11 @@ pub(super) fn bench(s: Settings, json: Option<&Path>, markdown: Option<&Path>) -
     let t = Instant::now();
     let api_watch = api_watch()?;
     timings.api_watch_seconds = t.elapsed().as_secs_f64();
+    netns::cleanup();
+    eprintln!("bench: the agent fed by istiod at cluster scale");
+    let t = Instant::now();
+    let xds_watch = xds_watch(None)?;
+    timings.xds_watch_seconds = t.elapsed().as_secs_f64();
     machine.load_average_at_end = load_average();
     netns::cleanup();
     timings.total_seconds = started.elapsed().as_secs_f64();
@@ -233,6 +241,7 @@ pub(super) fn bench(s: Settings, json: Option<&Path>, markdown: Option<&Path>) -
         enrollment,
         scaling,
         api_watch,
+        xds_watch,
         timings,
     };
     print_report(&report);

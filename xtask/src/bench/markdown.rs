@@ -1,8 +1,9 @@
 //! `--markdown FILE`: the report of a full run as a Markdown page
 //! (`docs/benchmarks.md` is one): a title, the report's [`Block`]s as
 //! paragraphs, lists and tables (the machine header, the main table with each
-//! figure's target, the breakdowns, the scaling and enrollment tables), then the
-//! ideas tried and not kept ([`TRIED`]).
+//! figure's target, the breakdowns, the scaling and enrollment tables, the
+//! Kubernetes API and istiod ones), then the ideas tried and not kept
+//! ([`TRIED`]).
 
 use super::print::Block;
 
@@ -88,6 +89,7 @@ mod tests {
         print::report_blocks,
         report::{Report, Timings},
         scaling::{Scaling, ScalingRun},
+        xds_watch::XdsWatch,
     };
 
     /// Samples of a figure: `reps` values per path, podlink's a fraction of
@@ -232,6 +234,25 @@ mod tests {
                 idle_rss_anon_kib: 30_000,
                 reconcile_p50_us: [1_000.0, 200.0, 300.0, 10.0],
             },
+            xds_watch: XdsWatch {
+                workloads: 5_000,
+                local_pods: 100,
+                services: 1_000,
+                policies: 500,
+                ready_seconds: 3.5,
+                idle_rss_kib: 36_000,
+                idle_rss_anon_kib: 24_000,
+                max_rss_kib: 38_000,
+                change_ms: (0..9)
+                    .map(|i| {
+                        let kind = ["service", "workload", "policy"][i % 3];
+                        (kind.to_string(), 30.0 + i as f64)
+                    })
+                    .collect(),
+                ack_ms: (0..9).map(|i| 10.0 + i as f64).collect(),
+                scrape_p50_ms: 7.0,
+                reconcile_p50_us: [12_000.0, 40.0, 1_500.0, 4_000.0],
+            },
             timings: Timings::default(),
             settings: s,
         }
@@ -319,6 +340,18 @@ mod tests {
                 .find(|t| t[0][0] == "pods")
                 .expect("an enrollment table");
             assert_eq!(enrollment.len() - 2, report.settings.scaling_pods.len());
+            // The cluster-scale tables: the Kubernetes API's, then istiod's.
+            let scale: Vec<_> = tables
+                .iter()
+                .filter(|t| t[0] == ["figure", "podlink", "aim", "met"])
+                .collect();
+            assert_eq!(scale.len(), 2, "{md}");
+            assert!(scale[0][2][0].starts_with("change at the API"), "{md}");
+            assert!(
+                scale[1][2][0].starts_with("push to the agent's view"),
+                "{md}"
+            );
+            assert!(md.contains("istiod at cluster scale"), "{md}");
 
             // After the tables, every idea tried, in order.
             let tried = md

@@ -1,7 +1,8 @@
 //! The report as the bench writes it: the machine header, the main table, the
 //! eBPF cost by kind of run, the connection phases, the scaling and enrollment
-//! tables, the Kubernetes API row and the bench's own time, as [`Block`]s, printed as text on standard
-//! output (and rendered as Markdown by [`super::markdown`]).
+//! tables, the Kubernetes API and istiod rows and the bench's own time, as
+//! [`Block`]s, printed as text on standard output (and rendered as Markdown by
+//! [`super::markdown`]).
 
 use super::{
     ENROLL_TIMEOUT, Path2,
@@ -9,6 +10,7 @@ use super::{
     connections::Phases,
     report::Report,
     stats::{Stats, fmt_stats, num},
+    xds_watch::XdsWatch,
 };
 
 /// One piece of the report.
@@ -309,17 +311,19 @@ pub(super) fn report_blocks(r: &Report) -> Vec<Block> {
     )));
 
     out.extend(api_watch_blocks(&r.api_watch));
+    out.extend(xds_watch_blocks(&r.xds_watch));
 
     out.push(Block::Break);
     let t = &r.timings;
     out.push(Block::Line(format!(
-        "bench time: {:.0} s (bed {:.0} s, main table {:.0} s, scaling {:.0} s, enrollment {:.0} s, Kubernetes API {:.0} s, cleanup {:.0} s; the build before it not counted)",
+        "bench time: {:.0} s (bed {:.0} s, main table {:.0} s, scaling {:.0} s, enrollment {:.0} s, Kubernetes API {:.0} s, istiod {:.0} s, cleanup {:.0} s; the build before it not counted)",
         t.total_seconds,
         t.bed_seconds,
         t.main_table_seconds,
         t.scaling_seconds,
         t.enrollment_seconds,
         t.api_watch_seconds,
+        t.xds_watch_seconds,
         t.cleanup_seconds
     )));
     out
@@ -399,6 +403,77 @@ fn api_watch_blocks(w: &ApiWatch) -> Vec<Block> {
                     "-".into(),
                     "-".into(),
                 ],
+            ],
+        },
+    ]
+}
+
+/// The istiod part: a line on the bed, then a table of the figures with the
+/// Kubernetes API row's aims.
+fn xds_watch_blocks(w: &XdsWatch) -> Vec<Block> {
+    let [p50, p99, max] = w.summary();
+    let [a50, a99, amax] = w.ack_summary();
+    let rss = w.idle_rss_kib.max(w.max_rss_kib) as f64 / 1024.0;
+    let met = |ok: bool| if ok { "ok" } else { "MISSED" }.to_string();
+    let row = |figure: &str, value: String| vec![figure.into(), value, "-".into(), "-".into()];
+    vec![
+        Block::Break,
+        Block::Line(format!(
+            "istiod at cluster scale: one agent fed by the delta ADS double with {} workloads ({} of them pods on its node), {} services (a VIP each, every workload backing one) and {} authorization policies; {} changes pushed (service, workload of another node, policy in turn), each added then removed, one push each; the aims are the Kubernetes API row's",
+            w.workloads,
+            w.local_pods,
+            w.services,
+            w.policies,
+            w.change_ms.len() / 2
+        )),
+        Block::Table {
+            header: ["figure", "podlink", "aim", "met"]
+                .iter()
+                .map(|h| h.to_string())
+                .collect(),
+            rows: vec![
+                vec![
+                    "push to the agent's view (ms): p50 / p99 / max".into(),
+                    format!("{} / {} / {}", num(p50), num(p99), num(max)),
+                    format!("p99 < {AIM_P99_MS:.0}"),
+                    met(p99 < AIM_P99_MS),
+                ],
+                vec![
+                    "agent VmRSS (MiB): settled / most during the changes".into(),
+                    format!(
+                        "{} / {}",
+                        num(w.idle_rss_kib as f64 / 1024.0),
+                        num(w.max_rss_kib as f64 / 1024.0)
+                    ),
+                    format!("< {AIM_RSS_MIB:.0}"),
+                    met(rss < AIM_RSS_MIB),
+                ],
+                row(
+                    "by kind, p50 / p99 (ms): service, workload, policy",
+                    ["service", "workload", "policy"]
+                        .map(|k| {
+                            let [a, b] = w.by_kind(k);
+                            format!("{} / {}", num(a), num(b))
+                        })
+                        .join(", "),
+                ),
+                row(
+                    "push to the agent's ACK (ms): p50 / p99 / max",
+                    format!("{} / {} / {}", num(a50), num(a99), num(amax)),
+                ),
+                row(
+                    "agent reconciliation steps, p50 (µs): state, network, plan and publish, apply",
+                    w.reconcile_p50_us.map(num).join(" / "),
+                ),
+                row(
+                    "settled VmRSS that is anonymous memory (MiB)",
+                    num(w.idle_rss_anon_kib as f64 / 1024.0),
+                ),
+                row("agent start to its readiness (s)", num(w.ready_seconds)),
+                row(
+                    "one /metrics scrape, p50 (ms): the times' resolution",
+                    num(w.scrape_p50_ms),
+                ),
             ],
         },
     ]

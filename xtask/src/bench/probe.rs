@@ -11,8 +11,12 @@
 //! path's median [min-max] and their comparison (the ratio, or for round trips
 //! the µs podlink adds).
 //!
+//! `api-watch` and `xds-watch` instead run their cluster-scale part once on
+//! its own one-node bed and print its figures.
+//!
 //! `--hook CMD` runs `sh -c CMD` in a process group of its own once the bed is
-//! up, before the first run, with the agents' process ids in `$AGENTS`
+//! up, before the first run (for `xds-watch`: once the agent settled, before
+//! the changes), with the agents' process ids in `$AGENTS`
 //! (comma-separated), for `perf record -g -p $AGENTS` or `strace -c -f -p
 //! $AGENTS` (with `--podlink-only`, or it records the direct path's runs too).
 //! After the runs, or on Ctrl-C, SIGTERM or SIGHUP, the group gets SIGINT, and
@@ -76,6 +80,11 @@ pub enum Row {
     /// (its own one-node bed): change-to-view times (p50, p99, max ms) and
     /// VmRSS ([`super::api_watch`]); `--repeat` is 1.
     ApiWatch,
+    /// One agent fed by the istiod (delta ADS) double at cluster scale (its
+    /// own one-node bed): push-to-view and push-to-ACK times (p50, p99, max
+    /// ms) and VmRSS ([`super::xds_watch`]); `--repeat` is 1; `--hook` runs
+    /// over the changes.
+    XdsWatch,
 }
 
 /// The most pod pairs a scaling probe makes: their servers are on node 2,
@@ -95,14 +104,18 @@ impl Row {
             }
             Row::OneClient | Row::SixteenClients | Row::DnsOwnNames => Some(CONNECT_SECONDS as u32),
             Row::Scaling => Some(SCALING_THROUGHPUT_SECONDS),
-            Row::RoundTrips | Row::Enrollment | Row::ApiWatch | Row::DnsForwarded => None,
+            Row::RoundTrips
+            | Row::Enrollment
+            | Row::ApiWatch
+            | Row::XdsWatch
+            | Row::DnsForwarded => None,
         }
     }
 
     /// Repetitions without `--repeat`: 3, and 1 for enrollment (its pods are
-    /// made once).
+    /// made once) and the cluster-scale rows (their own bed, run once).
     pub fn default_repeat(self) -> usize {
-        if matches!(self, Row::Enrollment | Row::ApiWatch) {
+        if matches!(self, Row::Enrollment | Row::ApiWatch | Row::XdsWatch) {
             1
         } else {
             3
@@ -122,7 +135,7 @@ impl Row {
             Row::RoundTrips | Row::DnsForwarded => "µs p50",
             Row::DnsOwnNames => "queries/s",
             Row::OneClient | Row::SixteenClients => "connections/s",
-            Row::Enrollment | Row::ApiWatch => "ms",
+            Row::Enrollment | Row::ApiWatch | Row::XdsWatch => "ms",
         }
     }
 }
@@ -183,6 +196,11 @@ impl Options {
                 "the api-watch probe runs once on its own bed: give none of --repeat, --podlink-only, --ebpf, --hook"
             );
         }
+        if row == Row::XdsWatch && (self.repeat != 1 || self.podlink_only || self.ebpf) {
+            bail!(
+                "the xds-watch probe runs once on its own bed: give none of --repeat, --podlink-only, --ebpf"
+            );
+        }
         if row == Row::Enrollment {
             if self.repeat != 1 {
                 bail!("the enrollment probe makes its pods once: give --repeat 1");
@@ -231,12 +249,36 @@ pub fn probe(o: &Options) -> Result<()> {
         );
         return Ok(());
     }
+    if o.row == Row::XdsWatch {
+        let w = super::xds_watch::xds_watch(o.hook.as_deref());
+        stop_hook();
+        let w = w?;
+        let [p50, p99, max] = w.summary();
+        let [a50, a99, amax] = w.ack_summary();
+        println!(
+            "probe xds-watch: push to view p50 {p50:.2} ms, p99 {p99:.2} ms, max {max:.2} ms over {} pushes; push to ACK p50 {a50:.2} ms, p99 {a99:.2} ms, max {amax:.2} ms; VmRSS settled {:.1} MiB (anonymous {:.1}), most {:.1} MiB; ready {:.1} s after its start; one scrape p50 {:.2} ms",
+            w.change_ms.len(),
+            w.idle_rss_kib as f64 / 1024.0,
+            w.idle_rss_anon_kib as f64 / 1024.0,
+            w.max_rss_kib as f64 / 1024.0,
+            w.ready_seconds,
+            w.scrape_p50_ms
+        );
+        let [s50, s99] = w.by_kind("service");
+        let [w50, w99] = w.by_kind("workload");
+        let [p50, p99] = w.by_kind("policy");
+        println!(
+            "  by kind p50/p99 ms: service {s50:.1}/{s99:.1}, workload {w50:.1}/{w99:.1}, policy {p50:.1}/{p99:.1}; reconcile steps p50 µs (state, network, plan+publish, apply): {:?}",
+            w.reconcile_p50_us,
+        );
+        return Ok(());
+    }
     eprintln!("bench: building the two-node test bed");
     let mut bed = build_bed()?;
     std::thread::sleep(Duration::from_secs(2));
     let stats = o.ebpf.then(BpfStatsOn::enable).transpose()?;
     if let Some(hook) = &o.hook {
-        start_hook(&bed, hook)?;
+        start_hook(&agent_pids(&bed.cluster), hook)?;
     }
     let result = run_rows(&mut bed, o);
     stop_hook();
@@ -251,11 +293,9 @@ static HOOK: Mutex<Option<Child>> = Mutex::new(None);
 /// say) before its process group is killed.
 const HOOK_GRACE: Duration = Duration::from_secs(30);
 
-fn start_hook(bed: &Bed, hook: &str) -> Result<()> {
-    let agents: Vec<String> = agent_pids(&bed.cluster)
-        .iter()
-        .map(u32::to_string)
-        .collect();
+/// Starts `sh -c hook` with `pids` (the agents') in `$AGENTS`.
+pub(super) fn start_hook(pids: &[u32], hook: &str) -> Result<()> {
+    let agents: Vec<String> = pids.iter().map(u32::to_string).collect();
     eprintln!("bench: agents {}; starting the hook", agents.join(","));
     let mut child = Command::new("sh")
         .args(["-c", hook])
@@ -349,7 +389,9 @@ fn run_rows(bed: &mut Bed, o: &Options) -> Result<()> {
                 Row::DnsForwarded => {
                     dns::forwarded_latency(client, resolver, o.count.unwrap_or(dns::DNS_FORWARDED))
                 }
-                Row::Scaling | Row::Enrollment | Row::ApiWatch => unreachable!("handled above"),
+                Row::Scaling | Row::Enrollment | Row::ApiWatch | Row::XdsWatch => {
+                    unreachable!("handled above")
+                }
             };
             let cpu = agents_cpu(&bed.cluster);
             // The full bench's breakdown by kind of run, over this one run
@@ -472,7 +514,7 @@ mod tests {
     #[test]
     fn flags_that_do_not_apply_are_refused() {
         type Set = fn(&mut Options);
-        let refusals: [(Row, Set, &str); 11] = [
+        let refusals: [(Row, Set, &str); 13] = [
             (
                 Row::SingleStream,
                 |o| o.count = Some(3),
@@ -516,6 +558,8 @@ mod tests {
                 |o| o.repeat = 0,
                 "--repeat must be at least 1",
             ),
+            (Row::XdsWatch, |o| o.repeat = 2, "runs once on its own bed"),
+            (Row::XdsWatch, |o| o.ebpf = true, "runs once on its own bed"),
         ];
         for (row, set, what) in refusals {
             let mut o = options(row);
@@ -526,6 +570,13 @@ mod tests {
         for row in [Row::SingleStream, Row::Scaling, Row::Enrollment] {
             options(row).validate().unwrap();
         }
+        // The xds-watch probe takes a hook (over its changes).
+        Options {
+            hook: Some("true".into()),
+            ..options(Row::XdsWatch)
+        }
+        .validate()
+        .unwrap();
         // The limits themselves are taken.
         for (row, most) in [
             (Row::Scaling, MAX_SCALING_PAIRS),
@@ -544,6 +595,7 @@ mod tests {
     fn rows_are_named_as_the_flag_takes_them() {
         assert_eq!(Row::SixteenClients.name(), "sixteen-clients");
         assert_eq!(Row::RoundTrips.name(), "round-trips");
+        assert_eq!(Row::XdsWatch.name(), "xds-watch");
     }
 
     #[test]

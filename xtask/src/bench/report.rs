@@ -12,6 +12,7 @@ use super::{
     main_table::Row,
     memory::Memory,
     scaling::Scaling,
+    xds_watch::XdsWatch,
 };
 
 #[derive(Serialize, Default)]
@@ -21,6 +22,7 @@ pub(super) struct Timings {
     pub(super) scaling_seconds: f64,
     pub(super) enrollment_seconds: f64,
     pub(super) api_watch_seconds: f64,
+    pub(super) xds_watch_seconds: f64,
     pub(super) cleanup_seconds: f64,
     pub(super) total_seconds: f64,
 }
@@ -42,5 +44,7 @@ pub(super) struct Report {
     pub(super) scaling: Scaling,
     /// The agent watching the Kubernetes API at cluster scale.
     pub(super) api_watch: ApiWatch,
+    /// The agent fed by istiod at cluster scale.
+    pub(super) xds_watch: XdsWatch,
     pub(super) timings: Timings,
 }
