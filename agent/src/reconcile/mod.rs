@@ -118,6 +118,19 @@ pub const NO_ROUTE_WARNING: Duration = Duration::from_secs(30);
 /// to a listener a moment ago may not be accepted yet.
 pub const LEAVE_SETTLE: Duration = Duration::from_secs(1);
 
+/// The self-audit runs at most this often while the planned pods stay as they
+/// were and its last repairs succeeded: a change of the source that does not
+/// touch this node's pods (istiod pushing another node's workload) skips it.
+pub const AUDIT_INTERVAL: Duration = Duration::from_secs(1);
+
+/// The last self-audit: when, of which planned pods, whether every repair
+/// succeeded.
+struct LastAudit {
+    at: Instant,
+    wanted: Vec<CapturedPod>,
+    repaired: bool,
+}
+
 /// How pods that leave the mesh drain ([`Reconciler::drain_leaving`]).
 pub struct LeaveDrain {
     /// How long a leaving pod's connections through the proxy may go on; zero:
@@ -177,6 +190,8 @@ pub struct Reconciler<C: Capture> {
     leaving: HashMap<u32, Instant>,
     /// Where repairs are counted (`podlink_repairs_total`).
     metrics: Option<Arc<Metrics>>,
+    /// The last self-audit ([`AUDIT_INTERVAL`]).
+    last_audit: Option<LastAudit>,
 }
 
 impl<C: Capture> Reconciler<C> {
@@ -214,6 +229,7 @@ impl<C: Capture> Reconciler<C> {
             },
             leaving: HashMap::new(),
             metrics: None,
+            last_audit: None,
         }
     }
 
@@ -345,7 +361,18 @@ impl<C: Capture> Reconciler<C> {
             .collect();
         self.attach_errors.clear();
         self.failed_interfaces.clear();
-        retry |= !self.audit_and_repair();
+        let due = self.last_audit.as_ref().is_none_or(|last| {
+            !last.repaired || last.wanted != self.wanted || last.at.elapsed() >= AUDIT_INTERVAL
+        });
+        if due {
+            let repaired = self.audit_and_repair();
+            self.last_audit = Some(LastAudit {
+                at: Instant::now(),
+                wanted: self.wanted.clone(),
+                repaired,
+            });
+            retry |= !repaired;
+        }
         for (pod, error) in self.capture.reconcile(&self.wanted, removal) {
             tracing::warn!(workload = %pod.workload, ifname = %pod.ifname, "capture failed: {error:#}");
             captured.remove(&pod.workload);
@@ -376,7 +403,8 @@ impl<C: Capture> Reconciler<C> {
         });
     }
 
-    /// The self-audit, before attaching: each discrepancy between the kernel and
+    /// The self-audit, before attaching (once per [`AUDIT_INTERVAL`] while
+    /// the planned pods stay as they were): each discrepancy between the kernel and
     /// what was attached for the planned pods ([`Capture::audit`]) is logged (a
     /// warning naming it), repaired and counted (`podlink_repairs_total`). A pod
     /// whose attachment the repair dropped (its host veth replaced, its host

@@ -631,3 +631,35 @@ fn audit_findings_are_repaired_before_attaching_and_counted() {
     b.round(None, &net);
     assert_eq!(metrics.repairs(Reason::MapEntryMissing), 1);
 }
+
+/// While the planned pods stay as they were and the last repairs succeeded,
+/// the audit runs once per `AUDIT_INTERVAL`; a change of the planned pods runs
+/// it at once.
+#[test]
+fn the_audit_is_skipped_while_nothing_of_this_node_changed() {
+    let mut b = bed(FakeCapture::default());
+    let net = network(&[("10.0.0.1", 1), ("10.0.0.2", 2)]);
+    b.round(
+        Some(all(vec![pod("web", "10.0.0.1")], Completeness::Complete)),
+        &net,
+    );
+    assert_eq!(b.reconciler.capture.calls, ["audit", "reconcile"]);
+    b.reconciler.capture.calls.clear();
+    b.round(None, &net);
+    assert_eq!(b.reconciler.capture.calls, ["reconcile"]);
+    b.reconciler.capture.calls.clear();
+    b.round(
+        Some(all(
+            vec![pod("web", "10.0.0.1"), pod("db", "10.0.0.2")],
+            Completeness::Complete,
+        )),
+        &net,
+    );
+    assert_eq!(b.reconciler.capture.calls, ["audit", "reconcile"]);
+    b.reconciler.capture.calls.clear();
+    if let Some(last) = &mut b.reconciler.last_audit {
+        last.at -= AUDIT_INTERVAL;
+    }
+    b.round(None, &net);
+    assert_eq!(b.reconciler.capture.calls, ["audit", "reconcile"]);
+}
