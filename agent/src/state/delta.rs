@@ -73,14 +73,17 @@ pub struct Delta {
 /// ([`crate::source::xds`]): laid over what the other source says (its pods
 /// keep their enrollment; see [`super::WorkloadIndex::lay_mesh`] and
 /// [`super::service::ServiceIndex::lay_mesh`]).
-#[derive(Debug, Default)]
+/// Each kind is shared whole with the view before it when it did not change
+/// (the same `Arc`), so that the state makes again only what depends on the
+/// kinds that changed.
+#[derive(Clone, Debug, Default)]
 pub struct Mesh {
     /// Every workload, by resource name.
-    pub workloads: BTreeMap<String, Arc<super::Workload>>,
+    pub workloads: Arc<BTreeMap<String, Arc<super::Workload>>>,
     /// Every service, by resource name.
-    pub services: BTreeMap<String, Arc<super::service::MeshService>>,
+    pub services: Arc<BTreeMap<String, Arc<super::service::MeshService>>>,
     /// Every authorization policy, by resource name.
-    pub policies: BTreeMap<String, Arc<Policy>>,
+    pub policies: Arc<BTreeMap<String, Arc<Policy>>>,
 }
 
 impl Delta {

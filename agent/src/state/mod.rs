@@ -140,8 +140,10 @@ struct Dirty {
     services: bool,
     policies: bool,
     nodes: bool,
-    /// istiod's view changed ([`Delta::mesh`]).
-    mesh: bool,
+    /// istiod's workloads, services or policies changed ([`Delta::mesh`]).
+    mesh_workloads: bool,
+    mesh_services: bool,
+    mesh_policies: bool,
     enrollment_labels: bool,
     /// The completeness or whether policies are known changed.
     completeness: bool,
@@ -277,26 +279,34 @@ impl State {
         if let Some(mesh) = delta.mesh
             && (!self.istiod || !Arc::ptr_eq(&mesh, &self.mesh))
         {
+            // A kind the push did not change is the same map as before.
+            let first = !self.istiod;
             self.istiod = true;
-            // istiod's services (Kubernetes Services and ServiceEntries) are
-            // answered by their host names.
-            let hosts = mesh
-                .services
-                .values()
-                .map(|s| DnsHost {
-                    name: s.hostname.clone(),
-                    addrs: s
-                        .vips
-                        .iter()
-                        .filter(|v| v.prefix_len() == v.max_prefix_len())
-                        .map(ipnet::IpNet::addr)
-                        .collect(),
-                })
-                .filter(|h| !h.addrs.is_empty())
-                .collect();
-            self.set_dns_hosts(hosts);
+            self.dirty.mesh_workloads |=
+                first || !Arc::ptr_eq(&mesh.workloads, &self.mesh.workloads);
+            self.dirty.mesh_policies |= first || !Arc::ptr_eq(&mesh.policies, &self.mesh.policies);
+            let services_changed = first || !Arc::ptr_eq(&mesh.services, &self.mesh.services);
+            self.dirty.mesh_services |= services_changed;
+            if services_changed {
+                // istiod's services (Kubernetes Services and ServiceEntries)
+                // are answered by their host names.
+                let hosts = mesh
+                    .services
+                    .values()
+                    .map(|s| DnsHost {
+                        name: s.hostname.clone(),
+                        addrs: s
+                            .vips
+                            .iter()
+                            .filter(|v| v.prefix_len() == v.max_prefix_len())
+                            .map(ipnet::IpNet::addr)
+                            .collect(),
+                    })
+                    .filter(|h| !h.addrs.is_empty())
+                    .collect();
+                self.set_dns_hosts(hosts);
+            }
             self.mesh = mesh;
-            self.dirty.mesh = true;
         }
     }
 
@@ -311,13 +321,15 @@ impl State {
         let dirty = std::mem::take(&mut self.dirty);
         let first = !self.refreshed;
         self.refreshed = true;
-        let pods_changed =
-            dirty.all_pods || dirty.mesh || !dirty.pods.is_empty() || !relayered.is_empty();
+        let pods_changed = dirty.all_pods
+            || dirty.mesh_workloads
+            || !dirty.pods.is_empty()
+            || !relayered.is_empty();
         // istiod's workloads are laid over the pods whole: a pod changed one by
         // one could lose what istiod says of it.
         let has_mesh = self.istiod;
         if first || pods_changed {
-            if !first && !dirty.all_pods && !has_mesh && !dirty.mesh {
+            if !first && !dirty.all_pods && !has_mesh {
                 let mut index = WorkloadIndex::clone(&self.workloads);
                 for key in dirty.pods.iter().chain(relayered.difference(&dirty.pods)) {
                     self.update_workload(&mut index, layer, key);
@@ -352,7 +364,12 @@ impl State {
             zone_changed = zone != self.zone;
             self.zone = zone;
         }
-        if first || dirty.services || zone_changed || (has_mesh && pods_changed) || dirty.mesh {
+        if first
+            || dirty.services
+            || zone_changed
+            || (has_mesh && pods_changed)
+            || dirty.mesh_services
+        {
             let here = Locality {
                 node: &self.node,
                 zone: self.zone.as_deref(),
@@ -375,7 +392,7 @@ impl State {
                 self.names = Arc::new(names);
             }
         }
-        if first || dirty.nodes || dirty.services || dirty.mesh {
+        if first || dirty.nodes || dirty.services || dirty.mesh_services {
             let ranges = self
                 .ranges
                 .with_nodes(&self.nodes)
@@ -384,7 +401,7 @@ impl State {
                 self.ranges = Arc::new(ranges);
             }
         }
-        if first || dirty.policies || dirty.mesh {
+        if first || dirty.policies || dirty.mesh_policies {
             self.policies = Arc::new(self.policy_set());
         }
         if first || pods_changed || dirty.policies {
@@ -396,7 +413,8 @@ impl State {
                 || dirty.services
                 || dirty.policies
                 || dirty.nodes
-                || dirty.mesh
+                || dirty.mesh_services
+                || dirty.mesh_policies
                 || dirty.completeness,
             enrollment_labels: first || dirty.enrollment_labels,
         }

@@ -529,16 +529,15 @@ fn istiods_view_is_laid_over_the_pods() {
     };
     let mut mesh = Mesh::default();
     for (name, w) in [("local", &local), ("remote", &remote)] {
-        mesh.workloads.insert(
+        Arc::make_mut(&mut mesh.workloads).insert(
             name.to_string(),
             convert::workload(w, "cluster.local").unwrap(),
         );
     }
-    mesh.services
-        .insert("svc".into(), convert::service(&service).unwrap());
+    Arc::make_mut(&mut mesh.services).insert("svc".into(), convert::service(&service).unwrap());
     let compiled = from_istiod(&policy).unwrap();
     assert_eq!(compiled.istiod_scope, Some(IstiodScope::WorkloadSelector));
-    mesh.policies.insert("p".into(), Arc::new(compiled));
+    Arc::make_mut(&mut mesh.policies).insert("p".into(), Arc::new(compiled));
     s.apply(complete(Delta {
         mesh: Some(Arc::new(mesh)),
         ..Delta::default()
@@ -601,4 +600,55 @@ fn istiods_view_is_laid_over_the_pods() {
             .lookup("10.96.0.20:80".parse().unwrap())
             .is_none()
     );
+}
+
+/// A push that changes one kind of istiod's resources makes again only what
+/// depends on it: a policy leaves the workload and service indexes as they
+/// were, a service the workload index.
+#[test]
+fn an_istiod_push_makes_again_only_what_its_kinds_change() {
+    use crate::{authz::from_istiod, xds::proto::security};
+    let mut s = state();
+    let mut mesh = Mesh::default();
+    s.apply(complete(Delta {
+        all_pods: Some(vec![pod("a", "web", "10.0.1.5", None)]),
+        namespaces: Some(vec![namespace("a", true)]),
+        mesh: Some(Arc::new(mesh.clone())),
+        ..Delta::default()
+    }));
+    s.refresh(&NoLayer, BTreeSet::new());
+    let (workloads, services, policies) = (
+        s.workloads().clone(),
+        s.services().clone(),
+        s.policies().clone(),
+    );
+
+    let policy = security::Authorization {
+        name: "deny-all".into(),
+        namespace: "a".into(),
+        scope: security::Scope::Namespace as i32,
+        action: security::Action::Deny as i32,
+        ..Default::default()
+    };
+    Arc::make_mut(&mut mesh.policies).insert("p".into(), Arc::new(from_istiod(&policy).unwrap()));
+    s.apply(complete(Delta {
+        mesh: Some(Arc::new(mesh.clone())),
+        ..Delta::default()
+    }));
+    assert!(s.refresh(&NoLayer, BTreeSet::new()).changed);
+    assert!(Arc::ptr_eq(s.workloads(), &workloads));
+    assert!(Arc::ptr_eq(s.services(), &services));
+    assert!(!Arc::ptr_eq(s.policies(), &policies));
+    assert_eq!(s.policies().policies().count(), 1);
+
+    let policies = s.policies().clone();
+    Arc::make_mut(&mut mesh.services).clear();
+    s.apply(complete(Delta {
+        mesh: Some(Arc::new(mesh)),
+        ..Delta::default()
+    }));
+    s.refresh(&NoLayer, BTreeSet::new());
+    assert!(Arc::ptr_eq(s.workloads(), &workloads));
+    assert!(!Arc::ptr_eq(s.services(), &services));
+    assert!(Arc::ptr_eq(s.policies(), &policies));
 }

@@ -80,15 +80,19 @@ impl MeshHandler {
                     why: why.clone(),
                 });
         }
-        let mesh = Mesh {
-            workloads: self.mesh.workloads.clone(),
-            services: self.mesh.services.clone(),
-            policies: self.mesh.policies.clone(),
-        };
         self.published.send_replace(Published {
-            mesh: Arc::new(mesh),
+            mesh: Arc::new(self.mesh.clone()),
             policies_unknown_in: unknown,
         });
+    }
+}
+
+/// Removes `name` from `map`, copying the map first only when it has `name`
+/// and the last published view shares it ([`Arc::make_mut`]): a push touches
+/// only the kinds it changes.
+fn remove<V: Clone>(map: &mut Arc<BTreeMap<String, V>>, name: &str) {
+    if map.contains_key(name) {
+        Arc::make_mut(map).remove(name);
     }
 }
 
@@ -96,24 +100,24 @@ impl Handler for MeshHandler {
     fn addresses(&mut self, updated: Vec<(String, Address)>, removed: Vec<String>) -> Vec<Refused> {
         let mut refused = Vec::new();
         for name in removed {
-            self.mesh.workloads.remove(&name);
-            self.mesh.services.remove(&name);
+            remove(&mut self.mesh.workloads, &name);
+            remove(&mut self.mesh.services, &name);
         }
         for (name, address) in updated {
             // An address is a workload or a service; the same name may change
             // from one to the other.
-            self.mesh.workloads.remove(&name);
-            self.mesh.services.remove(&name);
+            remove(&mut self.mesh.workloads, &name);
+            remove(&mut self.mesh.services, &name);
             match address.r#type {
                 Some(Type::Workload(w)) => match convert::workload(&w, &self.trust_domain) {
                     Ok(w) => {
-                        self.mesh.workloads.insert(name, w);
+                        Arc::make_mut(&mut self.mesh.workloads).insert(name, w);
                     }
                     Err(why) => refused.push(Refused::new(name, format!("workload: {why}"))),
                 },
                 Some(Type::Service(s)) => match convert::service(&s) {
                     Ok(s) => {
-                        self.mesh.services.insert(name, s);
+                        Arc::make_mut(&mut self.mesh.services).insert(name, s);
                     }
                     Err(why) => refused.push(Refused::new(name, format!("service: {why}"))),
                 },
@@ -134,7 +138,7 @@ impl Handler for MeshHandler {
     ) -> Vec<Refused> {
         let mut refused = Vec::new();
         for name in removed {
-            self.mesh.policies.remove(&name);
+            remove(&mut self.mesh.policies, &name);
             self.refused_policies.remove(&name);
         }
         for (name, policy) in updated {
@@ -144,13 +148,13 @@ impl Handler for MeshHandler {
                         tracing::warn!(policy = %p, "istiod's authorization policy: {note}");
                     }
                     self.refused_policies.remove(&name);
-                    self.mesh.policies.insert(name, Arc::new(p));
+                    Arc::make_mut(&mut self.mesh.policies).insert(name, Arc::new(p));
                 }
                 Err(why) => {
                     // Denied rather than allowed: its namespace's policies are
                     // unknown while it is refused.
                     tracing::error!(resource = %name, "istiod's authorization policy refused: {why}; inbound connections to its namespace's pods are denied until it is fixed or removed");
-                    self.mesh.policies.remove(&name);
+                    remove(&mut self.mesh.policies, &name);
                     self.refused_policies
                         .insert(name.clone(), (policy.namespace.clone(), why.clone()));
                     refused.push(Refused::new(name, why));
