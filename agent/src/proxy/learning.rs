@@ -193,6 +193,7 @@ pub(super) mod tests {
             workloads: Arc::new(index(pods)),
             services: Arc::new(
                 ServiceIndex::build(
+                    "cluster.local",
                     [&service],
                     slices,
                     crate::state::service::Locality {

@@ -178,7 +178,7 @@ pub async fn handle(
             dst_identity,
             service: service
                 .as_ref()
-                .map(|s| (s.namespace.clone(), s.name.clone())),
+                .map(|s| (s.namespace.clone(), s.name.clone(), s.host.clone())),
         },
     );
     // Between two pods of this node there is no inbound proxy hop: the

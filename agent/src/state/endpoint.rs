@@ -271,7 +271,7 @@ endpoints:
 {endpoints}"
         ))
         .unwrap();
-        let (index, _) = ServiceIndex::build([&service], [&slice], HERE);
+        let (index, _) = ServiceIndex::build("cluster.local", [&service], [&slice], HERE);
         index
             .lookup("10.96.0.20:80".parse().unwrap())
             .unwrap()

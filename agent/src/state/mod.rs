@@ -374,8 +374,12 @@ impl State {
                 node: &self.node,
                 zone: self.zone.as_deref(),
             };
-            let (mut services, mut warnings) =
-                ServiceIndex::build(self.services.iter(), self.endpoint_slices.iter(), here);
+            let (mut services, mut warnings) = ServiceIndex::build(
+                &self.cluster_domain,
+                self.services.iter(),
+                self.endpoint_slices.iter(),
+                here,
+            );
             warnings.extend(services.lay_mesh(self.mesh.services.values(), &self.workloads, here));
             self.service_messages
                 .log(warnings.into_iter().map(|w| (Severity::Warn, w)).collect());

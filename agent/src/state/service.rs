@@ -144,6 +144,11 @@ pub struct ServicePort {
     pub namespace: String,
     /// `metadata.name`.
     pub name: String,
+    /// The host name metrics and access logs name the service by
+    /// (`destination_service`, `dst.service`): a Kubernetes Service's
+    /// `<name>.<namespace>.svc.<cluster domain>`, istiod's service's own
+    /// (a ServiceEntry's host), as ztunnel names them.
+    pub host: String,
     /// The ClusterIP and `port`.
     pub vip: SocketAddr,
     /// `ports[].name`, if any.
@@ -355,11 +360,13 @@ impl Policy {
 }
 
 impl ServiceIndex {
-    /// Builds the index for the node at `here`; returns warnings (two Services
+    /// Builds the index for the node at `here`, naming Services by their host
+    /// in `cluster_domain` ([`ServicePort::host`]); returns warnings (two Services
     /// claiming one address and port: the first by `namespace/name` keeps it;
     /// values of `internalTrafficPolicy`, `trafficDistribution`,
     /// `sessionAffinity` and its timeout that are not known or out of range).
     pub fn build<'a>(
+        cluster_domain: &str,
         services: impl IntoIterator<Item = &'a Service>,
         slices: impl IntoIterator<Item = &'a EndpointSlice>,
         here: Locality<'_>,
@@ -420,6 +427,7 @@ impl ServiceIndex {
                     let entry = ServicePort {
                         namespace: namespace.clone(),
                         name: name.clone(),
+                        host: format!("{name}.{namespace}.svc.{cluster_domain}"),
                         vip,
                         port_name: port.name.clone().filter(|n| !n.is_empty()),
                         target_port: match &target {
@@ -546,6 +554,7 @@ impl ServiceIndex {
                     let entry = Arc::new(ServicePort {
                         namespace: service.namespace.clone(),
                         name: service.name.clone(),
+                        host: service.hostname.clone(),
                         vip,
                         port_name: None,
                         target_port: target.to_string(),
@@ -788,10 +797,15 @@ endpoints:
 
     #[test]
     fn named_target_ports_resolve_through_the_slice() {
-        let (index, warnings) = ServiceIndex::build([&service(WEB)], [&slice(WEB_SLICE)], HERE);
+        let (index, warnings) =
+            ServiceIndex::build("cluster.local", [&service(WEB)], [&slice(WEB_SLICE)], HERE);
         assert!(warnings.is_empty());
         let http = index.lookup("10.96.0.10:80".parse().unwrap()).unwrap();
         assert_eq!(http.key(), "shop/web");
+        assert_eq!(http.host, "web.shop.svc.cluster.local");
+        let (other_domain, _) = ServiceIndex::build("corp.example", [&service(WEB)], [], HERE);
+        let port = other_domain.lookup("10.96.0.10:80".parse().unwrap());
+        assert_eq!(port.unwrap().host, "web.shop.svc.corp.example");
         // Unset ready counts as ready; not ready and terminating get nothing
         // while some endpoint is ready.
         assert_eq!(usable(http), ["10.244.1.2:8080", "10.244.2.2:8080"]);
@@ -808,7 +822,7 @@ endpoints:
 
     #[test]
     fn services_without_slices_and_headless_services() {
-        let (index, _) = ServiceIndex::build([&service(WEB)], [], HERE);
+        let (index, _) = ServiceIndex::build("cluster.local", [&service(WEB)], [], HERE);
         let http = index.lookup("10.96.0.10:80".parse().unwrap()).unwrap();
         assert!(!http.has_slices && http.usable().is_empty());
         assert_eq!(http.choice, Choice::None);
@@ -819,13 +833,14 @@ endpoints:
             &WEB.replace("10.96.0.10", "None")
                 .replace("  ports:", "  sessionAffinity: Bogus\n  ports:"),
         );
-        let (index, warnings) = ServiceIndex::build([&headless], [&slice(WEB_SLICE)], HERE);
+        let (index, warnings) =
+            ServiceIndex::build("cluster.local", [&headless], [&slice(WEB_SLICE)], HERE);
         assert_eq!(index.ports().count(), 0);
         assert!(!index.is_vip("10.244.1.2".parse().unwrap()));
         assert!(warnings.is_empty(), "{warnings:?}");
         // A named target port the slice does not list cannot be resolved.
         let other = slice(&WEB_SLICE.replace("name: http, port: 8080", "name: web, port: 8080"));
-        let (index, _) = ServiceIndex::build([&service(WEB)], [&other], HERE);
+        let (index, _) = ServiceIndex::build("cluster.local", [&service(WEB)], [&other], HERE);
         let http = index.lookup("10.96.0.10:80".parse().unwrap()).unwrap();
         assert!(http.has_slices && http.endpoints.is_empty());
         assert_eq!(http.why_no_endpoint(), "has no ready endpoint");
@@ -849,7 +864,7 @@ endpoints: [{addresses: ['fd00:244::2']}]
 ",
         );
         let v4 = slice(&WEB_SLICE.replace("name: http, port: 8080", "port: 8080"));
-        let (index, _) = ServiceIndex::build([&dual], [&v4, &v6], HERE);
+        let (index, _) = ServiceIndex::build("cluster.local", [&dual], [&v4, &v6], HERE);
         let four = index.lookup("10.96.0.10:80".parse().unwrap()).unwrap();
         assert_eq!(usable(four), ["10.244.1.2:8080", "10.244.2.2:8080"]);
         let six = index.lookup("[fd00:96::10]:80".parse().unwrap()).unwrap();
@@ -864,7 +879,8 @@ endpoints: [{addresses: ['fd00:244::2']}]
             &WEB.replace("name: web,", "name: aaa,")
                 .replace("name: web\n", "name: aaa\n"),
         );
-        let (index, warnings) = ServiceIndex::build([&service(WEB), &other], [], HERE);
+        let (index, warnings) =
+            ServiceIndex::build("cluster.local", [&service(WEB), &other], [], HERE);
         assert_eq!(
             index.lookup("10.96.0.10:80".parse().unwrap()).unwrap().name,
             "aaa"
@@ -918,7 +934,8 @@ endpoints:
         endpoints: &[(&str, &str, &str, &str)],
         here: Locality<'_>,
     ) -> (Choice, Vec<String>, &'static str) {
-        let (index, warnings) = ServiceIndex::build([&api(spec)], [&api_slice(endpoints)], here);
+        let (index, warnings) =
+            ServiceIndex::build("cluster.local", [&api(spec)], [&api_slice(endpoints)], here);
         assert!(warnings.is_empty(), "{warnings:?}");
         let port = index.lookup("10.96.0.20:80".parse().unwrap()).unwrap();
         let addrs = port.usable().iter().map(|a| a.ip().to_string()).collect();
@@ -1082,14 +1099,24 @@ endpoints:
 
     #[test]
     fn session_affinity_and_unknown_values() {
-        let (index, _) = ServiceIndex::build([&api("  sessionAffinity: ClientIP\n")], [], HERE);
+        let (index, _) = ServiceIndex::build(
+            "cluster.local",
+            [&api("  sessionAffinity: ClientIP\n")],
+            [],
+            HERE,
+        );
         let port = index.lookup("10.96.0.20:80".parse().unwrap()).unwrap();
         assert_eq!(port.affinity_timeout(), Some(Duration::from_secs(10_800)));
         let spec = "  sessionAffinity: ClientIP\n  sessionAffinityConfig: {clientIP: {timeoutSeconds: 30}}\n";
-        let (index, _) = ServiceIndex::build([&api(spec)], [], HERE);
+        let (index, _) = ServiceIndex::build("cluster.local", [&api(spec)], [], HERE);
         let port = index.lookup("10.96.0.20:80".parse().unwrap()).unwrap();
         assert_eq!(port.affinity_timeout(), Some(Duration::from_secs(30)));
-        let (index, _) = ServiceIndex::build([&api("  sessionAffinity: None\n")], [], HERE);
+        let (index, _) = ServiceIndex::build(
+            "cluster.local",
+            [&api("  sessionAffinity: None\n")],
+            [],
+            HERE,
+        );
         let port = index.lookup("10.96.0.20:80".parse().unwrap()).unwrap();
         assert_eq!(port.affinity_timeout(), None);
 
@@ -1098,7 +1125,8 @@ endpoints:
   internalTrafficPolicy: Nearby
   trafficDistribution: PreferMoon
 ";
-        let (index, warnings) = ServiceIndex::build([&api(spec)], [&api_slice(&SPREAD)], HERE);
+        let (index, warnings) =
+            ServiceIndex::build("cluster.local", [&api(spec)], [&api_slice(&SPREAD)], HERE);
         let port = index.lookup("10.96.0.20:80".parse().unwrap()).unwrap();
         assert_eq!(port.affinity_timeout(), Some(Duration::from_secs(10_800)));
         assert_eq!((port.choice, port.usable().len()), (Choice::Ready, 3));

@@ -555,6 +555,7 @@ fn istiods_view_is_laid_over_the_pods() {
         .lookup("10.96.0.20:80".parse().unwrap())
         .unwrap();
     assert_eq!(vip.usable(), ["10.0.2.7:9090".parse().unwrap()]);
+    assert_eq!(vip.host, service.hostname, "metrics name istiod's host");
     // The selected ALLOW applies to the pod istiod named it for.
     let b = crate::identity::SpiffeId::new("cluster.local", "b", "x");
     let c = crate::identity::SpiffeId::new("cluster.local", "c", "x");

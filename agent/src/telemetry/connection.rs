@@ -40,7 +40,6 @@ use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 
 use super::metrics::{
     Direction, FailureKind, Metrics, Peer, Reporter, SecurityPolicy, TcpLabels, WorkloadMeta,
-    service_host,
 };
 use crate::identity::SpiffeId;
 
@@ -98,8 +97,9 @@ pub struct Endpoints {
     pub src_identity: Option<SpiffeId>,
     /// The destination's identity, when known.
     pub dst_identity: Option<SpiffeId>,
-    /// The Service whose ClusterIP the client connected to (`namespace`, `name`).
-    pub service: Option<(String, String)>,
+    /// The Service whose ClusterIP the client connected to (`namespace`,
+    /// `name`, host name: [`crate::state::service::ServicePort::host`]).
+    pub service: Option<(String, String, String)>,
 }
 
 /// The bytes a connection carries, counted as they flow: into the
@@ -217,7 +217,7 @@ impl ConnectionRecord {
             .iter()
             .map(|r| TcpLabels::new(*r, source, destination, security, metrics.cluster_id()))
             .map(|l| match &endpoints.service {
-                Some((namespace, name)) => l.with_service(namespace, name),
+                Some((namespace, name, host)) => l.with_service(namespace, name, host),
                 None => l,
             })
             .collect();
@@ -289,10 +289,7 @@ impl ConnectionRecord {
             w.as_deref().map(WorkloadMeta::namespace)
         }
         let id = |i: &Option<SpiffeId>| i.as_ref().map(ToString::to_string);
-        let service = e
-            .service
-            .as_ref()
-            .map(|(namespace, name)| service_host(namespace, name));
+        let service = e.service.as_ref().map(|(_, _, host)| host.as_str());
         tracing::info!(
             target: "access",
             direction = %self.direction.as_str(),
@@ -478,7 +475,11 @@ mod tests {
                 Endpoints {
                     route: "hbone",
                     dst_workload: Some(Arc::new(Pod)),
-                    service: Some(("shop".into(), "web".into())),
+                    service: Some((
+                        "shop".into(),
+                        "web".into(),
+                        "web.shop.svc.cluster.local".into(),
+                    )),
                     ..endpoints()
                 },
             );

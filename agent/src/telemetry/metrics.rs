@@ -306,13 +306,6 @@ pub struct TcpLabels {
     pub connection_security_policy: SecurityPolicy,
 }
 
-/// The host name of Service `name` in `namespace`:
-/// `<name>.<namespace>.svc.cluster.local` (`destination_service`, and the access
-/// log's `dst.service`).
-pub fn service_host(namespace: &str, name: &str) -> String {
-    format!("{name}.{namespace}.svc.cluster.local")
-}
-
 /// The label values of one side: workload, canonical service, canonical revision,
 /// namespace, principal, app, version, cluster.
 fn side(peer: Peer<'_>, cluster: &str) -> [String; 8] {
@@ -342,9 +335,10 @@ fn side(peer: Peer<'_>, cluster: &str) -> [String; 8] {
 
 impl TcpLabels {
     /// Names the destination Service (a connection to its ClusterIP):
-    /// `destination_service` is its host name `<name>.<namespace>.svc.cluster.local`.
-    pub fn with_service(mut self, namespace: &str, name: &str) -> Self {
-        self.destination_service = service_host(namespace, name);
+    /// `destination_service` is its host name `host`
+    /// ([`crate::state::service::ServicePort::host`]).
+    pub fn with_service(mut self, namespace: &str, name: &str, host: &str) -> Self {
+        self.destination_service = host.to_string();
         self.destination_service_namespace = namespace.to_string();
         self.destination_service_name = name.to_string();
         self
