@@ -283,8 +283,11 @@ async fn forward(
         .connect(node)
         .await
         .with_context(|| format!("connecting to {node}"))?;
-    let client_config =
-        tls::client_config(config.key.clone(), config.roots.clone(), route.identity.clone())?;
+    let client_config = tls::client_config(
+        config.key.clone(),
+        config.roots.clone(),
+        route.identity.clone(),
+    )?;
     let tls = tokio_rustls::TlsConnector::from(Arc::new(client_config))
         .connect(ServerName::IpAddress(node.ip().into()), tcp)
         .await

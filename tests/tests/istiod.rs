@@ -16,15 +16,15 @@ use std::{
     time::{Duration, Instant},
 };
 
+use podlink_agent::identity::{SpiffeId, ca::CertificateAuthority, tls};
 use podlink_agent::xds::proto::{
     self,
     security::{Action, Authorization, Clause, Match, Rule, Scope},
     workload::{
-        Address, GatewayAddress, NetworkAddress, Port, PortList, Service, TunnelProtocol,
-        Workload, address, gateway_address,
+        Address, GatewayAddress, NetworkAddress, Port, PortList, Service, TunnelProtocol, Workload,
+        address, gateway_address,
     },
 };
-use podlink_agent::identity::{SpiffeId, ca::CertificateAuthority, tls};
 use podlink_tests::{
     Cluster, Pod, PodSpec, Source, app,
     ca_double::CaDouble,
@@ -123,7 +123,11 @@ fn deny_9090() -> Authorization {
 /// their CA, trusting `ca`'s and `xds`'s roots and `extra_roots` (PEM).
 fn start_agents(c: &mut Cluster, ca: &CaDouble, xds: &XdsDouble, extra_roots: &str) {
     let roots = c.dir.join("mesh-roots.pem");
-    fs::write(&roots, format!("{}{}{extra_roots}", ca.root_pem, xds.root_pem)).unwrap();
+    fs::write(
+        &roots,
+        format!("{}{}{extra_roots}", ca.root_pem, xds.root_pem),
+    )
+    .unwrap();
     let token = c.dir.join("istio-token");
     fs::write(&token, TOKEN).unwrap();
     let roots_arg = roots.to_string_lossy().into_owned();
@@ -350,7 +354,10 @@ fn a_waypoint_named_for_a_service_receives_its_connections() {
         ),
     );
     xds.set_address("waypoint", &waypoint_workload(waypoint_ip));
-    xds.set_address("api", &service_at("api", VIP, Some(waypoint_at(waypoint_ip))));
+    xds.set_address(
+        "api",
+        &service_at("api", VIP, Some(waypoint_at(waypoint_ip))),
+    );
     xds.set_address(
         "ghost",
         &service_at("ghost", GHOST_VIP, Some(waypoint_at(GHOST_WAYPOINT))),
@@ -388,7 +395,10 @@ fn a_waypoint_named_for_a_service_receives_its_connections() {
     let inbound = c
         .wait_log(1, &["route=inbound_waypoint", &server.ip.to_string()])
         .unwrap_or_else(|e| panic!("{e}\n{}", c.agent_log(1)));
-    assert!(inbound.contains("spiffe://cluster.local/ns/mesh/sa/waypoint"), "{inbound}");
+    assert!(
+        inbound.contains("spiffe://cluster.local/ns/mesh/sa/waypoint"),
+        "{inbound}"
+    );
     c.wait_log(0, &["route=waypoint", &format!("{VIP}:80")])
         .unwrap_or_else(|e| panic!("{e}\n{}", c.agent_log(0)));
 
@@ -411,7 +421,9 @@ fn a_waypoint_named_for_a_service_receives_its_connections() {
     );
     let log = c.agent_log(0);
     assert!(
-        log.contains(&format!("its waypoint {GHOST_WAYPOINT}:15008 cannot be reached")),
+        log.contains(&format!(
+            "its waypoint {GHOST_WAYPOINT}:15008 cannot be reached"
+        )),
         "{log}"
     );
     assert_eq!(echo.accepted(), accepted, "not sent around the waypoint");
