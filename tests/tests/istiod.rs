@@ -19,7 +19,7 @@ use std::{
 use podlink_agent::identity::{SpiffeId, ca::CertificateAuthority, tls};
 use podlink_agent::xds::proto::{
     self,
-    security::{Action, Authorization, Clause, Match, Rule, Scope},
+    security::{Action, Authorization, Clause, Match, Rule, Scope, ServiceAccountMatch},
     workload::{
         Address, GatewayAddress, NetworkAddress, Port, PortList, Service, TunnelProtocol, Workload,
         address, gateway_address,
@@ -428,4 +428,44 @@ fn a_waypoint_named_for_a_service_receives_its_connections() {
     );
     assert_eq!(echo.accepted(), accepted, "not sent around the waypoint");
     assert_eq!(waypoint.connects().len(), 1);
+
+    // The server's policies see the waypoint's identity, as ztunnel's do: a
+    // DENY of the waypoint's service account refuses its forwarded CONNECT.
+    xds.set_authorization("no-waypoint", &deny_from("waypoint"));
+    xds.push();
+    wait_until(
+        "the waypoint's CONNECT denied by the server's agent",
+        &c,
+        || app::exchange(&client.netns, SocketAddr::from((VIP, 80)), b"denied").is_err(),
+    );
+    let last = waypoint.connects().pop().unwrap();
+    assert_eq!(last.forwarded, Some(401), "{last:?}");
+    assert!(
+        c.agent_log(1).contains("mesh/no-waypoint"),
+        "{}",
+        c.agent_log(1)
+    );
+}
+
+/// DENY from service account `sa` of namespace `mesh`, for the workloads of
+/// namespace `mesh`.
+fn deny_from(sa: &str) -> Authorization {
+    Authorization {
+        name: "no-waypoint".to_string(),
+        namespace: "mesh".to_string(),
+        scope: Scope::Namespace as i32,
+        action: Action::Deny as i32,
+        rules: vec![Rule {
+            clauses: vec![Clause {
+                matches: vec![Match {
+                    service_accounts: vec![ServiceAccountMatch {
+                        namespace: "mesh".to_string(),
+                        service_account: sa.to_string(),
+                    }],
+                    ..Default::default()
+                }],
+            }],
+        }],
+        ..Default::default()
+    }
 }
