@@ -34,6 +34,7 @@ mod capture;
 pub mod cni_runtime;
 pub mod dns;
 pub mod netns;
+pub mod waypoint_double;
 pub mod xds_double;
 
 pub use capture::{Capture, any_from, contains_bytes, syns_to};

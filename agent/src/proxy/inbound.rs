@@ -37,6 +37,7 @@ use super::{
     limits::Share,
     socket,
     telemetry::meta,
+    waypoint,
 };
 use crate::{
     authz,
@@ -422,6 +423,14 @@ async fn serve_stream(
                 .map(|b| Arc::new(b) as Arc<dyn crate::telemetry::metrics::WorkloadMeta>)
         });
     let destination = view.local_pod(target.ip()).cloned();
+    // From the destination's waypoint (its address and proven identity): served
+    // as any client, its identity the policies' source, as ztunnel does.
+    let from_waypoint = destination
+        .as_ref()
+        .is_some_and(|d| waypoint::serves(&view, d, &client, peer.ip()));
+    if from_waypoint {
+        tracing::debug!(%peer, %client, %target, "HBONE stream from the destination's waypoint");
+    }
     // The 200 names the destination's workload, as ztunnel's does.
     let answer_baggage = destination
         .as_ref()
@@ -432,7 +441,11 @@ async fn serve_stream(
         &[Reporter::Destination],
         SecurityPolicy::MutualTls,
         Endpoints {
-            route: "inbound_hbone",
+            route: if from_waypoint {
+                "inbound_waypoint"
+            } else {
+                "inbound_hbone"
+            },
             src: peer,
             dst: target,
             src_workload: source_workload,

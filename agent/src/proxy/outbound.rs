@@ -87,10 +87,10 @@ pub async fn handle(
         &state.endpoints,
         service.as_deref(),
         dst,
-        src.ip(),
+        (&source, src.ip()),
         fastrand::f64(),
     ) {
-        Ok(via) => via.filter(|v| v.workload.key() != source.key()),
+        Ok(via) => via,
         Err(why) => {
             state.service_log.warn(|n| {
                 format!(

@@ -7,7 +7,7 @@
 //! | field | value |
 //! |---|---|
 //! | `direction` | `outbound` or `inbound` |
-//! | `route` | `hbone`, `local` (two pods of this node), `passthrough` (outside the mesh), `inbound_hbone`, `inbound_plaintext` |
+//! | `route` | `hbone`, `local` (two pods of this node), `passthrough` (outside the mesh), `waypoint` (through the destination's waypoint), `inbound_hbone`, `inbound_waypoint` (HBONE from the destination's waypoint), `inbound_plaintext` |
 //! | `src.addr`, `dst.addr` | `ip:port` of the client and of the original destination |
 //! | `src.workload`, `src.namespace`, `dst.workload`, `dst.namespace` | the pods' names and namespaces, as ztunnel's, when their addresses belong to known workloads (absent otherwise); the metrics name the workloads the pods belong to |
 //! | `dst.service` | for a connection to a Service's ClusterIP, its host name `<name>.<namespace>.svc.cluster.local` (absent otherwise) |
