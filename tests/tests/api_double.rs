@@ -1392,9 +1392,13 @@ async fn the_agents_source_reads_the_new_kinds_and_istio_crds_installed_later() 
     api.apply("nodes", node("node1", "a", "10.244.1.0/24"))
         .unwrap();
 
-    let mut source = podlink_agent::source::kube::KubeSource::start(Some(&kubeconfig), "node1")
-        .await
-        .unwrap();
+    let mut source = podlink_agent::source::kube::KubeSource::start(
+        Some(&kubeconfig),
+        "node1",
+        podlink_agent::source::kube::Scope::Cluster,
+    )
+    .await
+    .unwrap();
     let _ = std::fs::remove_file(&kubeconfig);
     let first = tokio::time::timeout(Duration::from_secs(15), source.next())
         .await
