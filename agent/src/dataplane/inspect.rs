@@ -663,7 +663,7 @@ mod tests {
             sums.keys().next().map(String::as_str),
             Some("captured_outbound")
         );
-        assert_eq!(sums.len(), 13);
+        assert_eq!(sums.len(), 14);
         assert!(!sums.contains_key("dropped_ipv6"));
     }
 
