@@ -119,9 +119,21 @@ pub const NO_ROUTE_WARNING: Duration = Duration::from_secs(30);
 pub const LEAVE_SETTLE: Duration = Duration::from_secs(1);
 
 /// The self-audit runs at most this often while the planned pods stay as they
-/// were and its last repairs succeeded: a change of the source that does not
-/// touch this node's pods (istiod pushing another node's workload) skips it.
+/// were (or only gain pods) and its last repairs succeeded: a change of the
+/// source that does not touch this node's pods (istiod pushing another node's
+/// workload), or that enrolls one more, skips it.
 pub const AUDIT_INTERVAL: Duration = Duration::from_secs(1);
+
+/// Whether every pod of `before` is in `now` as it was: `now` at most adds
+/// pods, which an audit would not check yet (it checks the pods captured and
+/// still planned as they were), so that enrolling one more pod does not audit
+/// all the others.
+fn kept(before: &[CapturedPod], now: &[CapturedPod]) -> bool {
+    let now: HashMap<&str, &CapturedPod> = now.iter().map(|p| (&*p.workload, p)).collect();
+    before
+        .iter()
+        .all(|p| now.get(&*p.workload).is_some_and(|n| *n == p))
+}
 
 /// The last self-audit: when, of which planned pods, whether every repair
 /// succeeded.
@@ -362,7 +374,9 @@ impl<C: Capture> Reconciler<C> {
         self.attach_errors.clear();
         self.failed_interfaces.clear();
         let due = self.last_audit.as_ref().is_none_or(|last| {
-            !last.repaired || last.wanted != self.wanted || last.at.elapsed() >= AUDIT_INTERVAL
+            !last.repaired
+                || !kept(&last.wanted, &self.wanted)
+                || last.at.elapsed() >= AUDIT_INTERVAL
         });
         if due {
             let repaired = self.audit_and_repair();

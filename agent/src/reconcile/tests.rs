@@ -632,9 +632,9 @@ fn audit_findings_are_repaired_before_attaching_and_counted() {
     assert_eq!(metrics.repairs(Reason::MapEntryMissing), 1);
 }
 
-/// While the planned pods stay as they were and the last repairs succeeded,
-/// the audit runs once per `AUDIT_INTERVAL`; a change of the planned pods runs
-/// it at once.
+/// While the planned pods stay as they were (or only gain pods) and the last
+/// repairs succeeded, the audit runs once per `AUDIT_INTERVAL`; a pod of the
+/// plan removed or changed runs it at once.
 #[test]
 fn the_audit_is_skipped_while_nothing_of_this_node_changed() {
     let mut b = bed(FakeCapture::default());
@@ -648,11 +648,19 @@ fn the_audit_is_skipped_while_nothing_of_this_node_changed() {
     b.round(None, &net);
     assert_eq!(b.reconciler.capture.calls, ["reconcile"]);
     b.reconciler.capture.calls.clear();
+    // One more pod: nothing audited would have changed.
     b.round(
         Some(all(
             vec![pod("web", "10.0.0.1"), pod("db", "10.0.0.2")],
             Completeness::Complete,
         )),
+        &net,
+    );
+    assert_eq!(b.reconciler.capture.calls, ["reconcile"]);
+    b.reconciler.capture.calls.clear();
+    // One pod fewer: audited at once.
+    b.round(
+        Some(all(vec![pod("db", "10.0.0.2")], Completeness::Complete)),
         &net,
     );
     assert_eq!(b.reconciler.capture.calls, ["audit", "reconcile"]);
