@@ -329,12 +329,36 @@ pub(super) fn report_blocks(r: &Report) -> Vec<Block> {
     out
 }
 
+/// The rows with aims of a cluster-scale part: `view`'s p50 / p99 / max
+/// (ms, [`AIM_P99_MS`]) and the agent's VmRSS settled and at most (KiB,
+/// [`AIM_RSS_MIB`]).
+fn aimed_rows(
+    view: &str,
+    [p50, p99, max]: [f64; 3],
+    idle_kib: u64,
+    max_kib: u64,
+) -> Vec<Vec<String>> {
+    let met = |ok: bool| if ok { "ok" } else { "MISSED" }.to_string();
+    let mib = |kib: u64| kib as f64 / 1024.0;
+    vec![
+        vec![
+            format!("{view} (ms): p50 / p99 / max"),
+            format!("{} / {} / {}", num(p50), num(p99), num(max)),
+            format!("p99 < {AIM_P99_MS:.0}"),
+            met(p99 < AIM_P99_MS),
+        ],
+        vec![
+            "agent VmRSS (MiB): settled / most during the changes".into(),
+            format!("{} / {}", num(mib(idle_kib)), num(mib(max_kib))),
+            format!("< {AIM_RSS_MIB:.0}"),
+            met(mib(idle_kib.max(max_kib)) < AIM_RSS_MIB),
+        ],
+    ]
+}
+
 /// The report's part: a line on the bed, then a table of the figures with the
 /// aims.
 fn api_watch_blocks(w: &ApiWatch) -> Vec<Block> {
-    let [p50, p99, max] = w.summary();
-    let rss = w.idle_rss_kib.max(w.max_rss_kib) as f64 / 1024.0;
-    let met = |ok: bool| if ok { "ok" } else { "MISSED" }.to_string();
     vec![
         Block::Break,
         Block::Line(format!(
@@ -350,60 +374,53 @@ fn api_watch_blocks(w: &ApiWatch) -> Vec<Block> {
                 .iter()
                 .map(|h| h.to_string())
                 .collect(),
-            rows: vec![
+            rows: [
+                aimed_rows(
+                    "change at the API to the agent's view",
+                    w.summary(),
+                    w.idle_rss_kib,
+                    w.max_rss_kib,
+                ),
                 vec![
-                    "change at the API to the agent's view (ms): p50 / p99 / max".into(),
-                    format!("{} / {} / {}", num(p50), num(p99), num(max)),
-                    format!("p99 < {AIM_P99_MS:.0}"),
-                    met(p99 < AIM_P99_MS),
-                ],
-                vec![
-                    "agent VmRSS (MiB): settled / most during the changes".into(),
-                    format!(
-                        "{} / {}",
-                        num(w.idle_rss_kib as f64 / 1024.0),
-                        num(w.max_rss_kib as f64 / 1024.0)
-                    ),
-                    format!("< {AIM_RSS_MIB:.0}"),
-                    met(rss < AIM_RSS_MIB),
-                ],
-                vec![
-                    "by kind, p50 / p99 (ms): Service and slice, pod, policy".into(),
-                    ["service", "pod", "policy"]
-                        .map(|k| {
-                            let [a, b] = w.by_kind(k);
-                            format!("{} / {}", num(a), num(b))
-                        })
-                        .join(", "),
-                    "-".into(),
-                    "-".into(),
-                ],
-                vec![
+                    vec![
+                        "by kind, p50 / p99 (ms): Service and slice, pod, policy".into(),
+                        ["service", "pod", "policy"]
+                            .map(|k| {
+                                let [a, b] = w.by_kind(k);
+                                format!("{} / {}", num(a), num(b))
+                            })
+                            .join(", "),
+                        "-".into(),
+                        "-".into(),
+                    ],
+                    vec![
                     "agent reconciliation steps, p50 (µs): state, network, plan and publish, apply"
                         .into(),
                     w.reconcile_p50_us.map(num).join(" / "),
                     "-".into(),
                     "-".into(),
                 ],
-                vec![
-                    "settled VmRSS that is anonymous memory (MiB)".into(),
-                    num(w.idle_rss_anon_kib as f64 / 1024.0),
-                    "-".into(),
-                    "-".into(),
+                    vec![
+                        "settled VmRSS that is anonymous memory (MiB)".into(),
+                        num(w.idle_rss_anon_kib as f64 / 1024.0),
+                        "-".into(),
+                        "-".into(),
+                    ],
+                    vec![
+                        "agent start to its first view (s)".into(),
+                        num(w.first_view_seconds),
+                        "-".into(),
+                        "-".into(),
+                    ],
+                    vec![
+                        "one /metrics scrape, p50 (ms): the times' resolution".into(),
+                        num(w.scrape_p50_ms),
+                        "-".into(),
+                        "-".into(),
+                    ],
                 ],
-                vec![
-                    "agent start to its first view (s)".into(),
-                    num(w.first_view_seconds),
-                    "-".into(),
-                    "-".into(),
-                ],
-                vec![
-                    "one /metrics scrape, p50 (ms): the times' resolution".into(),
-                    num(w.scrape_p50_ms),
-                    "-".into(),
-                    "-".into(),
-                ],
-            ],
+            ]
+            .concat(),
         },
     ]
 }
@@ -411,10 +428,7 @@ fn api_watch_blocks(w: &ApiWatch) -> Vec<Block> {
 /// The istiod part: a line on the bed, then a table of the figures with the
 /// Kubernetes API row's aims.
 fn xds_watch_blocks(w: &XdsWatch) -> Vec<Block> {
-    let [p50, p99, max] = w.summary();
     let [a50, a99, amax] = w.ack_summary();
-    let rss = w.idle_rss_kib.max(w.max_rss_kib) as f64 / 1024.0;
-    let met = |ok: bool| if ok { "ok" } else { "MISSED" }.to_string();
     let row = |figure: &str, value: String| vec![figure.into(), value, "-".into(), "-".into()];
     vec![
         Block::Break,
@@ -431,23 +445,14 @@ fn xds_watch_blocks(w: &XdsWatch) -> Vec<Block> {
                 .iter()
                 .map(|h| h.to_string())
                 .collect(),
-            rows: vec![
+            rows: [
+                aimed_rows(
+                    "push to the agent's view",
+                    w.summary(),
+                    w.idle_rss_kib,
+                    w.max_rss_kib,
+                ),
                 vec![
-                    "push to the agent's view (ms): p50 / p99 / max".into(),
-                    format!("{} / {} / {}", num(p50), num(p99), num(max)),
-                    format!("p99 < {AIM_P99_MS:.0}"),
-                    met(p99 < AIM_P99_MS),
-                ],
-                vec![
-                    "agent VmRSS (MiB): settled / most during the changes".into(),
-                    format!(
-                        "{} / {}",
-                        num(w.idle_rss_kib as f64 / 1024.0),
-                        num(w.max_rss_kib as f64 / 1024.0)
-                    ),
-                    format!("< {AIM_RSS_MIB:.0}"),
-                    met(rss < AIM_RSS_MIB),
-                ],
                 row(
                     "by kind, p50 / p99 (ms): service, workload, policy",
                     ["service", "workload", "policy"]
@@ -474,7 +479,9 @@ fn xds_watch_blocks(w: &XdsWatch) -> Vec<Block> {
                     "one /metrics scrape, p50 (ms): the times' resolution",
                     num(w.scrape_p50_ms),
                 ),
-            ],
+                ],
+            ]
+            .concat(),
         },
     ]
 }
