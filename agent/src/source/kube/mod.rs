@@ -1302,16 +1302,11 @@ mod tests {
         assert_eq!(granted(&istio), needed(&WATCHED_BESIDE_ISTIOD));
     }
 
-    /// The watches the source starts are of exactly the resources of
-    /// [`WATCHED`]. Until each has listed it is named unlisted (the Nodes
-    /// too), and the view is whole once this node's pods, the namespaces, the
-    /// Services and the EndpointSlices are listed; an Istio kind counts as
-    /// listed once one version is served, or both have answered.
-    #[tokio::test]
-    async fn the_watches_are_of_the_watched_resources_and_say_what_is_unlisted() {
+    /// A source of `scope` whose API server is the discard port: nothing
+    /// answers, every list fails and is retried, nothing is ever listed.
+    async fn unanswered(scope: Scope) -> KubeSource {
         let dir = tempfile::tempdir().unwrap();
         let kubeconfig = dir.path().join("kubeconfig");
-        // Nothing answers on the discard port: every list fails and is retried.
         std::fs::write(
             &kubeconfig,
             "apiVersion: v1
@@ -1323,9 +1318,19 @@ current-context: x
 ",
         )
         .unwrap();
-        let source = KubeSource::start(Some(&kubeconfig), "node1", Scope::Cluster)
+        KubeSource::start(Some(&kubeconfig), "node1", scope)
             .await
-            .unwrap();
+            .unwrap()
+    }
+
+    /// The watches the source starts are of exactly the resources of
+    /// [`WATCHED`]. Until each has listed it is named unlisted (the Nodes
+    /// too), and the view is whole once this node's pods, the namespaces, the
+    /// Services and the EndpointSlices are listed; an Istio kind counts as
+    /// listed once one version is served, or both have answered.
+    #[tokio::test]
+    async fn the_watches_are_of_the_watched_resources_and_say_what_is_unlisted() {
+        let source = unanswered(Scope::Cluster).await;
         let watched: BTreeSet<(String, String)> = WATCHED
             .iter()
             .map(|w| (w.group.into(), w.resource.into()))
@@ -1391,22 +1396,7 @@ current-context: x
     /// listed: the rest counts as listed, and empty, from the start.
     #[tokio::test]
     async fn beside_istiod_only_what_capture_needs_is_watched() {
-        let dir = tempfile::tempdir().unwrap();
-        let kubeconfig = dir.path().join("kubeconfig");
-        std::fs::write(
-            &kubeconfig,
-            "apiVersion: v1
-kind: Config
-clusters: [{name: c, cluster: {server: \"http://127.0.0.1:9\"}}]
-users: [{name: u, user: {token: t}}]
-contexts: [{name: x, context: {cluster: c, user: u}}]
-current-context: x
-",
-        )
-        .unwrap();
-        let source = KubeSource::start(Some(&kubeconfig), "node1", Scope::Node)
-            .await
-            .unwrap();
+        let source = unanswered(Scope::Node).await;
         let unlisted = source.unlisted();
         assert_eq!(unlisted, ["pods (this node)", "namespaces", "nodes"]);
         assert_eq!(source.completeness(&unlisted), Completeness::Incomplete);
