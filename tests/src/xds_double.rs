@@ -529,3 +529,50 @@ impl Drop for XdsDouble {
         self.stop();
     }
 }
+
+/// The arguments that make node `node`'s agent of `c` beside istiod: its
+/// certificates from `ca`, its workloads, services and policies from `xds`,
+/// authenticated with `token` and `cluster_id`, trusting both doubles' roots
+/// and `extra_roots` (PEM), named to istiod as pod `podlink-<node>` of
+/// namespace `podlink` at the node's address. Writes the roots and the token
+/// into the bed's directory.
+///
+/// # Errors
+/// When a file cannot be written.
+pub fn istiod_agent_args(
+    c: &crate::Cluster,
+    node: usize,
+    ca: &crate::ca_double::CaDouble,
+    xds: &XdsDouble,
+    token: &str,
+    cluster_id: &str,
+    extra_roots: &str,
+) -> Result<Vec<String>> {
+    let roots = c.dir.join("mesh-roots.pem");
+    std::fs::write(
+        &roots,
+        format!("{}{}{extra_roots}", ca.root_pem, xds.root_pem),
+    )?;
+    let token_file = c.dir.join("istio-token");
+    std::fs::write(&token_file, token)?;
+    Ok([
+        "--ca-address",
+        &ca.address,
+        "--ca-root-cert",
+        &roots.to_string_lossy(),
+        "--ca-token-file",
+        &token_file.to_string_lossy(),
+        "--cluster-id",
+        cluster_id,
+        "--xds-address",
+        &xds.address,
+        "--pod-name",
+        &format!("podlink-{node}"),
+        "--pod-namespace",
+        "podlink",
+        "--pod-ip",
+        &c.nodes[node].ip.to_string(),
+    ]
+    .map(String::from)
+    .to_vec())
+}

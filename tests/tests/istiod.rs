@@ -30,7 +30,7 @@ use podlink_tests::{
     ca_double::CaDouble,
     netns::ip,
     waypoint_double::{Route, WaypointDouble},
-    xds_double::XdsDouble,
+    xds_double::{XdsDouble, istiod_agent_args},
 };
 
 const TOKEN: &str = "node-agent-token";
@@ -122,37 +122,9 @@ fn deny_9090() -> Authorization {
 /// Starts both nodes' agents with istiod (`xds`) as their source and `ca` as
 /// their CA, trusting `ca`'s and `xds`'s roots and `extra_roots` (PEM).
 fn start_agents(c: &mut Cluster, ca: &CaDouble, xds: &XdsDouble, extra_roots: &str) {
-    let roots = c.dir.join("mesh-roots.pem");
-    fs::write(
-        &roots,
-        format!("{}{}{extra_roots}", ca.root_pem, xds.root_pem),
-    )
-    .unwrap();
-    let token = c.dir.join("istio-token");
-    fs::write(&token, TOKEN).unwrap();
-    let roots_arg = roots.to_string_lossy().into_owned();
-    let token_arg = token.to_string_lossy().into_owned();
     for n in 0..2 {
-        let pod_name = format!("podlink-{n}");
-        let node_ip = c.nodes[n].ip.to_string();
-        let args = [
-            "--ca-address",
-            &ca.address,
-            "--ca-root-cert",
-            &roots_arg,
-            "--ca-token-file",
-            &token_arg,
-            "--cluster-id",
-            CLUSTER_ID,
-            "--xds-address",
-            &xds.address,
-            "--pod-name",
-            &pod_name,
-            "--pod-namespace",
-            "podlink",
-            "--pod-ip",
-            &node_ip,
-        ];
+        let args = istiod_agent_args(c, n, ca, xds, TOKEN, CLUSTER_ID, extra_roots).unwrap();
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
         c.start_agent_with(n, &args).unwrap();
     }
 }

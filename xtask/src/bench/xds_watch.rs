@@ -23,7 +23,6 @@
 //! reconciliation steps during the changes.
 
 use std::{
-    fs,
     net::{Ipv4Addr, SocketAddr},
     time::{Duration, Instant},
 };
@@ -36,7 +35,11 @@ use podlink_agent::xds::proto::{
         Address, NetworkAddress, Port, PortList, Service, TunnelProtocol, Workload, address,
     },
 };
-use podlink_tests::{Cluster, PodSpec, Source, ca_double::CaDouble, xds_double::XdsDouble};
+use podlink_tests::{
+    Cluster, PodSpec, Source,
+    ca_double::CaDouble,
+    xds_double::{XdsDouble, istiod_agent_args},
+};
 use serde::Serialize;
 
 use super::{
@@ -313,31 +316,8 @@ pub(super) fn xds_watch(hook: Option<&str>) -> Result<XdsWatch> {
     for k in 0..POLICIES {
         xds.set_authorization(&format!("allow-app{k}"), &policy(k));
     }
-    let roots = c.dir.join("mesh-roots.pem");
-    fs::write(&roots, format!("{}{}", ca.root_pem, xds.root_pem))?;
-    let token = c.dir.join("istio-token");
-    fs::write(&token, TOKEN)?;
-    let roots_arg = roots.to_string_lossy().into_owned();
-    let token_arg = token.to_string_lossy().into_owned();
-    let node_ip = c.nodes[0].ip.to_string();
-    let args = [
-        "--ca-address",
-        &ca.address,
-        "--ca-root-cert",
-        &roots_arg,
-        "--ca-token-file",
-        &token_arg,
-        "--cluster-id",
-        CLUSTER_ID,
-        "--xds-address",
-        &xds.address,
-        "--pod-name",
-        "podlink-0",
-        "--pod-namespace",
-        "podlink",
-        "--pod-ip",
-        &node_ip,
-    ];
+    let args = istiod_agent_args(&c, 0, &ca, &xds, TOKEN, CLUSTER_ID, "")?;
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
 
     let t = Instant::now();
     c.start_agent_with(0, &args)?;
