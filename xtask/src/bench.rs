@@ -63,8 +63,20 @@
 //!   never asked before, one after the other: a round trip through the agent
 //!   to the resolver), each against the pod asking the resolver (dnsmasq in a
 //!   pod outside the mesh on node 2) itself.
+//! * Fixed request rate ([`efficiency`]): 1,000 requests of 1 KiB per second,
+//!   each echoed, over 16 keep-alive connections opened first, for 10 s; the
+//!   p50 round trip of each path.
 //! * Agent CPU: for every podlink run, the change of both agents' utime + stime
 //!   over the run, summed; the table shows its median and range per figure.
+//!
+//! # The efficiency table
+//!
+//! From the same runs ([`efficiency`]): both agents' CPU seconds per GiB
+//! received (1 and 4 streams), per 1,000 new connections (1 and 16 clients)
+//! and per 1,000 requests at the fixed rate (vCPU per 1,000 requests/s), with
+//! the eBPF programs' `run_time_ns` per the same unit as a column of its own,
+//! beside ztunnel's figures measured on this kind of machine; the aims are
+//! half ztunnel's CPU and added latency, twice its rates.
 //!
 //! # The scaling table
 //!
@@ -118,6 +130,7 @@ mod bed;
 mod connections;
 mod dns;
 mod ebpf;
+mod efficiency;
 mod enrollment;
 mod full;
 mod machine;

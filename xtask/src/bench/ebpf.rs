@@ -101,6 +101,10 @@ pub(super) fn program_counters(c: &Cluster, pods: [&Pod; 2]) -> Result<Vec<ProgC
 pub(super) struct EbpfByWorkload {
     /// Per kind of run and program, summed over nodes and runs.
     pub(super) runs: Vec<WorkloadCounters>,
+    /// The programs' time over the last podlink run measured (s, all
+    /// programs and nodes): the eBPF column of the efficiency table.
+    #[serde(skip)]
+    pub(super) last_run_seconds: f64,
 }
 
 #[derive(Debug, Serialize)]
@@ -128,7 +132,9 @@ impl EbpfByWorkload {
         let before = program_counters(c, pods)?;
         let value = run()?;
         let after = program_counters(c, pods)?;
-        for d in counters_delta(&before, &after) {
+        let delta = counters_delta(&before, &after);
+        self.last_run_seconds = delta.iter().map(|d| d.run_time_ns as f64 / 1e9).sum();
+        for d in delta {
             match self
                 .runs
                 .iter_mut()

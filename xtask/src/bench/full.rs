@@ -20,6 +20,10 @@ use super::{
     connections::{Churn, OneClientPhases, Phases, run_clients},
     dns,
     ebpf::{BpfStatsOn, EbpfByWorkload, counters_delta, program_counters},
+    efficiency::{
+        EfficiencyRuns, FIXED_RATE, FIXED_RATE_CONNECTIONS, FIXED_RATE_SECONDS, efficiency_rows,
+        fixed_rate, fixed_rate_row,
+    },
     enrollment::enrollment,
     machine::{load_average, machine},
     main_table::{Series, main_rows},
@@ -58,6 +62,8 @@ pub(super) fn bench(s: Settings, json: Option<&Path>, markdown: Option<&Path>) -
     let mut one_client_phases: [Vec<Phases>; 2] = Default::default();
     let mut c1 = Series::default();
     let mut c16 = Series::default();
+    let mut rate = Series::default();
+    let mut rate_latency = Series::default();
     let mut dns_own = Series::default();
     let mut dns_forwarded = Series::default();
     let dns_queries = s.round_trips / 5;
@@ -83,7 +89,8 @@ pub(super) fn bench(s: Settings, json: Option<&Path>, markdown: Option<&Path>) -
                     ebpf_by_workload.measure(&bed.cluster, prog_pods, workload, path, || {
                         throughput(client, server.ip_of(family), s.throughput_seconds, streams)
                     })?;
-                series.push(path, v, agents_cpu(&bed.cluster) - cpu);
+                let cpu = agents_cpu(&bed.cluster) - cpu;
+                series.push_with_ebpf(path, v, cpu, ebpf_by_workload.last_run_seconds);
                 if let Some(sampler) = sampler {
                     for (m, v) in throughput_max_kib.iter_mut().zip(sampler.stop()) {
                         *m = (*m).max(v);
@@ -125,11 +132,34 @@ pub(super) fn bench(s: Settings, json: Option<&Path>, markdown: Option<&Path>) -
                         )
                     },
                 )?;
-                series.push(path, run.rate(), agents_cpu(&bed.cluster) - cpu);
+                let cpu = agents_cpu(&bed.cluster) - cpu;
+                series.push_with_ebpf(path, run.rate(), cpu, ebpf_by_workload.last_run_seconds);
                 if let Some(phases) = run.phases {
                     one_client_phases[path as usize].push(phases);
                 }
             }
+        }
+        for path in order {
+            let (client, server) = bed.pair(path);
+            let cpu = agents_cpu(&bed.cluster);
+            let run = ebpf_by_workload.measure(
+                &bed.cluster,
+                prog_pods,
+                "fixed request rate",
+                path,
+                || {
+                    fixed_rate(
+                        client,
+                        server.addr(ECHO_PORT),
+                        FIXED_RATE,
+                        FIXED_RATE_CONNECTIONS,
+                        FIXED_RATE_SECONDS,
+                    )
+                },
+            )?;
+            let cpu = agents_cpu(&bed.cluster) - cpu;
+            rate.push_with_ebpf(path, run.rate(), cpu, ebpf_by_workload.last_run_seconds);
+            rate_latency.push(path, run.p50_us, cpu);
         }
         for path in order {
             let client = &bed.pair(path).0;
@@ -202,6 +232,15 @@ pub(super) fn bench(s: Settings, json: Option<&Path>, markdown: Option<&Path>) -
         &ebpf,
         &enrollment,
     );
+    let efficiency = efficiency_rows(&EfficiencyRuns {
+        throughput_seconds: s.throughput_seconds as f64,
+        connect_seconds: s.connect_seconds,
+        throughput: [&t1, &t4],
+        connections: [&c1, &c16],
+        round_trips: [&rr[0], &rr[2]],
+        fixed_rate: &rate,
+    });
+    rows.push(fixed_rate_row(&rate_latency));
     rows.extend(dns::rows(
         &dns_own,
         &dns_forwarded,
@@ -233,6 +272,7 @@ pub(super) fn bench(s: Settings, json: Option<&Path>, markdown: Option<&Path>) -
         machine,
         settings: s,
         rows,
+        efficiency,
         churn,
         memory,
         ebpf,

@@ -13,12 +13,13 @@ use super::{
 };
 
 /// A figure's samples: each path's value per repetition, and the agents' CPU
-/// seconds of each podlink run.
+/// seconds of each podlink run (and, where measured, its eBPF programs' seconds).
 #[derive(Default)]
 pub(super) struct Series {
     pub(super) direct: Vec<f64>,
     pub(super) podlink: Vec<f64>,
     pub(super) cpu: Vec<f64>,
+    pub(super) ebpf: Vec<f64>,
 }
 
 impl Series {
@@ -29,6 +30,14 @@ impl Series {
                 self.podlink.push(value);
                 self.cpu.push(cpu);
             }
+        }
+    }
+
+    /// [`Series::push`], and for a podlink run its eBPF programs' seconds.
+    pub(super) fn push_with_ebpf(&mut self, path: Path2, value: f64, cpu: f64, ebpf: f64) {
+        self.push(path, value, cpu);
+        if path == Path2::Podlink {
+            self.ebpf.push(ebpf);
         }
     }
 }

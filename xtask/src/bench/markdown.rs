@@ -82,6 +82,7 @@ mod tests {
         api_watch::ApiWatch,
         connections::{Churn, ClientRun, OneClientPhases, Phases},
         ebpf::{EbpfByWorkload, ProgCounters, WorkloadCounters},
+        efficiency::{EfficiencyRuns, efficiency_rows},
         enrollment::Enrollment,
         machine::Machine,
         main_table::{Series, main_rows},
@@ -99,7 +100,7 @@ mod tests {
         for i in 0..reps {
             let v = direct + i as f64;
             s.push(Path2::Direct, v, 0.0);
-            s.push(Path2::Podlink, v * 0.4, 1.5 + i as f64 / 10.0);
+            s.push_with_ebpf(Path2::Podlink, v * 0.4, 1.5 + i as f64 / 10.0, 0.1);
         }
         s
     }
@@ -194,9 +195,18 @@ mod tests {
             &ebpf,
             &enrollment,
         );
+        let efficiency = efficiency_rows(&EfficiencyRuns {
+            throughput_seconds: s.throughput_seconds as f64,
+            connect_seconds: s.connect_seconds,
+            throughput: [&series(reps, 12.0), &series(reps, 28.0)],
+            connections: [&series(reps, 3_000.0), &series(reps, 5_000.0)],
+            round_trips: [&series(reps, 80.0), &series(reps, 100.0)],
+            fixed_rate: &series(reps, 1_000.0),
+        });
         Report {
             machine,
             rows,
+            efficiency,
             churn,
             memory,
             ebpf,
@@ -207,6 +217,7 @@ mod tests {
                     run_time_ns: 500_000,
                     run_cnt: 2_000,
                 }],
+                last_run_seconds: 0.0,
             },
             one_client_phases: OneClientPhases::new([vec![phases], vec![phases]]),
             scaling: Scaling {

@@ -1,5 +1,5 @@
 //! The report as the bench writes it: the machine header, the main table, the
-//! eBPF cost by kind of run, the connection phases, the scaling and enrollment
+//! efficiency table, the eBPF cost by kind of run, the connection phases, the scaling and enrollment
 //! tables, the Kubernetes API and istiod rows and the bench's own time, as
 //! [`Block`]s, printed as text on standard output (and rendered as Markdown by
 //! [`super::markdown`]).
@@ -8,6 +8,7 @@ use super::{
     ENROLL_TIMEOUT, Path2,
     api_watch::{AIM_P99_MS, AIM_RSS_MIB, ApiWatch},
     connections::Phases,
+    efficiency::efficiency_blocks,
     report::Report,
     stats::{Stats, fmt_stats, num},
     xds_watch::XdsWatch,
@@ -144,6 +145,8 @@ pub(super) fn report_blocks(r: &Report) -> Vec<Block> {
         ],
         rows,
     ));
+
+    out.extend(efficiency_blocks(&r.efficiency));
 
     out.push(Block::Break);
     out.push(Block::Line(

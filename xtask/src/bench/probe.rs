@@ -40,6 +40,9 @@ use super::{
     connections::run_clients,
     dns,
     ebpf::{BpfStatsOn, EbpfByWorkload},
+    efficiency::{
+        FIXED_RATE, FIXED_RATE_CONNECTIONS, FIXED_RATE_SECONDS, Work, fixed_rate, probe_cost,
+    },
     enrollment::enrollment,
     round_trips::latency,
     scaling::{scaling_pairs, scaling_run},
@@ -70,6 +73,10 @@ pub enum Row {
     /// `--count` pods (default 200, at most [`MAX_ENROLLMENT_PODS`]) enrolled
     /// one at a time (p50, p99, max ms); made once, so `--repeat` is 1.
     Enrollment,
+    /// 1 KiB requests at a fixed 1,000 per second over 16 keep-alive
+    /// connections, 10 s runs (requests/s answered; the agents' CPU per run
+    /// is the efficiency table's vCPU per 1,000 requests/s).
+    FixedRate,
     /// DNS queries per second answered from the agent's own names (a Service
     /// name), 4 clients, 3 s runs; direct: the resolver answers it.
     DnsOwnNames,
@@ -103,6 +110,7 @@ impl Row {
                 Some(THROUGHPUT_SECONDS)
             }
             Row::OneClient | Row::SixteenClients | Row::DnsOwnNames => Some(CONNECT_SECONDS as u32),
+            Row::FixedRate => Some(FIXED_RATE_SECONDS as u32),
             Row::Scaling => Some(SCALING_THROUGHPUT_SECONDS),
             Row::RoundTrips
             | Row::Enrollment
@@ -122,6 +130,19 @@ impl Row {
         }
     }
 
+    /// The unit of work of a run `seconds` long, for the row's cost per unit
+    /// (the efficiency table's); none for rows it has no figure for.
+    fn work(self, seconds: f64) -> Option<Work> {
+        match self {
+            Row::SingleStream | Row::SingleStreamIpv6 | Row::FourStreams => {
+                Some(Work::Gib { seconds })
+            }
+            Row::OneClient | Row::SixteenClients => Some(Work::ThousandConnections { seconds }),
+            Row::FixedRate => Some(Work::ThousandRequests { seconds }),
+            _ => None,
+        }
+    }
+
     /// The name `--probe` takes.
     fn name(self) -> String {
         clap::ValueEnum::to_possible_value(&self)
@@ -134,6 +155,7 @@ impl Row {
             Row::SingleStream | Row::SingleStreamIpv6 | Row::FourStreams | Row::Scaling => "Gbit/s",
             Row::RoundTrips | Row::DnsForwarded => "µs p50",
             Row::DnsOwnNames => "queries/s",
+            Row::FixedRate => "requests/s",
             Row::OneClient | Row::SixteenClients => "connections/s",
             Row::Enrollment | Row::ApiWatch | Row::XdsWatch => "ms",
         }
@@ -385,6 +407,14 @@ fn run_rows(bed: &mut Bed, o: &Options) -> Result<()> {
                 Row::SixteenClients => {
                     Ok(run_clients(&[(client, echo)], MANY_CLIENTS, secs as f64, false)?.rate())
                 }
+                Row::FixedRate => Ok(fixed_rate(
+                    client,
+                    echo,
+                    FIXED_RATE,
+                    FIXED_RATE_CONNECTIONS,
+                    secs as f64,
+                )?
+                .rate()),
                 Row::DnsOwnNames => dns::own_names_rate(client, resolver, secs as f64),
                 Row::DnsForwarded => {
                     dns::forwarded_latency(client, resolver, o.count.unwrap_or(dns::DNS_FORWARDED))
@@ -403,9 +433,16 @@ fn run_rows(bed: &mut Bed, o: &Options) -> Result<()> {
                 measure()?
             };
             let cpu = agents_cpu(&bed.cluster) - cpu;
+            let cost = match (path, o.row.work(secs as f64)) {
+                (Path2::Podlink, Some(work)) => format!(
+                    " = {}",
+                    probe_cost(work, v, cpu, o.ebpf.then_some(ebpf.last_run_seconds))
+                ),
+                _ => String::new(),
+            };
             let ebpf: String = ebpf.lines().iter().map(|l| format!("; {l}")).collect();
             println!(
-                "probe {name} {}/{} {path:?}: {} {}, agents' CPU {cpu:.2} s{ebpf}",
+                "probe {name} {}/{} {path:?}: {} {}, agents' CPU {cpu:.2} s{cost}{ebpf}",
                 rep + 1,
                 o.repeat,
                 num(v),

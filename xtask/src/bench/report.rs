@@ -7,6 +7,7 @@ use super::{
     api_watch::ApiWatch,
     connections::{Churn, OneClientPhases},
     ebpf::{EbpfByWorkload, ProgCounters},
+    efficiency::EfficiencyRow,
     enrollment::Enrollment,
     machine::Machine,
     main_table::Row,
@@ -32,6 +33,8 @@ pub(super) struct Report {
     pub(super) machine: Machine,
     pub(super) settings: Settings,
     pub(super) rows: Vec<Row>,
+    /// Both agents' CPU per unit of work, beside ztunnel's.
+    pub(super) efficiency: Vec<EfficiencyRow>,
     pub(super) churn: Churn,
     pub(super) memory: Memory,
     /// Each program instance's counters over the measured span.

@@ -44,10 +44,43 @@ pub(super) fn num(v: f64) -> String {
     }
 }
 
+/// A small figure (a cost per unit) to three significant digits.
+pub(super) fn sig(v: f64) -> String {
+    if v == 0.0 || v.abs() >= 100.0 {
+        return num(v);
+    }
+    let decimals = (2 - v.abs().log10().floor() as i32).max(0) as usize;
+    format!("{v:.decimals$}")
+}
+
+/// [`fmt_stats`] with [`sig`]'s digits.
+pub(super) fn fmt_stats_sig(s: &Stats) -> String {
+    if s.samples.len() == 1 {
+        sig(s.median)
+    } else {
+        format!("{} [{}-{}]", sig(s.median), sig(s.min), sig(s.max))
+    }
+}
+
 pub(super) fn fmt_stats(s: &Stats) -> String {
     if s.samples.len() == 1 {
         num(s.median)
     } else {
         format!("{} [{}-{}]", num(s.median), num(s.min), num(s.max))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::sig;
+
+    #[test]
+    fn small_figures_keep_three_significant_digits() {
+        assert_eq!(sig(0.004123), "0.00412");
+        assert_eq!(sig(0.17), "0.170");
+        assert_eq!(sig(3.531), "3.53");
+        assert_eq!(sig(42.56), "42.6");
+        assert_eq!(sig(1234.0), "1234");
+        assert_eq!(sig(0.0), "0.00");
     }
 }
