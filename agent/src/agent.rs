@@ -106,6 +106,8 @@ pub struct AgentConfig {
     /// Idle timeout of inbound HBONE connections and of unused CONNECT streams
     /// ([`ProxyConfig::hbone_idle_timeout`]).
     pub hbone_idle_timeout: Duration,
+    /// Proxy threads ([`ProxyConfig::threads`]).
+    pub proxy_threads: usize,
     /// Connections handled at once; `None`: a third of the open-file limit.
     pub max_connections: Option<usize>,
     /// Address of the metrics endpoint (`GET /metrics`).
@@ -206,6 +208,7 @@ pub async fn run(cfg: AgentConfig) -> Result<()> {
         connect_timeout: cfg.connect_timeout,
         hbone_idle_timeout: cfg.hbone_idle_timeout,
         cluster_id: cfg.cluster_id.clone(),
+        threads: cfg.proxy_threads,
     };
     if !cfg.cluster_cidrs.is_empty() {
         let ranges: Vec<String> = cfg.cluster_cidrs.iter().map(ToString::to_string).collect();
@@ -412,8 +415,8 @@ fn release_startup_memory() {
 ///
 /// Arenas: glibc gives each thread that allocates under contention an arena
 /// of its own (up to eight per core), and freed memory stays in the arena it came
-/// from; buffers of connections handled on different runtime threads then hold
-/// several arenas' worth of resident memory. One arena per runtime thread (at
+/// from; buffers of connections handled on different proxy threads then hold
+/// several arenas' worth of resident memory. One arena per proxy thread (at
 /// least two) keeps contention low (`M_ARENA_MAX`).
 ///
 /// Thresholds: it fixes glibc's mmap threshold at [`MALLOC_MMAP_THRESHOLD_BYTES`] and

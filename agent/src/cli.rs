@@ -236,7 +236,9 @@ struct AgentArgs {
     /// and the listeners accept, 503 while starting or draining).
     #[arg(long, default_value = DEFAULT_READINESS_ADDRESS)]
     readiness_address: std::net::SocketAddr,
-    /// Threads of the proxy's runtime (tokio workers); 0: one per CPU.
+    /// Proxy threads, each a runtime of its own accepting on the listeners and
+    /// carrying the connections it accepted; 0: one per CPU. The agent's
+    /// control work (workloads, DNS, metrics) runs on a runtime beside them.
     #[arg(long, env = "PODLINK_WORKER_THREADS", default_value_t = 0)]
     worker_threads: usize,
     /// On SIGTERM, how long open connections may go on (the listeners accept the
@@ -427,16 +429,15 @@ pub fn main() -> Result<()> {
         }
         Command::Agent(args) => {
             let args = *args;
-            agent::configure_allocator(if args.worker_threads > 0 {
+            let proxy_threads = if args.worker_threads > 0 {
                 args.worker_threads
             } else {
                 std::thread::available_parallelism().map_or(2, |n| n.get())
-            });
-            let mut runtime = tokio::runtime::Builder::new_multi_thread();
-            if args.worker_threads > 0 {
-                runtime.worker_threads(args.worker_threads);
-            }
-            let runtime = runtime.enable_all().build()?;
+            };
+            agent::configure_allocator(proxy_threads);
+            let runtime = tokio::runtime::Builder::new_multi_thread()
+                .enable_all()
+                .build()?;
             let source = match (args.manifests, args.xds_address) {
                 (Some(dir), _) => WorkloadSourceConfig::Manifests(dir),
                 (None, None) => WorkloadSourceConfig::Kubernetes {
@@ -512,6 +513,7 @@ pub fn main() -> Result<()> {
                 excluded_ports: args.excluded_ports,
                 connect_timeout: args.connect_timeout,
                 hbone_idle_timeout: args.hbone_idle_timeout,
+                proxy_threads,
                 max_connections: args.max_connections,
                 metrics_address: args.metrics_address,
                 readiness_address: args.readiness_address,

@@ -2,7 +2,7 @@
 //! over IPv6 (dual-stack pods): captured in the kernel on both ends, carried over
 //! HBONE to the server pod's address of the same family, port 15008, delivered
 //! with the client's address. Concurrent connections share pooled HBONE
-//! connections (at most one per runtime worker of the agent).
+//! connections (at most one per proxy thread of the agent).
 
 use std::{net::IpAddr, time::Duration};
 
@@ -77,8 +77,8 @@ fn cross_node_tunnel(family: Family, source: Source) {
     assert_eq!(echo.accepted(), CONNECTIONS);
 
     // On the underlay: TLS to port 15008 only, over pooled connections that
-    // multiplex the streams (parallel ones spread over at most one per runtime
-    // worker of the agent: one per core here); the payload never appears.
+    // multiplex the streams (parallel ones spread over at most one per proxy
+    // thread of the agent: one per core here); the payload never appears.
     let syns = syns_to(&lines, server.ip_of(family), HBONE);
     let workers = std::thread::available_parallelism().map_or(1, |n| n.get());
     assert!(
@@ -135,8 +135,8 @@ fn cross_node_tunnel(family: Family, source: Source) {
 }
 
 /// More connections between one pod pair than the pooled HBONE connections
-/// may carry as streams at once (1,000 each, one connection per worker, one
-/// worker here): a further HBONE connection is made, and no connection waits
+/// may carry as streams at once (1,000 each, one connection per proxy thread, one
+/// thread here): a further HBONE connection is made, and no connection waits
 /// for another to end.
 #[test]
 fn streams_beyond_one_hbone_connections_limit_open_another() {

@@ -236,6 +236,7 @@ pub(super) mod tests {
             proxy_mark: 0,
             connect_timeout: Duration::from_secs(1),
             hbone_idle_timeout: Duration::from_secs(300),
+            threads: 0,
             max_connections: 16,
             cluster_id: "Kubernetes".into(),
         };

@@ -93,6 +93,9 @@ pub struct ProxyConfig {
     /// The cluster ID: the `source_cluster` and `destination_cluster` metric
     /// labels of known workloads.
     pub cluster_id: String,
+    /// Proxy threads, each a runtime of its own serving the listeners (see
+    /// [`serve`]); 0 serves them on the agent's runtime.
+    pub threads: usize,
 }
 
 /// `addr` with its address in canonical form: an IPv4-mapped IPv6 address
@@ -190,10 +193,13 @@ impl ProxyState {
     pub fn new(config: ProxyConfig, certs: CertManager) -> Self {
         Self {
             certs,
-            // As many HBONE connections per pod pair as the runtime has workers.
-            pool: pool::Pool::new(
-                tokio::runtime::Handle::try_current().map_or(1, |rt| rt.metrics().num_workers()),
-            ),
+            // As many HBONE connections per pod pair as the runtime has
+            // workers; one per proxy thread when there are such.
+            pool: pool::Pool::new(if config.threads > 0 {
+                1
+            } else {
+                tokio::runtime::Handle::try_current().map_or(1, |rt| rt.metrics().num_workers())
+            }),
             metrics: Arc::new(Metrics::new(&config.cluster_id)),
             limits: ConnectionLimits::new(config.max_connections),
             endpoints: EndpointLoad::default(),
@@ -367,10 +373,50 @@ impl ProxyConfig {
 
 /// The bound listeners: each kind's IPv4 listener, and its IPv6 twin when the node
 /// has IPv6.
-pub struct Listeners {
-    outbound: Vec<TcpListener>,
-    inbound_plaintext: Vec<TcpListener>,
-    hbone: Vec<TcpListener>,
+pub struct Listeners<L = TcpListener> {
+    outbound: Vec<L>,
+    inbound_plaintext: Vec<L>,
+    hbone: Vec<L>,
+}
+
+impl Listeners {
+    /// The listeners out of this runtime, for proxy threads to share.
+    fn into_std(self) -> io::Result<Listeners<std::net::TcpListener>> {
+        let each = |v: Vec<TcpListener>| -> io::Result<Vec<_>> {
+            v.into_iter().map(TcpListener::into_std).collect()
+        };
+        Ok(Listeners {
+            outbound: each(self.outbound)?,
+            inbound_plaintext: each(self.inbound_plaintext)?,
+            hbone: each(self.hbone)?,
+        })
+    }
+
+    /// `shared`'s listeners on this thread's runtime.
+    fn from_std(shared: Listeners<std::net::TcpListener>) -> io::Result<Self> {
+        let each = |v: Vec<std::net::TcpListener>| -> io::Result<Vec<_>> {
+            v.into_iter().map(TcpListener::from_std).collect()
+        };
+        Ok(Listeners {
+            outbound: each(shared.outbound)?,
+            inbound_plaintext: each(shared.inbound_plaintext)?,
+            hbone: each(shared.hbone)?,
+        })
+    }
+}
+
+impl Listeners<std::net::TcpListener> {
+    /// Another descriptor of each listener (`dup`), for one more proxy thread.
+    fn try_clone(&self) -> io::Result<Self> {
+        let each = |v: &[std::net::TcpListener]| -> io::Result<Vec<_>> {
+            v.iter().map(std::net::TcpListener::try_clone).collect()
+        };
+        Ok(Listeners {
+            outbound: each(&self.outbound)?,
+            inbound_plaintext: each(&self.inbound_plaintext)?,
+            hbone: each(&self.hbone)?,
+        })
+    }
 }
 
 impl Listeners {
@@ -406,7 +452,15 @@ impl Listeners {
     }
 }
 
-/// Serves the listeners until the task is dropped.
+/// Serves the listeners until the task is dropped: on this runtime when
+/// [`ProxyConfig::threads`] is 0, else on that many proxy threads, each a
+/// single-threaded runtime accepting on all the listeners (the kernel wakes
+/// one of them per connection or all, and the first to accept takes it). A
+/// connection's tasks then stay on the thread that accepted it: its HBONE
+/// connections are that thread's own ([`pool::set_thread`]), so no chunk is
+/// handed between threads. The proxy threads outlive this task (the
+/// connections they carry finish while the agent drains) and end with the
+/// process.
 pub async fn serve(state: Arc<ProxyState>, listeners: Listeners) {
     let sweeper = {
         let state = state.clone();
@@ -418,7 +472,59 @@ pub async fn serve(state: Arc<ProxyState>, listeners: Listeners) {
             }
         }
     };
-    // One accept loop per listener, both families alike.
+    let threads = state.config.threads;
+    if threads == 0 {
+        tokio::join!(accept_all(state, listeners), sweeper);
+        return;
+    }
+    let shared = match listeners.into_std() {
+        Ok(shared) => shared,
+        Err(e) => {
+            tracing::error!("the proxy's listeners could not be handed to its threads: {e}");
+            return;
+        }
+    };
+    for index in 0..threads {
+        let state = state.clone();
+        let mine = match shared.try_clone() {
+            Ok(mine) => mine,
+            Err(e) => {
+                tracing::error!("proxy thread {index}: duplicating the listeners: {e}");
+                continue;
+            }
+        };
+        let started = std::thread::Builder::new()
+            .name(format!("proxy-{index}"))
+            .spawn(move || {
+                pool::set_thread(index);
+                let runtime = match tokio::runtime::Builder::new_current_thread()
+                    .enable_all()
+                    .build()
+                {
+                    Ok(runtime) => runtime,
+                    Err(e) => {
+                        tracing::error!("proxy thread {index}: no runtime: {e}");
+                        return;
+                    }
+                };
+                runtime.block_on(async move {
+                    match Listeners::from_std(mine) {
+                        Ok(listeners) => accept_all(state, listeners).await,
+                        Err(e) => tracing::error!("proxy thread {index}: its listeners: {e}"),
+                    }
+                    // Drained: the connections on this runtime finish.
+                    std::future::pending::<()>().await
+                });
+            });
+        if let Err(e) = started {
+            tracing::error!("proxy thread {index} could not start: {e}");
+        }
+    }
+    sweeper.await;
+}
+
+/// One accept loop per listener, both families alike, until the proxy drains.
+async fn accept_all(state: Arc<ProxyState>, listeners: Listeners) {
     let outbound = join_all(listeners.outbound.into_iter().map(|listener| {
         accept_loop(
             ("outbound", Direction::Outbound, Budget::Connection),
@@ -443,7 +549,7 @@ pub async fn serve(state: Arc<ProxyState>, listeners: Listeners) {
             inbound::handle,
         )
     }));
-    tokio::join!(outbound, inbound_plaintext, hbone, sweeper);
+    tokio::join!(outbound, inbound_plaintext, hbone);
 }
 
 /// How long a draining listener goes on accepting after its last connection:
@@ -590,6 +696,7 @@ mod tests {
             proxy_mark: 0,
             connect_timeout: Duration::from_secs(1),
             hbone_idle_timeout: Duration::from_secs(300),
+            threads: 0,
             max_connections: 1,
             cluster_id: "Kubernetes".into(),
         }

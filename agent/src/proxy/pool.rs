@@ -3,18 +3,20 @@
 //! HTTP/2 connections are pooled per (source identity, source address, destination
 //! identity, destination address): the outer connection is bound to the source pod's
 //! address, and the server checks that address against the client certificate, so
-//! the source address belongs to the key as it does in ztunnel's pool. A key has up
-//! to [`Pool::new`]'s `per_key` connections (the agent gives the number of its
-//! runtime's worker threads): a new stream goes to a connection with no stream open,
-//! else to a new connection while there are fewer, else to the connection with the
-//! fewest, and to a further connection when each is at the peer's limit of
-//! concurrent streams (a new CONNECT never waits for an open one to end). One
-//! connection's frames and TLS records are handled by one task at a time, so parallel streams between one pair of pods (`iperf3 -P 4`, a client's
-//! connection pool) spread over the workers instead of queueing behind one; a pod
-//! pair that opens one connection at a time keeps using one. Each connection is made
-//! once at a time; concurrent requests for it wait and then share it. Connections
-//! unused for [`IDLE_TIMEOUT`] are released (open streams keep them alive until
-//! they end).
+//! the source address belongs to the key as it does in ztunnel's pool.
+//!
+//! Each proxy thread ([`set_thread`]) has connections of its own: a connection's
+//! task runs on the thread that made it, so the streams of the connections a
+//! thread carries never hand a chunk to another thread. A key has up to
+//! [`Pool::new`]'s `per_key` connections per thread (the agent gives 1 with
+//! proxy threads, else its runtime's workers, whose parallel streams then spread
+//! over as many connections): a new stream goes to a connection with no stream
+//! open, else to a new connection while there are fewer, else to the connection
+//! with the fewest, and to a further connection when each is at the peer's limit
+//! of concurrent streams (a new CONNECT never waits for an open one to end).
+//! Each connection is made once at a time; concurrent requests for it wait and
+//! then share it. Connections unused for [`IDLE_TIMEOUT`] are released (open
+//! streams keep them alive until they end).
 
 use std::{
     collections::HashMap,
@@ -155,10 +157,25 @@ impl Slot {
     }
 }
 
+/// A proxy thread ([`set_thread`]) and a key: its connections for the key.
+type ThreadKey = (usize, PoolKey);
+
 /// The pool.
 pub struct Pool {
-    slots: Mutex<HashMap<PoolKey, Vec<Arc<Slot>>>>,
+    slots: Mutex<HashMap<ThreadKey, Vec<Arc<Slot>>>>,
     per_key: usize,
+}
+
+thread_local! {
+    /// The proxy thread this one is ([`set_thread`]); 0 elsewhere.
+    static THREAD: std::cell::Cell<usize> = const { std::cell::Cell::new(0) };
+}
+
+/// Names the calling thread as proxy thread `index`: the streams it opens use
+/// its own connections, whose frames and TLS records are then handled on it
+/// (a connection's task runs on the runtime that made it).
+pub fn set_thread(index: usize) {
+    THREAD.with(|t| t.set(index));
 }
 
 impl Pool {
@@ -177,7 +194,9 @@ impl Pool {
     /// a pod pair may hold more streams at once than `per_key` connections allow.
     fn pick(&self, key: &PoolKey) -> (Arc<Slot>, ActiveStream) {
         let mut slots = self.slots.lock().expect("pool lock");
-        let list = slots.entry(key.clone()).or_default();
+        let list = slots
+            .entry((THREAD.with(std::cell::Cell::get), key.clone()))
+            .or_default();
         let least = list
             .iter()
             .filter(|slot| !slot.is_full())
@@ -343,7 +362,7 @@ impl Pool {
         self.slots
             .lock()
             .expect("pool lock")
-            .retain(|key, _| keep(key));
+            .retain(|(_, key), _| keep(key));
     }
 
     /// Releases connections that are closed or idle for longer than `idle`.
@@ -373,7 +392,7 @@ impl Pool {
         self.slots
             .lock()
             .expect("pool lock")
-            .get(key)
+            .get(&(THREAD.with(std::cell::Cell::get), key.clone()))
             .map_or(0, Vec::len)
     }
 }
@@ -390,6 +409,31 @@ mod tests {
             dst_id: id,
             dst: "10.0.1.1:15008".parse().unwrap(),
         }
+    }
+
+    /// Each proxy thread has its own connections for a key: a stream opened
+    /// on another thread never rides this one's.
+    #[test]
+    fn each_proxy_thread_has_its_own_connections() {
+        let pool = Arc::new(Pool::new(1));
+        let (mine, a) = pool.pick(&key());
+        let (again, b) = pool.pick(&key());
+        assert!(Arc::ptr_eq(&mine, &again), "one per key on a thread");
+        let other = std::thread::spawn({
+            let pool = pool.clone();
+            move || {
+                set_thread(1);
+                pool.pick(&key())
+            }
+        })
+        .join()
+        .unwrap();
+        assert!(!Arc::ptr_eq(&mine, &other.0), "thread 1 has its own");
+        assert_eq!(other.0.streams.load(Ordering::Relaxed), 1);
+        assert_eq!(mine.streams.load(Ordering::Relaxed), 2);
+        drop((a, b));
+        pool.retain(|_| false);
+        assert_eq!(pool.slots(&key()), 0, "released on every thread");
     }
 
     /// Streams opened one after another share one connection; parallel ones
