@@ -110,6 +110,7 @@ static HARNESS: LazyLock<Harness> = LazyLock::new(|| {
             proxy_mark: 0,
             connect_timeout: Duration::from_secs(1),
             hbone_idle_timeout: Duration::from_secs(300),
+            threads: 0,
             // Small enough for an input to reach it with its streams.
             max_connections: 64,
             cluster_id: "Kubernetes".into(),

@@ -9,7 +9,7 @@ use podlink_tests::{Cluster, Pod, netns};
 use serde::Serialize;
 use serde_json::Value;
 
-use super::{PROGRAMS, Path2, bed::link_pins, stats::num};
+use super::{PROGRAMS, Path2, agents::agents_cpu, bed::link_pins, stats::num};
 
 pub(super) const BPF_STATS_SYSCTL: &str = "/proc/sys/kernel/bpf_stats_enabled";
 
@@ -155,6 +155,26 @@ impl EbpfByWorkload {
         Ok(value)
     }
 
+    /// [`EbpfByWorkload::measure`], also giving what the run cost: both
+    /// agents' CPU seconds and (for a podlink run) the programs' seconds.
+    pub(super) fn measure_cost<T>(
+        &mut self,
+        c: &Cluster,
+        pods: [&Pod; 2],
+        workload: &str,
+        path: Path2,
+        run: impl FnOnce() -> Result<T>,
+    ) -> Result<(T, Cost)> {
+        let cpu = agents_cpu(c);
+        self.last_run_seconds = 0.0;
+        let value = self.measure(c, pods, workload, path, run)?;
+        let cost = Cost {
+            cpu: agents_cpu(c) - cpu,
+            ebpf: self.last_run_seconds,
+        };
+        Ok((value, cost))
+    }
+
     /// "workload: from_pod N ns (runs), to_pod N ns (runs)" lines.
     pub(super) fn lines(&self) -> Vec<String> {
         let mut workloads: Vec<&str> = Vec::new();
@@ -183,6 +203,14 @@ impl EbpfByWorkload {
             })
             .collect()
     }
+}
+
+/// What a run cost (s): both agents' CPU, and the eBPF programs' time (0
+/// for the direct path, which runs none).
+#[derive(Clone, Copy, Debug, Default)]
+pub(super) struct Cost {
+    pub(super) cpu: f64,
+    pub(super) ebpf: f64,
 }
 
 /// The counters' change from `before` to `after`.

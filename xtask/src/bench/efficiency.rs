@@ -471,12 +471,12 @@ pub(super) fn probe_cost(work: Work, value: f64, cpu: f64, ebpf: Option<f64>) ->
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::bench::Path2;
+    use crate::bench::{Path2, ebpf::Cost};
 
     fn series(podlink: &[f64], cpu: &[f64], ebpf: &[f64]) -> Series {
         let mut s = Series::default();
         for ((v, c), e) in podlink.iter().zip(cpu).zip(ebpf) {
-            s.push_with_ebpf(Path2::Podlink, *v, *c, *e);
+            s.push_costed(Path2::Podlink, *v, Cost { cpu: *c, ebpf: *e });
             s.push(Path2::Direct, v / 2.0, 0.0);
         }
         s

@@ -79,18 +79,19 @@ pub(super) fn bench(s: Settings, json: Option<&Path>, markdown: Option<&Path>) -
             for path in order {
                 let (client, server) = bed.pair(path);
                 let sampler = (path == Path2::Podlink).then(|| RssSampler::start(pids.clone()));
-                let cpu = agents_cpu(&bed.cluster);
                 let workload = match (streams, family) {
                     (1, Family::V4) => "single-stream throughput",
                     (1, Family::V6) => "single-stream throughput, IPv6",
                     _ => "4-stream throughput",
                 };
-                let v =
-                    ebpf_by_workload.measure(&bed.cluster, prog_pods, workload, path, || {
-                        throughput(client, server.ip_of(family), s.throughput_seconds, streams)
-                    })?;
-                let cpu = agents_cpu(&bed.cluster) - cpu;
-                series.push_with_ebpf(path, v, cpu, ebpf_by_workload.last_run_seconds);
+                let (v, cost) = ebpf_by_workload.measure_cost(
+                    &bed.cluster,
+                    prog_pods,
+                    workload,
+                    path,
+                    || throughput(client, server.ip_of(family), s.throughput_seconds, streams),
+                )?;
+                series.push_costed(path, v, cost);
                 if let Some(sampler) = sampler {
                     for (m, v) in throughput_max_kib.iter_mut().zip(sampler.stop()) {
                         *m = (*m).max(v);
@@ -101,24 +102,21 @@ pub(super) fn bench(s: Settings, json: Option<&Path>, markdown: Option<&Path>) -
         for (i, size) in [1, 1024].into_iter().enumerate() {
             for path in order {
                 let (client, server) = bed.pair(path);
-                let cpu = agents_cpu(&bed.cluster);
-                let [p50, p99] = ebpf_by_workload.measure(
+                let ([p50, p99], cost) = ebpf_by_workload.measure_cost(
                     &bed.cluster,
                     prog_pods,
                     "request/response",
                     path,
                     || latency(client, server.addr(ECHO_PORT), size, s.round_trips),
                 )?;
-                let cpu = agents_cpu(&bed.cluster) - cpu;
-                rr[2 * i].push(path, p50, cpu);
-                rr[2 * i + 1].push(path, p99, cpu);
+                rr[2 * i].push(path, p50, cost.cpu);
+                rr[2 * i + 1].push(path, p99, cost.cpu);
             }
         }
         for (series, clients) in [(&mut c1, 1), (&mut c16, MANY_CLIENTS)] {
             for path in order {
                 let (client, server) = bed.pair(path);
-                let cpu = agents_cpu(&bed.cluster);
-                let run = ebpf_by_workload.measure(
+                let (run, cost) = ebpf_by_workload.measure_cost(
                     &bed.cluster,
                     prog_pods,
                     "new connections",
@@ -132,8 +130,7 @@ pub(super) fn bench(s: Settings, json: Option<&Path>, markdown: Option<&Path>) -
                         )
                     },
                 )?;
-                let cpu = agents_cpu(&bed.cluster) - cpu;
-                series.push_with_ebpf(path, run.rate(), cpu, ebpf_by_workload.last_run_seconds);
+                series.push_costed(path, run.rate(), cost);
                 if let Some(phases) = run.phases {
                     one_client_phases[path as usize].push(phases);
                 }
@@ -141,8 +138,7 @@ pub(super) fn bench(s: Settings, json: Option<&Path>, markdown: Option<&Path>) -
         }
         for path in order {
             let (client, server) = bed.pair(path);
-            let cpu = agents_cpu(&bed.cluster);
-            let run = ebpf_by_workload.measure(
+            let (run, cost) = ebpf_by_workload.measure_cost(
                 &bed.cluster,
                 prog_pods,
                 "fixed request rate",
@@ -157,9 +153,8 @@ pub(super) fn bench(s: Settings, json: Option<&Path>, markdown: Option<&Path>) -
                     )
                 },
             )?;
-            let cpu = agents_cpu(&bed.cluster) - cpu;
-            rate.push_with_ebpf(path, run.rate(), cpu, ebpf_by_workload.last_run_seconds);
-            rate_latency.push(path, run.p50_us, cpu);
+            rate.push_costed(path, run.rate(), cost);
+            rate_latency.push(path, run.p50_us, cost.cpu);
         }
         for path in order {
             let client = &bed.pair(path).0;

@@ -6,7 +6,7 @@ use serde::Serialize;
 use super::{
     ENROLLED_ON_NODE1, MANY_CLIENTS, PROGRAMS, Path2, Settings,
     connections::{Churn, ClientRun},
-    ebpf::ProgCounters,
+    ebpf::{Cost, ProgCounters},
     enrollment::Enrollment,
     memory::Memory,
     stats::{Stats, num, stats},
@@ -33,11 +33,12 @@ impl Series {
         }
     }
 
-    /// [`Series::push`], and for a podlink run its eBPF programs' seconds.
-    pub(super) fn push_with_ebpf(&mut self, path: Path2, value: f64, cpu: f64, ebpf: f64) {
-        self.push(path, value, cpu);
+    /// [`Series::push`] with what the run cost, its eBPF programs' seconds
+    /// kept for a podlink run.
+    pub(super) fn push_costed(&mut self, path: Path2, value: f64, cost: Cost) {
+        self.push(path, value, cost.cpu);
         if path == Path2::Podlink {
-            self.ebpf.push(ebpf);
+            self.ebpf.push(cost.ebpf);
         }
     }
 }

@@ -81,7 +81,7 @@ mod tests {
         Path2, Settings,
         api_watch::ApiWatch,
         connections::{Churn, ClientRun, OneClientPhases, Phases},
-        ebpf::{EbpfByWorkload, ProgCounters, WorkloadCounters},
+        ebpf::{Cost, EbpfByWorkload, ProgCounters, WorkloadCounters},
         efficiency::{EfficiencyRuns, efficiency_rows},
         enrollment::Enrollment,
         machine::Machine,
@@ -100,7 +100,14 @@ mod tests {
         for i in 0..reps {
             let v = direct + i as f64;
             s.push(Path2::Direct, v, 0.0);
-            s.push_with_ebpf(Path2::Podlink, v * 0.4, 1.5 + i as f64 / 10.0, 0.1);
+            s.push_costed(
+                Path2::Podlink,
+                v * 0.4,
+                Cost {
+                    cpu: 1.5 + i as f64 / 10.0,
+                    ebpf: 0.1,
+                },
+            );
         }
         s
     }
