@@ -5,7 +5,7 @@
 
 use std::time::Duration;
 
-use podlink_tests::{Cluster, PodSpec, app};
+use podlink_tests::{Cluster, PodSpec, app, netns};
 
 #[test]
 fn sigterm_drains_open_connections_then_exits_leaving_the_pins() {
@@ -24,6 +24,20 @@ fn sigterm_drains_open_connections_then_exits_leaving_the_pins() {
 
     c.signal_agent(0, libc::SIGTERM).unwrap();
     c.wait_log(0, &["outbound listener closed"]).unwrap();
+    // The listening sockets themselves are gone (every proxy thread let go of
+    // them), not merely unused.
+    let listening = || {
+        let out = netns::run(
+            netns::command_in(&c.nodes[0].netns, "ss").args(["-Hltn", "sport = :15001"]),
+        )
+        .unwrap();
+        String::from_utf8_lossy(&out.stdout).trim().to_string()
+    };
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while !listening().is_empty() && std::time::Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    assert_eq!(listening(), "", "the outbound listener is still open");
     assert_eq!(c.readiness(0).unwrap(), 503);
     // The open connection keeps working while the agent drains.
     assert_eq!(

@@ -520,6 +520,9 @@ pub async fn serve(state: Arc<ProxyState>, listeners: Listeners) {
             tracing::error!("proxy thread {index} could not start: {e}");
         }
     }
+    // The threads hold the listeners now: each closes once every thread's
+    // accept loop has let go of it.
+    drop(shared);
     sweeper.await;
 }
 
