@@ -101,10 +101,6 @@ pub(super) fn program_counters(c: &Cluster, pods: [&Pod; 2]) -> Result<Vec<ProgC
 pub(super) struct EbpfByWorkload {
     /// Per kind of run and program, summed over nodes and runs.
     pub(super) runs: Vec<WorkloadCounters>,
-    /// The programs' time over the last podlink run measured (s, all
-    /// programs and nodes): the eBPF column of the efficiency table.
-    #[serde(skip)]
-    pub(super) last_run_seconds: f64,
 }
 
 #[derive(Debug, Serialize)]
@@ -118,6 +114,8 @@ pub(super) struct WorkloadCounters {
 impl EbpfByWorkload {
     /// Runs `run`; for a podlink run, adds the change of the counters of the
     /// programs `pods` use over it to `workload` (the direct path runs none).
+    /// Gives `run`'s value and the programs' seconds over it (all programs and
+    /// nodes; 0 for the direct path).
     pub(super) fn measure<T>(
         &mut self,
         c: &Cluster,
@@ -125,15 +123,15 @@ impl EbpfByWorkload {
         workload: &str,
         path: Path2,
         run: impl FnOnce() -> Result<T>,
-    ) -> Result<T> {
+    ) -> Result<(T, f64)> {
         if path != Path2::Podlink {
-            return run();
+            return Ok((run()?, 0.0));
         }
         let before = program_counters(c, pods)?;
         let value = run()?;
         let after = program_counters(c, pods)?;
         let delta = counters_delta(&before, &after);
-        self.last_run_seconds = delta.iter().map(|d| d.run_time_ns as f64 / 1e9).sum();
+        let seconds = delta.iter().map(|d| d.run_time_ns as f64 / 1e9).sum();
         for d in delta {
             match self
                 .runs
@@ -152,7 +150,7 @@ impl EbpfByWorkload {
                 }),
             }
         }
-        Ok(value)
+        Ok((value, seconds))
     }
 
     /// [`EbpfByWorkload::measure`], also giving what the run cost: both
@@ -166,11 +164,10 @@ impl EbpfByWorkload {
         run: impl FnOnce() -> Result<T>,
     ) -> Result<(T, Cost)> {
         let cpu = agents_cpu(c);
-        self.last_run_seconds = 0.0;
-        let value = self.measure(c, pods, workload, path, run)?;
+        let (value, ebpf) = self.measure(c, pods, workload, path, run)?;
         let cost = Cost {
             cpu: agents_cpu(c) - cpu,
-            ebpf: self.last_run_seconds,
+            ebpf,
         };
         Ok((value, cost))
     }

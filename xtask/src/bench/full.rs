@@ -20,18 +20,15 @@ use super::{
     connections::{Churn, OneClientPhases, Phases, run_clients},
     dns,
     ebpf::{BpfStatsOn, EbpfByWorkload, counters_delta, program_counters},
-    efficiency::{
-        EfficiencyRuns, FIXED_RATE, FIXED_RATE_CONNECTIONS, FIXED_RATE_SECONDS, efficiency_rows,
-        fixed_rate, fixed_rate_row,
-    },
+    efficiency::{EfficiencyRuns, efficiency_rows},
     enrollment::enrollment,
     machine::{load_average, machine},
-    main_table::{Series, main_rows},
+    main_table::{Series, fixed_rate_row, main_rows},
     markdown,
     memory::{Memory, RssSampler, rss_kib},
     print::{print_report, report_blocks},
     report::{Report, Timings},
-    round_trips::latency,
+    round_trips::{FIXED_RATE, FIXED_RATE_CONNECTIONS, FIXED_RATE_SECONDS, fixed_rate, latency},
     scaling::{Scaling, scaling},
     throughput::throughput,
     xds_watch::xds_watch,
@@ -182,7 +179,7 @@ pub(super) fn bench(s: Settings, json: Option<&Path>, markdown: Option<&Path>) -
     };
     let direct_churn = churn_run(Path2::Direct)?;
     let cpu = agents_cpu(&bed.cluster);
-    let podlink_churn =
+    let (podlink_churn, _) =
         ebpf_by_workload.measure(&bed.cluster, prog_pods, "churn", Path2::Podlink, || {
             churn_run(Path2::Podlink)
         })?;

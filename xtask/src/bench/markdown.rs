@@ -224,7 +224,6 @@ mod tests {
                     run_time_ns: 500_000,
                     run_cnt: 2_000,
                 }],
-                last_run_seconds: 0.0,
             },
             one_client_phases: OneClientPhases::new([vec![phases], vec![phases]]),
             scaling: Scaling {

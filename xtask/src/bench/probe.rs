@@ -40,11 +40,9 @@ use super::{
     connections::run_clients,
     dns,
     ebpf::{BpfStatsOn, EbpfByWorkload},
-    efficiency::{
-        FIXED_RATE, FIXED_RATE_CONNECTIONS, FIXED_RATE_SECONDS, Work, fixed_rate, probe_cost,
-    },
+    efficiency::{Work, probe_cost},
     enrollment::enrollment,
-    round_trips::latency,
+    round_trips::{FIXED_RATE, FIXED_RATE_CONNECTIONS, FIXED_RATE_SECONDS, fixed_rate, latency},
     scaling::{scaling_pairs, scaling_run},
     stats::{fmt_stats, num, stats},
     throughput::throughput,
@@ -427,17 +425,17 @@ fn run_rows(bed: &mut Bed, o: &Options) -> Result<()> {
             // The full bench's breakdown by kind of run, over this one run
             // (nothing for the direct path, which runs no podlink program).
             let mut ebpf = EbpfByWorkload::default();
-            let v = if o.ebpf {
-                ebpf.measure(&bed.cluster, prog_pods, "eBPF", path, measure)?
+            let (v, ebpf_seconds) = if o.ebpf {
+                let (v, seconds) = ebpf.measure(&bed.cluster, prog_pods, "eBPF", path, measure)?;
+                (v, Some(seconds))
             } else {
-                measure()?
+                (measure()?, None)
             };
             let cpu = agents_cpu(&bed.cluster) - cpu;
             let cost = match (path, o.row.work(secs as f64)) {
-                (Path2::Podlink, Some(work)) => format!(
-                    " = {}",
-                    probe_cost(work, v, cpu, o.ebpf.then_some(ebpf.last_run_seconds))
-                ),
+                (Path2::Podlink, Some(work)) => {
+                    format!(" = {}", probe_cost(work, v, cpu, ebpf_seconds))
+                }
                 _ => String::new(),
             };
             let ebpf: String = ebpf.lines().iter().map(|l| format!("; {l}")).collect();
