@@ -94,7 +94,9 @@ pub struct ProxyConfig {
     /// labels of known workloads.
     pub cluster_id: String,
     /// Proxy threads, each a runtime of its own serving the listeners (see
-    /// [`serve`]); 0 serves them on the agent's runtime.
+    /// [`serve`]; at least one). 0, for tests that drive the handlers on
+    /// their own runtime, also lets the pool open as many connections per
+    /// key as that runtime has workers.
     pub threads: usize,
 }
 
@@ -452,10 +454,10 @@ impl Listeners {
     }
 }
 
-/// Serves the listeners until the task is dropped: on this runtime when
-/// [`ProxyConfig::threads`] is 0, else on that many proxy threads, each a
-/// single-threaded runtime accepting on all the listeners (the kernel wakes
-/// one of them per connection or all, and the first to accept takes it). A
+/// Serves the listeners until the task is dropped, on [`ProxyConfig::threads`]
+/// proxy threads (at least one), each a single-threaded runtime accepting on
+/// all the listeners (the kernel wakes one of them per connection or all, and
+/// the first to accept takes it). A
 /// connection's tasks then stay on the thread that accepted it: its HBONE
 /// connections are that thread's own ([`pool::set_thread`]), so no chunk is
 /// handed between threads. The proxy threads outlive this task (the
@@ -472,11 +474,7 @@ pub async fn serve(state: Arc<ProxyState>, listeners: Listeners) {
             }
         }
     };
-    let threads = state.config.threads;
-    if threads == 0 {
-        tokio::join!(accept_all(state, listeners), sweeper);
-        return;
-    }
+    let threads = state.config.threads.max(1);
     let shared = match listeners.into_std() {
         Ok(shared) => shared,
         Err(e) => {
