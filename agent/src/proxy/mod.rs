@@ -195,13 +195,7 @@ impl ProxyState {
     pub fn new(config: ProxyConfig, certs: CertManager) -> Self {
         Self {
             certs,
-            // As many HBONE connections per pod pair as the runtime has
-            // workers; one per proxy thread when there are such.
-            pool: pool::Pool::new(if config.threads > 0 {
-                1
-            } else {
-                tokio::runtime::Handle::try_current().map_or(1, |rt| rt.metrics().num_workers())
-            }),
+            pool: pool::Pool::default(),
             metrics: Arc::new(Metrics::new(&config.cluster_id)),
             limits: ConnectionLimits::new(config.max_connections),
             endpoints: EndpointLoad::default(),

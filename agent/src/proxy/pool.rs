@@ -7,13 +7,10 @@
 //!
 //! Each proxy thread ([`set_thread`]) has connections of its own: a connection's
 //! task runs on the thread that made it, so the streams of the connections a
-//! thread carries never hand a chunk to another thread. A key has up to
-//! [`Pool::new`]'s `per_key` connections per thread (the agent gives 1 with
-//! proxy threads, else its runtime's workers, whose parallel streams then spread
-//! over as many connections): a new stream goes to a connection with no stream
-//! open, else to a new connection while there are fewer, else to the connection
-//! with the fewest, and to a further connection when each is at the peer's limit
-//! of concurrent streams (a new CONNECT never waits for an open one to end).
+//! thread carries never hand a chunk to another thread. A key has one
+//! connection per thread, and a further one when each is at the peer's limit
+//! of concurrent streams (a new CONNECT never waits for an open one to end); a
+//! new stream goes to the connection with the fewest streams that has room.
 //! Each connection is made once at a time; concurrent requests for it wait and
 //! then share it. Connections unused for [`IDLE_TIMEOUT`] are released (open
 //! streams keep them alive until they end).
@@ -161,9 +158,9 @@ impl Slot {
 type ThreadKey = (usize, PoolKey);
 
 /// The pool.
+#[derive(Default)]
 pub struct Pool {
     slots: Mutex<HashMap<ThreadKey, Vec<Arc<Slot>>>>,
-    per_key: usize,
 }
 
 thread_local! {
@@ -179,19 +176,9 @@ pub fn set_thread(index: usize) {
 }
 
 impl Pool {
-    /// A pool of up to `per_key` connections per key (at least one).
-    pub fn new(per_key: usize) -> Self {
-        Pool {
-            slots: Mutex::default(),
-            per_key: per_key.max(1),
-        }
-    }
-
-    /// The slot a new stream for `key` goes to, counted in it from now on: one
-    /// with no stream, else a new one while the key has fewer than `per_key`,
-    /// else the one with the fewest streams, but never a full one
-    /// ([`Slot::is_full`]): when every slot is full a new one is added, so that
-    /// a pod pair may hold more streams at once than `per_key` connections allow.
+    /// The slot a new stream for `key` goes to, counted in it from now on: the
+    /// one with the fewest streams, never a full one ([`Slot::is_full`]): when
+    /// every slot is full (or there is none) a new one is added.
     fn pick(&self, key: &PoolKey) -> (Arc<Slot>, ActiveStream) {
         let mut slots = self.slots.lock().expect("pool lock");
         let list = slots
@@ -202,12 +189,8 @@ impl Pool {
             .filter(|slot| !slot.is_full())
             .min_by_key(|slot| slot.streams.load(Ordering::Relaxed));
         let slot = match least {
-            Some(slot)
-                if slot.streams.load(Ordering::Relaxed) == 0 || list.len() >= self.per_key =>
-            {
-                slot.clone()
-            }
-            _ => {
+            Some(slot) => slot.clone(),
+            None => {
                 let slot = Arc::new(Slot::default());
                 list.push(slot.clone());
                 slot
@@ -415,7 +398,7 @@ mod tests {
     /// on another thread never rides this one's.
     #[test]
     fn each_proxy_thread_has_its_own_connections() {
-        let pool = Arc::new(Pool::new(1));
+        let pool = Arc::new(Pool::default());
         let (mine, a) = pool.pick(&key());
         let (again, b) = pool.pick(&key());
         assert!(Arc::ptr_eq(&mine, &again), "one per key on a thread");
@@ -436,50 +419,30 @@ mod tests {
         assert_eq!(pool.slots(&key()), 0, "released on every thread");
     }
 
-    /// Streams opened one after another share one connection; parallel ones
-    /// spread over up to `per_key` connections, then go to the least loaded.
+    /// Streams share a key's one connection until the peer's limit of
+    /// concurrent streams fills it; then a second takes the next, and a new
+    /// stream goes to the one with room and the fewest streams.
     #[test]
-    fn parallel_streams_spread_over_connections() {
-        let pool = Pool::new(2);
+    fn streams_share_a_connection_until_it_is_full() {
+        let pool = Pool::default();
         let key = key();
-        let (first, a) = pool.pick(&key);
-        drop(a);
-        let (again, a) = pool.pick(&key);
-        assert!(Arc::ptr_eq(&first, &again), "one at a time: one connection");
-        let (second, b) = pool.pick(&key);
-        assert!(
-            !Arc::ptr_eq(&first, &second),
-            "a parallel stream: a second one"
-        );
-        let (third, c) = pool.pick(&key);
-        assert_eq!(pool.slots(&key), 2, "never more than per_key");
-        assert_eq!(first.streams.load(Ordering::Relaxed), 2);
-        assert!(Arc::ptr_eq(&first, &third));
-        drop(a);
-        drop(c);
-        let (fourth, _d) = pool.pick(&key);
-        assert!(
-            Arc::ptr_eq(&first, &fourth),
-            "the idle one before the busy one"
-        );
-        assert_eq!(second.streams.load(Ordering::Relaxed), 1);
-        drop(b);
-        assert_eq!(second.streams.load(Ordering::Relaxed), 0);
-
-        // Another key has its own; a pool of one never adds a second while
-        // its connection may open more streams.
-        let single = Pool::new(1);
-        let (x, _x) = single.pick(&key);
-        let (y, _y) = single.pick(&key);
-        assert!(Arc::ptr_eq(&x, &y));
-        assert_eq!(single.slots(&key), 1);
+        let (x, _x) = pool.pick(&key);
+        let (y, y_stream) = pool.pick(&key);
+        assert!(Arc::ptr_eq(&x, &y), "parallel streams: one connection");
+        assert_eq!(pool.slots(&key), 1);
         // Full (the peer allows two streams at once): a second connection.
         x.max_streams.store(2, Ordering::Relaxed);
-        let (z, _z) = single.pick(&key);
+        let (z, _z) = pool.pick(&key);
         assert!(!Arc::ptr_eq(&x, &z), "a full connection takes no stream");
-        assert_eq!(single.slots(&key), 2);
-        let (w, _w) = single.pick(&key);
+        assert_eq!(pool.slots(&key), 2);
+        let (w, _w) = pool.pick(&key);
         assert!(Arc::ptr_eq(&z, &w), "the one with room");
+        // A stream of the first ends: it has room again, and the fewest.
+        drop(y_stream);
+        z.max_streams.store(2, Ordering::Relaxed);
+        let (v, _v) = pool.pick(&key);
+        assert!(Arc::ptr_eq(&x, &v), "room again on the first");
+        assert_eq!(x.streams.load(Ordering::Relaxed), 2);
     }
 
     /// The key names the source address and the peer's HBONE address: an IPv6
@@ -487,7 +450,7 @@ mod tests {
     /// and an IPv4-mapped address, made canonical on entry, is its IPv4 peer's.
     #[test]
     fn connections_are_pooled_per_family() {
-        let pool = Pool::new(1);
+        let pool = Pool::default();
         let v4 = key();
         let v6 = PoolKey {
             src_ip: "fd00:10:244:1::1".parse().unwrap(),
@@ -517,10 +480,12 @@ mod tests {
     /// stream is dialling.
     #[test]
     fn the_sweep_keeps_slots_in_use() {
-        let pool = Pool::new(2);
+        let pool = Pool::default();
         let key = key();
-        let (_, a) = pool.pick(&key);
+        let (first, a) = pool.pick(&key);
+        first.max_streams.store(1, Ordering::Relaxed);
         let (_, b) = pool.pick(&key);
+        assert_eq!(pool.slots(&key), 2);
         drop(b);
         pool.sweep(IDLE_TIMEOUT);
         assert_eq!(pool.slots(&key), 1);
