@@ -94,9 +94,8 @@ pub struct ProxyConfig {
     /// labels of known workloads.
     pub cluster_id: String,
     /// Proxy threads, each a runtime of its own serving the listeners (see
-    /// [`serve`]; at least one). 0, for tests that drive the handlers on
-    /// their own runtime, also lets the pool open as many connections per
-    /// key as that runtime has workers.
+    /// [`serve`]); 0 is taken as one (tests that drive the handlers on their
+    /// own runtime give 0).
     pub threads: usize,
 }
 
@@ -451,12 +450,11 @@ impl Listeners {
 /// Serves the listeners until the task is dropped, on [`ProxyConfig::threads`]
 /// proxy threads (at least one), each a single-threaded runtime accepting on
 /// all the listeners (the kernel wakes one of them per connection or all, and
-/// the first to accept takes it). A
-/// connection's tasks then stay on the thread that accepted it: its HBONE
-/// connections are that thread's own ([`pool::set_thread`]), so no chunk is
-/// handed between threads. The proxy threads outlive this task (the
-/// connections they carry finish while the agent drains) and end with the
-/// process.
+/// the first to accept takes it). A connection's tasks then stay on the
+/// thread that accepted it: its HBONE connections are that thread's own
+/// ([`pool::set_thread`]), so no chunk is handed between threads. The proxy
+/// threads outlive this task (the connections they carry finish while the
+/// agent drains) and end with the process.
 pub async fn serve(state: Arc<ProxyState>, listeners: Listeners) {
     let sweeper = {
         let state = state.clone();
