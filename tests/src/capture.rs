@@ -91,8 +91,35 @@ pub fn syns_to(lines: &[String], ip: std::net::IpAddr, port: u16) -> usize {
     lines.iter().filter(|l| l.contains(&needle)).count()
 }
 
-/// Whether tcpdump's summary `lines` show a packet from `ip` (any port).
+/// Whether tcpdump's summary `lines` show a packet from `ip` (any port): `ip`
+/// as the source, before the line's ` > ` (`IP 10.244.1.2.51946 > …`), not as
+/// the destination.
 pub fn any_from(lines: &[String], ip: std::net::IpAddr) -> bool {
     let needle = format!(" {ip}.");
-    lines.iter().any(|l| l.contains(&needle))
+    lines.iter().any(|l| {
+        l.split_once(" > ")
+            .is_some_and(|(src, _)| src.contains(&needle))
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_packet_is_from_its_source_only() {
+        let to_client =
+            "IP 10.244.2.2.15008 > 10.244.1.2.51946: Flags [FP.], length 63".to_string();
+        let from_client = "IP 10.244.1.2.51946 > 10.244.2.2.8000: Flags [S], length 0".to_string();
+        let client = "10.244.1.2".parse().unwrap();
+        assert!(!any_from(std::slice::from_ref(&to_client), client));
+        assert!(any_from(&[to_client, from_client], client));
+        let v6 = "IP6 fd00:10:244:1::2.40000 > fd00:10:244:2::2.8000: Flags [S]".to_string();
+        assert!(any_from(
+            std::slice::from_ref(&v6),
+            "fd00:10:244:1::2".parse().unwrap()
+        ));
+        assert!(!any_from(&[v6], "fd00:10:244:2::2".parse().unwrap()));
+        assert!(!any_from(&["garbage".to_string()], client));
+    }
 }
